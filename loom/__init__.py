@@ -1,0 +1,38 @@
+"""loom: train large transformer language models, from a laptop CPU to a GPU cluster."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+
+def load_model(path, dtype=None, device="cpu"):
+    """A model in eval mode from a Hugging Face Llama directory or any loom directory.
+
+    `path` may be a Hugging Face directory (config.json + safetensors weights), a loom run directory,
+    its checkpoints/ directory, a checkpoint step directory or a converted model directory.
+    `model(input_ids)` ([batch, seq] integer tokens) returns logits [batch, seq, vocab].
+    `dtype` defaults to torch.float32.
+    """
+    from pathlib import Path
+
+    import torch
+
+    from loom.errors import UserError
+    from loom.interop.hf import import_hf, is_hf_dir
+    from loom.models.io import CONFIG, load_model_dir
+
+    dtype = torch.float32 if dtype is None else dtype
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"model path {str(path)!r} does not exist or is not a directory; give a Hugging "
+                        "Face Llama directory (config.json + model.safetensors) or a loom run, checkpoint "
+                        "or model directory")
+    loom_like = (p / CONFIG).is_file() or (p / "checkpoints").is_dir() or (p / "latest").is_file()
+    if is_hf_dir(p) and not loom_like:
+        model, _, _ = import_hf(p, dtype=dtype, device=device)
+        return model.eval()
+    model, _, _ = load_model_dir(p, dtype=dtype, device=device)
+    return model.eval()
+
+
+__all__ = ["__version__", "load_model"]

@@ -1,0 +1,166 @@
+"""The `loom` command: train, generate, convert, preprocess.
+
+Exit codes: 0 success; 2 bad input (a one-paragraph message, no traceback); 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from loom.errors import UserError
+
+
+def split_overrides(extra: list[str]) -> list[str]:
+    """`--section.key=value` or `--section.key value` -> ["section.key=value", ...]."""
+    out, i = [], 0
+    while i < len(extra):
+        arg = extra[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise UserError(
+                f"unrecognised argument {arg!r}; config overrides look like --section.key=value "
+                "(e.g. --train.steps=100); see `loom train --help`"
+            )
+        if "=" in arg:
+            out.append(arg[2:])
+            i += 1
+        elif i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+            out.append(f"{arg[2:]}={extra[i + 1]}")
+            i += 2
+        else:
+            raise UserError(f"override {arg!r} has no value; write {arg}=VALUE")
+    return out
+
+
+def cmd_train(args, extra) -> int:
+    from loom.config import load_config
+    from loom.train.trainer import Trainer
+
+    cfg = load_config(args.config, split_overrides(extra))
+    trainer = Trainer(cfg, args.run_dir)
+    result = trainer.fit()
+    print(f"run directory: {trainer.run_dir}")
+    if result:
+        print("final eval: " + "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "step"))
+    return 0
+
+
+def cmd_generate(args, extra) -> int:
+    import torch
+
+    from loom import load_model
+    from loom.data.tokenizer import Tokenizer
+    from loom.infer.generate import generate
+
+    if extra:
+        raise UserError(f"unrecognised arguments {' '.join(extra)}; see `loom generate --help`")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise UserError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+    model = load_model(args.checkpoint)
+    tok_file = find_tokenizer(args.checkpoint)
+    tok = Tokenizer.from_file(tok_file)
+    ids = tok.encode(args.prompt)
+    if not ids:
+        raise UserError("--prompt is empty; give some text to continue")
+    out = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                   eos_id=tok.eod_id, seed=args.seed)
+    new = [i for i in out[0, len(ids):].tolist() if i != tok.eod_id]
+    print(args.prompt + tok.decode(new))
+    return 0
+
+
+def find_tokenizer(path: str) -> Path:
+    from loom.interop.hf import is_hf_dir
+    from loom.models.io import resolve_model_dir
+
+    directory = Path(path) if is_hf_dir(path) else resolve_model_dir(path)
+    tok = directory / "tokenizer.json"
+    if not tok.is_file():
+        raise UserError(f"{directory} has no tokenizer.json, so its text cannot be encoded")
+    return tok
+
+
+def cmd_convert(args, extra) -> int:
+    from loom.interop.hf import convert
+
+    if extra:
+        raise UserError(f"unrecognised arguments {' '.join(extra)}; see `loom convert --help`")
+    out = convert(args.src, args.dst, args.to)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_preprocess(args, extra) -> int:
+    from loom.data.preprocess import preprocess
+    from loom.data.tokenizer import Tokenizer
+
+    if extra:
+        raise UserError(f"unrecognised arguments {' '.join(extra)}; see `loom preprocess --help`")
+    if args.workers < 1:
+        raise UserError(f"--workers={args.workers} must be >= 1")
+    spec = args.tokenizer
+    if Path(spec).exists():
+        tok = Tokenizer.from_file(spec)
+    else:
+        from loom.config import load_config
+        from loom.data.loader import load_tokenizer
+
+        tok = load_tokenizer(load_config(spec))
+    stats = preprocess(args.input, args.output_prefix, tok, json_key=args.json_key, workers=args.workers,
+                       append_eod=args.append_eod, progress=sys.stderr.isatty())
+    print(f"wrote {args.output_prefix}.bin/.idx: " + ", ".join(f"{k} {v}" for k, v in stats.items()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loom", description="Train large language models on one CPU or many GPUs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a model", description="Train a model. Any config key can be "
+                       "overridden as --section.key=value, e.g. --train.steps=200 --model.layers=4.")
+    p.add_argument("--config", required=True, help="a name in configs/ (tiny, llama3-8b, ...) or a .toml path")
+    p.add_argument("--run-dir", default=None, help="where metrics and checkpoints go (default runs/NAME-TIME)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("generate", help="continue a prompt with a trained model")
+    p.add_argument("--checkpoint", required=True, help="run dir, checkpoint dir, loom or Hugging Face model dir")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("convert", help="convert between Hugging Face Llama and loom checkpoints")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--to", required=True, choices=["loom", "hf"])
+    p.set_defaults(func=cmd_convert)
+
+    from loom.data.preprocess import add_arguments
+
+    p = sub.add_parser("preprocess", help="tokenize text into a Megatron-style .bin/.idx dataset")
+    add_arguments(p)
+    p.set_defaults(func=cmd_preprocess)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        return args.func(args, extra)
+    except UserError as exc:
+        print(f"loom {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

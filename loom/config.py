@@ -1,0 +1,414 @@
+"""Configuration: one dataclass per component, TOML files, dotted overrides, validation.
+
+A config is built in three layers, later wins: the dataclass defaults, a TOML file from `configs/`
+(or any path), then `--section.key=value` overrides from the command line. Every value is checked
+while parsing: an unknown key names the closest valid one, a wrong type or an impossible value names
+the field, the value and what would be valid (`UserError`, exit code 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from loom.errors import UserError, closest
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a decoder-only transformer (Llama 2/3 by default, GPT-3 through options)."""
+
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 4  # grouped-query attention when smaller than heads
+    ffn_hidden: int = 352
+    vocab_size: int = 1024
+    max_seq_len: int = 2048  # RoPE table / learned position table size
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float = 1e-5
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    position: Literal["rope", "learned"] = "rope"
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    bias: bool = False  # biases in linear layers (GPT-3 style)
+    attention: Literal["sdpa", "math"] = "sdpa"
+    dropout: float = 0.0  # after embeddings and after both sub-blocks
+    attn_dropout: float = 0.0  # on attention probabilities
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def validate(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
+            _positive(f"model.{name}", getattr(self, name))
+        if self.hidden % self.heads:
+            raise UserError(
+                f"model.hidden={self.hidden} is not divisible by model.heads={self.heads}; "
+                f"valid head counts: {', '.join(map(str, _divisors(self.hidden)))}"
+            )
+        if self.heads % self.kv_heads:
+            raise UserError(
+                f"model.kv_heads={self.kv_heads} does not divide model.heads={self.heads}; "
+                f"valid: {', '.join(map(str, _divisors(self.heads)))}"
+            )
+        if self.position == "rope" and self.head_dim % 2:
+            raise UserError(f"RoPE needs an even head dimension; model.hidden/model.heads = {self.head_dim}")
+        for name in ("dropout", "attn_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise UserError(f"model.{name}={value} must be in [0, 1)")
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"model.{name}={getattr(self, name)} must be > 0")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. The product of the sizes equals the number of processes."""
+
+    tp: int = 1
+    sp: bool = False
+    pp: int = 1
+    vpp: int = 1
+    schedule: Literal["1f1b", "interleaved", "zero_bubble"] = "1f1b"
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp_replicate * self.dp_shard * self.cp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def validate(self) -> None:
+        for name in ("tp", "pp", "vpp", "dp_replicate", "dp_shard", "cp", "ep"):
+            _positive(f"parallel.{name}", getattr(self, name))
+        # The parallel engine arrives in later releases: refuse layouts this build cannot run rather
+        # than silently running them on one process.
+        unsupported = [n for n in ("tp", "pp", "vpp", "dp_replicate", "dp_shard", "cp", "ep") if getattr(self, n) != 1]
+        if unsupported or self.sp:
+            names = ", ".join(f"parallel.{n}={getattr(self, n)}" for n in unsupported) or "parallel.sp=true"
+            raise UserError(
+                f"{names}: this build of loom trains on one process only; valid: every parallel size 1 "
+                "and parallel.sp=false"
+            )
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    global_batch: int = 8  # sequences per optimizer step
+    micro_batch: int = 8  # sequences per forward/backward
+    seq_len: int = 128
+    seed: int = 1234
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_interval: int = 0  # 0: evaluate only at the end
+    eval_samples: int = 32  # held-out sequences per evaluation
+    log_interval: int = 1
+    compile: bool = False
+    threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
+
+    def validate(self) -> None:
+        for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_samples", "log_interval"):
+            _positive(f"train.{name}", getattr(self, name))
+        for name in ("eval_interval", "threads"):
+            if getattr(self, name) < 0:
+                raise UserError(f"train.{name}={getattr(self, name)} must be >= 0")
+        if self.global_batch % self.micro_batch:
+            valid = [d for d in _divisors(self.global_batch)]
+            raise UserError(
+                f"train.global_batch={self.global_batch} is not divisible by train.micro_batch="
+                f"{self.micro_batch}; valid micro batches: {', '.join(map(str, valid))}"
+            )
+        if self.grad_clip < 0 or not math.isfinite(self.grad_clip):
+            raise UserError(f"train.grad_clip={self.grad_clip} must be a finite number >= 0 (0 disables)")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    decay_norms_and_biases: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    decay_steps: int = 0  # 0: decay over train.steps - warmup
+
+    def validate(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise UserError(f"optim.lr={self.lr} must be a positive finite number, e.g. 3e-4")
+        if not 0 <= self.min_lr <= self.lr:
+            raise UserError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
+        if self.weight_decay < 0:
+            raise UserError(f"optim.weight_decay={self.weight_decay} must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise UserError(f"optim.{name}={getattr(self, name)} must be in [0, 1)")
+        if not self.eps > 0:
+            raise UserError(f"optim.eps={self.eps} must be > 0")
+        for name in ("warmup_steps", "decay_steps"):
+            if getattr(self, name) < 0:
+                raise UserError(f"optim.{name}={getattr(self, name)} must be >= 0")
+
+
+@dataclass
+class DataConfig:
+    # Empty: the embedded corpus (the Python standard library's .py files). Otherwise prefixes of
+    # Megatron-style .bin/.idx datasets made by `loom preprocess`.
+    paths: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # blending weights, one per path
+    valid_paths: list[str] = field(default_factory=list)  # held-out data; default: embedded val split
+    tokenizer: str = "bpe"  # "bpe": byte-level BPE trained on the corpus; else a tokenizer.json path
+    corpus_max_bytes: int = 0  # use only the first N bytes of the embedded corpus (0: all)
+
+    def validate(self) -> None:
+        if self.weights and len(self.weights) != len(self.paths):
+            raise UserError(
+                f"data.weights has {len(self.weights)} entries but data.paths has {len(self.paths)}; "
+                "give one weight per path or none"
+            )
+        if any(w < 0 for w in self.weights) or (self.weights and sum(self.weights) <= 0):
+            raise UserError(f"data.weights={self.weights} must be >= 0 with a positive sum")
+        if self.corpus_max_bytes < 0:
+            raise UserError(f"data.corpus_max_bytes={self.corpus_max_bytes} must be >= 0 (0: all)")
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # save every N steps (0: only at the end)
+    resume: bool = False  # continue from run-dir/checkpoints/latest
+    keep_last: int = 0  # prune older checkpoints (0: keep all)
+    save_final: bool = True
+
+    def validate(self) -> None:
+        for name in ("interval", "keep_last"):
+            if getattr(self, name) < 0:
+                raise UserError(f"checkpoint.{name}={getattr(self, name)} must be >= 0")
+
+
+@dataclass
+class RecomputeConfig:
+    mode: Literal["none", "selective", "full"] = "none"
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass
+class LogConfig:
+    progress: Literal["auto", "rich", "plain", "none"] = "auto"
+    tensorboard: bool = True  # scalars under run-dir/tensorboard when tensorboard is installed
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    name: str = "custom"
+
+    def validate(self) -> "Config":
+        for section in SECTIONS:
+            getattr(self, section).validate()
+        if self.train.seq_len > self.model.max_seq_len:
+            raise UserError(
+                f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
+                f"valid: 1..{self.model.max_seq_len} (or raise model.max_seq_len)"
+            )
+        return self
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.pop("name")
+        return out
+
+    def to_toml(self) -> str:
+        return dumps_toml(self.to_dict())
+
+
+SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "name"]
+
+
+# --- building ------------------------------------------------------------------------------------
+
+
+def available_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise UserError(f"config file {name_or_path!r} does not exist")
+        return path
+    candidate = CONFIG_DIR / f"{name_or_path}.toml"
+    if not candidate.is_file():
+        names = available_configs()
+        raise UserError(
+            f"unknown config {name_or_path!r}{closest(name_or_path, names)}; "
+            f"valid names: {', '.join(names)} (or a path to a .toml file)"
+        )
+    return candidate
+
+
+def load_config(name_or_path: str | None = None, overrides: list[str] | dict | None = None) -> Config:
+    """Defaults, then the TOML file, then overrides (`section.key=value` strings or a nested dict)."""
+    cfg = Config()
+    if name_or_path:
+        path = resolve_config_path(name_or_path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise UserError(f"config file {path} is not valid TOML: {exc}") from None
+        cfg.name = path.stem
+        apply_dict(cfg, data, source=str(path))
+    if isinstance(overrides, dict):
+        apply_dict(cfg, overrides, source="overrides")
+    else:
+        for item in overrides or []:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise UserError(f"override {item!r} must look like section.key=value, e.g. train.steps=100")
+            set_value(cfg, key.strip().removeprefix("--"), value, parse_text=True)
+    return cfg.validate()
+
+
+def config_from_dict(data: dict) -> Config:
+    cfg = Config()
+    apply_dict(cfg, data, source="checkpoint")
+    return cfg.validate()
+
+
+def apply_dict(cfg: Config, data: dict, source: str) -> None:
+    for section, values in data.items():
+        if section == "name":
+            cfg.name = str(values)
+            continue
+        if not isinstance(values, dict):
+            raise UserError(
+                f"{source}: top-level key {section!r} must be a [section] table; "
+                f"valid sections: {', '.join(SECTIONS)}"
+            )
+        for key, value in values.items():
+            set_value(cfg, f"{section}.{key}", value, parse_text=False)
+
+
+def set_value(cfg: Config, dotted: str, value: Any, parse_text: bool) -> None:
+    section, _, key = dotted.partition(".")
+    if section not in SECTIONS:
+        raise UserError(f"unknown config section {section!r}{closest(section, SECTIONS)}; valid: {', '.join(SECTIONS)}")
+    obj = getattr(cfg, section)
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    if key not in fields:
+        valid = [f"{section}.{k}" for k in fields]
+        raise UserError(f"unknown config key {dotted!r}{closest(dotted, valid)}; valid keys in [{section}]: {', '.join(fields)}")
+    hint = typing.get_type_hints(type(obj))[key]
+    setattr(obj, key, coerce(dotted, value, hint, parse_text))
+
+
+def coerce(name: str, value: Any, hint: Any, parse_text: bool) -> Any:
+    """Convert `value` to the annotated type or raise a UserError naming field, value and valid form."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise UserError(f"{name}={value!r} is not valid; valid: {', '.join(map(str, choices))}")
+        return value
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        if parse_text and isinstance(value, str):
+            value = [v for v in (s.strip() for s in value.split(",")) if v]
+        if not isinstance(value, list):
+            raise UserError(f"{name}={value!r} must be a list (comma-separated on the command line)")
+        return [coerce(name, v, inner, parse_text) for v in value]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if parse_text and isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise UserError(f"{name}={value!r} must be a boolean: true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if parse_text and isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise UserError(f"{name}={value!r} must be an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if parse_text and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise UserError(f"{name}={value!r} must be a number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise UserError(f"{name}={value!r} must be a string")
+    if isinstance(hint, types.UnionType):  # pragma: no cover - no such fields today
+        raise TypeError(f"unsupported config type for {name}: {hint}")
+    raise TypeError(f"unsupported config type for {name}: {hint}")
+
+
+def _positive(name: str, value: int) -> None:
+    if value <= 0:
+        raise UserError(f"{name}={value} must be a positive integer")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def dumps_toml(data: dict) -> str:
+    """Minimal TOML writer for our nested config dicts (tables of scalars and lists)."""
+
+    def scalar(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(scalar(x) for x in v) + "]"
+        raise TypeError(f"cannot write {type(v)} to TOML")
+
+    lines = []
+    for section, values in data.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{k} = {scalar(v)}" for k, v in values.items())
+        lines.append("")
+    return "\n".join(lines)

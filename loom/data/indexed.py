@@ -1,0 +1,204 @@
+"""Megatron-compatible indexed datasets: `PREFIX.bin` (raw tokens) + `PREFIX.idx` (the index).
+
+`.idx` layout, little-endian: 9-byte magic `MMIDIDX\\0\\0`, uint64 version (1), uint8 dtype code,
+uint64 sequence count, uint64 document count, int32 sizes[sequences], int64 pointers[sequences]
+(byte offsets into `.bin`), int64 document_index[documents] (starts with 0, ends with sequences).
+Here every document is one sequence. Files written by Megatron's preprocess_data.py read as is.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import struct
+from array import array
+from typing import Iterable
+
+import numpy as np
+
+from loom.errors import UserError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
+DTYPE_CODES: dict[int, type] = {
+    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+}
+_CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
+
+
+def best_dtype(vocab_size: int) -> np.dtype:
+    """The smallest token dtype for a vocabulary: uint16 below 65500 ids, else int32."""
+    return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
+
+
+def dtype_code(dtype) -> int:
+    """Megatron's code for a numpy dtype."""
+    dt = np.dtype(dtype)
+    if dt not in _CODE_OF:
+        valid = ", ".join(np.dtype(t).name for t in DTYPE_CODES.values())
+        raise UserError(f"indexed datasets cannot store dtype {dt.name}; valid: {valid}")
+    return _CODE_OF[dt]
+
+
+def _paths(prefix: str | os.PathLike) -> tuple[pathlib.Path, pathlib.Path]:
+    p = str(prefix)
+    return pathlib.Path(p + ".bin"), pathlib.Path(p + ".idx")
+
+
+class IndexedDatasetBuilder:
+    """Writes an indexed dataset, one document at a time; nothing appears at `prefix` until finalize().
+
+    Data goes to unique temporary files next to the prefix, renamed into place by `finalize()`.
+    As a context manager it finalizes on a clean exit and removes the temporaries on an exception.
+    """
+
+    def __init__(self, prefix: str | os.PathLike, dtype=np.uint16) -> None:
+        self.dtype = np.dtype(dtype)
+        self._code = dtype_code(self.dtype)
+        self.bin_path, self.idx_path = _paths(prefix)
+        self.bin_path.parent.mkdir(parents=True, exist_ok=True)
+        tag = f".tmp-{os.getpid()}-{id(self):x}"
+        self._bin_tmp = self.bin_path.with_name(self.bin_path.name + tag)
+        self._idx_tmp = self.idx_path.with_name(self.idx_path.name + tag)
+        self._bin = open(self._bin_tmp, "wb")
+        self._sizes = array("q")
+        self._done = False
+        if self.dtype.kind in "iu":
+            info = np.iinfo(self.dtype)
+            self._range: tuple[int, int] | None = (int(info.min), int(info.max))
+        else:
+            self._range = None
+
+    def add_document(self, tokens: Iterable[int] | np.ndarray) -> None:
+        """Append one document (a 1-D sequence of token ids)."""
+        arr = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens))
+        if arr.ndim != 1:
+            raise ValueError(f"a document must be 1-D, got shape {arr.shape}")
+        if arr.size and self._range is not None:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < self._range[0] or hi > self._range[1]:
+                raise UserError(
+                    f"token id {hi if hi > self._range[1] else lo} does not fit dtype {self.dtype.name} "
+                    f"(valid: {self._range[0]}..{self._range[1]}) while writing {self.bin_path}"
+                )
+        if arr.size >= 2**31:
+            raise UserError(f"a document of {arr.size} tokens is too long for the index (int32 sizes)")
+        self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
+        self._sizes.append(arr.size)
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def finalize(self) -> None:
+        """Write the index and move both files into place."""
+        if self._done:
+            return
+        self._bin.close()
+        sizes = np.frombuffer(self._sizes, dtype=np.int64) if len(self._sizes) else np.zeros(0, np.int64)
+        pointers = np.zeros(len(sizes), dtype=np.int64)
+        np.cumsum(sizes[:-1] * self.dtype.itemsize, out=pointers[1:])
+        doc_index = np.arange(len(sizes) + 1, dtype=np.int64)
+        with open(self._idx_tmp, "wb") as f:
+            f.write(HEADER.pack(MAGIC, VERSION, self._code, len(sizes), len(doc_index)))
+            f.write(sizes.astype("<i4").tobytes())
+            f.write(pointers.astype("<i8").tobytes())
+            f.write(doc_index.astype("<i8").tobytes())
+        os.replace(self._bin_tmp, self.bin_path)  # .idx last: its presence means both are complete
+        os.replace(self._idx_tmp, self.idx_path)
+        self._done = True
+
+    def abort(self) -> None:
+        """Drop everything written so far."""
+        self._bin.close()
+        self._bin_tmp.unlink(missing_ok=True)
+        self._idx_tmp.unlink(missing_ok=True)
+        self._done = True
+
+    def __enter__(self) -> "IndexedDatasetBuilder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finalize()
+        elif not self._done:
+            self.abort()
+
+
+class IndexedDataset:
+    """Memory-mapped reader: `ds[i]` is document i's tokens as a read-only numpy array."""
+
+    def __init__(self, prefix: str | os.PathLike) -> None:
+        self.prefix = str(prefix)
+        self.bin_path, self.idx_path = _paths(prefix)
+        for p in (self.idx_path, self.bin_path):
+            if not p.is_file():
+                raise UserError(f"indexed dataset file {p} does not exist; expected PREFIX.bin and PREFIX.idx")
+        self._read_index()
+        self._read_bin()
+
+    def _bad(self, what: str) -> UserError:
+        return UserError(f"{self.idx_path} is not a valid indexed dataset index: {what}")
+
+    def _read_index(self) -> None:
+        idx = np.memmap(self.idx_path, dtype=np.uint8, mode="r") if self.idx_path.stat().st_size else b""
+        if len(idx) < HEADER.size:
+            raise self._bad(f"file is {len(idx)} bytes, shorter than the {HEADER.size}-byte header")
+        magic, version, code, n_seq, n_doc = HEADER.unpack(bytes(idx[: HEADER.size]))
+        if magic != MAGIC:
+            raise self._bad(f"magic is {magic!r}, expected {MAGIC!r} (Megatron MMIDIDX format)")
+        if version != VERSION:
+            raise self._bad(f"version is {version}, expected {VERSION}")
+        if code not in DTYPE_CODES:
+            raise self._bad(f"unknown dtype code {code}; valid: {sorted(DTYPE_CODES)}")
+        need = HEADER.size + 4 * n_seq + 8 * n_seq + 8 * n_doc
+        if len(idx) < need:
+            raise self._bad(f"file is {len(idx)} bytes; {n_seq} sequences and {n_doc} documents need {need}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        off = HEADER.size
+        self.sizes = np.frombuffer(idx, dtype="<i4", count=n_seq, offset=off)
+        self.pointers = np.frombuffer(idx, dtype="<i8", count=n_seq, offset=off + 4 * n_seq)
+        self.document_index = np.frombuffer(idx, dtype="<i8", count=n_doc, offset=off + 12 * n_seq)
+        if n_doc < 1 or self.document_index[0] != 0 or self.document_index[-1] != n_seq:
+            raise self._bad(f"document index must run from 0 to {n_seq} ({n_doc} entries found)")
+        if n_seq and int(self.sizes.min()) < 0:
+            raise self._bad("negative sequence size")
+        self._idx = idx  # keep the mapping alive
+
+    def _read_bin(self) -> None:
+        size = self.bin_path.stat().st_size
+        end = int((self.pointers + self.sizes.astype(np.int64) * self.dtype.itemsize).max()) if len(self) else 0
+        if end > size:
+            raise UserError(
+                f"{self.bin_path} is truncated: it has {size} bytes but {self.idx_path} points to {end}; "
+                "rebuild the dataset"
+            )
+        self._bin = np.memmap(self.bin_path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens over all documents."""
+        return int(self.sizes.sum(dtype=np.int64))
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens `offset : offset + length` of document i (to its end when length is None)."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"document {i} out of range for {n} documents in {self.prefix}")
+        i %= n
+        size = int(self.sizes[i])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"tokens {offset}:{offset + length} out of range for document {i} of {size} tokens")
+        start = int(self.pointers[i]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    def __repr__(self) -> str:
+        return f"IndexedDataset({self.prefix!r}, documents={len(self)}, tokens={self.num_tokens}, dtype={self.dtype})"

@@ -1,0 +1,187 @@
+"""`loom preprocess`: tokenize JSON-lines or text files into an indexed dataset.
+
+Inputs: a `.jsonl`/`.json` file (one JSON object per line, the text under `--json-key`), a `.txt` file
+(the whole file is one document) or a directory (all such files below it, in sorted order).
+Records are validated in the main process, so errors name the file and line; tokenization runs in
+`workers` processes, results taken in input order, so the output is byte-identical for any worker count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import pathlib
+import sys
+from collections import deque
+from contextlib import closing, nullcontext
+from typing import Iterator
+
+from loom.data.indexed import IndexedDatasetBuilder, best_dtype
+from loom.data.tokenizer import Tokenizer
+from loom.errors import UserError
+
+JSON_SUFFIXES = (".jsonl", ".json")
+TEXT_SUFFIXES = (".txt",)
+CHUNK_DOCS = 64  # documents per tokenization task
+
+
+def input_files(inputs: str) -> list[pathlib.Path]:
+    """The files to tokenize: `inputs` itself, or every .jsonl/.json/.txt below a directory, sorted."""
+    root = pathlib.Path(inputs)
+    suffixes = JSON_SUFFIXES + TEXT_SUFFIXES
+    if root.is_dir():
+        files = sorted(
+            (p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes),
+            key=lambda p: p.relative_to(root).as_posix(),
+        )
+        if not files:
+            raise UserError(f"input directory {root} holds no {', '.join('*' + s for s in suffixes)} files")
+        return files
+    if not root.exists():
+        raise UserError(f"input {root} does not exist; give a .jsonl, .json or .txt file or a directory")
+    if root.suffix not in suffixes:
+        raise UserError(f"input {root} has unknown suffix {root.suffix!r}; valid: {', '.join(suffixes)} or a directory")
+    return [root]
+
+
+def _read_json_lines(path: pathlib.Path, json_key: str) -> Iterator[tuple[str, int]]:
+    """(text, raw byte count) for each record of a JSON-lines file; blank lines are skipped."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = raw.decode("utf-8", errors="replace").strip()
+            if not line:
+                continue
+            where = f"{path}, line {lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where}: not valid JSON ({e.msg}); expected one JSON object per line") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{where}: expected a JSON object with a {json_key!r} key, got {type(record).__name__}")
+            if json_key not in record:
+                keys = ", ".join(map(repr, record)) or "none"
+                raise UserError(f"{where}: no key {json_key!r} (keys here: {keys}); choose one with --json-key")
+            text = record[json_key]
+            if not isinstance(text, str):
+                raise UserError(f"{where}: {json_key!r} must be a string, got {type(text).__name__}")
+            yield text, len(raw)
+
+
+def iter_texts(files: list[pathlib.Path], json_key: str) -> Iterator[tuple[str, int]]:
+    """(document text, raw byte count) over all input files, in order."""
+    for path in files:
+        if path.suffix in TEXT_SUFFIXES:
+            raw = path.read_bytes()
+            yield raw.decode("utf-8", errors="replace"), len(raw)
+        else:
+            yield from _read_json_lines(path, json_key)
+
+
+def _chunks(texts: Iterator[tuple[str, int]], size: int) -> "Chunks":
+    batch: list[str] = []
+    nbytes = 0
+    for text, n in texts:
+        batch.append(text)
+        nbytes += n
+        if len(batch) == size:
+            yield batch, nbytes
+            batch, nbytes = [], 0
+    if batch:
+        yield batch, nbytes
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_json: str) -> None:
+    import tokenizers
+
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+    _worker_tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(tokenizer_json))
+
+
+def _encode_chunk(texts: list[str]) -> list[list[int]]:
+    assert _worker_tokenizer is not None
+    return _worker_tokenizer.encode_batch(texts)
+
+
+def _progress(enabled: bool):
+    if not (enabled and sys.stderr.isatty()):
+        return nullcontext(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    return Progress(
+        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+        console=Console(stderr=True), transient=True,
+    )
+
+
+Chunks = Iterator[tuple[list[str], int]]  # (texts, raw bytes they came from)
+
+
+def _encoded(tokenizer: Tokenizer, chunks: Chunks, workers: int) -> Iterator[tuple[list[list[int]], int]]:
+    """(token ids per document, raw bytes) per chunk, in input order; `workers` > 1 uses processes."""
+    if workers == 1:
+        for texts, nbytes in chunks:
+            yield tokenizer.encode_batch(texts), nbytes
+        return
+    ctx = multiprocessing.get_context("spawn")  # never fork after tokenizers' threads have started
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer.tok.to_str(),)) as pool:
+        pending: deque = deque()  # a bounded window of in-flight chunks keeps memory flat
+        for texts, nbytes in chunks:
+            pending.append((pool.apply_async(_encode_chunk, (texts,)), nbytes))
+            if len(pending) >= 4 * workers:
+                result, n = pending.popleft()
+                yield result.get(), n
+        while pending:
+            result, n = pending.popleft()
+            yield result.get(), n
+
+
+def preprocess(
+    inputs: str,
+    output_prefix: str,
+    tokenizer: Tokenizer,
+    json_key: str = "text",
+    workers: int = 1,
+    append_eod: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Tokenize `inputs` into `output_prefix.bin/.idx`; returns {"documents", "tokens", "files"}."""
+    if workers < 1:
+        raise UserError(f"--workers must be >= 1, got {workers}")
+    files = input_files(inputs)
+    total_bytes = sum(p.stat().st_size for p in files)
+    chunks = _chunks(iter_texts(files, json_key), CHUNK_DOCS)
+    eod = [tokenizer.eod_id] if append_eod else []
+    documents = tokens = 0
+    with (
+        IndexedDatasetBuilder(output_prefix, dtype=best_dtype(tokenizer.vocab_size)) as builder,
+        _progress(progress) as bar,
+        closing(_encoded(tokenizer, chunks, workers)) as encoded,
+    ):
+        task = bar.add_task("tokenizing", total=total_bytes) if bar is not None else None
+        for batch, nbytes in encoded:
+            for ids in batch:
+                ids = ids + eod
+                if ids:  # empty documents are dropped
+                    builder.add_document(ids)
+                    documents += 1
+                    tokens += len(ids)
+            if bar is not None:
+                bar.update(task, advance=nbytes)
+    return {"documents": documents, "tokens": tokens, "files": len(files)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `loom preprocess` options."""
+    parser.add_argument("--input", required=True, help="a .jsonl/.json/.txt file or a directory of them")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--tokenizer", required=True, help="a config name (e.g. tiny) or a tokenizer.json path")
+    parser.add_argument("--json-key", default="text", help="the JSON field holding the text (default: text)")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
+    parser.add_argument("--append-eod", action="store_true", help="end every document with the eod token")

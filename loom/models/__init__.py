@@ -1,0 +1,3 @@
+from loom.models.llama import Transformer, build_model
+
+__all__ = ["Transformer", "build_model"]

@@ -1,0 +1,103 @@
+"""Model directories: what generation, conversion and `loom.load_model` read without the trainer.
+
+A loom model directory holds `model.safetensors` (weights; a tied output weight is stored once, as
+`tok_embeddings.weight`), `config.toml` (the full run config) and, when known, `tokenizer.json`.
+A training checkpoint `run/checkpoints/step-N/` is a model directory plus trainer state, so anything
+that reads a model directory reads a checkpoint too. `resolve_model_dir` accepts a run directory, its
+`checkpoints/` directory, a step directory or a plain model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from loom.config import Config, config_from_dict
+from loom.errors import UserError
+from loom.models.llama import Transformer, build_model
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.toml"
+TOKENIZER = "tokenizer.json"
+
+
+def save_model_dir(model: Transformer, cfg: Config, path: Path, tokenizer_path: Path | str | None = None) -> None:
+    """Write weights, config and tokenizer into `path` (which must exist)."""
+    path = Path(path)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if cfg.model.tie_embeddings:
+        state.pop("output.weight", None)
+    save_file(state, str(path / WEIGHTS), metadata={"format": "pt", "producer": "loom"})
+    (path / CONFIG).write_text(cfg.to_toml())
+    if tokenizer_path is not None and Path(tokenizer_path).is_file():
+        (path / TOKENIZER).write_bytes(Path(tokenizer_path).read_bytes())
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """The model directory a user meant: follow run-dir -> checkpoints -> latest -> step-N."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"checkpoint {str(path)!r} does not exist; give a run directory, a "
+                        "checkpoints/step-N directory or a converted model directory")
+    if (p / "checkpoints").is_dir():
+        p = p / "checkpoints"
+    if (p / "latest").is_file():
+        name = (p / "latest").read_text().strip()
+        p = p / name
+        if not p.is_dir():
+            raise UserError(f"{path}: 'latest' names {name!r}, which does not exist")
+    if not (p / WEIGHTS).is_file() or not (p / CONFIG).is_file():
+        raise UserError(f"{p} is not a loom checkpoint: expected {WEIGHTS} and {CONFIG} in it")
+    return p
+
+
+def read_config(model_dir: Path) -> Config:
+    try:
+        return config_from_dict(tomllib.loads((Path(model_dir) / CONFIG).read_text()))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{Path(model_dir) / CONFIG} is corrupt: {exc}") from None
+
+
+def load_model_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """(model in eval mode, Config, directory) from any path `resolve_model_dir` accepts."""
+    model_dir = resolve_model_dir(path)
+    cfg = read_config(model_dir)
+    model = build_model(cfg.model, device=device, dtype=dtype)
+    load_weights(model, model_dir / WEIGHTS)
+    return model.eval(), cfg, model_dir
+
+
+def load_weights(model: Transformer, file: Path) -> None:
+    try:
+        state = load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UserError(f"{file} is corrupt or unreadable ({exc}); re-save or convert the checkpoint") from None
+    if model.cfg.tie_embeddings:
+        state.setdefault("output.weight", state.get("tok_embeddings.weight"))
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise UserError(f"{file} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise UserError(f"{file}: {name} has shape {tuple(tensor.shape)}, config needs {tuple(expected[name].shape)}")
+    with torch.no_grad():
+        for name, p in expected.items():
+            p.copy_(state[name])
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, data) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,233 @@
+"""A decoder-only transformer in plain PyTorch: Llama 2/3 by default, GPT-3 style through options.
+
+No process groups and no `if tp > 1` here: parallelism is applied to a built model by
+`loom.parallel`. Layers live in a `ModuleDict` keyed "0".."L-1" so a pipeline stage can drop the
+layers, the embedding or the head it does not own; `forward` skips whatever is `None`.
+
+Weight names follow one convention (tok_embeddings, layers.N.attention.wq/wk/wv/wo,
+layers.N.feed_forward.w1/w2/w3, attention_norm, ffn_norm, norm, output) so tensor-parallel plans and
+checkpoint conversion can address them. Rotary embeddings use the "rotate half" pairing (dimension i
+with i + d/2), the layout of Hugging Face Llama checkpoints, so conversion is a plain copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the activation dtype, as Llama does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.hidden, cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [max_len, head_dim], computed in float64 then stored as float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.heads
+        self.n_kv_heads = cfg.kv_heads
+        self.head_dim = cfg.head_dim
+        self.kind = cfg.attention
+        self.attn_dropout = cfg.attn_dropout
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * self.head_dim, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.hidden, bias=cfg.bias)
+
+    def forward(self, x, rope, cache=None, layer_id: int = 0, start_pos: int = 0):
+        bsz, seqlen, _ = x.shape
+        # Head counts come from the weights so a tensor-parallel shard (fewer local heads) works as is.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer_id, k, v, start_pos)
+        out = attention_core(q, k, v, self.kind, self.attn_dropout if self.training else 0.0, start_pos)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+def attention_core(q, k, v, kind: str, dropout: float, start_pos: int = 0) -> torch.Tensor:
+    """Causal attention. q: [b, hq, s_q, d]; k, v: [b, hkv, s_k, d] with hq a multiple of hkv.
+
+    Queries sit at positions start_pos..start_pos+s_q-1 of the s_k keys (s_k = start_pos + s_q).
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    s_q, s_k = q.shape[2], k.shape[2]
+    if kind == "sdpa":
+        if s_q == s_k:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        mask = _causal_mask(s_q, s_k, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+    # "math": the softmax (and its dropout) materialised, as in Korthikanti et al.
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    scores = scores.masked_fill(~_causal_mask(s_q, s_k, q.device), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if dropout > 0:
+        probs = F.dropout(probs, p=dropout)
+    return torch.matmul(probs, v)
+
+
+def _causal_mask(s_q: int, s_k: int, device) -> torch.Tensor:
+    """Boolean [s_q, s_k], True where the query may attend (key position <= query position)."""
+    q_pos = torch.arange(s_k - s_q, s_k, device=device)
+    return torch.arange(s_k, device=device)[None, :] <= q_pos[:, None]
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (w2(silu(w1 x) * w3 x)) or GELU (w2(gelu(w1 x)))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gated = cfg.mlp == "swiglu"
+        self.w1 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=cfg.bias)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=cfg.bias) if self.gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = build_norm(cfg)
+        self.attention = Attention(cfg)
+        self.ffn_norm = build_norm(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, rope, cache=None, start_pos: int = 0):
+        h = x + self.dropout(self.attention(self.attention_norm(x), rope, cache, self.layer_id, start_pos))
+        return h + self.dropout(self.feed_forward(self.ffn_norm(h)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.hidden) if cfg.position == "learned" else None
+        self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.layers)})
+        self.norm = build_norm(cfg)
+        self.output = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        if cfg.position == "rope":
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, init_std) weights; output projections of each block scaled by 1/sqrt(2L) (GPT-2)."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:  # norms and biases
+                if name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                p.normal_(0.0, out_std, generator=generator)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+    def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0) -> torch.Tensor:
+        """tokens [batch, seq] (int) -> logits [batch, seq, vocab].
+
+        A pipeline stage without the embedding takes hidden states [batch, seq, hidden] instead, and a
+        stage without the head returns hidden states.
+        """
+        seqlen = tokens.shape[1]
+        positions = slice(start_pos, start_pos + seqlen)
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings.weight[positions]
+            h = self.embed_dropout(h)
+        else:
+            h = tokens
+        rope = (self.rope_cos[positions], self.rope_sin[positions]) if self.rope_cos is not None else None
+        for layer in self.layers.values():
+            h = layer(h, rope, cache, start_pos)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        seen, total = set(), 0
+        for name, p in self.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if exclude_embeddings and name.startswith(("tok_embeddings", "pos_embeddings")):
+                continue
+            total += p.numel()
+        return total
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int | None = None) -> Transformer:
+    """Build and initialise a model. With `seed` the init is reproducible independent of global RNG."""
+    with torch.device(device):
+        model = Transformer(cfg)
+    if seed is not None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        model.init_weights(gen)
+    model = model.to(dtype=dtype)
+    if model.rope_cos is not None:  # rotary tables stay fp32 whatever the parameter dtype
+        model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
+    return model

@@ -1,0 +1,151 @@
+"""Training checkpoints: atomic, verified, resumable.
+
+`run/checkpoints/step-N/` is a model directory (see `loom.models.io`) plus `optimizer.pt`,
+`trainer_state.json` (step, consumed samples), `rng.pt` (every RNG the run draws from) and
+`manifest.json` (size and sha256 of every file). A checkpoint is written into a hidden temporary
+directory and renamed into place only when complete; `latest` (a one-line file naming the step
+directory) is replaced atomically afterwards. So `latest` never names a partial checkpoint, and a
+damaged file is detected on resume and named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loom.config import Config
+from loom.errors import UserError
+from loom.models.io import atomic_write_text, save_model_dir, write_json, WEIGHTS, load_weights, read_config
+
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps completed
+    consumed_samples: int = 0
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_checkpoint(ckpt_root: Path, model, optimizer, cfg: Config, state: TrainState,
+                    tokenizer_path: Path | None, keep_last: int = 0) -> Path:
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{state.step}"
+    final = ckpt_root / name
+    tmp = ckpt_root / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_model_dir(model, cfg, tmp, tokenizer_path)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        write_json(tmp / "trainer_state.json", {"step": state.step, "consumed_samples": state.consumed_samples})
+        files = sorted(p.name for p in tmp.iterdir())
+        write_json(tmp / MANIFEST, {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in files})
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    atomic_write_text(ckpt_root / "latest", name + "\n")
+    _fsync_dir(ckpt_root)
+    if keep_last:
+        prune(ckpt_root, keep_last)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    for p in [*path.iterdir(), path] if path.is_dir() else [path]:
+        if p.is_file() or p == path:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def list_checkpoints(ckpt_root: Path) -> list[Path]:
+    steps = [p for p in ckpt_root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(steps, key=lambda p: int(p.name[5:]))
+
+
+def prune(ckpt_root: Path, keep_last: int) -> None:
+    for old in list_checkpoints(ckpt_root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    pointer = ckpt_root / "latest"
+    if not pointer.is_file():
+        return None
+    path = ckpt_root / pointer.read_text().strip()
+    if not path.is_dir():
+        raise UserError(f"{pointer} names {path.name!r}, which does not exist; the checkpoints directory is damaged")
+    return path
+
+
+def verify(path: Path) -> None:
+    """Check every file against the manifest; raise UserError naming the first damaged file."""
+    manifest_file = path / MANIFEST
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"checkpoint {path} has no readable {MANIFEST} ({exc}); it is incomplete or damaged") from None
+    for name, meta in manifest.items():
+        f = path / name
+        if not f.is_file():
+            raise UserError(f"checkpoint {path} is damaged: {name} is missing")
+        if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+            raise UserError(
+                f"checkpoint {path} is damaged: {name} does not match its manifest checksum "
+                f"(expected {meta['bytes']} bytes, sha256 {meta['sha256'][:12]}...)"
+            )
+
+
+def load_checkpoint(path: Path, model, optimizer, cfg: Config) -> TrainState:
+    """Restore model, optimizer and RNG from `path` (verified first); return the trainer state."""
+    verify(path)
+    saved = read_config(path)
+    if saved.model != cfg.model:
+        diffs = [k for k in vars(cfg.model) if getattr(saved.model, k) != getattr(cfg.model, k)]
+        raise UserError(
+            f"checkpoint {path} was trained with a different model ({', '.join(f'model.{k}' for k in diffs)} differ); "
+            "resume with the same model settings or use another --run-dir"
+        )
+    load_weights(model, path / WEIGHTS)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    meta = json.loads((path / "trainer_state.json").read_text())
+    return TrainState(step=meta["step"], consumed_samples=meta["consumed_samples"])

@@ -1,0 +1,97 @@
+"""Where a run reports: `metrics.jsonl`, TensorBoard scalars, and a progress display.
+
+`metrics.jsonl` gets one JSON object per optimizer step (contract keys: step, loss, grad_norm, lr,
+tokens, tokens_per_s, tflops_per_device, mfu, memory_gib) and one per evaluation (step, val_loss,
+val_bpb, gzip_bpb, xz_bpb). On resume, rows past the resumed step are dropped so the file reads as one
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, resume_step: int | None, tensorboard: bool):
+        self.path = run_dir / "metrics.jsonl"
+        if resume_step is None:
+            self.path.write_text("")
+        elif self.path.exists():
+            keep = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
+            self.path.write_text("".join(ln + "\n" for ln in keep))
+        self.file = open(self.path, "a")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:  # tensorboard is optional
+                self.tb = None
+
+    def write(self, row: dict) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        self.file.write(json.dumps(clean) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                    self.tb.add_scalar(key, value, row["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+class Progress:
+    """A rich progress bar on a terminal, plain lines otherwise (or nothing)."""
+
+    def __init__(self, mode: str, total: int, start: int, log_interval: int, enabled: bool = True):
+        self.total, self.log_interval = total, log_interval
+        self.enabled = enabled and mode != "none"
+        self.bar = None
+        self.t0 = time.perf_counter()
+        self.start_step = start
+        if self.enabled and (mode == "rich" or (mode == "auto" and sys.stderr.isatty())):
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress
+            from rich.progress import TextColumn, TimeRemainingColumn
+
+            self.bar = RichProgress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                TimeRemainingColumn(), transient=False,
+            )
+            self.task = self.bar.add_task("train", total=total, completed=start, loss=float("nan"), tps=0.0)
+            self.bar.start()
+
+    def update(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(self.task, completed=row["step"], loss=row["loss"], tps=row["tokens_per_s"])
+        elif row["step"] % self.log_interval == 0 or row["step"] == self.total:
+            done = row["step"] - self.start_step
+            elapsed = time.perf_counter() - self.t0
+            eta = elapsed / max(done, 1) * (self.total - row["step"])
+            print(
+                f"step {row['step']:>6}/{self.total}  loss {row['loss']:.4f}  grad_norm {row['grad_norm']:.3f}  "
+                f"lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s  eta {eta:,.0f}s",
+                flush=True,
+            )
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

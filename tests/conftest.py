@@ -1,0 +1,42 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory):
+    """Tokenizers and token datasets built by the tests go to a private cache, shared by the session."""
+    old = os.environ.get("LOOM_CACHE")
+    os.environ["LOOM_CACHE"] = str(tmp_path_factory.mktemp("loom-cache"))
+    yield
+    if old is None:
+        os.environ.pop("LOOM_CACHE", None)
+    else:
+        os.environ["LOOM_CACHE"] = old
+
+
+# A small run that trains in a second or two: 2 layers, GQA, a 512-token BPE over 300 kB of corpus.
+SMALL = [
+    "model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=160",
+    "model.vocab_size=512", "model.max_seq_len=64", "train.seq_len=32", "train.micro_batch=4",
+    "train.global_batch=8", "train.steps=6", "train.eval_samples=8", "optim.warmup_steps=2",
+    "optim.lr=3e-3", "data.corpus_max_bytes=300000", "log.progress=none", "log.tensorboard=false",
+]
+
+
+def small_config(*extra: str):
+    from loom.config import load_config
+
+    return load_config("tiny", SMALL + list(extra))
+
+
+def run_cli(*args: str):
+    """Run `loom ...` in a subprocess; returns CompletedProcess with text output."""
+    import subprocess
+
+    env = dict(os.environ)
+    return subprocess.run([sys.executable, "-m", "loom.cli", *args], capture_output=True, text=True, env=env, cwd=ROOT)

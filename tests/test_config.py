@@ -1,0 +1,90 @@
+import pytest
+
+from loom.config import Config, available_configs, dumps_toml, load_config
+from loom.errors import UserError
+
+
+def test_every_shipped_config_loads_and_round_trips():
+    import tomllib
+
+    names = available_configs()
+    for required in ["tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b",
+                     "gpt3-175b", "korthikanti"]:
+        assert required in names
+    for name in names:
+        cfg = load_config(name)
+        again = load_config(None, tomllib.loads(dumps_toml(cfg.to_dict())))
+        assert again.to_dict() == cfg.to_dict()
+
+
+def test_published_shapes():
+    c = load_config("llama3-8b").model
+    assert (c.layers, c.hidden, c.heads, c.kv_heads, c.ffn_hidden, c.vocab_size, c.rope_theta) == (
+        32, 4096, 32, 8, 14336, 128256, 500000.0)
+    g = load_config("gpt3-175b").model
+    assert (g.layers, g.hidden, g.heads, g.norm, g.mlp, g.position) == (96, 12288, 96, "layernorm", "gelu", "learned")
+    k = load_config("korthikanti")
+    assert k.model.attention == "math" and k.model.dropout > 0 and k.model.attn_dropout > 0 and k.train.dtype == "bfloat16"
+
+
+def test_tiny_states_demo_shape_explicitly():
+    import tomllib
+
+    from loom.config import CONFIG_DIR
+
+    raw = tomllib.loads((CONFIG_DIR / "tiny.toml").read_text())
+    for key in ["layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size"]:
+        assert key in raw["model"]
+    assert "seq_len" in raw["train"] and "micro_batch" in raw["train"]
+
+
+def test_overrides_later_wins_and_types():
+    cfg = load_config("tiny", ["train.steps=7", "train.steps=9", "optim.lr=1e-3", "model.tie_embeddings=false",
+                               "data.paths=a,b", "data.weights=1,3"])
+    assert cfg.train.steps == 9 and cfg.optim.lr == 1e-3 and cfg.model.tie_embeddings is False
+    assert cfg.data.paths == ["a", "b"] and cfg.data.weights == [1.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    "override, fragments",
+    [
+        (["train.stpes=3"], ["train.stpes", "did you mean 'train.steps'"]),
+        (["trian.steps=3"], ["trian", "did you mean 'train'"]),
+        (["optim.lr=-1"], ["optim.lr=-1", "positive"]),
+        (["optim.lr=0"], ["optim.lr=0", "positive"]),
+        (["train.steps=many"], ["train.steps", "integer"]),
+        (["train.global_batch=10", "train.micro_batch=4"], ["global_batch=10", "micro_batch=4", "1, 2, 5, 10"]),
+        (["model.heads=6"], ["model.heads=6", "valid head counts"]),
+        (["model.kv_heads=3"], ["kv_heads=3", "1, 2, 4, 8"]),
+        (["model.norm=batchnorm"], ["batchnorm", "rmsnorm, layernorm"]),
+        (["train.dtype=float16"], ["float16", "float32, bfloat16"]),
+        (["model.tie_embeddings=maybe"], ["tie_embeddings", "true or false"]),
+        (["parallel.tp=2"], ["parallel.tp=2", "one process"]),
+        (["train.seq_len=100000"], ["seq_len=100000", "max_seq_len"]),
+    ],
+)
+def test_bad_values_name_field_and_valid_choices(override, fragments):
+    with pytest.raises(UserError) as err:
+        load_config("tiny", override)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_unknown_config_name_suggests():
+    with pytest.raises(UserError) as err:
+        load_config("tinny")
+    assert "did you mean 'tiny'" in str(err.value) and "llama3-8b" in str(err.value)
+
+
+def test_toml_unknown_key_in_file(tmp_path):
+    f = tmp_path / "x.toml"
+    f.write_text("[model]\nlayerz = 3\n")
+    with pytest.raises(UserError, match="did you mean 'model.layers'"):
+        load_config(str(f))
+    f.write_text("[model\n")
+    with pytest.raises(UserError, match="not valid TOML"):
+        load_config(str(f))
+
+
+def test_defaults_are_valid():
+    Config().validate()
