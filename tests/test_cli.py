@@ -1,0 +1,110 @@
+"""The `loom` command end to end: exit codes, messages, and that bad input leaves nothing behind."""
+
+import json
+
+import pytest
+
+from conftest import SMALL, run_cli
+from loom.cli import main
+
+SMALL_ARGS = [f"--{o}" for o in SMALL]
+
+
+def fails(capsys, argv, *fragments):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, err
+    return err
+
+
+def test_console_exit_code_and_no_traceback():
+    proc = run_cli("train", "--config", "tinny")
+    assert proc.returncode == 2
+    assert "did you mean 'tiny'" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli("generate", "--checkpoint", "/nonexistent/run", "--prompt", "x")
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "extra, fragments",
+    [
+        (["--train.stpes=3"], ["train.stpes", "train.steps"]),
+        (["--optim.lr=-0.1"], ["optim.lr=-0.1"]),
+        (["--optim.lr=0"], ["optim.lr=0"]),
+        (["--train.global_batch=10", "--train.micro_batch=4"], ["global_batch=10", "micro_batch=4"]),
+        (["--data.paths=/nonexistent/corpus"], ["/nonexistent/corpus"]),
+        (["--train.steps"], ["has no value"]),
+        (["stray"], ["unrecognised argument 'stray'"]),
+    ],
+)
+def test_train_bad_input(capsys, tmp_path, extra, fragments):
+    run_dir = tmp_path / "run"
+    fails(capsys, ["train", "--config", "tiny", "--run-dir", str(run_dir), *SMALL_ARGS, *extra], *fragments)
+    assert not run_dir.exists()
+
+
+def test_tokenizer_larger_than_embedding(capsys, tmp_path):
+    from loom.data.tokenizer import train_bpe
+
+    tok = train_bpe(512, max_bytes=100_000)
+    tok.save(tmp_path / "tok.json")
+    fails(capsys, ["train", "--config", "tiny", "--run-dir", str(tmp_path / "r"), *SMALL_ARGS,
+                   f"--data.tokenizer={tmp_path / 'tok.json'}", "--model.vocab_size=300"],
+          "512 tokens", "model.vocab_size=300")
+
+
+def test_train_generate_preprocess_end_to_end(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    assert main(["train", "--config", "tiny", "--run-dir", str(run_dir), *SMALL_ARGS]) == 0
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 1 and "val_bpb" in rows[-1]
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "def f(x):", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def f(x):") and len(out) > len("def f(x):\n")
+
+    # preprocess with the run's tokenizer, then train on the result
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 20}) for i in range(40)))
+    prefix = tmp_path / "docs"
+    assert main(["preprocess", "--input", str(jsonl), "--output-prefix", str(prefix),
+                 "--tokenizer", str(run_dir / "tokenizer.json"), "--append-eod"]) == 0
+    assert (tmp_path / "docs.bin").is_file() and (tmp_path / "docs.idx").is_file()
+    assert main(["train", "--config", "tiny", "--run-dir", str(tmp_path / "run2"), *SMALL_ARGS,
+                 f"--data.paths={prefix}", f"--data.tokenizer={run_dir / 'tokenizer.json'}"]) == 0
+
+
+def test_preprocess_malformed_jsonl_names_line(capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": oops}\n')
+    fails(capsys, ["preprocess", "--input", str(bad), "--output-prefix", str(tmp_path / "o"), "--tokenizer",
+                   "tiny"], "bad.jsonl", "2")
+    assert not list(tmp_path.glob("o.*"))
+    fails(capsys, ["preprocess", "--input", str(tmp_path / "missing.jsonl"), "--output-prefix",
+                   str(tmp_path / "o"), "--tokenizer", "tiny"], "missing.jsonl")
+
+
+def test_convert_bad_sources(capsys, tmp_path):
+    fails(capsys, ["convert", str(tmp_path / "nope"), str(tmp_path / "out"), "--to", "loom"], "nope")
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64}))
+    fails(capsys, ["convert", str(gpt2), str(tmp_path / "out"), "--to", "loom"], "gpt2")
+    assert not (tmp_path / "out").exists()
+
+
+def test_generate_missing_checkpoint(capsys, tmp_path):
+    fails(capsys, ["generate", "--checkpoint", str(tmp_path / "none"), "--prompt", "x"], "does not exist")
+
+
+def test_corrupt_checkpoint_on_resume_keeps_latest(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    assert main(["train", "--config", "tiny", "--run-dir", str(run_dir), *SMALL_ARGS]) == 0
+    opt = run_dir / "checkpoints" / "step-6" / "optimizer.pt"
+    opt.write_bytes(opt.read_bytes()[:-100])
+    fails(capsys, ["train", "--config", "tiny", "--run-dir", str(run_dir), *SMALL_ARGS, "--train.steps=9",
+                   "--checkpoint.resume=true"], "optimizer.pt", "damaged")
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-6"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-6"]
