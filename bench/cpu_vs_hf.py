@@ -71,12 +71,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per round per framework")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="loom with train.compile=true (transformers stays eager)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_vs_hf.json"))
     args = ap.parse_args()
 
     total_steps = args.warmup + args.rounds * args.steps
     cfg = load_config(args.config, [f"train.steps={total_steps}", "train.dtype=float32", "log.progress=none",
-                                    "log.tensorboard=false", "train.device=cpu"])
+                                    "log.tensorboard=false", "train.device=cpu",
+                                    f"train.compile={str(args.compile).lower()}"])
     with tempfile.TemporaryDirectory() as tmp:
         loom = Trainer(cfg, Path(tmp) / "run", quiet=True)
         hf = HFLoop(cfg, loom.train_data)
@@ -100,6 +102,7 @@ def main() -> int:
         "shape": {k: getattr(cfg.model, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size")},
         "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch, "seq_len": cfg.train.seq_len,
         "dtype": "float32",
+        "loom_compiled": args.compile,
         "timed_tokens_each": tokens,
         "loom_tokens_per_s": round(loom_tps, 1),
         "transformers_tokens_per_s": round(hf_tps, 1),

@@ -91,16 +91,17 @@ def attention_core(q, k, v, kind: str, dropout: float, start_pos: int = 0) -> to
 
     Queries sit at positions start_pos..start_pos+s_q-1 of the s_k keys (s_k = start_pos + s_q).
     """
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
+    s_q, s_k = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if kind == "sdpa":  # SDPA shares each key/value head across its query group itself
+        if s_q == s_k:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)
+        mask = _causal_mask(s_q, s_k, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
+    if gqa:
+        groups = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    s_q, s_k = q.shape[2], k.shape[2]
-    if kind == "sdpa":
-        if s_q == s_k:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        mask = _causal_mask(s_q, s_k, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
     # "math": the softmax (and its dropout) materialised, as in Korthikanti et al.
     scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
     scores = scores.masked_fill(~_causal_mask(s_q, s_k, q.device), float("-inf"))

@@ -74,7 +74,8 @@ class Trainer:
         self.model = build_model(cfg.model, device=self.device, seed=t.seed)
         self.model.train()
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.forward = torch.compile(self.model) if t.compile else self.model
+        # Forward and loss as one function, so that compilation can fuse the loss into the head.
+        self.loss_sum = torch.compile(self._loss_sum) if t.compile else self._loss_sum
 
         self.state = TrainState()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -99,6 +100,11 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+    def _loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            logits = self.model(x)
+        return token_loss_sum(logits, y)
+
     def train_step(self) -> dict:
         t = self.cfg.train
         start = self.state.consumed_samples
@@ -110,9 +116,7 @@ class Trainer:
         for m in range(t.global_batch // t.micro_batch):
             x, y = batch(self.train_data, start + m * t.micro_batch, t.micro_batch)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self._autocast():
-                logits = self.forward(x)
-            micro_loss = token_loss_sum(logits, y)
+            micro_loss = self.loss_sum(x, y)
             (micro_loss / total_tokens).backward()
             loss_sum += micro_loss.detach()
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
@@ -145,9 +149,7 @@ class Trainer:
         for start in range(0, len(self.val_data), mb):
             x, y = batch(self.val_data, start, min(mb, len(self.val_data) - start))
             x, y = x.to(self.device), y.to(self.device)
-            with self._autocast():
-                logits = self.forward(x)
-            total += token_loss_sum(logits, y).item()
+            total += self.loss_sum(x, y).item()
             count += y.numel()
         self.model.train(was_training)
         return {
