@@ -35,14 +35,24 @@ def split_overrides(extra: list[str]) -> list[str]:
 
 def cmd_train(args, extra) -> int:
     from loom.config import load_config
+    from loom.launch import in_worker, launch
+
+    overrides = split_overrides(extra)
+    cfg = load_config(args.config, overrides)
+    if (args.nproc > 1 or args.nnodes > 1) and not in_worker():
+        from loom.train.trainer import default_run_dir
+
+        run_dir = args.run_dir or default_run_dir(cfg)
+        return launch(cfg, args.config, run_dir, overrides, args.nproc, args.nnodes, args.node_rank,
+                      args.rdzv_endpoint, args.max_restarts)
     from loom.train.trainer import Trainer
 
-    cfg = load_config(args.config, split_overrides(extra))
     trainer = Trainer(cfg, args.run_dir)
     result = trainer.fit()
-    print(f"run directory: {trainer.run_dir}")
-    if result:
-        print("final eval: " + "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "step"))
+    if trainer.is_main:
+        print(f"run directory: {trainer.run_dir}")
+        if result:
+            print("final eval: " + "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "step"))
     return 0
 
 
@@ -123,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "overridden as --section.key=value, e.g. --train.steps=200 --model.layers=4.")
     p.add_argument("--config", required=True, help="a name in configs/ (tiny, llama3-8b, ...) or a .toml path")
     p.add_argument("--run-dir", default=None, help="where metrics and checkpoints go (default runs/NAME-TIME)")
+    p.add_argument("--nproc", type=int, default=1, help="worker processes on this machine (gloo on CPU, nccl on GPU)")
+    p.add_argument("--nnodes", type=int, default=1, help="machines taking part (c10d rendezvous)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (node 0), for --nnodes > 1")
+    p.add_argument("--max-restarts", type=int, default=0, help="restart the workers this many times on failure")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="continue a prompt with a trained model")

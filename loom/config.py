@@ -98,15 +98,6 @@ class ParallelConfig:
     def validate(self) -> None:
         for name in ("tp", "pp", "vpp", "dp_replicate", "dp_shard", "cp", "ep"):
             _positive(f"parallel.{name}", getattr(self, name))
-        # The parallel engine arrives in later releases: refuse layouts this build cannot run rather
-        # than silently running them on one process.
-        unsupported = [n for n in ("tp", "pp", "vpp", "dp_replicate", "dp_shard", "cp", "ep") if getattr(self, n) != 1]
-        if unsupported or self.sp:
-            names = ", ".join(f"parallel.{n}={getattr(self, n)}" for n in unsupported) or "parallel.sp=true"
-            raise UserError(
-                f"{names}: this build of loom trains on one process only; valid: every parallel size 1 "
-                "and parallel.sp=false"
-            )
 
 
 @dataclass
@@ -238,6 +229,9 @@ class Config:
     def validate(self) -> "Config":
         for section in SECTIONS:
             getattr(self, section).validate()
+        from loom.parallel.dims import validate_layout
+
+        validate_layout(self)
         if self.train.seq_len > self.model.max_seq_len:
             raise UserError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "

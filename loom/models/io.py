@@ -27,10 +27,11 @@ CONFIG = "config.toml"
 TOKENIZER = "tokenizer.json"
 
 
-def save_model_dir(model: Transformer, cfg: Config, path: Path, tokenizer_path: Path | str | None = None) -> None:
-    """Write weights, config and tokenizer into `path` (which must exist)."""
+def save_model_dir(model: Transformer | dict, cfg: Config, path: Path, tokenizer_path: Path | str | None = None) -> None:
+    """Write weights (a model or its full state dict), config and tokenizer into `path` (which must exist)."""
     path = Path(path)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = model if isinstance(model, dict) else model.state_dict()
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     if cfg.model.tie_embeddings:
         state.pop("output.weight", None)
     save_file(state, str(path / WEIGHTS), metadata={"format": "pt", "producer": "loom"})
@@ -73,7 +74,8 @@ def load_model_dir(path: str | Path, dtype: torch.dtype = torch.float32, device:
     return model.eval(), cfg, model_dir
 
 
-def load_weights(model: Transformer, file: Path) -> None:
+def read_weights(file: Path, model: Transformer) -> dict[str, torch.Tensor]:
+    """The full state dict in `file`, checked against `model`'s names and (global) shapes."""
     try:
         state = load_file(str(file))
     except (SafetensorError, OSError, ValueError) as exc:
@@ -88,8 +90,13 @@ def load_weights(model: Transformer, file: Path) -> None:
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise UserError(f"{file}: {name} has shape {tuple(tensor.shape)}, config needs {tuple(expected[name].shape)}")
+    return state
+
+
+def load_weights(model: Transformer, file: Path) -> None:
+    state = read_weights(file, model)
     with torch.no_grad():
-        for name, p in expected.items():
+        for name, p in model.state_dict().items():
             p.copy_(state[name])
 
 

@@ -133,6 +133,10 @@ class FeedForward(nn.Module):
         return self.w2(F.gelu(self.w1(x)))
 
 
+def _dropout(p: float) -> nn.Module:
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -141,7 +145,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = build_norm(cfg)
         self.feed_forward = FeedForward(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = _dropout(cfg.dropout)
 
     def forward(self, x, rope, cache=None, start_pos: int = 0):
         h = x + self.dropout(self.attention(self.attention_norm(x), rope, cache, self.layer_id, start_pos))
@@ -154,7 +158,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.hidden) if cfg.position == "learned" else None
-        self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.embed_dropout = _dropout(cfg.dropout)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.layers)})
         self.norm = build_norm(cfg)
         self.output = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
@@ -195,7 +199,7 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings.weight[positions]
+                h = h + self.pos_embeddings(torch.arange(positions.start, positions.stop, device=h.device))
             h = self.embed_dropout(h)
         else:
             h = tokens

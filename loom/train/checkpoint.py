@@ -1,7 +1,7 @@
 """Training checkpoints: atomic, verified, resumable.
 
 `run/checkpoints/step-N/` is a model directory (see `loom.models.io`) plus `optimizer.pt`,
-`trainer_state.json` (step, consumed samples), `rng.pt` (every RNG the run draws from) and
+`trainer_state.json` (step, consumed samples), `rng-R.pt` (every RNG rank R draws from) and
 `manifest.json` (size and sha256 of every file). A checkpoint is written into a hidden temporary
 directory and renamed into place only when complete; `latest` (a one-line file naming the step
 directory) is replaced atomically afterwards. So `latest` never names a partial checkpoint, and a
@@ -23,7 +23,7 @@ import torch
 
 from loom.config import Config
 from loom.errors import UserError
-from loom.models.io import atomic_write_text, save_model_dir, write_json, WEIGHTS, load_weights, read_config
+from loom.models.io import WEIGHTS, atomic_write_text, read_config, read_weights, save_model_dir, write_json
 
 MANIFEST = "manifest.json"
 
@@ -57,32 +57,67 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _barrier() -> None:
+    if (dist := _dist()) is not None:
+        dist.barrier()
+
+
+def full_state(model, optimizer) -> tuple[dict, dict]:
+    """Whole (unsharded) model and optimizer state, keyed by parameter name, whatever the layout.
+
+    Saving the full state makes a checkpoint loadable into any other layout. It is a collective:
+    every rank must call it.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
+
+
 def save_checkpoint(ckpt_root: Path, model, optimizer, cfg: Config, state: TrainState,
                     tokenizer_path: Path | None, keep_last: int = 0) -> Path:
-    ckpt_root.mkdir(parents=True, exist_ok=True)
+    """Collective: every rank calls it; rank 0 writes the model and optimizer, each rank its RNG."""
+    dist = _dist()
+    rank = dist.get_rank() if dist else 0
+    model_state, optim_state = full_state(model, optimizer)
     name = f"step-{state.step}"
     final = ckpt_root / name
-    tmp = ckpt_root / f".tmp-{name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        save_model_dir(model, cfg, tmp, tokenizer_path)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(rng_state(), tmp / "rng.pt")
-        write_json(tmp / "trainer_state.json", {"step": state.step, "consumed_samples": state.consumed_samples})
-        files = sorted(p.name for p in tmp.iterdir())
-        write_json(tmp / MANIFEST, {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in files})
-        _fsync_dir(tmp)
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
+    tmp = ckpt_root / f".tmp-{name}"
+    if rank == 0:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    try:
+        torch.save(rng_state(), tmp / f"rng-{rank}.pt")
+        _barrier()
+        if rank == 0:
+            save_model_dir(model_state, cfg, tmp, tokenizer_path)
+            torch.save(optim_state, tmp / "optimizer.pt")
+            write_json(tmp / "trainer_state.json", {"step": state.step, "consumed_samples": state.consumed_samples,
+                                                    "world_size": dist.get_world_size() if dist else 1})
+            files = sorted(p.name for p in tmp.iterdir())
+            write_json(tmp / MANIFEST, {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in files})
+            _fsync_dir(tmp)
+            if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            atomic_write_text(ckpt_root / "latest", name + "\n")
+            _fsync_dir(ckpt_root)
+            if keep_last:
+                prune(ckpt_root, keep_last)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    atomic_write_text(ckpt_root / "latest", name + "\n")
-    _fsync_dir(ckpt_root)
-    if keep_last:
-        prune(ckpt_root, keep_last)
+    _barrier()
     return final
 
 
@@ -135,7 +170,14 @@ def verify(path: Path) -> None:
 
 
 def load_checkpoint(path: Path, model, optimizer, cfg: Config) -> TrainState:
-    """Restore model, optimizer and RNG from `path` (verified first); return the trainer state."""
+    """Restore model, optimizer and RNG from `path` (verified first) into any layout; return the state.
+
+    RNG streams are restored per rank when the checkpoint was written by the same number of ranks
+    (bit-exact resume); in another layout each rank keeps the fresh seed-derived stream.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
     verify(path)
     saved = read_config(path)
     if saved.model != cfg.model:
@@ -144,8 +186,13 @@ def load_checkpoint(path: Path, model, optimizer, cfg: Config) -> TrainState:
             f"checkpoint {path} was trained with a different model ({', '.join(f'model.{k}' for k in diffs)} differ); "
             "resume with the same model settings or use another --run-dir"
         )
-    load_weights(model, path / WEIGHTS)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, read_weights(path / WEIGHTS, model), options=opts)
+    optim_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state, options=opts)
+    dist = _dist()
+    rng_file = path / f"rng-{dist.get_rank() if dist else 0}.pt"
     meta = json.loads((path / "trainer_state.json").read_text())
+    if meta.get("world_size", 1) == (dist.get_world_size() if dist else 1) and rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
     return TrainState(step=meta["step"], consumed_samples=meta["consumed_samples"])

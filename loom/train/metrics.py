@@ -16,8 +16,12 @@ from pathlib import Path
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, resume_step: int | None, tensorboard: bool):
+    def __init__(self, run_dir: Path, resume_step: int | None, tensorboard: bool, enabled: bool = True):
+        self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
+        self.file = self.tb = None
+        if not enabled:  # only the main rank writes
+            return
         if resume_step is None:
             self.path.write_text("")
         elif self.path.exists():
@@ -34,6 +38,8 @@ class MetricsWriter:
                 self.tb = None
 
     def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self.file.write(json.dumps(clean) + "\n")
         self.file.flush()
@@ -43,7 +49,8 @@ class MetricsWriter:
                     self.tb.add_scalar(key, value, row["step"])
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.tb is not None:
             self.tb.close()
 

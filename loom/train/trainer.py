@@ -25,6 +25,9 @@ from loom.config import Config
 from loom.data.loader import batch, build_datasets, load_tokenizer
 from loom.errors import UserError
 from loom.models.llama import build_model
+from loom.parallel import build_layout, parallelize
+from loom.parallel.data import set_gradient_sync
+from loom.parallel.tensor import loss_context
 from loom.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from loom.train.metrics import MetricsWriter, Progress
 from loom.train.optim import build_optimizer
@@ -44,8 +47,49 @@ def pick_device(choice: str) -> torch.device:
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over all tokens, computed in fp32."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum")
+    """Summed cross-entropy over all tokens, computed in fp32 (on vocabulary shards under TP)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
+def init_distributed(device: torch.device) -> None:
+    """Join the process group when started by the launcher (torchrun sets WORLD_SIZE etc.)."""
+    import os
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a (replicated) DTensor result such as the vocabulary-parallel loss."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Global gradient norm over every shard of every parameter; clip to max_norm (0: no clipping)."""
+    params = [p for p in parameters if p.grad is not None]
+    # Group by mesh: sharded (DTensor) gradients need their shards' norms combined across ranks;
+    # plain gradients (replicated parameters such as norms under TP without SP) are whole on every rank.
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [_local(torch.nn.utils.get_total_norm([p.grad for p in group])) for group in groups.values()]
+    norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    if max_norm > 0:
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+    return norm
 
 
 class Trainer:
@@ -58,7 +102,14 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.device = pick_device(t.device)
-        self.autocast_dtype = torch.bfloat16 if t.dtype == "bfloat16" else None
+        init_distributed(self.device)
+        self.layout = build_layout(cfg, self.device.type)
+        if self.device.type == "cuda" and self.layout.distributed:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.is_main = self.layout.is_main
+        compute_dtype = torch.bfloat16 if t.dtype == "bfloat16" else None
+        # bf16 compute: FSDP2 casts parameters per block when data-parallel, else autocast does it.
+        self.autocast_dtype = compute_dtype if self.layout.dp_size == 1 else None
 
         resume_from = latest_checkpoint(self.ckpt_root) if cfg.checkpoint.resume else None
         if not cfg.checkpoint.resume and self.ckpt_root.is_dir() and any(self.ckpt_root.iterdir()):
@@ -71,18 +122,21 @@ class Trainer:
         self.train_data, self.val_data = build_datasets(cfg, self.tokenizer)
 
         torch.manual_seed(t.seed)
+        # Every rank builds the same full model from the seed; parallelize keeps each rank's shards.
         self.model = build_model(cfg.model, device=self.device, seed=t.seed)
         self.model.train()
+        parallelize(self.model, self.layout, cfg, compute_dtype)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         # Forward and loss as one function, so that compilation can fuse the loss into the head.
         self.loss_sum = torch.compile(self._loss_sum) if t.compile else self._loss_sum
 
         self.state = TrainState()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tokenizer_path = self.run_dir / "tokenizer.json"
-        if not self.tokenizer_path.exists():
-            self.tokenizer.save(self.tokenizer_path)
-        (self.run_dir / "config.toml").write_text(cfg.to_toml())
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if not self.tokenizer_path.exists():
+                self.tokenizer.save(self.tokenizer_path)
+            (self.run_dir / "config.toml").write_text(cfg.to_toml())
         if resume_from is not None:
             self.state = load_checkpoint(resume_from, self.model, self.optimizer, cfg)
         self.resumed_from = resume_from
@@ -106,26 +160,34 @@ class Trainer:
         return token_loss_sum(logits, y)
 
     def train_step(self) -> dict:
-        t = self.cfg.train
-        start = self.state.consumed_samples
+        t, layout = self.cfg.train, self.layout
         total_tokens = self.tokens_per_step
         lr = lr_at(self.state.step, self.cfg.optim, t.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        # This data-parallel rank's slice of the global batch, as micro-batches.
+        per_rank = t.global_batch // layout.dp_size
+        start = self.state.consumed_samples + layout.dp_rank * per_rank
+        n_micro = per_rank // t.micro_batch
+        # Data-parallel reduction averages gradients over ranks; scale so the result is the sum.
+        scale = layout.dp_size / total_tokens
         loss_sum = torch.zeros((), device=self.device)
-        for m in range(t.global_batch // t.micro_batch):
+        for m in range(n_micro):
             x, y = batch(self.train_data, start + m * t.micro_batch, t.micro_batch)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            micro_loss = self.loss_sum(x, y)
-            (micro_loss / total_tokens).backward()
-            loss_sum += micro_loss.detach()
-        max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            set_gradient_sync(self.model, m == n_micro - 1)
+            with loss_context(layout.tp):
+                micro_loss = self.loss_sum(x, y)
+                (micro_loss * scale).backward()
+            loss_sum += _local(micro_loss).detach()
+        grad_norm = clip_grad_norm(self.model.parameters(), t.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.consumed_samples += t.global_batch
-        return {"loss": (loss_sum / total_tokens).item(), "grad_norm": grad_norm.item(), "lr": lr}
+        # Every rank of a TP group holds the same loss: sum over all ranks, divide by tp.
+        loss = _all_reduce_sum(loss_sum) / layout.tp / total_tokens
+        return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
 
     # --- evaluation -------------------------------------------------------------------------------
 
@@ -146,10 +208,12 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         total, count, mb = 0.0, 0, self.cfg.train.micro_batch
+        # Every rank scores the whole held-out set (all ranks of a layout take part in each forward).
         for start in range(0, len(self.val_data), mb):
             x, y = batch(self.val_data, start, min(mb, len(self.val_data) - start))
             x, y = x.to(self.device), y.to(self.device)
-            total += self.loss_sum(x, y).item()
+            with loss_context(self.layout.tp):
+                total += _local(self.loss_sum(x, y)).item()
             count += y.numel()
         self.model.train(was_training)
         return {
@@ -173,8 +237,10 @@ class Trainer:
     def fit(self) -> dict:
         t, ck = self.cfg.train, self.cfg.checkpoint
         resumed = self.resumed_from is not None
-        metrics = MetricsWriter(self.run_dir, self.state.step if resumed else None, self.cfg.log.tensorboard)
-        progress = Progress(self.cfg.log.progress, t.steps, self.state.step, t.log_interval, enabled=not self.quiet)
+        metrics = MetricsWriter(self.run_dir, self.state.step if resumed else None, self.cfg.log.tensorboard,
+                                enabled=self.is_main)
+        progress = Progress(self.cfg.log.progress, t.steps, self.state.step, t.log_interval,
+                            enabled=not self.quiet and self.is_main)
         if resumed:
             progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
         last_eval: dict = {}

@@ -1,0 +1,61 @@
+"""`loom train --nproc N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT]`: start the workers.
+
+The launcher validates the config and the layout against the process count *before* any worker
+exists, prepares the tokenizer and token datasets once (so N workers do not race to build the same
+cache), then hands over to PyTorch's elastic launcher (`torch.distributed.run`, i.e. torchrun) with a
+c10d rendezvous. Each worker runs `python -m loom.cli train ...` with the same arguments and joins the
+process group from the environment torchrun sets (gloo on CPU, nccl on GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from loom.config import Config
+from loom.errors import UserError
+
+
+def in_worker() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def launch(cfg: Config, config_arg: str, run_dir: Path, overrides: list[str], nproc: int, nnodes: int,
+           node_rank: int, rdzv_endpoint: str | None, max_restarts: int) -> int:
+    from loom.parallel.dims import validate_layout
+
+    if nproc < 1 or nnodes < 1:
+        raise UserError(f"--nproc={nproc} and --nnodes={nnodes} must be >= 1")
+    if not 0 <= node_rank < nnodes:
+        raise UserError(f"--node-rank={node_rank} must be in 0..{nnodes - 1}")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the address of node 0, reachable by all)")
+    validate_layout(cfg, nproc * nnodes)
+
+    # Build shared caches once, in this process, before the workers start.
+    from loom.data.loader import build_datasets, load_tokenizer
+
+    build_datasets(cfg, load_tokenizer(cfg))
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    argv = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}"]
+    if nnodes == 1 and not rdzv_endpoint:
+        argv += ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={uuid.uuid4().hex[:8]}"]
+    else:
+        argv += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+                 f"--rdzv-id={os.environ.get('LOOM_RUN_ID', 'loom')}"]
+    argv += ["--module", "loom.cli", "train", "--config", config_arg, "--run-dir", str(run_dir)]
+    argv += [f"--{o}" for o in overrides]
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as exc:
+        codes = {f.exitcode for f in exc.failures.values()}
+        print(f"loom train: {len(exc.failures)} worker(s) failed (exit codes {sorted(codes)}); see their output above",
+              file=sys.stderr)
+        return 2 if codes == {2} else 1
+    return 0

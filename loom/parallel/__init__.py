@@ -1,0 +1,32 @@
+"""Parallelism applied to a plain model: `parallelize` runs tensor/sequence parallel, then FSDP2."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loom.config import Config
+from loom.parallel.dims import Layout, build_layout, validate_layout
+
+
+def parallelize(model: nn.Module, layout: Layout, cfg: Config, compute_dtype: torch.dtype | None) -> nn.Module:
+    """Apply TP(+SP) over the `tp` mesh dimension, then data parallelism over `(dp_replicate, dp_shard)`.
+
+    Nothing is wrapped on one process: the plain model trains as is.
+    """
+    if layout.tp > 1:
+        from loom.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, layout.submesh("tp"), cfg.parallel.sp)
+    if layout.dp_size > 1:
+        from loom.parallel.data import apply_data_parallel
+
+        p = cfg.parallel
+        names = [n for n, size in (("dp_replicate", p.dp_replicate), ("dp_shard", p.dp_shard)) if size > 1]
+        if names == ["dp_replicate"]:
+            names = ["dp_replicate", "dp_shard"]  # FSDP2 replicates over a 2-D mesh with a shard group of 1
+        apply_data_parallel(model, layout.submesh(*names), compute_dtype)
+    return model
+
+
+__all__ = ["Layout", "build_layout", "parallelize", "validate_layout"]
