@@ -144,6 +144,7 @@ class OptimConfig:
     warmup_steps: int = 10
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     decay_steps: int = 0  # 0: decay over train.steps - warmup
+    state_dtype: Literal["float32", "bfloat16"] = "float32"  # storage of the AdamW moments
 
     def validate(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):

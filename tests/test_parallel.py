@@ -1,0 +1,172 @@
+"""Every parallel layout computes what one process computes (CPU, gloo, through `loom train --nproc`)."""
+
+import json
+import math
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT
+from loom.cli import main
+
+# Several layers, GQA (8 query heads sharing 4 key/value heads), sizes divisible by tp=4.
+MODEL = [
+    "model.layers=3", "model.hidden=64", "model.heads=8", "model.kv_heads=4", "model.ffn_hidden=160",
+    "model.vocab_size=512", "model.max_seq_len=64", "train.seq_len=32", "train.micro_batch=2",
+    "train.global_batch=16", "train.steps=6", "train.eval_samples=8", "optim.warmup_steps=2", "optim.lr=3e-3",
+    "data.corpus_max_bytes=300000", "log.progress=none", "log.tensorboard=false",
+]
+
+
+def launch(run_dir, nproc, *extra, check=True):
+    cmd = [sys.executable, "-m", "loom.cli", "train", "--config", "tiny", "--run-dir", str(run_dir),
+           "--nproc", str(nproc), *[f"--{o}" for o in MODEL + list(extra)]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def metrics(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
+
+
+def final_weights(run_dir):
+    return load_file(str(run_dir / "checkpoints" / "step-6" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    assert main(["train", "--config", "tiny", "--run-dir", str(run_dir), *[f"--{o}" for o in MODEL]]) == 0
+    return run_dir
+
+
+def assert_same_run(run_dir, reference, rtol=1e-5):
+    steps, evals = metrics(run_dir)
+    ref_steps, ref_evals = metrics(reference)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for got, want in zip(steps, ref_steps):
+        assert math.isclose(got["loss"], want["loss"], rel_tol=rtol), (got["step"], got["loss"], want["loss"])
+        assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=rtol), (got["step"], got["grad_norm"], want["grad_norm"])
+    assert math.isclose(evals[-1]["val_loss"], ref_evals[-1]["val_loss"], rel_tol=rtol)
+    got_w, want_w = final_weights(run_dir), final_weights(reference)
+    assert got_w.keys() == want_w.keys()
+    for name in want_w:
+        if name.endswith("attention.wk.bias"):
+            # A key bias shifts every score of a query equally, so softmax ignores it: its gradient is
+            # exactly 0 in theory and rounding noise in practice, which Adam scales up to full steps.
+            continue
+        # Adam normalises each element's step, so an element whose gradient is ~0 moves by ~lr in a
+        # direction float rounding decides: parameters agree to ~1e-5 of their norm (losses and grad
+        # norms to 1e-5 relative, above). Elementwise, allow 5% of one step's lr.
+        rel = ((got_w[name] - want_w[name]).norm() / want_w[name].norm()).item()
+        assert rel < 5e-5, (name, rel)
+        assert (got_w[name] - want_w[name]).abs().max().item() < 1.5e-4, name
+
+
+LAYOUTS = {
+    "tp2": (2, ["parallel.tp=2"]),
+    "tp2-sp": (2, ["parallel.tp=2", "parallel.sp=true"]),
+    "tp4-sp": (4, ["parallel.tp=4", "parallel.sp=true"]),
+    "dp_replicate2": (2, ["parallel.dp_replicate=2"]),
+    "dp_shard2": (2, ["parallel.dp_shard=2"]),
+    "dp_shard4": (4, ["parallel.dp_shard=4"]),
+    "hsdp2x2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
+    "tp2-sp-dp_shard2": (4, ["parallel.tp=2", "parallel.sp=true", "parallel.dp_shard=2"]),
+    "tp2-dp_replicate2": (4, ["parallel.tp=2", "parallel.dp_replicate=2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name, reference, tmp_path):
+    nproc, layout = LAYOUTS[name]
+    launch(tmp_path / "run", nproc, *layout)
+    assert_same_run(tmp_path / "run", reference)
+
+
+def test_tp4_without_sp_and_gpt_architecture(tmp_path):
+    """GPT-3 style (LayerNorm with bias, GELU, learned positions, biases) under tp=4 and tp=2+SP."""
+    gpt = ["model.norm=layernorm", "model.mlp=gelu", "model.position=learned", "model.bias=true"]
+    single = tmp_path / "single"
+    assert main(["train", "--config", "tiny", "--run-dir", str(single), *[f"--{o}" for o in MODEL + gpt]]) == 0
+    launch(tmp_path / "tp4", 4, *gpt, "parallel.tp=4")
+    assert_same_run(tmp_path / "tp4", single)
+    launch(tmp_path / "tp2sp", 2, *gpt, "parallel.tp=2", "parallel.sp=true")
+    assert_same_run(tmp_path / "tp2sp", single)
+
+
+def test_bf16_tp2_dp_shard2_tracks_fp32(tmp_path):
+    steps = ["train.steps=50", "optim.warmup_steps=5"]
+    single = tmp_path / "single"
+    assert main(["train", "--config", "tiny", "--run-dir", str(single), *[f"--{o}" for o in MODEL + steps]]) == 0
+    launch(tmp_path / "bf16", 4, *steps, "parallel.tp=2", "parallel.sp=true", "parallel.dp_shard=2",
+           "train.dtype=bfloat16")
+    ref, _ = metrics(single)
+    got, _ = metrics(tmp_path / "bf16")
+    assert len(got) == 50
+    worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(got, ref))
+    assert worst < 0.02, worst
+    assert ref[-1]["loss"] < ref[0]["loss"] - 1.0  # it learned, so tracking the curve means something
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_localhost_match_four_local_processes(tmp_path):
+    layout = ["parallel.tp=2", "parallel.sp=true", "parallel.dp_shard=2"]
+    launch(tmp_path / "local", 4, *layout)
+    port = _free_port()
+    run_dir = tmp_path / "nodes"
+    procs = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "loom.cli", "train", "--config", "tiny", "--run-dir", str(run_dir),
+               "--nproc", "2", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
+               *[f"--{o}" for o in MODEL + layout]]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    a, _ = metrics(tmp_path / "local")
+    b, _ = metrics(run_dir)
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "nproc, extra, fragments",
+    [
+        (4, ["parallel.tp=2"], ["multiply to 2", "4 processes"]),
+        (3, ["parallel.tp=3"], ["parallel.tp=3", "valid tp sizes for this model: 1, 2, 4"]),
+        (8, ["parallel.tp=8"], ["model.kv_heads=4", "valid tp sizes"]),
+        (4, ["parallel.dp_shard=4", "train.global_batch=12"], ["global_batch=12", "valid global batches: 8, 16"]),
+    ],
+)
+def test_bad_layouts_refused_before_workers_start(capsys, tmp_path, nproc, extra, fragments):
+    argv = ["train", "--config", "tiny", "--run-dir", str(tmp_path / "r"), "--nproc", str(nproc),
+            *[f"--{o}" for o in MODEL + extra]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    for f in fragments:
+        assert f in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_resume_across_layouts(tmp_path, reference):
+    """A checkpoint saved under tp=2 x dp_shard=2 resumes on one process (full-state checkpoints)."""
+    launch(tmp_path / "run", 4, "parallel.tp=2", "parallel.dp_shard=2", "checkpoint.interval=3")
+    ckpts = tmp_path / "run" / "checkpoints"
+    import shutil
+
+    shutil.rmtree(ckpts / "step-6")
+    (ckpts / "latest").write_text("step-3\n")
+    assert main(["train", "--config", "tiny", "--run-dir", str(tmp_path / "run"),
+                 *[f"--{o}" for o in MODEL], "--checkpoint.resume=true"]) == 0
+    assert_same_run(tmp_path / "run", reference, rtol=1e-4)
