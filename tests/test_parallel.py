@@ -170,3 +170,34 @@ def test_resume_across_layouts(tmp_path, reference):
     assert main(["train", "--config", "tiny", "--run-dir", str(tmp_path / "run"),
                  *[f"--{o}" for o in MODEL], "--checkpoint.resume=true"]) == 0
     assert_same_run(tmp_path / "run", reference, rtol=1e-4)
+
+
+def _sp_memory_worker():
+    from conftest import small_config
+    from loom.models.llama import build_model
+    from loom.parallel import build_layout, parallelize
+    from loom.parallel.tensor import GatherSequence, loss_context
+
+    cfg = small_config("parallel.tp=2", "parallel.sp=true", "model.heads=4", "model.kv_heads=2")
+    layout = build_layout(cfg, "cpu")
+    model = build_model(cfg.model, seed=0)
+    parallelize(model, layout, cfg, None)
+    x = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len))
+    stats = GatherSequence.stats
+    with loss_context(2):
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        after_forward = dict(stats)
+        loss.backward()
+    return after_forward, dict(stats), all(p.grad is not None for p in model.parameters())
+
+
+def test_sequence_parallel_keeps_only_sequence_shards_for_backward():
+    """Under SP every saved view of an all-gathered input is replaced by the local sequence shard
+    (wq, wk, wv inputs in attention; w1, w3 in the MLP), and backward gathers once per region."""
+    from distributed import run_ranks
+
+    for fwd, end, grads_ok in run_ranks(2, _sp_memory_worker):
+        layers = 2
+        assert fwd == {"gathered": 2 * layers, "saved_as_shard": 5 * layers, "regathered": 0}
+        assert end == {"gathered": 2 * layers, "saved_as_shard": 5 * layers, "regathered": 2 * layers}
+        assert grads_ok

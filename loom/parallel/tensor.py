@@ -15,9 +15,9 @@ Layout (Megatron's, after Shoeybi et al. 2019 and Korthikanti et al. 2022):
 - LM head split by vocabulary columns; the loss is computed on the vocabulary shards
   (`loss_parallel`), so the full logits never exist on one rank;
 - with SP, the residual stream, norms and dropout live sharded along the sequence: the input of
-  attention and MLP is all-gathered on entry and their output reduce-scattered on exit. The gathered
-  input is what the column-parallel matmuls save for backward; `recompute.mode=selective` (a later
-  release) will drop it and re-gather in backward, as Korthikanti et al. do.
+  attention and MLP is all-gathered on entry and their output reduce-scattered on exit. Only the
+  sequence shard of the gathered input is kept for backward, which gathers it again
+  (`GatherSequence`), as Korthikanti et al. do.
 """
 
 from __future__ import annotations
@@ -69,6 +69,95 @@ class Replicated(ParallelStyle):
         return distribute_module(module, mesh, partition, prepare_input, prepare_output)
 
 
+class _Regather:
+    """What is kept for backward instead of a view of the all-gathered input: the local shard."""
+
+    __slots__ = ("source", "shape", "stride", "offset", "spec")
+
+    def __init__(self, source, shape, stride, offset, spec):
+        self.source, self.shape, self.stride, self.offset, self.spec = source, shape, stride, offset, spec
+
+
+class _GatheredInput:
+    """One all-gathered input: its local shard, and the regathered tensor while backward needs it."""
+
+    def __init__(self, shard: torch.Tensor, mesh, full_local: torch.Tensor):
+        self.shard, self.mesh = shard, mesh
+        self.ptr = full_local.untyped_storage().data_ptr()
+        self.pending = 0  # saved views not yet unpacked by backward
+        self.full = None
+
+    def regather(self) -> torch.Tensor:
+        if self.full is None:
+            GatherSequence.stats["regathered"] += 1
+            dt = DTensor.from_local(self.shard, self.mesh, [Shard(1)], run_check=False)
+            self.full = dt.redistribute(placements=[Replicate()]).to_local().contiguous()
+        return self.full
+
+
+class GatherSequence(ParallelStyle):
+    """SP entry into a tensor-parallel region, keeping only the sequence shard for backward.
+
+    The module's first input arrives sharded along the sequence and is all-gathered for the
+    column-parallel matmuls. Autograd would save that gathered `[b, s, h]` tensor (each matmul keeps its
+    input for the weight gradient). Instead, while the module runs, a `saved_tensors_hooks` pair swaps
+    every saved view of it for the local `[b, s/t, h]` shard and all-gathers again in backward — the
+    memory layout of Korthikanti et al. (2022), at the price of one extra all-gather per region.
+    """
+
+    stats = {"gathered": 0, "saved_as_shard": 0, "regathered": 0}  # counters the tests read
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        state: dict = {}
+
+        def pack(t):
+            gathered = state.get("current")
+            local = t._local_tensor if isinstance(t, DTensor) else t
+            if gathered is None or local.untyped_storage().data_ptr() != gathered.ptr:
+                return t
+            gathered.pending += 1
+            GatherSequence.stats["saved_as_shard"] += 1
+            spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+            return _Regather(gathered, local.shape, local.stride(), local.storage_offset(), spec)
+
+        def unpack(packed):
+            if not isinstance(packed, _Regather):
+                return packed
+            gathered = packed.source
+            view = gathered.regather().as_strided(packed.shape, packed.stride, packed.offset)
+            gathered.pending -= 1
+            if gathered.pending == 0:
+                gathered.full = None  # the last user has it; let it go after this op
+            if packed.spec is None:
+                return view
+            mesh_, placements, shape, stride = packed.spec
+            return DTensor.from_local(view, mesh_, placements, run_check=False, shape=shape, stride=stride)
+
+        def pre_hook(mod, inputs):
+            x, *rest = inputs
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+            full = x.redistribute(placements=[Replicate()])
+            if torch.is_grad_enabled():
+                gathered = _GatheredInput(x.to_local(), mesh, full.to_local())
+                state["current"] = gathered
+                GatherSequence.stats["gathered"] += 1
+                state["hooks"] = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+                state["hooks"].__enter__()
+            return (full, *rest)
+
+        def post_hook(mod, inputs, output):
+            hooks = state.pop("hooks", None)
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
+            state.pop("current", None)
+            return output
+
+        module.register_forward_pre_hook(pre_hook)
+        module.register_forward_hook(post_hook)
+        return module
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
     """Shard `model` in place over the 1-D mesh `tp_mesh`."""
     seq = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
@@ -87,7 +176,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
 
     for block in model.layers.values():
         plan = {
-            "attention": PrepareModuleInput(
+            "attention": GatherSequence() if sp else PrepareModuleInput(
                 input_layouts=(seq, None, None, None, None),
                 desired_input_layouts=(Replicate(), None, None, None, None),
             ),
@@ -95,7 +184,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "feed_forward": GatherSequence() if sp else PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+            ),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
