@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from loom.config import load_config  # noqa: E402
+from loom.data.loader import batch  # noqa: E402
 from loom.provenance import stamp  # noqa: E402
 from loom.train.optim import state_bytes_per_param  # noqa: E402
 from loom.train.trainer import Trainer  # noqa: E402
@@ -36,7 +37,7 @@ def main() -> int:
             trainer = Trainer(cfg, Path(tmp) / "run", quiet=True)
             result = trainer.fit()
             # one more backward (no step) so gradients exist for the byte count
-            x, y = (t[:2] for t in __import__("loom.data.loader", fromlist=["batch"]).batch(trainer.val_data, 0, 2))
+            x, y = batch(trainer.val_data, 0, 2)
             trainer.loss_sum(x, y).backward()
             bytes_pp = state_bytes_per_param(trainer.model, trainer.optimizer)
             losses = [json.loads(x)["loss"] for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()

@@ -42,6 +42,8 @@ def cmd_train(args, extra) -> int:
     if (args.nproc > 1 or args.nnodes > 1) and not in_worker():
         from loom.train.trainer import default_run_dir
 
+        if args.nnodes > 1 and not args.run_dir:
+            raise UserError("--nnodes > 1 needs an explicit --run-dir on storage every node shares")
         run_dir = args.run_dir or default_run_dir(cfg)
         return launch(cfg, args.config, run_dir, overrides, args.nproc, args.nnodes, args.node_rank,
                       args.rdzv_endpoint, args.max_restarts)

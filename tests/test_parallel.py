@@ -159,6 +159,22 @@ def test_bad_layouts_refused_before_workers_start(capsys, tmp_path, nproc, extra
     assert not (tmp_path / "r").exists()
 
 
+def test_bf16_moments_fully_sharded_match_one_process(tmp_path):
+    """The bf16-moment optimizer on sharded parameters, including its checkpoint, matches one process."""
+    single = tmp_path / "single"
+    assert main(["train", "--config", "tiny", "--run-dir", str(single),
+                 *[f"--{o}" for o in MODEL + ["optim.state_dtype=bfloat16"]]]) == 0
+    launch(tmp_path / "fsdp", 2, "parallel.dp_shard=2", "optim.state_dtype=bfloat16")
+    a, _ = metrics(single)
+    b, _ = metrics(tmp_path / "fsdp")
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5)
+    import torch as _torch
+
+    opt = _torch.load(tmp_path / "fsdp" / "checkpoints" / "step-6" / "optimizer.pt", weights_only=True)
+    moments = [v["exp_avg"] for v in opt["state"].values()]
+    assert moments and all(m.dtype == _torch.bfloat16 for m in moments)
+
+
 def test_resume_across_layouts(tmp_path, reference):
     """A checkpoint saved under tp=2 x dp_shard=2 resumes on one process (full-state checkpoints)."""
     launch(tmp_path / "run", 4, "parallel.tp=2", "parallel.dp_shard=2", "checkpoint.interval=3")
