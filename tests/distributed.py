@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -33,7 +33,7 @@ def run_ranks(world: int, fn, *args) -> list:
     """fn(*args) on `world` processes; returns the results in rank order (re-raises a worker's error)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
     for p in procs:
         p.start()

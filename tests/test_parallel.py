@@ -2,7 +2,6 @@
 
 import json
 import math
-import socket
 import subprocess
 import sys
 
@@ -115,16 +114,12 @@ def test_bf16_tp2_dp_shard2_tracks_fp32(tmp_path):
     assert ref[-1]["loss"] < ref[0]["loss"] - 1.0  # it learned, so tracking the curve means something
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_on_localhost_match_four_local_processes(tmp_path):
     layout = ["parallel.tp=2", "parallel.sp=true", "parallel.dp_shard=2"]
     launch(tmp_path / "local", 4, *layout)
-    port = _free_port()
+    from distributed import free_port
+
+    port = free_port()
     run_dir = tmp_path / "nodes"
     procs = []
     for node in range(2):
