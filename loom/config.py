@@ -80,8 +80,10 @@ class ParallelConfig:
     tp: int = 1
     sp: bool = False
     pp: int = 1
-    vpp: int = 1
+    vpp: int = 1  # virtual stages (model chunks) per pipeline rank
     schedule: Literal["1f1b", "interleaved", "zero_bubble"] = "1f1b"
+    first_stage_layers: int = 0  # uneven split: layers on the first / last stage (0: even split)
+    last_stage_layers: int = 0
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1

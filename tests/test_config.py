@@ -60,7 +60,7 @@ def test_overrides_later_wins_and_types():
         (["train.dtype=float16"], ["float16", "float32, bfloat16"]),
         (["model.tie_embeddings=maybe"], ["tie_embeddings", "true or false"]),
         (["parallel.tp=3"], ["parallel.tp=3", "valid tp sizes for this model: 1, 2, 4"]),
-        (["parallel.pp=2"], ["parallel.pp=2", "valid: 1"]),
+        (["parallel.pp=3"], ["pp x vpp = 3", "model.layers=4"]),
         (["train.seq_len=100000"], ["seq_len=100000", "max_seq_len"]),
     ],
 )

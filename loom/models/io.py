@@ -74,8 +74,11 @@ def load_model_dir(path: str | Path, dtype: torch.dtype = torch.float32, device:
     return model.eval(), cfg, model_dir
 
 
-def read_weights(file: Path, model: Transformer) -> dict[str, torch.Tensor]:
-    """The full state dict in `file`, checked against `model`'s names and (global) shapes."""
+def read_weights(file: Path, model: Transformer, partial: bool = False) -> dict[str, torch.Tensor]:
+    """The state dict in `file`, checked against `model`'s names and (global) shapes.
+
+    With `partial` (a pipeline stage, which holds some of the layers) only `model`'s names are read.
+    """
     try:
         state = load_file(str(file))
     except (SafetensorError, OSError, ValueError) as exc:
@@ -84,7 +87,8 @@ def read_weights(file: Path, model: Transformer) -> dict[str, torch.Tensor]:
         state.setdefault("output.weight", state.get("tok_embeddings.weight"))
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+    unexpected = [] if partial else sorted(set(state) - set(expected))
+    state = {k: v for k, v in state.items() if k in expected}
     if missing or unexpected:
         raise UserError(f"{file} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, tensor in state.items():

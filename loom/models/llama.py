@@ -77,8 +77,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            cos, sin = rope
+        if rope is not None:  # full tables; this module's positions are start_pos..start_pos+seqlen-1
+            cos, sin = (t[start_pos : start_pos + seqlen] for t in rope)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer_id, k, v, start_pos)
@@ -203,7 +203,9 @@ class Transformer(nn.Module):
             h = self.embed_dropout(h)
         else:
             h = tokens
-        rope = (self.rope_cos[positions], self.rope_sin[positions]) if self.rope_cos is not None else None
+        # Attention slices the rotary tables itself: on a pipeline stage fed sequence-sharded hidden
+        # states, only attention (after gathering the sequence) knows the full length.
+        rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
         for layer in self.layers.values():
             h = layer(h, rope, cache, start_pos)
         if self.norm is not None:

@@ -12,7 +12,7 @@ from loom.parallel.dims import Layout, build_layout, validate_layout
 def parallelize(model: nn.Module, layout: Layout, cfg: Config, compute_dtype: torch.dtype | None) -> nn.Module:
     """Apply TP(+SP) over the `tp` mesh dimension, then data parallelism over `(dp_replicate, dp_shard)`.
 
-    Nothing is wrapped on one process: the plain model trains as is.
+    `model` is the whole model or one pipeline stage of it. Nothing is wrapped on one process.
     """
     if layout.tp > 1:
         from loom.parallel.tensor import apply_tensor_parallel

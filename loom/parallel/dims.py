@@ -1,6 +1,6 @@
 """Parallel sizes: validation before any process exists, and the device mesh.
 
-The mesh is `(dp_replicate, dp_shard, tp)` with tensor parallelism innermost, so a tensor-parallel
+The mesh is `(pp, dp_replicate, dp_shard, tp)` with tensor parallelism innermost, so a tensor-parallel
 group is made of consecutive ranks (the same node when `tp` fits in one). Data-parallel rank
 `r = replicate_rank * dp_shard + shard_rank` reads slice `r` of every global batch; the ranks of one
 tensor-parallel group share a data-parallel rank and so see identical data.
@@ -33,7 +33,7 @@ def valid_tp_sizes(cfg: Config) -> list[int]:
 def validate_layout(cfg: Config, world_size: int | None = None) -> None:
     """Raise UserError naming the field, value and valid choices for a layout that cannot work."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    for name in ("pp", "vpp", "cp", "ep"):
+    for name in ("cp", "ep"):
         if getattr(p, name) != 1:
             raise UserError(f"parallel.{name}={getattr(p, name)} is not supported yet; valid: 1")
     if p.tp > 1:
@@ -67,6 +67,9 @@ def validate_layout(cfg: Config, world_size: int | None = None) -> None:
             f"(dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard}) x train.micro_batch={t.micro_batch} = {per_step}; "
             f"valid global batches: {', '.join(map(str, valid))}, ..."
         )
+    from loom.parallel.pipeline import validate_pipeline
+
+    validate_pipeline(cfg)
     if world_size is not None and p.world_size != world_size:
         raise UserError(
             f"the parallel sizes multiply to {p.world_size} (tp={p.tp} x dp_replicate={p.dp_replicate} x "
@@ -85,6 +88,8 @@ class Layout:
     dp_rank: int = 0
     dp_size: int = 1
     tp: int = 1
+    pp: int = 1
+    pp_rank: int = 0
 
     @property
     def distributed(self) -> bool:
@@ -110,7 +115,8 @@ def build_layout(cfg: Config, device_type: str) -> Layout:
     world = dist.get_world_size()
     validate_layout(cfg, world)
     p = cfg.parallel
-    mesh = init_device_mesh(device_type, (p.dp_replicate, p.dp_shard, p.tp),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    mesh = init_device_mesh(device_type, (p.pp, p.dp_replicate, p.dp_shard, p.tp),
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
     dp_rank = mesh["dp_replicate"].get_local_rank() * p.dp_shard + mesh["dp_shard"].get_local_rank()
-    return Layout(mesh=mesh, rank=dist.get_rank(), world_size=world, dp_rank=dp_rank, dp_size=p.dp, tp=p.tp)
+    return Layout(mesh=mesh, rank=dist.get_rank(), world_size=world, dp_rank=dp_rank, dp_size=p.dp, tp=p.tp,
+                  pp=p.pp, pp_rank=mesh["pp"].get_local_rank())

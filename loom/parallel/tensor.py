@@ -170,9 +170,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
     if model.pos_embeddings is not None:
         # Learned positions: the [seq, hidden] rows, cut to this rank's sequence chunk under SP.
         top["pos_embeddings"] = Replicated(Shard(0) if sp else Replicate(), use_local_output=True)
+    # A pipeline stage holds only some of these modules.
+    top = {name: style for name, style in top.items() if getattr(model, name, None) is not None}
     parallelize_module(model, tp_mesh, top)
-    if tied:  # both modules now hold their own DTensor; share the embedding's again
-        model.output.weight = model.tok_embeddings.weight
+    if tied and model.output is not None and model.tok_embeddings is not None:
+        model.output.weight = model.tok_embeddings.weight  # both got their own DTensor; share again
 
     for block in model.layers.values():
         plan = {

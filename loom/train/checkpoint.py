@@ -77,8 +77,53 @@ def full_state(model, optimizer) -> tuple[dict, dict]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
+    dist = _dist()
+    pipeline = dist is not None and getattr(model, "is_pipeline_view", False)
+    # cpu_offload keeps the full state on global rank 0 only; pipeline stages need it on their first rank.
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=not pipeline)
+    model_state = get_model_state_dict(model, options=opts)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=opts)
+    if pipeline:
+        # Each pipeline rank holds some stages: the first rank of every stage group sends its part to
+        # rank 0, which merges them (the mesh is (pp, ...), so stage groups are contiguous ranks).
+        rank, per_stage = dist.get_rank(), dist.get_world_size() // model.pp_size
+        mine = _to_cpu((model_state, optim_state)) if rank % per_stage == 0 else None
+        parts = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if parts is None:
+            return {}, {}
+        model_state, optim_state = _merge([p for p in parts if p is not None])
+    return model_state, optim_state
+
+
+def _to_cpu(obj):
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _merge(parts) -> tuple[dict, dict]:
+    model_state, state, groups = {}, {}, []
+    for m, o in parts:
+        model_state.update(m)
+        state.update(o["state"])
+        for i, g in enumerate(o["param_groups"]):
+            if i == len(groups):
+                groups.append({**g, "params": []})
+            groups[i]["params"] += [p for p in g["params"] if p not in groups[i]["params"]]
+    return model_state, {"state": state, "param_groups": groups}
+
+
+def _restrict(optim_state: dict, names: set) -> dict:
+    """The part of a full optimizer state that concerns the parameters `names` (a pipeline rank's)."""
+    return {
+        "state": {k: v for k, v in optim_state["state"].items() if k in names},
+        "param_groups": [{**g, "params": [p for p in g["params"] if p in names]} for g in optim_state["param_groups"]],
+    }
 
 
 def save_checkpoint(ckpt_root: Path, model, optimizer, cfg: Config, state: TrainState,
@@ -187,8 +232,11 @@ def load_checkpoint(path: Path, model, optimizer, cfg: Config) -> TrainState:
             "resume with the same model settings or use another --run-dir"
         )
     opts = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, read_weights(path / WEIGHTS, model), options=opts)
+    partial = getattr(model, "is_pipeline_view", False)
+    set_model_state_dict(model, read_weights(path / WEIGHTS, model, partial=partial), options=opts)
     optim_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    if partial:
+        optim_state = _restrict(optim_state, {n for n, _ in model.named_parameters()})
     set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state, options=opts)
     dist = _dist()
     rng_file = path / f"rng-{dist.get_rank() if dist else 0}.pt"

@@ -63,11 +63,11 @@ def init_distributed(device: torch.device) -> None:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 
-def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+def _all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
     return t
 
 
@@ -76,8 +76,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """Global gradient norm over every shard of every parameter; clip to max_norm (0: no clipping)."""
+def clip_grad_norm(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
+    """Global gradient norm over every shard of every parameter; clip to max_norm (0: no clipping).
+
+    With pipeline parallelism each rank holds some stages: squared norms are summed over `pp_group`.
+    """
     params = [p for p in parameters if p.grad is not None]
     # Group by mesh: sharded (DTensor) gradients need their shards' norms combined across ranks;
     # plain gradients (replicated parameters such as norms under TP without SP) are whole on every rank.
@@ -86,6 +89,8 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
         groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     norms = [_local(torch.nn.utils.get_total_norm([p.grad for p in group])) for group in groups.values()]
     norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    if pp_group is not None:
+        norm = _all_reduce_sum(norm.double() ** 2, pp_group).sqrt().float()
     if max_norm > 0:
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
@@ -123,9 +128,13 @@ class Trainer:
 
         torch.manual_seed(t.seed)
         # Every rank builds the same full model from the seed; parallelize keeps each rank's shards.
-        self.model = build_model(cfg.model, device=self.device, seed=t.seed)
-        self.model.train()
-        parallelize(self.model, self.layout, cfg, compute_dtype)
+        model = build_model(cfg.model, device=self.device, seed=t.seed)
+        model.train()
+        self.schedule = None
+        if self.layout.pp > 1:
+            self._setup_pipeline(model, compute_dtype)
+        else:
+            self.model = parallelize(model, self.layout, cfg, compute_dtype)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         # Forward and loss as one function, so that compilation can fuse the loss into the head.
         self.loss_sum = torch.compile(self._loss_sum) if t.compile else self._loss_sum
@@ -154,6 +163,46 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+    def _setup_pipeline(self, model, compute_dtype) -> None:
+        from loom.parallel.pipeline import RankView, build_schedule, split_stages
+
+        cfg, layout, t = self.cfg, self.layout, self.cfg.train
+        chunks, ids = split_stages(model, cfg, layout.pp_rank)
+        self.chunks, self.stage_ids = chunks, ids
+        for chunk in chunks:
+            parallelize(chunk, layout, cfg, compute_dtype)
+        self.model = RankView(chunks)
+        self.model.pp_size = layout.pp
+        num_stages = cfg.parallel.pp * cfg.parallel.vpp
+        self.has_first, self.has_last = 0 in ids, num_stages - 1 in ids
+        self.n_micro = t.global_batch // (layout.dp_size * t.micro_batch)
+        self.loss_scale = 1.0
+        self.pp_group = layout.submesh("pp").get_group()
+        self.schedule, self.stages = build_schedule(chunks, ids, cfg, self.pp_group, self.device, self.n_micro,
+                                                    self._pipeline_loss)
+
+    def _pipeline_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(logits, y) * self.loss_scale
+
+    def _pipeline_step(self, x, y) -> torch.Tensor:
+        """One schedule step over this rank's batch; the summed token loss (0 off the last stage)."""
+        losses: list = []
+        args = (x,) if self.has_first else ()
+        kwargs = {"target": y, "losses": losses} if self.has_last else {}
+        with self._autocast():
+            self.schedule.step(*args, **kwargs)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return sum(_local(loss).detach() for loss in losses) / self.loss_scale
+
+    def _pipeline_eval(self, x, y) -> torch.Tensor:
+        from loom.parallel.pipeline import forward_through_stages
+
+        with self._autocast():
+            logits = forward_through_stages(self.chunks, self.stage_ids, self.cfg, self.pp_group, x)
+        loss = _local(token_loss_sum(logits, y)).detach() if logits is not None else torch.zeros((), device=self.device)
+        return _all_reduce_sum(loss, self.pp_group)  # only the last stage has it
+
     def _loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self._autocast():
             logits = self.model(x)
@@ -171,16 +220,23 @@ class Trainer:
         n_micro = per_rank // t.micro_batch
         # Data-parallel reduction averages gradients over ranks; scale so the result is the sum.
         scale = layout.dp_size / total_tokens
-        loss_sum = torch.zeros((), device=self.device)
-        for m in range(n_micro):
-            x, y = batch(self.train_data, start + m * t.micro_batch, t.micro_batch)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            set_gradient_sync(self.model, m == n_micro - 1)
+        if self.schedule is not None:  # the pipeline schedule runs the micro-batches itself
+            x, y = batch(self.train_data, start, per_rank)
+            self.loss_scale = scale
             with loss_context(layout.tp):
-                micro_loss = self.loss_sum(x, y)
-                (micro_loss * scale).backward()
-            loss_sum += _local(micro_loss).detach()
-        grad_norm = clip_grad_norm(self.model.parameters(), t.grad_clip)
+                loss_sum = self._pipeline_step(x.to(self.device), y.to(self.device))
+        else:
+            loss_sum = torch.zeros((), device=self.device)
+            for m in range(n_micro):
+                x, y = batch(self.train_data, start + m * t.micro_batch, t.micro_batch)
+                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+                set_gradient_sync(self.model, m == n_micro - 1)
+                with loss_context(layout.tp):
+                    micro_loss = self.loss_sum(x, y)
+                    (micro_loss * scale).backward()
+                loss_sum += _local(micro_loss).detach()
+        grad_norm = clip_grad_norm(self.model.parameters(), t.grad_clip,
+                                   self.pp_group if self.schedule is not None else None)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
@@ -213,7 +269,10 @@ class Trainer:
             x, y = batch(self.val_data, start, min(mb, len(self.val_data) - start))
             x, y = x.to(self.device), y.to(self.device)
             with loss_context(self.layout.tp):
-                total += _local(self.loss_sum(x, y)).item()
+                if self.schedule is not None:
+                    total += self._pipeline_eval(x, y).item()
+                else:
+                    total += _local(self.loss_sum(x, y)).item()
             count += y.numel()
         self.model.train(was_training)
         return {

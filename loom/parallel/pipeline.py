@@ -1,0 +1,199 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`: stage splitting and schedules.
+
+The model's layers are cut into `pp * vpp` chunks (stages). Every rank builds the full model from the
+seed, then keeps deep copies holding only its own stages' layers — the embedding stays on stage 0,
+the final norm and LM head (and the loss) on the last stage. Names are preserved (a stage keeps
+`layers.7` as `layers.7`), so checkpoints are independent of the split.
+
+Stage placement: looped (stage s on rank s mod pp) for `1f1b` and `interleaved`; a "V" (rank r holds
+stages r and 2pp-1-r) for `zero_bubble` with two stages per rank, as ZB-V wants.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from loom.config import Config
+from loom.errors import UserError
+
+
+def chunk_layer_counts(cfg: Config) -> list[int]:
+    """Layers in each of the pp*vpp chunks, first to last; raise UserError for impossible splits."""
+    p, layers = cfg.parallel, cfg.model.layers
+    chunks = p.pp * p.vpp
+    if chunks > layers:
+        raise UserError(
+            f"parallel.pp={p.pp} x parallel.vpp={p.vpp} = {chunks} pipeline stages but model.layers={layers}; "
+            f"every stage needs at least one layer: valid pp x vpp <= {layers}"
+        )
+    first, last = p.first_stage_layers, p.last_stage_layers
+    if chunks == 1:
+        return [layers]
+    rest = layers - first - last
+    middle = chunks - (first > 0) - (last > 0)
+    if first < 0 or last < 0 or rest < 0 or (middle == 0 and rest) or (middle and rest % middle) or (middle and rest < middle):
+        if not first and not last:
+            valid = [d for d in range(1, layers + 1) if layers % d == 0 and d <= layers]
+            raise UserError(
+                f"model.layers={layers} does not split evenly into pp x vpp = {chunks} stages; valid stage "
+                f"counts: {', '.join(map(str, valid))}, or set parallel.first_stage_layers / "
+                "parallel.last_stage_layers for an uneven split"
+            )
+        raise UserError(
+            f"parallel.first_stage_layers={first} and parallel.last_stage_layers={last} leave {rest} of "
+            f"model.layers={layers} for {middle} middle stages, which must split evenly with at least one each"
+        )
+    counts = [rest // middle if middle else 0] * chunks
+    if first:
+        counts[0] = first
+    if last:
+        counts[-1] = last
+    return counts
+
+
+def stage_ids(cfg: Config, pp_rank: int) -> list[int]:
+    p = cfg.parallel
+    if p.schedule == "zero_bubble" and p.vpp == 2:
+        return [pp_rank, 2 * p.pp - 1 - pp_rank]
+    return [pp_rank + v * p.pp for v in range(p.vpp)]
+
+
+def stage_owner(cfg: Config, stage: int) -> int:
+    """The pipeline rank holding `stage`."""
+    p = cfg.parallel
+    if p.schedule == "zero_bubble" and p.vpp == 2:
+        return stage if stage < p.pp else 2 * p.pp - 1 - stage
+    return stage % p.pp
+
+
+@torch.no_grad()
+def forward_through_stages(chunks, ids, cfg: Config, pp_group, x: torch.Tensor):
+    """Forward only, stage after stage, with blocking point-to-point transfers (used for evaluation).
+
+    Returns the last stage's output on the rank that holds it, else None. Every rank of the pipeline
+    group must call it. Hidden states may be sequence shards (SP): each rank exchanges with the rank at
+    the same tensor/data-parallel coordinate, which is what `pp_group` connects.
+    """
+    import torch.distributed as dist
+
+    num_stages = cfg.parallel.pp * cfg.parallel.vpp
+    mine = dict(zip(ids, chunks))
+    peer = lambda stage: dist.get_global_rank(pp_group, stage_owner(cfg, stage))  # noqa: E731
+    here = dist.get_rank()
+    h = x
+    for stage in range(num_stages):
+        if stage not in mine:
+            continue
+        if stage > 0 and peer(stage - 1) != here:  # receive the previous stage's output
+            meta = torch.empty(4, dtype=torch.int64)
+            dist.recv(meta, src=peer(stage - 1))
+            shape = [int(v) for v in meta if v > 0]
+            h = torch.empty(shape, dtype=x.dtype if stage == 0 else torch.float32, device=x.device)
+            dist.recv(h, src=peer(stage - 1))
+        h = mine[stage](h)
+        if stage < num_stages - 1 and peer(stage + 1) != here:
+            h = h.float().contiguous()
+            meta = torch.tensor(list(h.shape) + [0] * (4 - h.dim()), dtype=torch.int64)
+            dist.send(meta, dst=peer(stage + 1))
+            dist.send(h, dst=peer(stage + 1))
+    return h if (num_stages - 1) in mine else None
+
+
+def validate_pipeline(cfg: Config) -> None:
+    p, t = cfg.parallel, cfg.train
+    if p.pp == 1:
+        if p.vpp != 1:
+            raise UserError(f"parallel.vpp={p.vpp} needs pipeline parallelism (parallel.pp > 1); valid: 1")
+        return
+    chunk_layer_counts(cfg)
+    if cfg.model.tie_embeddings:
+        raise UserError(
+            "model.tie_embeddings=true with parallel.pp > 1 is not supported yet (the embedding and the LM head "
+            "live on different stages); set model.tie_embeddings=false or parallel.pp=1"
+        )
+    if p.schedule == "1f1b" and p.vpp != 1:
+        raise UserError(f"parallel.schedule=1f1b runs one stage per rank; with parallel.vpp={p.vpp} use "
+                        "parallel.schedule=interleaved (or zero_bubble)")
+    if p.schedule == "zero_bubble" and p.vpp > 2:
+        raise UserError(f"parallel.schedule=zero_bubble supports parallel.vpp 1 or 2 (ZB-V), not {p.vpp}")
+    micro = t.global_batch // (p.dp * t.micro_batch)
+    stages = p.pp * p.vpp
+    if p.schedule == "1f1b":
+        ok, need = micro >= p.pp, f"at least pp={p.pp}"
+    else:
+        ok, need = micro >= p.pp and micro % p.pp == 0, f"a multiple of pp={p.pp}"
+    if p.schedule == "zero_bubble" and p.vpp == 2:
+        ok, need = micro >= stages, f"at least pp x vpp = {stages}"
+    if not ok:
+        raise UserError(
+            f"parallel.schedule={p.schedule} needs the micro-batch count to be {need}, but train.global_batch="
+            f"{t.global_batch} / (data parallel {p.dp} x train.micro_batch={t.micro_batch}) = {micro}; "
+            f"raise train.global_batch (e.g. {p.dp * t.micro_batch * stages}) or lower train.micro_batch"
+        )
+
+
+def split_stages(model: nn.Module, cfg: Config, pp_rank: int) -> tuple[list[nn.Module], list[int]]:
+    """This rank's stage modules (deep copies of `model` keeping only their layers) and their ids."""
+    counts = chunk_layer_counts(cfg)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    ids = stage_ids(cfg, pp_rank)
+    chunks = []
+    for sid in ids:
+        keep = set(range(starts[sid], starts[sid] + counts[sid]))
+        chunk = copy.deepcopy(model)
+        for name in list(chunk.layers.keys()):
+            if int(name) not in keep:
+                del chunk.layers[name]
+        if sid != 0:
+            chunk.tok_embeddings = None
+            chunk.pos_embeddings = None
+            chunk.embed_dropout = nn.Identity()
+        if sid != len(counts) - 1:
+            chunk.norm = None
+            chunk.output = None
+        chunks.append(chunk)
+    return chunks, ids
+
+
+class RankView(nn.Module):
+    """All of this rank's stage modules under the full model's names (for the optimizer and state dicts)."""
+
+    is_pipeline_view = True
+
+    def __init__(self, chunks: list[nn.Module]):
+        super().__init__()
+        self.cfg = chunks[0].cfg
+        self.layers = nn.ModuleDict()
+        for chunk in chunks:
+            for name, layer in chunk.layers.items():
+                self.layers[name] = layer
+            for attr in ("tok_embeddings", "pos_embeddings", "norm", "output"):
+                if getattr(chunk, attr, None) is not None:
+                    setattr(self, attr, getattr(chunk, attr))
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - the schedule runs the stages
+        raise RuntimeError("a pipeline rank's view is not callable; the schedule runs its stages")
+
+
+def build_schedule(chunks, ids, cfg: Config, pp_group, device: torch.device, n_micro: int, loss_fn):
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (
+        Schedule1F1B,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    num_stages = cfg.parallel.pp * cfg.parallel.vpp
+    stages = [PipelineStage(chunk, sid, num_stages, device, group=pp_group) for chunk, sid in zip(chunks, ids)]
+    kind = cfg.parallel.schedule
+    if kind == "1f1b":
+        return Schedule1F1B(stages[0], n_micro, loss_fn=loss_fn, scale_grads=False), stages
+    if kind == "interleaved":
+        return ScheduleInterleaved1F1B(stages, n_micro, loss_fn=loss_fn, scale_grads=False), stages
+    if cfg.parallel.vpp == 2:
+        return ScheduleZBVZeroBubble(stages, n_micro, loss_fn=loss_fn, scale_grads=False), stages
+    return ScheduleInterleavedZeroBubble(stages, n_micro, loss_fn=loss_fn, scale_grads=False), stages
