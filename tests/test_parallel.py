@@ -21,9 +21,13 @@ MODEL = [
 ]
 
 
-def launch(run_dir, nproc, *extra, check=True):
+# Pipeline cases: 4 layers (so pp x vpp = 4 works) and untied embeddings (they live on different stages).
+PIPE = MODEL + ["model.layers=4", "model.tie_embeddings=false"]
+
+
+def launch(run_dir, nproc, *extra, check=True, base=MODEL):
     cmd = [sys.executable, "-m", "loom.cli", "train", "--config", "tiny", "--run-dir", str(run_dir),
-           "--nproc", str(nproc), *[f"--{o}" for o in MODEL + list(extra)]]
+           "--nproc", str(nproc), *[f"--{o}" for o in base + list(extra)]]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if check:
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -43,6 +47,13 @@ def final_weights(run_dir):
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("single") / "run"
     assert main(["train", "--config", "tiny", "--run-dir", str(run_dir), *[f"--{o}" for o in MODEL]]) == 0
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def pipe_reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single-pipe") / "run"
+    assert main(["train", "--config", "tiny", "--run-dir", str(run_dir), *[f"--{o}" for o in PIPE]]) == 0
     return run_dir
 
 
@@ -87,6 +98,29 @@ def test_layout_matches_single_process(name, reference, tmp_path):
     nproc, layout = LAYOUTS[name]
     launch(tmp_path / "run", nproc, *layout)
     assert_same_run(tmp_path / "run", reference)
+
+
+PIPE_LAYOUTS = {
+    "pp2-1f1b": (2, ["parallel.pp=2"]),
+    "pp2-interleaved": (2, ["parallel.pp=2", "parallel.schedule=interleaved"]),
+    "pp2-zero_bubble": (2, ["parallel.pp=2", "parallel.schedule=zero_bubble"]),
+    "pp2-uneven": (2, ["parallel.pp=2", "parallel.first_stage_layers=1"]),
+    "pp4-1f1b": (4, ["parallel.pp=4"]),
+    "pp2-vpp2-interleaved": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"]),
+    "pp2-vpp2-zbv": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zero_bubble"]),
+    "pp2-tp2-sp": (4, ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true"]),
+    "pp2-dp_shard2": (4, ["parallel.pp=2", "parallel.dp_shard=2"]),
+    "tp2-pp2-dp_shard2": (8, ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2", "parallel.dp_shard=2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(PIPE_LAYOUTS))
+def test_pipeline_layout_matches_single_process(name, pipe_reference, tmp_path):
+    nproc, layout = PIPE_LAYOUTS[name]
+    launch(tmp_path / "run", nproc, *layout, base=PIPE)
+    assert_same_run(tmp_path / "run", pipe_reference)
+    steps, _ = metrics(tmp_path / "run")
+    assert all(0 <= r["pipeline_bubble"] < 50 for r in steps)
 
 
 def test_tp4_without_sp_and_gpt_architecture(tmp_path):
@@ -170,17 +204,38 @@ def test_bf16_moments_fully_sharded_match_one_process(tmp_path):
     assert moments and all(m.dtype == _torch.bfloat16 for m in moments)
 
 
-def test_resume_across_layouts(tmp_path, reference):
-    """A checkpoint saved under tp=2 x dp_shard=2 resumes on one process (full-state checkpoints)."""
-    launch(tmp_path / "run", 4, "parallel.tp=2", "parallel.dp_shard=2", "checkpoint.interval=3")
+def test_resume_across_layouts(tmp_path, pipe_reference):
+    """A checkpoint saved under tp=2 x pp=2 resumes under dp_shard=2 (full-state checkpoints)."""
+    launch(tmp_path / "run", 4, "parallel.tp=2", "parallel.pp=2", "checkpoint.interval=3", base=PIPE)
     ckpts = tmp_path / "run" / "checkpoints"
     import shutil
 
     shutil.rmtree(ckpts / "step-6")
     (ckpts / "latest").write_text("step-3\n")
-    assert main(["train", "--config", "tiny", "--run-dir", str(tmp_path / "run"),
-                 *[f"--{o}" for o in MODEL], "--checkpoint.resume=true"]) == 0
-    assert_same_run(tmp_path / "run", reference, rtol=1e-4)
+    launch(tmp_path / "run", 2, "parallel.dp_shard=2", "checkpoint.resume=true", base=PIPE)
+    assert_same_run(tmp_path / "run", pipe_reference, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "nproc, extra, fragments",
+    [
+        (2, ["parallel.pp=2", "model.tie_embeddings=true"], ["tie_embeddings"]),
+        (4, ["parallel.pp=4", "parallel.vpp=2"], ["= 8 pipeline stages", "model.layers=4"]),
+        (2, ["parallel.pp=2", "model.layers=5"], ["does not split evenly", "first_stage_layers"]),
+        (2, ["parallel.pp=2", "train.global_batch=2"], ["micro-batch count", "= 1"]),
+        (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved", "train.global_batch=6"],
+         ["multiple of pp=2"]),
+        (2, ["parallel.pp=2", "parallel.vpp=2"], ["schedule=1f1b", "interleaved"]),
+    ],
+)
+def test_bad_pipeline_layouts_refused(capsys, tmp_path, nproc, extra, fragments):
+    argv = ["train", "--config", "tiny", "--run-dir", str(tmp_path / "r"), "--nproc", str(nproc),
+            *[f"--{o}" for o in PIPE + extra]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    for f in fragments:
+        assert f in err, err
+    assert not (tmp_path / "r").exists()
 
 
 def _sp_memory_worker():

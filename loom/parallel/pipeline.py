@@ -12,6 +12,7 @@ stages r and 2pp-1-r) for `zero_bubble` with two stages per rank, as ZB-V wants.
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from torch import nn
@@ -178,6 +179,35 @@ class RankView(nn.Module):
         raise RuntimeError("a pipeline rank's view is not callable; the schedule runs its stages")
 
 
+class WaitTimer:
+    """Seconds this process spent blocked on pipeline point-to-point transfers.
+
+    torch.distributed.pipelining waits for every batch of sends/receives through one module-level
+    function; `install` wraps it with a clock. The bubble of a step is that waiting time over the
+    time the rank computed: theory says (p - 1) / (v * m) for 1F1B (v = 1) and interleaved schedules.
+    """
+
+    seconds = 0.0
+
+    @classmethod
+    def install(cls) -> None:
+        from torch.distributed.pipelining import schedules
+
+        original = schedules._wait_batch_p2p
+        if getattr(original, "loom_timed", False):
+            return
+
+        def timed(work):
+            t0 = time.perf_counter()
+            try:
+                return original(work)
+            finally:
+                cls.seconds += time.perf_counter() - t0
+
+        timed.loom_timed = True
+        schedules._wait_batch_p2p = timed
+
+
 def build_schedule(chunks, ids, cfg: Config, pp_group, device: torch.device, n_micro: int, loss_fn):
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import (
@@ -187,6 +217,7 @@ def build_schedule(chunks, ids, cfg: Config, pp_group, device: torch.device, n_m
         ScheduleZBVZeroBubble,
     )
 
+    WaitTimer.install()
     num_stages = cfg.parallel.pp * cfg.parallel.vpp
     stages = [PipelineStage(chunk, sid, num_stages, device, group=pp_group) for chunk, sid in zip(chunks, ids)]
     kind = cfg.parallel.schedule

@@ -186,11 +186,19 @@ class Trainer:
 
     def _pipeline_step(self, x, y) -> torch.Tensor:
         """One schedule step over this rank's batch; the summed token loss (0 off the last stage)."""
+        from loom.parallel.pipeline import WaitTimer
+
         losses: list = []
         args = (x,) if self.has_first else ()
         kwargs = {"target": y, "losses": losses} if self.has_last else {}
+        WaitTimer.seconds = 0.0
+        t0 = time.perf_counter()
         with self._autocast():
             self.schedule.step(*args, **kwargs)
+        elapsed = time.perf_counter() - t0
+        # Bubble: time blocked on pipeline transfers over time computing, averaged over ranks.
+        bubble = torch.tensor(WaitTimer.seconds / max(elapsed - WaitTimer.seconds, 1e-9))
+        self.last_bubble = (_all_reduce_sum(bubble) / self.layout.world_size).item()
         if not losses:
             return torch.zeros((), device=self.device)
         return sum(_local(loss).detach() for loss in losses) / self.loss_scale
@@ -243,7 +251,10 @@ class Trainer:
         self.state.consumed_samples += t.global_batch
         # Every rank of a TP group holds the same loss: sum over all ranks, divide by tp.
         loss = _all_reduce_sum(loss_sum) / layout.tp / total_tokens
-        return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        out = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        if self.schedule is not None:
+            out["pipeline_bubble"] = self.last_bubble
+        return out
 
     # --- evaluation -------------------------------------------------------------------------------
 
