@@ -10,12 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loom.config import Config
+from loom.config import Config, _divisors
 from loom.errors import UserError
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def valid_tp_sizes(cfg: Config) -> list[int]:
