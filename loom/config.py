@@ -202,10 +202,23 @@ class CheckpointConfig:
 
 @dataclass
 class RecomputeConfig:
-    mode: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation (see loom/parallel/recompute.py)."""
+
+    mode: Literal["none", "selective", "full", "budget"] = "none"
+    method: Literal["uniform", "block"] = "uniform"  # full: every layer, or the first num_layers per stage
+    num_layers: int = 0  # full + block: layers recomputed per pipeline stage (0: all)
+    budget_gib: float = 0.0  # budget: activation memory per rank to fit in
 
     def validate(self) -> None:
-        pass
+        if self.num_layers < 0:
+            raise UserError(f"recompute.num_layers={self.num_layers} must be >= 0")
+        if self.mode == "full" and self.method == "uniform" and self.num_layers > 1:
+            raise UserError(
+                f"recompute.method=uniform recomputes every layer on its own; recompute.num_layers="
+                f"{self.num_layers} applies to method=block (recompute the first N layers of each stage)"
+            )
+        if self.mode == "budget" and not self.budget_gib > 0:
+            raise UserError(f"recompute.mode=budget needs recompute.budget_gib > 0 (got {self.budget_gib})")
 
 
 @dataclass
@@ -229,12 +242,12 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     name: str = "custom"
 
-    def validate(self) -> "Config":
+    def validate(self, measuring: bool = False) -> "Config":
         for section in SECTIONS:
             getattr(self, section).validate()
         from loom.parallel.dims import validate_layout
 
-        validate_layout(self)
+        validate_layout(self, measuring=measuring)
         if self.train.seq_len > self.model.max_seq_len:
             raise UserError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
@@ -277,7 +290,8 @@ def resolve_config_path(name_or_path: str) -> Path:
     return candidate
 
 
-def load_config(name_or_path: str | None = None, overrides: list[str] | dict | None = None) -> Config:
+def load_config(name_or_path: str | None = None, overrides: list[str] | dict | None = None,
+                measuring: bool = False) -> Config:
     """Defaults, then the TOML file, then overrides (`section.key=value` strings or a nested dict)."""
     cfg = Config()
     if name_or_path:
@@ -296,7 +310,7 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | dict | N
             if not sep:
                 raise UserError(f"override {item!r} must look like section.key=value, e.g. train.steps=100")
             set_value(cfg, key.strip().removeprefix("--"), value, parse_text=True)
-    return cfg.validate()
+    return cfg.validate(measuring)
 
 
 def config_from_dict(data: dict) -> Config:

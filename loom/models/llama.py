@@ -70,6 +70,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=cfg.bias)
         self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.hidden, bias=cfg.bias)
+        # The attention core (scores, softmax, dropout, weighted values) as a replaceable callable, so
+        # that recomputation can wrap exactly this part from outside the model.
+        self.core = attention_core
 
     def forward(self, x, rope, cache=None, layer_id: int = 0, start_pos: int = 0):
         bsz, seqlen, _ = x.shape
@@ -82,7 +85,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer_id, k, v, start_pos)
-        out = attention_core(q, k, v, self.kind, self.attn_dropout if self.training else 0.0, start_pos)
+        out = self.core(q, k, v, self.kind, self.attn_dropout if self.training else 0.0, start_pos)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -104,10 +107,12 @@ def attention_core(q, k, v, kind: str, dropout: float, start_pos: int = 0) -> to
         v = v.repeat_interleave(groups, dim=1)
     # "math": the softmax (and its dropout) materialised, as in Korthikanti et al.
     scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-    scores = scores.masked_fill(~_causal_mask(s_q, s_k, q.device), float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    # An additive mask: unlike masked_fill, adding a constant keeps nothing for backward.
+    bias = torch.zeros(s_q, s_k, dtype=scores.dtype, device=q.device)
+    scores = scores + bias.masked_fill_(~_causal_mask(s_q, s_k, q.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # kernels accumulate in fp32; the stored output keeps q's dtype
     if dropout > 0:
-        probs = F.dropout(probs, p=dropout)
+        probs = torch.native_dropout(probs, dropout, True)[0]  # 1-byte mask, as Dropout above
     return torch.matmul(probs, v)
 
 
@@ -133,8 +138,20 @@ class FeedForward(nn.Module):
         return self.w2(F.gelu(self.w1(x)))
 
 
+class Dropout(nn.Module):
+    """Dropout that keeps a 1-byte mask for backward on every device (`nn.Dropout` on CPU keeps a mask
+    in the activation dtype), as activation-memory accounting assumes."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.native_dropout(x, self.p, True)[0] if self.training else x
+
+
 def _dropout(p: float) -> nn.Module:
-    return nn.Dropout(p) if p > 0 else nn.Identity()
+    return Dropout(p) if p > 0 else nn.Identity()
 
 
 class TransformerBlock(nn.Module):

@@ -26,8 +26,12 @@ def valid_tp_sizes(cfg: Config) -> list[int]:
     return sizes
 
 
-def validate_layout(cfg: Config, world_size: int | None = None) -> None:
-    """Raise UserError naming the field, value and valid choices for a layout that cannot work."""
+def validate_layout(cfg: Config, world_size: int | None = None, measuring: bool = False) -> None:
+    """Raise UserError naming the field, value and valid choices for a layout that cannot work.
+
+    `measuring` (loom memory) allows dropout under tensor parallelism: its masks are measured, never
+    trained with.
+    """
     p, m, t = cfg.parallel, cfg.model, cfg.train
     for name in ("cp", "ep"):
         if getattr(p, name) != 1:
@@ -49,7 +53,7 @@ def validate_layout(cfg: Config, world_size: int | None = None) -> None:
                 f"parallel.tp={p.tp} is not possible: {'; '.join(reasons)}; valid tp sizes for this model: "
                 f"{', '.join(map(str, valid_tp_sizes(cfg)))}"
             )
-    if m.dropout > 0 or m.attn_dropout > 0:
+    if (m.dropout > 0 or m.attn_dropout > 0) and not measuring:
         if p.tp > 1:
             raise UserError(
                 "dropout with parallel.tp > 1 needs per-rank random streams, which this build does not have yet; "
@@ -99,17 +103,17 @@ class Layout:
         return self.mesh[names if len(names) > 1 else names[0]]
 
 
-def build_layout(cfg: Config, device_type: str) -> Layout:
+def build_layout(cfg: Config, device_type: str, measuring: bool = False) -> Layout:
     """Create the mesh for an initialised process group (or a trivial layout on one process)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        validate_layout(cfg, 1)
+        validate_layout(cfg, 1, measuring)
         return Layout(mesh=None)
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    validate_layout(cfg, world)
+    validate_layout(cfg, world, measuring)
     p = cfg.parallel
     mesh = init_device_mesh(device_type, (p.pp, p.dp_replicate, p.dp_shard, p.tp),
                             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))

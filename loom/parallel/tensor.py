@@ -111,10 +111,17 @@ class GatherSequence(ParallelStyle):
         state: dict = {}
 
         def pack(t):
+            from loom.memory import SavedTensorLedger  # this hook hides the ledger's: report to it
+
+            ledger = SavedTensorLedger.active
             gathered = state.get("current")
             local = t._local_tensor if isinstance(t, DTensor) else t
             if gathered is None or local.untyped_storage().data_ptr() != gathered.ptr:
+                if ledger is not None:
+                    ledger.record(t)
                 return t
+            if ledger is not None:
+                ledger.record(gathered.shard)
             gathered.pending += 1
             GatherSequence.stats["saved_as_shard"] += 1
             spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None

@@ -1,0 +1,80 @@
+"""Activation recomputation, applied to a built model from outside (the model has no checkpoint code).
+
+- `selective`: recompute the attention core (scores, softmax, dropout, weighted values) in backward —
+  what Korthikanti et al. (2022) found large in memory (5·a·s²·b bytes per layer) and cheap to compute
+  (4·b·s²·h FLOPs). Under SP the gathered inputs of the tensor-parallel regions are never stored
+  either (`loom.parallel.tensor.GatherSequence`), so TP+SP+selective holds 34·s·b·h/t bytes per layer.
+- `full`: recompute whole transformer layers, keeping only each layer's input. `method=uniform`
+  recomputes every layer; `method=block` the first `num_layers` layers of each pipeline stage (the
+  rest keep their activations), as in Megatron.
+- `budget`: per layer, the cheapest set of recomputations that fits `budget_gib` (see `plan_budget`).
+
+Checkpoints are non-reentrant `torch.utils.checkpoint` regions; RNG state is replayed, so dropout
+masks in a recomputed region are the ones of the original forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def _record_inputs(*tensors) -> None:
+    """A checkpoint keeps its inputs alive outside autograd's saved tensors: tell the ledger."""
+    from loom.memory import SavedTensorLedger
+
+    ledger = SavedTensorLedger.active
+    if ledger is not None:
+        for t in tensors:
+            if torch.is_tensor(t):
+                ledger.record(t)
+
+
+def _checkpointed(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        _record_inputs(*args)
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    run.loom_recompute = True
+    return run
+
+
+def recompute_attention_core(block) -> None:
+    attn = block.attention
+    if not getattr(attn.core, "loom_recompute", False):
+        attn.core = _checkpointed(attn.core)
+
+
+def recompute_layer(block) -> None:
+    # Replace the instance's forward (module hooks such as FSDP's still run around it, and names
+    # are unchanged, so checkpoints and parallel plans see the same module).
+    if not getattr(block.forward, "loom_recompute", False):
+        block.forward = _checkpointed(block.forward)
+
+
+def apply_recompute(model, cfg, layer_plan: dict[str, str] | None = None) -> dict[str, str]:
+    """Wrap `model`'s layers per `cfg.recompute`; returns {layer name: none|selective|full}."""
+    rc = cfg.recompute
+    names = list(model.layers.keys())
+    if layer_plan is None:
+        if rc.mode == "none":
+            layer_plan = {n: "none" for n in names}
+        elif rc.mode == "selective":
+            layer_plan = {n: "selective" for n in names}
+        elif rc.mode == "full":
+            count = len(names) if rc.method == "uniform" or rc.num_layers == 0 else rc.num_layers
+            layer_plan = {n: ("full" if i < count else "none") for i, n in enumerate(names)}
+        else:
+            raise ValueError("budget mode needs a layer plan from loom.memory.plan_budget")
+    for name, how in layer_plan.items():
+        block = model.layers[name]
+        if how == "selective":
+            recompute_attention_core(block)
+        elif how == "full":
+            recompute_layer(block)
+    return layer_plan
