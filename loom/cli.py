@@ -1,4 +1,4 @@
-"""The `loom` command: train, generate, convert, preprocess.
+"""The `loom` command: train, memory, generate, convert, preprocess.
 
 Exit codes: 0 success; 2 bad input (a one-paragraph message, no traceback); 1 anything else.
 """
@@ -45,8 +45,8 @@ def cmd_train(args, extra) -> int:
         if args.nnodes > 1 and not args.run_dir:
             raise UserError("--nnodes > 1 needs an explicit --run-dir on storage every node shares")
         run_dir = args.run_dir or default_run_dir(cfg)
-        return launch(cfg, args.config, run_dir, overrides, args.nproc, args.nnodes, args.node_rank,
-                      args.rdzv_endpoint, args.max_restarts)
+        return launch(cfg, ["train", "--config", args.config, "--run-dir", str(run_dir)], overrides, args.nproc,
+                      args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
     from loom.train.trainer import Trainer
 
     trainer = Trainer(cfg, args.run_dir)
@@ -55,6 +55,30 @@ def cmd_train(args, extra) -> int:
         print(f"run directory: {trainer.run_dir}")
         if result:
             print("final eval: " + "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "step"))
+    return 0
+
+
+def cmd_memory(args, extra) -> int:
+    import json
+
+    from loom.config import load_config
+    from loom.launch import in_worker, launch
+    from loom.memory import report
+
+    overrides = split_overrides(extra)
+    cfg = load_config(args.config, overrides, measuring=True)
+    if args.nproc > 1 and not in_worker():
+        command = ["memory", "--config", args.config] + (["--json"] if args.json else [])
+        return launch(cfg, command, overrides, args.nproc, prepare_data=False, measuring=True)
+    result = report(cfg)
+    if result is None:  # not rank 0
+        return 0
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        from loom.memory import format_table
+
+        print(format_table(result))
     return 0
 
 
@@ -141,6 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (node 0), for --nnodes > 1")
     p.add_argument("--max-restarts", type=int, default=0, help="restart the workers this many times on failure")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("memory", help="measure activation memory and FLOPs of a config and layout",
+                       description="Measure the bytes one layer saves for backward (per rank), the FLOPs of a "
+                       "step and the parameter/gradient/optimizer bytes. Overrides as for train.")
+    p.add_argument("--config", required=True)
+    p.add_argument("--nproc", type=int, default=1, help="processes (needed when parallel.tp > 1)")
+    p.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
+    p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser("generate", help="continue a prompt with a trained model")
     p.add_argument("--checkpoint", required=True, help="run dir, checkpoint dir, loom or Hugging Face model dir")

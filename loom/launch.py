@@ -1,4 +1,4 @@
-"""`loom train --nproc N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT]`: start the workers.
+"""`loom train|memory --nproc N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT]`: start the workers.
 
 The launcher validates the config and the layout against the process count *before* any worker
 exists, prepares the tokenizer and token datasets once (so N workers do not race to build the same
@@ -22,8 +22,10 @@ def in_worker() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def launch(cfg: Config, config_arg: str, run_dir: Path, overrides: list[str], nproc: int, nnodes: int,
-           node_rank: int, rdzv_endpoint: str | None, max_restarts: int) -> int:
+def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nnodes: int = 1,
+           node_rank: int = 0, rdzv_endpoint: str | None = None, max_restarts: int = 0,
+           prepare_data: bool = True, measuring: bool = False) -> int:
+    """Start `python -m loom.cli COMMAND... --OVERRIDES` on nproc x nnodes workers."""
     from loom.parallel.dims import validate_layout
 
     if nproc < 1 or nnodes < 1:
@@ -32,12 +34,11 @@ def launch(cfg: Config, config_arg: str, run_dir: Path, overrides: list[str], np
         raise UserError(f"--node-rank={node_rank} must be in 0..{nnodes - 1}")
     if nnodes > 1 and not rdzv_endpoint:
         raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the address of node 0, reachable by all)")
-    validate_layout(cfg, nproc * nnodes)
+    validate_layout(cfg, nproc * nnodes, measuring)
+    if prepare_data:  # build shared caches once, in this process, before the workers start
+        from loom.data.loader import build_datasets, load_tokenizer
 
-    # Build shared caches once, in this process, before the workers start.
-    from loom.data.loader import build_datasets, load_tokenizer
-
-    build_datasets(cfg, load_tokenizer(cfg))
+        build_datasets(cfg, load_tokenizer(cfg))
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -48,14 +49,14 @@ def launch(cfg: Config, config_arg: str, run_dir: Path, overrides: list[str], np
     else:
         argv += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
                  f"--rdzv-id={os.environ.get('LOOM_RUN_ID', 'loom')}"]
-    argv += ["--module", "loom.cli", "train", "--config", config_arg, "--run-dir", str(run_dir)]
+    argv += ["--module", "loom.cli", *command]
     argv += [f"--{o}" for o in overrides]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     try:
         run(parse_args(argv))
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
-        print(f"loom train: {len(exc.failures)} worker(s) failed (exit codes {sorted(codes)}); see their output above",
+        print(f"loom {command[0]}: {len(exc.failures)} worker(s) failed (exit codes {sorted(codes)}); see their output above",
               file=sys.stderr)
         return 2 if codes == {2} else 1
     return 0

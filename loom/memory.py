@@ -91,17 +91,20 @@ class SavedTensorLedger:
         return out
 
 
-def _build(cfg: Config, device, layout=None):
+def _build(cfg: Config, device, layout=None, layer_plan: dict[str, str] | None = None):
     from loom.models.llama import build_model
-    from loom.parallel import parallelize
     from loom.parallel.recompute import apply_recompute
 
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
     model = build_model(cfg.model, device=device, dtype=dtype, seed=None if str(device) == "meta" else 0)
     model.train()
     if layout is not None and layout.tp > 1:
-        parallelize(model, layout, cfg, None)
-    apply_recompute(model, cfg, budget_plan(cfg) if cfg.recompute.mode == "budget" else None)
+        from loom.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, layout.submesh("tp"), cfg.parallel.sp)
+    if cfg.recompute.mode == "budget" and layer_plan is None:
+        layer_plan = plan_budget(cfg, layout, device)["plan"]
+    apply_recompute(model, cfg, layer_plan)
     return model
 
 
@@ -111,12 +114,12 @@ def _batch(cfg: Config, device):
     return x, torch.roll(x, -1, dims=1)
 
 
-def measure_activations(cfg: Config, layout=None, device="meta") -> dict:
+def measure_activations(cfg: Config, layout=None, device="meta", layer_plan=None) -> dict:
     """Saved bytes of one micro-batch's forward on this rank, per layer and per component."""
     from loom.parallel.tensor import loss_context
     from loom.train.trainer import token_loss_sum
 
-    model = _build(cfg, device, layout)
+    model = _build(cfg, device, layout, layer_plan)
     x, y = _batch(cfg, device)
     with loss_context(layout.tp if layout else 1):
         with SavedTensorLedger(model) as ledger:
@@ -134,28 +137,31 @@ def measure_activations(cfg: Config, layout=None, device="meta") -> dict:
     }
 
 
-def count_flops(cfg: Config) -> int:
+def count_flops(cfg: Config, layer_plan=None) -> int:
     """Matmul FLOPs of forward + backward (incl. recomputation) of one micro-batch, unsharded model."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from loom.train.trainer import token_loss_sum
 
-    model = _build(cfg, "meta")
+    model = _build(cfg, "meta", None, layer_plan)
     x, y = _batch(cfg, "meta")
     with FlopCounterMode(display=False) as counter:
         token_loss_sum(model(x), y).backward()
     return counter.get_total_flops()
 
 
-def step_flops(cfg: Config) -> dict:
-    """Model and hardware FLOPs of one optimizer step, summed over all ranks."""
+def _with_mode(cfg: Config, mode: str) -> Config:
     from dataclasses import replace
 
+    return replace(cfg, recompute=replace(cfg.recompute, mode=mode, method="uniform", num_layers=0))
+
+
+def step_flops(cfg: Config, layer_plan=None) -> dict:
+    """Model and hardware FLOPs of one optimizer step, summed over all ranks."""
     micro_batches = cfg.train.global_batch // cfg.train.micro_batch
-    plain = replace(cfg, recompute=replace(cfg.recompute, mode="none"))
     return {
-        "model_flops_per_step": count_flops(plain) * micro_batches,
-        "hardware_flops_per_step": count_flops(cfg) * micro_batches,
+        "model_flops_per_step": count_flops(_with_mode(cfg, "none")) * micro_batches,
+        "hardware_flops_per_step": count_flops(cfg, layer_plan) * micro_batches,
     }
 
 
@@ -170,7 +176,108 @@ def state_bytes(cfg: Config, layout=None) -> dict:
             "optimizer_bytes": per_rank * moment_bytes}
 
 
-def budget_plan(cfg: Config) -> dict[str, str]:  # defined in loom.memory_budget once measured
-    from loom.memory_budget import plan_budget
+def plan_budget(cfg: Config, layout=None, device="meta") -> dict:
+    """The recomputation plan that fits `recompute.budget_gib` with the fewest recomputed FLOPs.
 
-    return plan_budget(cfg)
+    Each layer can keep everything (`none`), recompute its attention core (`selective`) or recompute
+    everything but its input (`full`). The bytes each choice keeps are measured on this rank's layout
+    (the ledger above) and the FLOPs it adds are counted; as the layers are alike, the best plan is
+    found exactly by trying every count of selective and full layers (O(L^2)) — the cheapest in FLOPs
+    among those whose activations fit, ties broken by memory. The budget covers one micro-batch's
+    activations on this rank, everything outside the layers included.
+    """
+    budget = cfg.recompute.budget_gib * 2**30
+    names = [str(i) for i in range(cfg.model.layers)]
+    keep, extra = {}, {}
+    base_flops = count_flops(_with_mode(cfg, "none"))
+    for mode in ("none", "selective", "full"):
+        m = measure_activations(_with_mode(cfg, mode), layout, device)
+        keep[mode] = m["layer_activation_bytes"]
+        outside = m["outside_layers_bytes"]
+        extra[mode] = (count_flops(_with_mode(cfg, mode)) - base_flops) / len(names)
+    best = None
+    for n_full in range(len(names) + 1):
+        for n_sel in range(len(names) - n_full + 1):
+            n_none = len(names) - n_full - n_sel
+            total = outside + n_none * keep["none"] + n_sel * keep["selective"] + n_full * keep["full"]
+            cost = n_sel * extra["selective"] + n_full * extra["full"]
+            if total <= budget and (best is None or (cost, total) < best[:2]):
+                best = (cost, total, n_full, n_sel)
+    if best is None:
+        from loom.errors import UserError
+
+        need = outside + len(names) * keep["full"]
+        raise UserError(
+            f"recompute.budget_gib={cfg.recompute.budget_gib} is below the smallest footprint, full "
+            f"recomputation of every layer: {need / 2**30:.4f} GiB per micro-batch on this rank; raise the "
+            "budget, lower train.micro_batch, or add tensor/sequence parallelism"
+        )
+    cost, total, n_full, n_sel = best
+    plan = {n: ("full" if i < n_full else "selective" if i < n_full + n_sel else "none") for i, n in enumerate(names)}
+    return {"plan": plan, "activation_bytes": total, "extra_flops_per_micro_batch": cost,
+            "per_layer_bytes": keep, "per_layer_extra_flops": extra}
+
+
+def report(cfg: Config) -> dict | None:
+    """Everything `loom memory` prints, measured on this process's layout (None off rank 0)."""
+    import torch.distributed as dist
+
+    from loom.parallel.dims import build_layout
+
+    distributed = False
+    if int(__import__("os").environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+        distributed = True
+    layout = build_layout(cfg, "cpu", measuring=True)
+    if layout.tp > 1 and not layout.distributed:
+        from loom.errors import UserError
+
+        raise UserError(f"parallel.tp={layout.tp} is measured on {layout.tp} processes: add --nproc {cfg.parallel.world_size}")
+    device = "cpu" if layout.distributed else "meta"
+    plan = plan_budget(cfg, layout, device) if cfg.recompute.mode == "budget" else None
+    acts = measure_activations(cfg, layout if layout.distributed else None, device, plan and plan["plan"])
+    result = None
+    if layout.is_main:
+        p, t = cfg.parallel, cfg.train
+        result = {
+            "config": cfg.name,
+            "layout": {"tp": p.tp, "sp": p.sp, "pp": p.pp, "vpp": p.vpp, "dp_replicate": p.dp_replicate,
+                       "dp_shard": p.dp_shard},
+            "recompute": cfg.recompute.mode,
+            "micro_batch": t.micro_batch, "seq_len": t.seq_len, "dtype": t.dtype,
+            **acts,
+            **step_flops(cfg, plan and plan["plan"]),
+            **state_bytes(cfg),
+        }
+        if plan:
+            result["budget_plan"] = plan["plan"]
+    if distributed:
+        dist.destroy_process_group()
+    return result
+
+
+def format_table(r: dict) -> str:
+    gib = lambda n: f"{n / 2**30:10.4f} GiB"  # noqa: E731
+    lay = ", ".join(f"{k}={v}" for k, v in r["layout"].items())
+    lines = [
+        f"loom memory: {r['config']} ({lay}; recompute={r['recompute']}; micro_batch {r['micro_batch']} x "
+        f"seq {r['seq_len']}, {r['dtype']})",
+        "",
+        "activations saved for backward, per rank, one micro-batch:",
+        f"  one transformer layer        {gib(r['layer_activation_bytes'])}  ({r['layer_activation_bytes']:,} bytes)",
+    ]
+    lines += [f"    {name:<26} {gib(n)}" for name, n in sorted(r["breakdown"].items(), key=lambda kv: -kv[1])]
+    lines += [
+        f"  outside the layers           {gib(r['outside_layers_bytes'])}  (embedding, head, loss)",
+        f"  all layers + outside         {gib(r['total_activation_bytes'])}",
+        "",
+        "state per rank (fp32 master weights and gradients):",
+        f"  parameters                   {gib(r['params_bytes'])}  ({r['params_total']:,} parameters in the model)",
+        f"  gradients                    {gib(r['grads_bytes'])}",
+        f"  optimizer                    {gib(r['optimizer_bytes'])}",
+        "",
+        "matmul FLOPs per optimizer step, all ranks:",
+        f"  model (MFU)                  {r['model_flops_per_step']:.4e}",
+        f"  hardware (HFU, recompute)    {r['hardware_flops_per_step']:.4e}",
+    ]
+    return "\n".join(lines)

@@ -9,15 +9,19 @@ from loom.config import Config
 from loom.parallel.dims import Layout, build_layout, validate_layout
 
 
-def parallelize(model: nn.Module, layout: Layout, cfg: Config, compute_dtype: torch.dtype | None) -> nn.Module:
-    """Apply TP(+SP) over the `tp` mesh dimension, then data parallelism over `(dp_replicate, dp_shard)`.
-
-    `model` is the whole model or one pipeline stage of it. Nothing is wrapped on one process.
+def parallelize(model: nn.Module, layout: Layout, cfg: Config, compute_dtype: torch.dtype | None,
+                layer_plan: dict[str, str] | None = None) -> nn.Module:
+    """TP(+SP) over the `tp` mesh dimension, then activation recomputation, then data parallelism over
+    `(dp_replicate, dp_shard)` — torchtitan's order. `model` is the whole model or one pipeline stage.
+    `layer_plan` ({layer: none|selective|full}) overrides `cfg.recompute` (the budget planner's output).
     """
+    from loom.parallel.recompute import apply_recompute
+
     if layout.tp > 1:
         from loom.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, layout.submesh("tp"), cfg.parallel.sp)
+    apply_recompute(model, cfg, layer_plan)
     if layout.dp_size > 1:
         from loom.parallel.data import apply_data_parallel
 

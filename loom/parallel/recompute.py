@@ -61,7 +61,9 @@ def apply_recompute(model, cfg, layer_plan: dict[str, str] | None = None) -> dic
     """Wrap `model`'s layers per `cfg.recompute`; returns {layer name: none|selective|full}."""
     rc = cfg.recompute
     names = list(model.layers.keys())
-    if layer_plan is None:
+    if layer_plan is not None:
+        layer_plan = {n: layer_plan.get(n, "none") for n in names}
+    else:
         if rc.mode == "none":
             layer_plan = {n: "none" for n in names}
         elif rc.mode == "selective":
@@ -70,7 +72,7 @@ def apply_recompute(model, cfg, layer_plan: dict[str, str] | None = None) -> dic
             count = len(names) if rc.method == "uniform" or rc.num_layers == 0 else rc.num_layers
             layer_plan = {n: ("full" if i < count else "none") for i, n in enumerate(names)}
         else:
-            raise ValueError("budget mode needs a layer plan from loom.memory.plan_budget")
+            raise ValueError("recompute.mode=budget needs a layer plan from loom.memory.plan_budget")
     for name, how in layer_plan.items():
         block = model.layers[name]
         if how == "selective":

@@ -130,11 +130,17 @@ class Trainer:
         # Every rank builds the same full model from the seed; parallelize keeps each rank's shards.
         model = build_model(cfg.model, device=self.device, seed=t.seed)
         model.train()
+        self.layer_plan = None
+        if cfg.recompute.mode == "budget":
+            from loom.memory import plan_budget
+
+            measure_on = self.device if self.layout.tp > 1 else "meta"
+            self.layer_plan = plan_budget(cfg, self.layout, measure_on)["plan"]
         self.schedule = None
         if self.layout.pp > 1:
             self._setup_pipeline(model, compute_dtype)
         else:
-            self.model = parallelize(model, self.layout, cfg, compute_dtype)
+            self.model = parallelize(model, self.layout, cfg, compute_dtype, self.layer_plan)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         # Forward and loss as one function, so that compilation can fuse the loss into the head.
         self.loss_sum = torch.compile(self._loss_sum) if t.compile else self._loss_sum
@@ -170,7 +176,7 @@ class Trainer:
         chunks, ids = split_stages(model, cfg, layout.pp_rank)
         self.chunks, self.stage_ids = chunks, ids
         for chunk in chunks:
-            parallelize(chunk, layout, cfg, compute_dtype)
+            parallelize(chunk, layout, cfg, compute_dtype, self.layer_plan)
         self.model = RankView(chunks)
         self.model.pp_size = layout.pp
         num_stages = cfg.parallel.pp * cfg.parallel.vpp

@@ -1,0 +1,191 @@
+"""Activation memory and FLOPs measured against the published formulas (Korthikanti et al. 2022)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import small_config
+from loom.cli import main
+from loom.config import load_config
+from loom.memory import measure_activations, plan_budget, step_flops
+
+
+def korthikanti(t, *extra):
+    return load_config("korthikanti", [f"parallel.tp={t}", *extra], measuring=True)
+
+
+def paper(cfg, case, t):
+    """Bytes per layer per rank, Table 2 of the paper (16-bit activations, 1-byte dropout masks)."""
+    s, b, h, a = cfg.train.seq_len, cfg.train.micro_batch, cfg.model.hidden, cfg.model.heads
+    sbh = s * b * h
+    return {
+        "none": sbh * (34 + 5 * a * s / h),
+        "tp": sbh * (10 + 24 / t + 5 * a * s / (h * t)),
+        "tp+sp": sbh * (34 / t + 5 * a * s / (h * t)),
+        "tp+selective": sbh * (10 + 24 / t),
+        "tp+sp+selective": 34 * sbh / t,
+        "full": 2 * sbh,
+    }[case]
+
+
+CASES = {
+    "tp": [],
+    "tp+sp": ["parallel.sp=true"],
+    "tp+selective": ["recompute.mode=selective"],
+    "tp+sp+selective": ["parallel.sp=true", "recompute.mode=selective"],
+    "full": ["recompute.mode=full"],
+}
+
+
+def _measure_all(t):
+    from loom.parallel.dims import build_layout
+
+    out = {}
+    for case, extra in CASES.items():
+        cfg = korthikanti(t, *extra)
+        out[case] = measure_activations(cfg, build_layout(cfg, "cpu", measuring=True), device="cpu")["layer_activation_bytes"]
+    return out
+
+
+def test_single_process_matches_paper():
+    for case, extra in {"none": [], "tp+selective": ["recompute.mode=selective"], "full": ["recompute.mode=full"]}.items():
+        cfg = korthikanti(1, *extra)
+        got = measure_activations(cfg, device="meta")["layer_activation_bytes"]
+        assert got == pytest.approx(paper(cfg, case, 1), rel=0.03), case
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_tensor_and_sequence_parallel_match_paper(t):
+    from distributed import run_ranks
+
+    results = run_ranks(t, _measure_all, t)
+    for case in CASES:
+        got = results[0][case]
+        assert all(r[case] == got for r in results)  # every rank holds the same
+        assert got == pytest.approx(paper(korthikanti(t), case, t), rel=0.03), case
+
+
+def test_flops_match_paper():
+    cfg = korthikanti(1)
+    m, t = cfg.model, cfg.train
+    B, L, s, h, V = t.global_batch, m.layers, t.seq_len, m.hidden, m.vocab_size
+    base = 72 * B * L * s * h * h
+    none = step_flops(cfg)
+    assert none["model_flops_per_step"] == pytest.approx(base * (1 + s / (6 * h) + V / (12 * h * L)), rel=0.01)
+    assert none["hardware_flops_per_step"] == none["model_flops_per_step"]
+    full = step_flops(korthikanti(1, "recompute.mode=full"))
+    assert full["hardware_flops_per_step"] == pytest.approx(96 * B * L * s * h * h * (1 + s / (6 * h) + V / (16 * h * L)), rel=0.01)
+    # Selective, recomputing the whole attention core once (QK^T and PV: 4Bs^2h per layer): 2s/9h.
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        sel = step_flops(korthikanti(1, "recompute.mode=selective"))
+    assert sel["hardware_flops_per_step"] == pytest.approx(base * (1 + 2 * s / (9 * h) + V / (12 * h * L)), rel=0.01)
+    # loom's default stops recomputing once backward has what it needs: PV's output is not needed,
+    # so only QK^T is redone (2Bs^2h per layer): 1 + s/6h + s/36h.
+    sel = step_flops(korthikanti(1, "recompute.mode=selective"))
+    assert sel["hardware_flops_per_step"] == pytest.approx(base * (1 + 7 * s / (36 * h) + V / (12 * h * L)), rel=0.01)
+
+
+def llama_formula(cfg, t=1, sp=False):
+    """loom's Llama layer (RMSNorm, SDPA, SwiGLU, GQA, no dropout, 16-bit), bytes per rank.
+
+    RMSNorm keeps an fp32 copy of its input (4sbh) and its bf16 normalised output (2sbh) plus fp32
+    1/rms (4bs); attention keeps its input (2sbh), q (2sbh), k and v (2sbh*g/a each), and SDPA's
+    output (2sbh, shared with the output projection's input) and fp32 log-sum-exp (4abs); the MLP
+    keeps its input (2sbh) and four [s,b,f] tensors: w1 and w3 outputs, SiLU output, their product
+    (8sbf). No s^2 term: SDPA never stores the score matrix.
+        t = 1:  sbh(20 + 4g/a + 8f/h) + 4bs(a + 2)
+        TP:     sbh(16 + (4 + 4g/a + 8f/h)/t) + 4bs(2 + a/t)
+        TP+SP:  [sbh(20 + 4g/a + 8f/h) + 4bs(a + 2)] / t
+    """
+    s, b, h = cfg.train.seq_len, cfg.train.micro_batch, cfg.model.hidden
+    a, g, f = cfg.model.heads, cfg.model.kv_heads, cfg.model.ffn_hidden
+    sbh = s * b * h
+    if t == 1 or sp:
+        return (sbh * (20 + 4 * g / a + 8 * f / h) + 4 * b * s * (a + 2)) / t
+    return sbh * (16 + (4 + 4 * g / a + 8 * f / h) / t) + 4 * b * s * (2 + a / t)
+
+
+LLAMA = ["train.dtype=bfloat16", "model.layers=2", "model.hidden=256", "model.heads=8", "model.ffn_hidden=688",
+         "model.vocab_size=1024", "train.seq_len=128", "train.micro_batch=2", "data.corpus_max_bytes=300000"]
+
+
+@pytest.mark.parametrize("kv", [8, 2])
+def test_llama_layer_matches_derived_formula(kv):
+    cfg = load_config("tiny", LLAMA + [f"model.kv_heads={kv}"])
+    got = measure_activations(cfg, device="cpu")["layer_activation_bytes"]
+    assert got == pytest.approx(llama_formula(cfg), rel=0.03)
+
+
+def _llama_tp(t):
+    from loom.parallel.dims import build_layout
+
+    out = {}
+    for sp in (False, True):
+        cfg = load_config("tiny", LLAMA + ["model.kv_heads=4", f"parallel.tp={t}", f"parallel.sp={str(sp).lower()}"])
+        out[sp] = measure_activations(cfg, build_layout(cfg, "cpu"), device="cpu")["layer_activation_bytes"]
+    return out
+
+
+def test_llama_tensor_parallel_matches_derived_formula():
+    from distributed import run_ranks
+
+    got = run_ranks(2, _llama_tp, 2)[0]
+    cfg = load_config("tiny", LLAMA + ["model.kv_heads=4"])
+    assert got[False] == pytest.approx(llama_formula(cfg, 2, sp=False), rel=0.03)
+    assert got[True] == pytest.approx(llama_formula(cfg, 2, sp=True), rel=0.03)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full", "budget"])
+def test_every_recompute_mode_trains_like_none(tmp_path, mode):
+    from loom.train.trainer import Trainer
+
+    extra = ["model.attention=math", "model.dropout=0.1", "model.attn_dropout=0.1"]
+    ref = Trainer(small_config(*extra), tmp_path / "none", quiet=True)
+    ref.fit()
+    budget = []
+    if mode == "budget":  # between the selective and none footprints of this model
+        totals = [measure_activations(small_config(*extra, f"recompute.mode={m}"))["total_activation_bytes"]
+                  for m in ("none", "selective")]
+        budget = [f"recompute.budget_gib={sum(totals) / 2 / 2**30}"]
+    run = Trainer(small_config(*extra, f"recompute.mode={mode}", *budget), tmp_path / mode, quiet=True)
+    run.fit()
+    rows = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]  # noqa: E731
+    for a, b in zip(rows(tmp_path / "none"), rows(tmp_path / mode)):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+
+
+def test_budget_between_selective_and_none_fits_and_costs_no_more_than_selective():
+    base = korthikanti(1)
+    none = measure_activations(base, device="meta")
+    sel = measure_activations(korthikanti(1, "recompute.mode=selective"), device="meta")
+    total_none, total_sel = none["total_activation_bytes"], sel["total_activation_bytes"]
+    budget = (total_sel + total_none) / 2
+    cfg = korthikanti(1, "recompute.mode=budget", f"recompute.budget_gib={budget / 2**30}")
+    plan = plan_budget(cfg)
+    measured = measure_activations(cfg, device="meta", layer_plan=plan["plan"])["total_activation_bytes"]
+    assert measured <= budget
+    assert measured == plan["activation_bytes"]
+    sel_flops = step_flops(korthikanti(1, "recompute.mode=selective"))["hardware_flops_per_step"]
+    assert step_flops(cfg, plan["plan"])["hardware_flops_per_step"] <= sel_flops
+    assert "selective" in plan["plan"].values() and "full" not in plan["plan"].values()
+    # A budget below everything-selective needs full recomputation of some layers.
+    tight = korthikanti(1, "recompute.mode=budget", f"recompute.budget_gib={(total_sel - 1) / 2**30}")
+    plan = plan_budget(tight)
+    assert "full" in plan["plan"].values()
+    assert measure_activations(tight, device="meta", layer_plan=plan["plan"])["total_activation_bytes"] < total_sel
+
+
+def test_loom_memory_cli(capsys):
+    assert main(["memory", "--config", "korthikanti", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ["layer_activation_bytes", "model_flops_per_step", "hardware_flops_per_step", "breakdown",
+                "params_bytes", "grads_bytes", "optimizer_bytes"]:
+        assert key in out
+    cfg = korthikanti(1)
+    assert out["layer_activation_bytes"] == pytest.approx(paper(cfg, "none", 1), rel=0.03)
+    assert main(["memory", "--config", "korthikanti"]) == 0
+    assert "one transformer layer" in capsys.readouterr().out
+    assert main(["memory", "--config", "korthikanti", "--parallel.tp=2"]) == 2
+    assert "--nproc 2" in capsys.readouterr().err
