@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/parallel_cpu.py [--steps 12] [--out bench/results/parallel_cpu.json]
 
-Every layout trains the same global batch (16 x 256 tokens) on the same 2 cores: one process with 2
+Every layout trains the same global batch (16 x 256 tokens, micro-batches of 8) on the same 2 cores: one process with 2
 threads, or 2 processes with 1 thread each. On a CPU the processes compete for the same cores and
 gloo moves tensors through memory, so this measures the overhead of the DTensor / FSDP2 machinery
 and of the collectives, not a speed-up. Throughput is the median over steps after the first 3.
@@ -43,7 +43,8 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [sys.executable, "-m", "loom.cli", "train", "--config", "tiny", "--run-dir", f"{tmp}/run",
                    "--nproc", str(nproc), f"--train.steps={args.steps}", "--train.eval_samples=16",
-                   "--log.progress=none", "--log.tensorboard=false", "--checkpoint.save_final=false", *extra]
+                   "--train.micro_batch=8", "--log.progress=none", "--log.tensorboard=false", "--checkpoint.save_final=false",
+                   *extra]
             env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
             subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True)
             rows = [json.loads(x) for x in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
