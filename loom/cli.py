@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from loom.errors import UserError
+from loom.errors import TrainingDiverged, UserError
 
 
 def split_overrides(extra: list[str]) -> list[str]:
@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"loom {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingDiverged as exc:
+        print(f"loom {args.command}: training diverged: {exc}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -117,11 +117,12 @@ class TrainConfig:
     log_interval: int = 1
     compile: bool = False
     threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
+    max_skipped_consecutive: int = 5  # non-finite loss/grad steps skipped in a row before stopping (exit 3)
 
     def validate(self) -> None:
         for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_samples", "log_interval"):
             _positive(f"train.{name}", getattr(self, name))
-        for name in ("eval_interval", "threads"):
+        for name in ("eval_interval", "threads", "max_skipped_consecutive"):
             if getattr(self, name) < 0:
                 raise UserError(f"train.{name}={getattr(self, name)} must be >= 0")
         if self.global_batch % self.micro_batch:

@@ -19,3 +19,9 @@ def closest(word: str, choices, n: int = 1) -> str:
     """A ' (did you mean X?)' suffix for the closest of `choices`, or '' when none is close."""
     match = difflib.get_close_matches(word, list(choices), n=n, cutoff=0.5)
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+class TrainingDiverged(Exception):
+    """Too many consecutive non-finite steps; the message says where it went non-finite. Exit code 3."""
+
+    exit_code = 3

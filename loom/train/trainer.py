@@ -13,6 +13,9 @@ import gzip
 import lzma
 import math
 import resource
+import signal
+import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 from loom import flops
 from loom.config import Config
 from loom.data.loader import batch, build_datasets, load_tokenizer
-from loom.errors import UserError
+from loom.errors import TrainingDiverged, UserError
 from loom.models.llama import build_model
 from loom.parallel import build_layout, parallelize
 from loom.parallel.data import set_gradient_sync
@@ -146,6 +149,8 @@ class Trainer:
         self.loss_sum = torch.compile(self._loss_sum) if t.compile else self._loss_sum
 
         self.state = TrainState()
+        self.skipped_steps = self.skipped_in_a_row = 0
+        self.stop_signal: int | None = None
         self.tokenizer_path = self.run_dir / "tokenizer.json"
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -251,13 +256,19 @@ class Trainer:
                 loss_sum += _local(micro_loss).detach()
         grad_norm = clip_grad_norm(self.model.parameters(), t.grad_clip,
                                    self.pp_group if self.schedule is not None else None)
-        self.optimizer.step()
+        # Every rank of a TP group holds the same loss: sum over all ranks, divide by tp.
+        loss = (_all_reduce_sum(loss_sum) / layout.tp / total_tokens).item()
+        finite = math.isfinite(loss) and math.isfinite(grad_norm.item())  # same verdict on every rank
+        if finite:
+            self.optimizer.step()
+            self.skipped_in_a_row = 0
+        else:  # skip the update; the batch counts as consumed
+            self.skipped_steps += 1
+            self.skipped_in_a_row += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.consumed_samples += t.global_batch
-        # Every rank of a TP group holds the same loss: sum over all ranks, divide by tp.
-        loss = _all_reduce_sum(loss_sum) / layout.tp / total_tokens
-        out = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        out = {"loss": loss, "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": self.skipped_steps}
         if self.schedule is not None:
             out["pipeline_bubble"] = self.last_bubble
         return out
@@ -320,6 +331,17 @@ class Trainer:
         if resumed:
             progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
         last_eval: dict = {}
+        self.stopped_at = None
+
+        def on_signal(signum, frame):
+            if self.stop_signal is not None:  # asked twice: stop now
+                raise KeyboardInterrupt
+            self.stop_signal = signum
+
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, on_signal)
         try:
             while self.state.step < t.steps:
                 t0 = time.perf_counter()
@@ -337,8 +359,8 @@ class Trainer:
                 }
                 metrics.write(row)
                 progress.update(row)
-                if not math.isfinite(row["loss"]):
-                    raise RuntimeError(f"loss became {row['loss']} at step {self.state.step}")
+                if self.skipped_in_a_row >= t.max_skipped_consecutive:
+                    raise TrainingDiverged(self.diagnose())
                 last = self.state.step == t.steps
                 if (t.eval_interval and self.state.step % t.eval_interval == 0) or last:
                     last_eval = {"step": self.state.step, **self.evaluate()}
@@ -347,9 +369,62 @@ class Trainer:
                         f"eval step {self.state.step}: val_loss {last_eval['val_loss']:.4f}  val_bpb "
                         f"{last_eval['val_bpb']:.3f}  (gzip {last_eval['gzip_bpb']:.3f}, xz {last_eval['xz_bpb']:.3f})"
                     )
-                if (ck.interval and self.state.step % ck.interval == 0) or (last and ck.save_final):
+                stop = self._stop_requested()
+                if (ck.interval and self.state.step % ck.interval == 0) or (last and ck.save_final) or stop:
                     self.save()
+                if stop:
+                    self.stopped_at = self.state.step
+                    if self.is_main:  # always shown, whatever the progress setting
+                        print(f"stopped by signal {self.stop_signal or 'on another rank'} after step "
+                              f"{self.state.step}; checkpoint saved. Resume with: loom train --config "
+                              f"{self.cfg.name} --run-dir {self.run_dir} --checkpoint.resume=true",
+                              file=sys.stderr, flush=True)
+                    break
         finally:
             progress.close()
             metrics.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         return last_eval
+
+    def _stop_requested(self) -> bool:
+        """A SIGTERM/SIGINT arrived (on any rank): every rank stops after the same step."""
+        flag = torch.tensor(1.0 if self.stop_signal is not None else 0.0)
+        if self.layout.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def diagnose(self) -> str:
+        """Where the run went non-finite: non-finite parameters, and the first module whose forward
+        output is non-finite on the current batch (this rank's view; the main rank reports)."""
+        rank = self.layout.rank
+        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(_local(p.detach())).all()]
+        first = None
+        if self.schedule is None:
+            hooks = []
+
+            def check(name):
+                def hook(module, inputs, output):
+                    nonlocal first
+                    out = output[0] if isinstance(output, tuple) else output
+                    if first is None and torch.is_tensor(out) and not torch.isfinite(_local(out.detach())).all():
+                        first = name
+                return hook
+
+            for name, module in self.model.named_modules():
+                if name:
+                    hooks.append(module.register_forward_hook(check(name)))
+            x, _ = batch(self.train_data, max(0, self.state.consumed_samples - self.cfg.train.global_batch),
+                         self.cfg.train.micro_batch)
+            with torch.no_grad(), self._autocast():
+                self.model(x.to(self.device))
+            for h in hooks:
+                h.remove()
+        where = (f"first non-finite output: {first}" if first else "forward outputs finite on the last batch")
+        params = f"non-finite parameters: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}" if bad else \
+            "all parameters finite (the gradients or the loss overflowed)"
+        return (f"stopped after {self.skipped_in_a_row} consecutive steps with a non-finite loss or gradient norm "
+                f"(train.max_skipped_consecutive={self.cfg.train.max_skipped_consecutive}), at step {self.state.step}, "
+                f"rank {rank}: {where}; {params}. Lower optim.lr, check the data, or resume from an earlier checkpoint")

@@ -1,0 +1,94 @@
+"""Preemption (SIGTERM), non-finite steps, and the diagnosis when a run diverges."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, SMALL, small_config
+from loom.cli import main
+from loom.errors import TrainingDiverged
+from loom.train.trainer import Trainer
+
+
+def losses(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_sigterm_saves_and_resume_matches_uninterrupted_run(tmp_path):
+    steps = ["--train.steps=120", "--train.eval_samples=4"]
+    args = ["train", "--config", "tiny", *[f"--{o}" for o in SMALL], *steps]
+    full = tmp_path / "full"
+    assert main([*args, "--run-dir", str(full)]) == 0
+
+    run_dir = tmp_path / "stopped"
+    proc = subprocess.Popen([sys.executable, "-m", "loom.cli", *args, "--run-dir", str(run_dir)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "--checkpoint.resume=true" in out + err
+    stopped_at = len(losses(run_dir))
+    assert 5 <= stopped_at < 120
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{stopped_at}"
+
+    assert main([*args, "--run-dir", str(run_dir), "--checkpoint.resume=true"]) == 0
+    assert losses(run_dir) == losses(full)  # bit-exact: same losses, in fp32, as the uninterrupted run
+
+
+def test_one_non_finite_step_is_skipped(tmp_path):
+    trainer = Trainer(small_config("train.steps=5"), tmp_path / "r", quiet=True)
+    weight = trainer.model.layers["1"].feed_forward.w2.weight
+    calls = {"n": 0}
+
+    def poison_once(grad):
+        calls["n"] += 1
+        # 2 micro-batches per step: call 5 is the first micro-batch of step 3
+        return torch.full_like(grad, float("nan")) if calls["n"] == 5 else grad
+
+    weight.register_hook(poison_once)
+    before = {}
+    original_step = trainer.train_step
+
+    def step_and_record():
+        before[trainer.state.step + 1] = weight.detach().clone()
+        return original_step()
+
+    trainer.train_step = step_and_record
+    trainer.fit()
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1]
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert torch.equal(before[3], before[4])  # the skipped step 3 left the weights as they were
+    assert not torch.equal(before[2], before[3]) and not torch.equal(before[4], weight.detach())
+
+
+def test_divergence_stops_with_exit_3_and_names_the_tensor(tmp_path, capsys):
+    trainer = Trainer(small_config("train.steps=20", "train.max_skipped_consecutive=3"), tmp_path / "r", quiet=True)
+    with torch.no_grad():
+        trainer.model.layers["1"].feed_forward.w3.weight[0, 0] = float("inf")
+    with pytest.raises(TrainingDiverged) as err:
+        trainer.fit()
+    message = str(err.value)
+    assert "3 consecutive steps" in message and "step 3" in message
+    assert "layers.1.feed_forward.w3" in message  # the first module whose output is non-finite
+    assert "non-finite parameters: layers.1.feed_forward.w3.weight" in message
+
+
+def test_divergence_exit_code_through_cli(tmp_path, capsys):
+    code = main(["train", "--config", "tiny", "--run-dir", str(tmp_path / "r"), *[f"--{o}" for o in SMALL],
+                 "--optim.lr=1e30", "--optim.warmup_steps=0", "--train.grad_clip=0", "--train.steps=30",
+                 "--train.max_skipped_consecutive=2"])
+    assert code == 3
+    assert "training diverged" in capsys.readouterr().err
