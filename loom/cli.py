@@ -39,6 +39,8 @@ def cmd_train(args, extra) -> int:
 
     overrides = split_overrides(extra)
     cfg = load_config(args.config, overrides)
+    if args.nproc < 1 or args.nnodes < 1:
+        raise UserError(f"--nproc={args.nproc} and --nnodes={args.nnodes} must be >= 1")
     if (args.nproc > 1 or args.nnodes > 1) and not in_worker():
         from loom.train.trainer import default_run_dir
 
@@ -101,6 +103,9 @@ def cmd_generate(args, extra) -> int:
     ids = tok.encode(args.prompt)
     if not ids:
         raise UserError("--prompt is empty; give some text to continue")
+    if len(ids) >= model.cfg.max_seq_len:
+        raise UserError(f"--prompt is {len(ids)} tokens; this model's context is {model.cfg.max_seq_len} "
+                        "tokens, so the prompt must be shorter")
     out = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                    eos_id=tok.eod_id, seed=args.seed)
     new = [i for i in out[0, len(ids):].tolist() if i != tok.eod_id]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,8 +68,8 @@ class ModelConfig:
             if not 0.0 <= value < 1.0:
                 raise UserError(f"model.{name}={value} must be in [0, 1)")
         for name in ("norm_eps", "rope_theta", "init_std"):
-            if not getattr(self, name) > 0:
-                raise UserError(f"model.{name}={getattr(self, name)} must be > 0")
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise UserError(f"model.{name}={getattr(self, name)} must be a finite number > 0")
 
 
 @dataclass
@@ -154,13 +153,13 @@ class OptimConfig:
             raise UserError(f"optim.lr={self.lr} must be a positive finite number, e.g. 3e-4")
         if not 0 <= self.min_lr <= self.lr:
             raise UserError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
-        if self.weight_decay < 0:
-            raise UserError(f"optim.weight_decay={self.weight_decay} must be >= 0")
+        if not (0 <= self.weight_decay and math.isfinite(self.weight_decay)):
+            raise UserError(f"optim.weight_decay={self.weight_decay} must be a finite number >= 0")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise UserError(f"optim.{name}={getattr(self, name)} must be in [0, 1)")
-        if not self.eps > 0:
-            raise UserError(f"optim.eps={self.eps} must be > 0")
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise UserError(f"optim.eps={self.eps} must be a finite number > 0")
         for name in ("warmup_steps", "decay_steps"):
             if getattr(self, name) < 0:
                 raise UserError(f"optim.{name}={getattr(self, name)} must be >= 0")
@@ -390,8 +389,6 @@ def coerce(name: str, value: Any, hint: Any, parse_text: bool) -> Any:
         if isinstance(value, str):
             return value
         raise UserError(f"{name}={value!r} must be a string")
-    if isinstance(hint, types.UnionType):  # pragma: no cover - no such fields today
-        raise TypeError(f"unsupported config type for {name}: {hint}")
     raise TypeError(f"unsupported config type for {name}: {hint}")
 
 

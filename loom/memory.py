@@ -233,9 +233,14 @@ def report(cfg: Config) -> dict | None:
         from loom.errors import UserError
 
         raise UserError(f"parallel.tp={layout.tp} is measured on {layout.tp} processes: add --nproc {cfg.parallel.world_size}")
-    device = "cpu" if layout.distributed else "meta"
+    if cfg.parallel.pp > 1:
+        from loom.errors import UserError
+
+        raise UserError("loom memory measures one rank of a layout without pipeline stages; set parallel.pp=1 "
+                        "(a stage holds layers/pp of the layers, each as measured here)")
+    device = "cpu" if layout.tp > 1 else "meta"
     plan = plan_budget(cfg, layout, device) if cfg.recompute.mode == "budget" else None
-    acts = measure_activations(cfg, layout if layout.distributed else None, device, plan and plan["plan"])
+    acts = measure_activations(cfg, layout if layout.tp > 1 else None, device, plan and plan["plan"])
     result = None
     if layout.is_main:
         p, t = cfg.parallel, cfg.train

@@ -92,3 +92,62 @@ def test_divergence_exit_code_through_cli(tmp_path, capsys):
                  "--train.max_skipped_consecutive=2"])
     assert code == 3
     assert "training diverged" in capsys.readouterr().err
+
+
+def _children(pid):
+    """Worker PIDs (loom.cli processes) whose parent is `pid` (Linux /proc)."""
+    import os
+
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read() if os.path.exists(f"/proc/{entry}/cmdline") else b""
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"loom.cli" in cmdline:
+                out.append(int(entry))
+    return out
+
+
+def test_killed_worker_is_restarted_and_run_completes_like_undisturbed(tmp_path):
+    import os
+
+    args = ["train", "--config", "tiny", *[f"--{o}" for o in SMALL], "--train.steps=40", "--checkpoint.interval=2",
+            "--parallel.dp_shard=2", "--nproc", "2"]
+    full = tmp_path / "full"
+    assert subprocess.run([sys.executable, "-m", "loom.cli", *args, "--run-dir", str(full)], cwd=ROOT,
+                          capture_output=True).returncode == 0
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "loom.cli", *args, "--run-dir", str(run_dir), "--max-restarts", "1"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and not (run_dir / "checkpoints" / "latest").exists():
+        time.sleep(0.05)
+    time.sleep(0.5)
+    workers = _children(proc.pid)
+    assert workers, "no worker processes found"
+    os.kill(workers[-1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert losses(run_dir)[-1] == pytest.approx(losses(full)[-1], rel=1e-6)
+    assert len(losses(run_dir)) == 40
+
+
+def test_killed_worker_without_restarts_stops_promptly(tmp_path):
+    import os
+
+    args = ["train", "--config", "tiny", *[f"--{o}" for o in SMALL], "--train.steps=400", "--parallel.dp_shard=2",
+            "--nproc", "2", "--run-dir", str(tmp_path / "r")]
+    proc = subprocess.Popen([sys.executable, "-m", "loom.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and not ((tmp_path / "r" / "metrics.jsonl").exists()
+                                          and (tmp_path / "r" / "metrics.jsonl").read_text().count("\n") >= 2):
+        time.sleep(0.05)
+    os.kill(_children(proc.pid)[-1], signal.SIGKILL)
+    t0 = time.time()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.time() - t0 < 60
+    assert "worker(s) failed" in err

@@ -45,3 +45,14 @@ def test_bytes_per_parameter(state_dtype, expected):
     got = state_bytes_per_param(model, opt)
     assert got["params"] == 4.0 and got["grads"] == 4.0
     assert got["total"] == expected
+
+
+def test_bf16_moments_stay_bf16_after_loading_a_state_dict():
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    _, opt = _train(lambda p: AdamWLowPrecisionState(p, **kw))
+    sd = opt.state_dict()
+    w = torch.nn.Parameter(torch.zeros(64, 32))
+    fresh = AdamWLowPrecisionState([w], **kw)
+    fresh.load_state_dict(sd)
+    state = next(iter(fresh.state.values()))
+    assert state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg_sq"].dtype == torch.bfloat16

@@ -148,3 +148,11 @@ def test_keep_last_prunes(tmp_path):
     train(tmp_path / "r", "checkpoint.interval=1", "checkpoint.keep_last=2")
     names = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
     assert names == ["latest", "step-5", "step-6"]
+
+
+def test_resume_refuses_changed_data_settings_and_keeps_run_dir(tmp_path):
+    train(tmp_path / "r")
+    before = (tmp_path / "r" / "config.toml").read_text()
+    with pytest.raises(UserError, match="train.seq_len"):
+        Trainer(small_config("checkpoint.resume=true", "train.seq_len=16"), tmp_path / "r", quiet=True)
+    assert (tmp_path / "r" / "config.toml").read_text() == before

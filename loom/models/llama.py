@@ -252,6 +252,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: tor
         gen = torch.Generator(device=device).manual_seed(seed)
         model.init_weights(gen)
     model = model.to(dtype=dtype)
-    if model.rope_cos is not None:  # rotary tables stay fp32 whatever the parameter dtype
-        model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
+    if model.rope_cos is not None:  # rotary tables stay fp32 whatever the parameter dtype: rebuild them
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model

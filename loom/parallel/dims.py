@@ -36,6 +36,9 @@ def validate_layout(cfg: Config, world_size: int | None = None, measuring: bool 
     for name in ("cp", "ep"):
         if getattr(p, name) != 1:
             raise UserError(f"parallel.{name}={getattr(p, name)} is not supported yet; valid: 1")
+    if p.sp and p.tp == 1:
+        raise UserError("parallel.sp=true shards the sequence across the tensor-parallel group, so it needs "
+                        "parallel.tp > 1; set parallel.sp=false or raise parallel.tp")
     if p.tp > 1:
         reasons = []
         if m.heads % p.tp:

@@ -89,15 +89,15 @@ def forward_through_stages(chunks, ids, cfg: Config, pp_group, x: torch.Tensor):
         if stage not in mine:
             continue
         if stage > 0 and peer(stage - 1) != here:  # receive the previous stage's output
-            meta = torch.empty(4, dtype=torch.int64)
+            meta = torch.empty(4, dtype=torch.int64, device=x.device)
             dist.recv(meta, src=peer(stage - 1))
             shape = [int(v) for v in meta if v > 0]
-            h = torch.empty(shape, dtype=x.dtype if stage == 0 else torch.float32, device=x.device)
+            h = torch.empty(shape, dtype=torch.float32, device=x.device)
             dist.recv(h, src=peer(stage - 1))
         h = mine[stage](h)
         if stage < num_stages - 1 and peer(stage + 1) != here:
             h = h.float().contiguous()
-            meta = torch.tensor(list(h.shape) + [0] * (4 - h.dim()), dtype=torch.int64)
+            meta = torch.tensor(list(h.shape) + [0] * (4 - h.dim()), dtype=torch.int64, device=h.device)
             dist.send(meta, dst=peer(stage + 1))
             dist.send(h, dst=peer(stage + 1))
     return h if (num_stages - 1) in mine else None
@@ -110,6 +110,12 @@ def validate_pipeline(cfg: Config) -> None:
             raise UserError(f"parallel.vpp={p.vpp} needs pipeline parallelism (parallel.pp > 1); valid: 1")
         return
     chunk_layer_counts(cfg)
+    if t.compile:
+        raise UserError("train.compile=true is not applied to pipeline stages yet; set train.compile=false with "
+                        "parallel.pp > 1")
+    if cfg.recompute.mode == "budget":
+        raise UserError("recompute.mode=budget plans one rank's layers without pipeline stages; with "
+                        "parallel.pp > 1 use recompute.mode=selective or full")
     if cfg.model.tie_embeddings:
         raise UserError(
             "model.tie_embeddings=true with parallel.pp > 1 is not supported yet (the embedding and the LM head "
@@ -171,7 +177,7 @@ class RankView(nn.Module):
         for chunk in chunks:
             for name, layer in chunk.layers.items():
                 self.layers[name] = layer
-            for attr in ("tok_embeddings", "pos_embeddings", "norm", "output"):
+            for attr in ("tok_embeddings", "pos_embeddings", "embed_dropout", "norm", "output"):
                 if getattr(chunk, attr, None) is not None:
                     setattr(self, attr, getattr(chunk, attr))
 

@@ -151,11 +151,16 @@ def save_checkpoint(ckpt_root: Path, model, optimizer, cfg: Config, state: Train
             files = sorted(p.name for p in tmp.iterdir())
             write_json(tmp / MANIFEST, {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in files})
             _fsync_dir(tmp)
-            if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-                shutil.rmtree(final)
+            old = None
+            if final.exists():  # re-saving the same step (e.g. after a resume): swap it whole
+                old = ckpt_root / f".old-{name}"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
             os.replace(tmp, final)
             atomic_write_text(ckpt_root / "latest", name + "\n")
             _fsync_dir(ckpt_root)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
             if keep_last:
                 prune(ckpt_root, keep_last)
     except BaseException:
@@ -189,7 +194,9 @@ def prune(ckpt_root: Path, keep_last: int) -> None:
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
     pointer = ckpt_root / "latest"
     if not pointer.is_file():
-        return None
+        # A crash right after the first rename leaves a complete step directory and no pointer yet.
+        steps = list_checkpoints(ckpt_root) if ckpt_root.is_dir() else []
+        return steps[-1] if steps else None
     path = ckpt_root / pointer.read_text().strip()
     if not path.is_dir():
         raise UserError(f"{pointer} names {path.name!r}, which does not exist; the checkpoints directory is damaged")
@@ -225,6 +232,14 @@ def load_checkpoint(path: Path, model, optimizer, cfg: Config) -> TrainState:
 
     verify(path)
     saved = read_config(path)
+    fixed = [("train", "seq_len"), ("train", "global_batch"), ("train", "seed"), ("data", "paths"),
+             ("data", "weights"), ("data", "tokenizer"), ("data", "corpus_max_bytes")]
+    changed = [f"{a}.{b}" for a, b in fixed if getattr(getattr(saved, a), b) != getattr(getattr(cfg, a), b)]
+    if changed:
+        raise UserError(
+            f"checkpoint {path} was trained with different {', '.join(changed)}; the data order and position "
+            "depend on them, so resume with the values in its config.toml"
+        )
     if saved.model != cfg.model:
         diffs = [k for k in vars(cfg.model) if getattr(saved.model, k) != getattr(cfg.model, k)]
         raise UserError(
@@ -237,7 +252,14 @@ def load_checkpoint(path: Path, model, optimizer, cfg: Config) -> TrainState:
     optim_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     if partial:
         optim_state = _restrict(optim_state, {n for n, _ in model.named_parameters()})
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state, options=opts)
+    try:
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state, options=opts)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise UserError(f"the optimizer state in {path} does not fit this run's parameter groups ({exc}); "
+                        "resume with the same optim.decay_norms_and_biases and model") from None
+    from loom.train.optim import apply_hyperparameters
+
+    apply_hyperparameters(optimizer, cfg.optim)
     dist = _dist()
     rng_file = path / f"rng-{dist.get_rank() if dist else 0}.pt"
     meta = json.loads((path / "trainer_state.json").read_text())

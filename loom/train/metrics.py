@@ -15,20 +15,28 @@ import time
 from pathlib import Path
 
 
+def _row_step(line: str) -> float:
+    """The step of a metrics line; a line cut short by a crash sorts after every step (dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
+
+
 class MetricsWriter:
     def __init__(self, run_dir: Path, resume_step: int | None, tensorboard: bool, enabled: bool = True):
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
-        self.file = self.tb = None
+        self.file = None
+        self.tb = None
         if not enabled:  # only the main rank writes
             return
         if resume_step is None:
             self.path.write_text("")
         elif self.path.exists():
-            keep = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
+            keep = [ln for ln in self.path.read_text().splitlines() if _row_step(ln) <= resume_step]
             self.path.write_text("".join(ln + "\n" for ln in keep))
         self.file = open(self.path, "a")
-        self.tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

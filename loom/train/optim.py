@@ -36,6 +36,15 @@ class AdamWLowPrecisionState(torch.optim.Optimizer):
                  state_dtype: torch.dtype = torch.bfloat16):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.state_dtype = state_dtype
+        self.register_load_state_dict_post_hook(AdamWLowPrecisionState._restore_state_dtype)
+
+    @staticmethod
+    def _restore_state_dtype(optimizer) -> None:
+        # Optimizer.load_state_dict casts state to the parameter dtype; the moments stay low-precision.
+        for state in optimizer.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(optimizer.state_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -96,3 +105,12 @@ def state_bytes_per_param(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     }
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, optim: OptimConfig) -> None:
+    """After loading a checkpoint: the configured betas, eps and weight decay win over the saved ones."""
+    for group in optimizer.param_groups:
+        group["betas"] = (optim.beta1, optim.beta2)
+        group["eps"] = optim.eps
+        if group["weight_decay"] > 0:
+            group["weight_decay"] = optim.weight_decay

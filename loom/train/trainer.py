@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import os
 import lzma
 import math
 import resource
@@ -119,8 +120,11 @@ class Trainer:
         # bf16 compute: FSDP2 casts parameters per block when data-parallel, else autocast does it.
         self.autocast_dtype = compute_dtype if self.layout.dp_size == 1 else None
 
-        resume_from = latest_checkpoint(self.ckpt_root) if cfg.checkpoint.resume else None
-        if not cfg.checkpoint.resume and self.ckpt_root.is_dir() and any(self.ckpt_root.iterdir()):
+        # A worker restarted by the elastic launcher (--max-restarts) continues from the latest checkpoint.
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        resume = cfg.checkpoint.resume or restarted
+        resume_from = latest_checkpoint(self.ckpt_root) if resume else None
+        if not resume and self.ckpt_root.is_dir() and any(self.ckpt_root.iterdir()):
             raise UserError(
                 f"{self.run_dir} already holds checkpoints; pass --checkpoint.resume=true to continue that run "
                 "or choose another --run-dir (nothing was changed)"
@@ -152,14 +156,13 @@ class Trainer:
         self.skipped_steps = self.skipped_in_a_row = 0
         self.stop_signal: int | None = None
         self.tokenizer_path = self.run_dir / "tokenizer.json"
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            if not self.tokenizer_path.exists():
-                self.tokenizer.save(self.tokenizer_path)
-            (self.run_dir / "config.toml").write_text(cfg.to_toml())
-        if resume_from is not None:
+        if resume_from is not None:  # checked and loaded before anything in the run directory changes
             self.state = load_checkpoint(resume_from, self.model, self.optimizer, cfg)
         self.resumed_from = resume_from
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.tokenizer.save(self.tokenizer_path)
+            (self.run_dir / "config.toml").write_text(cfg.to_toml())
 
         self.tokens_per_step = t.global_batch * t.seq_len
         self.flops_per_token = flops.train_flops_per_token(cfg.model, t.seq_len)
@@ -208,7 +211,7 @@ class Trainer:
             self.schedule.step(*args, **kwargs)
         elapsed = time.perf_counter() - t0
         # Bubble: time blocked on pipeline transfers over time computing, averaged over ranks.
-        bubble = torch.tensor(WaitTimer.seconds / max(elapsed - WaitTimer.seconds, 1e-9))
+        bubble = torch.tensor(WaitTimer.seconds / max(elapsed - WaitTimer.seconds, 1e-9), device=self.device)
         self.last_bubble = (_all_reduce_sum(bubble) / self.layout.world_size).item()
         if not losses:
             return torch.zeros((), device=self.device)
@@ -236,7 +239,6 @@ class Trainer:
         # This data-parallel rank's slice of the global batch, as micro-batches.
         per_rank = t.global_batch // layout.dp_size
         start = self.state.consumed_samples + layout.dp_rank * per_rank
-        n_micro = per_rank // t.micro_batch
         # Data-parallel reduction averages gradients over ranks; scale so the result is the sum.
         scale = layout.dp_size / total_tokens
         if self.schedule is not None:  # the pipeline schedule runs the micro-batches itself
@@ -246,6 +248,7 @@ class Trainer:
                 loss_sum = self._pipeline_step(x.to(self.device), y.to(self.device))
         else:
             loss_sum = torch.zeros((), device=self.device)
+            n_micro = per_rank // t.micro_batch
             for m in range(n_micro):
                 x, y = batch(self.train_data, start + m * t.micro_batch, t.micro_batch)
                 x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -350,7 +353,7 @@ class Trainer:
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
                 tps = self.tokens_per_step / dt
-                tflops = tps * self.flops_per_token / 1e12
+                tflops = tps * self.flops_per_token / 1e12 / self.layout.world_size  # per device
                 row = {
                     "step": self.state.step, **out, "tokens": self.state.consumed_samples * t.seq_len,
                     "tokens_per_s": tps, "tflops_per_device": tflops,
@@ -389,7 +392,7 @@ class Trainer:
 
     def _stop_requested(self) -> bool:
         """A SIGTERM/SIGINT arrived (on any rank): every rank stops after the same step."""
-        flag = torch.tensor(1.0 if self.stop_signal is not None else 0.0)
+        flag = torch.tensor(1.0 if self.stop_signal is not None else 0.0, device=self.device)
         if self.layout.distributed:
             import torch.distributed as dist
 
