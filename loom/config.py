@@ -192,6 +192,7 @@ class CheckpointConfig:
     interval: int = 0  # save every N steps (0: only at the end)
     resume: bool = False  # continue from run-dir/checkpoints/latest
     keep_last: int = 0  # prune older checkpoints (0: keep all)
+    fallback: bool = False  # on resume, skip a damaged latest checkpoint for the newest complete one
     save_final: bool = True
 
     def validate(self) -> None:

@@ -156,3 +156,19 @@ def test_resume_refuses_changed_data_settings_and_keeps_run_dir(tmp_path):
     with pytest.raises(UserError, match="train.seq_len"):
         Trainer(small_config("checkpoint.resume=true", "train.seq_len=16"), tmp_path / "r", quiet=True)
     assert (tmp_path / "r" / "config.toml").read_text() == before
+
+
+def test_fallback_to_previous_complete_checkpoint(tmp_path):
+    full = tmp_path / "full"
+    train(full)
+    run = tmp_path / "r"
+    train(run, "checkpoint.interval=3")
+    weights = run / "checkpoints" / "step-6" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])  # damage the latest
+    with pytest.raises(UserError, match="model.safetensors"):
+        Trainer(small_config("checkpoint.resume=true", "checkpoint.interval=3"), run, quiet=True)
+    trainer = Trainer(small_config("checkpoint.resume=true", "checkpoint.fallback=true", "checkpoint.interval=3"),
+                      run, quiet=True)
+    assert trainer.resumed_from.name == "step-3" and trainer.state.step == 3
+    trainer.fit()
+    assert [r["loss"] for r in rows(run)[0]] == [r["loss"] for r in rows(full)[0]]

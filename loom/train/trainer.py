@@ -157,7 +157,7 @@ class Trainer:
         self.stop_signal: int | None = None
         self.tokenizer_path = self.run_dir / "tokenizer.json"
         if resume_from is not None:  # checked and loaded before anything in the run directory changes
-            self.state = load_checkpoint(resume_from, self.model, self.optimizer, cfg)
+            resume_from = self._resume(resume_from)
         self.resumed_from = resume_from
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -176,6 +176,27 @@ class Trainer:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _resume(self, latest: Path) -> Path:
+        """Load `latest`; with checkpoint.fallback, a damaged one gives way to the newest older complete one."""
+        from loom.train.checkpoint import list_checkpoints, verify
+
+        candidates = [latest]
+        if self.cfg.checkpoint.fallback:
+            candidates += [p for p in reversed(list_checkpoints(self.ckpt_root)) if p != latest]
+        for i, path in enumerate(candidates):
+            try:
+                if i + 1 < len(candidates):
+                    verify(path)  # cheap to retry; load_checkpoint verifies again
+                self.state = load_checkpoint(path, self.model, self.optimizer, self.cfg)
+                if i and self.is_main:
+                    print(f"checkpoint {latest} is damaged; resumed from {path} (checkpoint.fallback=true)",
+                          file=sys.stderr)
+                return path
+            except UserError:
+                if i + 1 == len(candidates):
+                    raise
+        raise AssertionError("unreachable")
 
     def _setup_pipeline(self, model, compute_dtype) -> None:
         from loom.parallel.pipeline import RankView, build_schedule, split_stages
