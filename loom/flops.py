@@ -56,3 +56,39 @@ def device_peak_tflops(device_name: str | None) -> float | None:
         if key in name:
             return peak
     return None
+
+
+def layer_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int = 1, sp: bool = False,
+                           recompute: str = "none", act_bytes: int = 2) -> float:
+    """Bytes one transformer layer keeps for backward on one rank, for loom's own implementation.
+
+    The analytic twin of `loom memory`'s measurement (tests/test_memory.py checks one against the
+    other), for the planner. `act_bytes` is the activation element size (2 for 16-bit). With
+    LayerNorm/GELU/"math" attention and dropout this is Korthikanti et al.'s sbh(34 + 5as/h) (t = 1,
+    1-byte masks); with RMSNorm/SwiGLU/SDPA it is sbh(20 + 4g/a + 8f/h) + 4bs(a + 2) (RMSNorm keeps an
+    fp32 copy of its input, SDPA keeps no score matrix). Under TP without SP the norms, the inputs of
+    attention and MLP and the hidden dropout masks are replicated; under SP everything is divided by t.
+    """
+    s, b, h, a, g, f = seq_len, micro_batch, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
+    e = act_bytes
+    sp_div = tp if sp else 1
+    if recompute == "full":
+        return e * s * b * h / sp_div
+    hidden_mask = s * b * h if cfg.dropout > 0 else 0  # one byte per element, after each sub-block
+    if cfg.norm == "layernorm":
+        norms = 2 * e * s * b * h  # each LayerNorm keeps its input (mean/rstd are negligible)
+    else:
+        norms = 2 * (4 + e) * s * b * h + 2 * 4 * b * s  # fp32 copy + normalised output + fp32 1/rms
+    replicated = norms + 2 * e * s * b * h + 2 * hidden_mask  # + attention and MLP inputs, dropout masks
+    q, kv, out = e * s * b * h, 2 * e * s * b * h * g / a, e * s * b * h
+    mlp = (4 if cfg.mlp == "swiglu" else 2) * e * s * b * f
+    sharded = q + kv + out + mlp  # split by heads / ffn over tp
+    core = 0.0
+    if recompute != "selective":
+        if cfg.attention == "math":
+            core = e * a * s * s * b  # softmax output
+            if cfg.attn_dropout > 0:
+                core += a * s * s * b + e * a * s * s * b  # mask + dropped probabilities
+        else:
+            core = 4 * a * s * b  # fp32 log-sum-exp of fused attention
+    return replicated / sp_div + (sharded + core) / tp

@@ -189,3 +189,27 @@ def test_loom_memory_cli(capsys):
     assert "one transformer layer" in capsys.readouterr().out
     assert main(["memory", "--config", "korthikanti", "--parallel.tp=2"]) == 2
     assert "--nproc 2" in capsys.readouterr().err
+
+
+def test_analytic_formula_in_flops_module_matches_measurement():
+    """loom.flops.layer_activation_bytes (what the planner will use) agrees with the ledger."""
+    from loom.flops import layer_activation_bytes
+
+    for extra, sp, mode in [([], False, "none"), (["recompute.mode=selective"], False, "selective"),
+                            (["recompute.mode=full"], False, "full")]:
+        cfg = korthikanti(1, *extra)
+        got = measure_activations(cfg, device="meta")["layer_activation_bytes"]
+        want = layer_activation_bytes(cfg.model, cfg.train.seq_len, cfg.train.micro_batch, recompute=mode)
+        assert got == pytest.approx(want, rel=0.01), mode
+    for kv in (8, 2):
+        cfg = load_config("tiny", LLAMA + [f"model.kv_heads={kv}"])
+        got = measure_activations(cfg, device="cpu")["layer_activation_bytes"]
+        want = layer_activation_bytes(cfg.model, cfg.train.seq_len, cfg.train.micro_batch)
+        assert got == pytest.approx(want, rel=0.01), kv
+    # TP / SP: the formula reproduces the paper's Table 2 rows for the korthikanti shape
+    cfg = korthikanti(1)
+    for t in (2, 4):
+        for case, sp, mode in [("tp", False, "none"), ("tp+sp", True, "none"), ("tp+selective", False, "selective"),
+                               ("tp+sp+selective", True, "selective")]:
+            want = layer_activation_bytes(cfg.model, cfg.train.seq_len, cfg.train.micro_batch, t, sp, mode)
+            assert want == pytest.approx(paper(cfg, case, t), rel=0.01), (t, case)
