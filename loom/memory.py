@@ -224,10 +224,11 @@ def report(cfg: Config) -> dict | None:
 
     from loom.parallel.dims import build_layout
 
-    distributed = False
-    if int(__import__("os").environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
-        distributed = True
+    from loom.train.trainer import init_distributed
+
+    distributed = not dist.is_initialized()
+    init_distributed(torch.device("cpu"))  # measurement runs on CPU ranks (gloo)
+    distributed = distributed and dist.is_initialized()
     layout = build_layout(cfg, "cpu", measuring=True)
     if layout.tp > 1 and not layout.distributed:
         from loom.errors import UserError
