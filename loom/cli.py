@@ -1,4 +1,4 @@
-"""The `loom` command: train, memory, generate, convert, preprocess.
+"""The `loom` command: train, plan, memory, generate, convert, preprocess.
 
 Exit codes: 0 success; 2 bad input (a one-paragraph message, no traceback); 1 anything else.
 """
@@ -82,6 +82,14 @@ def cmd_memory(args, extra) -> int:
 
         print(format_table(result))
     return 0
+
+
+def cmd_plan(args, extra) -> int:
+    from loom.planner.command import run
+
+    if extra:
+        raise UserError(f"unrecognised arguments {' '.join(extra)}; see `loom plan --help`")
+    return run(args)
 
 
 def cmd_generate(args, extra) -> int:
@@ -170,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (node 0), for --nnodes > 1")
     p.add_argument("--max-restarts", type=int, default=0, help="restart the workers this many times on failure")
     p.set_defaults(func=cmd_train)
+
+    from loom.planner.command import add_arguments as add_plan_arguments
+
+    p = sub.add_parser("plan", help="choose a parallel layout and predict memory and speed",
+                       description="Search every valid layout (tp, pp, vpp, dp, cp, micro-batch, sp, recompute, "
+                       "dp style) for a model on a cluster, predict per-GPU memory and step time term by term, "
+                       "and rank what fits. Example: loom plan --model gpt3-175b --gpus 1024 --gpu a100-80gb")
+    add_plan_arguments(p)
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("memory", help="measure activation memory and FLOPs of a config and layout",
                        description="Measure the bytes one layer saves for backward (per rank), the FLOPs of a "

@@ -1,0 +1,187 @@
+"""`loom plan`: arguments and the command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from loom.errors import UserError
+
+PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model (a config name, or explicit sizes)")
+    m.add_argument("--model", default=None, help="a config name in configs/ (gpt3-175b, llama2-7b, ...) or a .toml path")
+    for flag, help_ in (("--layers", "transformer layers"), ("--hidden", "hidden size"), ("--heads", "attention heads"),
+                        ("--kv-heads", "key/value heads (GQA; default = heads)"), ("--ffn", "MLP hidden size"),
+                        ("--vocab", "vocabulary size")):
+        m.add_argument(flag, type=int, default=None, help=help_)
+    m.add_argument("--mlp", choices=["swiglu", "gelu"], default=None)
+    m.add_argument("--norm", choices=["rmsnorm", "layernorm"], default=None)
+    m.add_argument("--attention", choices=["flash", "math"], default=None,
+                   help="fused (flash) attention, or the unfused softmax of older Megatron runs")
+    m.add_argument("--dropout", type=float, default=None, help="hidden and attention dropout probability")
+    c = p.add_argument_group("cluster and batch")
+    c.add_argument("--gpus", type=int, default=None, help="number of GPUs")
+    c.add_argument("--gpu", default="h100", help="a100-40gb, a100-80gb, h100, h200, or a profile JSON (default h100)")
+    c.add_argument("--seq", type=int, default=None, help="sequence length (default: the config's train.seq_len)")
+    c.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the config's)")
+    c.add_argument("--precision", choices=PRECISIONS, default="bf16", help="matmul precision (fp8: linear layers)")
+    c.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32", help="AdamW moment dtype")
+    c.add_argument("--tokens", type=float, default=None, help="training tokens, to report days to train")
+    c.add_argument("--no-overlap-grad-reduce", action="store_true",
+                   help="gradients reduced after backward, not during it (Megatron-LM before 2023)")
+    s = p.add_argument_group("search")
+    s.add_argument("--layout", default=None, help="evaluate one layout: tp=8,pp=8,dp=16,vpp=1,mbs=1,sp=true,recompute=selective")
+    s.add_argument("--top", type=int, default=10, help="candidates to show (default 10)")
+    s.add_argument("--cross-node-tp", action="store_true", help="allow tensor parallel groups larger than a node")
+    s.add_argument("--max-micro-batch", type=int, default=16)
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help='print {"candidates": [...]} (best first)')
+    o.add_argument("--plot", type=Path, default=None, help="draw the top candidates' time and memory terms (PNG)")
+    o.add_argument("--config", type=Path, default=None, help="write the best layout loom can run as a config TOML")
+    i = p.add_argument_group("inference")
+    i.add_argument("--inference", action="store_true", help="search inference layouts instead of training ones")
+    i.add_argument("--input-len", type=int, default=1024)
+    i.add_argument("--output-len", type=int, default=256)
+    i.add_argument("--batch", type=int, default=256, help="largest batch to consider")
+    h = p.add_argument_group("calibration")
+    h.add_argument("--profile-hardware", type=Path, default=None, metavar="OUT.json",
+                   help="measure this machine (GEMMs, memory bandwidth, collectives) and write a profile")
+    h.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # a smaller grid (tests)
+    h.add_argument("--internode-gbps", type=float, default=25.0, help="with --profile-hardware: network GB/s per GPU")
+
+
+def build_workload(args):
+    from loom.config import ModelConfig, load_config
+    from loom.planner.costmodel import Workload
+    from loom.planner.hardware import load_gpu
+
+    base = None
+    if args.model:
+        base = load_config(args.model, measuring=True)
+        model = base.model
+    else:
+        missing = [f for f in ("layers", "hidden", "heads", "vocab") if getattr(args, f) is None]
+        if missing:
+            raise UserError("give --model NAME (e.g. gpt3-175b, llama2-7b) or the sizes --layers --hidden --heads "
+                            f"--vocab (missing: {', '.join('--' + f for f in missing)})")
+        model = ModelConfig(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                            kv_heads=args.kv_heads or args.heads, vocab_size=args.vocab,
+                            ffn_hidden=args.ffn or 4 * args.hidden, mlp=args.mlp or "gelu",
+                            norm=args.norm or "layernorm")
+    overrides = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
+                 "ffn_hidden": args.ffn, "vocab_size": args.vocab, "mlp": args.mlp, "norm": args.norm}
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(model, key, value)
+    if args.attention:
+        model.attention = "math" if args.attention == "math" else "sdpa"
+    if args.dropout is not None:
+        model.dropout = model.attn_dropout = args.dropout
+    seq = args.seq or (base.train.seq_len if base else None)
+    batch = args.global_batch or (base.train.global_batch if base else None)
+    if seq is None or batch is None:
+        raise UserError("give --seq and --global-batch (they default to the config's only with --model)")
+    if args.gpus is None:
+        raise UserError("give --gpus N, the number of GPUs to plan for")
+    for name, value in (("--gpus", args.gpus), ("--seq", seq), ("--global-batch", batch), ("--top", args.top),
+                        ("--max-micro-batch", args.max_micro_batch)):
+        if value < 1:
+            raise UserError(f"{name}={value} must be >= 1")
+    model.max_seq_len = max(model.max_seq_len, seq)
+    model.validate()
+    gpu = load_gpu(args.gpu)
+    gpu.peak(args.precision)  # a clear error when the GPU lacks the precision
+    return Workload(model=model, seq_len=seq, global_batch=batch, gpus=args.gpus, gpu=gpu, precision=args.precision,
+                    state_dtype=args.state_dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce), args.model
+
+
+def run(args) -> int:
+    if args.profile_hardware:
+        from loom.planner.profile import profile_hardware
+
+        prof = profile_hardware(args.profile_hardware, args.internode_gbps, quick=args.quick)
+        print(f"wrote {args.profile_hardware}: {prof['name']}, peaks {prof['peak_tflops']} TFLOP/s, "
+              f"memory {prof['hbm_gbps']} GB/s, collectives {prof['nvlink_gbps']} GB/s")
+        return 0
+    start = time.perf_counter()
+    w, base_name = build_workload(args)
+    if args.inference:
+        return _run_inference(args, w)
+    from loom.planner import report
+    from loom.planner.search import evaluate_layout, parse_layout, search
+
+    if args.layout:
+        estimates = [evaluate_layout(w, parse_layout(args.layout, w.gpus))]
+        info = {"considered": 1, "fit": int(estimates[0].fits)}
+    else:
+        estimates, info = search(w, top=0, cross_node_tp=args.cross_node_tp, max_micro_batch=args.max_micro_batch)
+        if not estimates:
+            need = f"; the smallest layout needs {info['smallest_gib']:.1f} GiB" if info.get("smallest_gib") else ""
+            raise UserError(f"no layout of this model fits {w.gpus} x {w.gpu.name} ({w.gpu.memory_gib:.1f} GiB each) at "
+                            f"global batch {w.global_batch}{need}; add GPUs, use --state-dtype bfloat16, or a "
+                            "larger-memory --gpu")
+    elapsed = time.perf_counter() - start
+    shown = estimates[: args.top]
+    if args.config:
+        runnable = [e for e in estimates if report.loom_runnable(e, w) is None]
+        if not runnable:
+            raise UserError(f"--config: no candidate can run in loom today ({report.loom_runnable(estimates[0], w)}); "
+                            "nothing written")
+        note = report.write_config(runnable[0], w, base_name, args.config)
+    if args.plot:
+        report.plot(shown, args.plot, w.gpu.memory_gib)
+    if args.json:
+        out = {"candidates": [e.to_json() for e in shown],
+               "model": {"params": _params(w), "seq_len": w.seq_len, "global_batch": w.global_batch},
+               "cluster": {"gpus": w.gpus, "gpu": w.gpu.name, "precision": w.precision},
+               "search": {**info, "seconds": round(elapsed, 3)},
+               "convention": "tflops_per_gpu and mfu count model FLOPs (loom.flops: full s x s attention, "
+                             "no recomputation); mfu is against the dense peak of --precision"}
+        if args.tokens:
+            for c, e in zip(out["candidates"], shown):
+                c["days"] = round(report.days(e, w, args.tokens), 3)
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"{w.gpus} x {w.gpu.name}, {w.precision}, model {_params(w) / 1e9:.2f}B params, seq {w.seq_len}, "
+          f"global batch {w.global_batch}: {info['considered']} layouts considered, {info['fit']} fit "
+          f"({elapsed:.1f} s)")
+    print(report.format_table(shown, w, args.tokens))
+    print()
+    print(report.format_terms(shown[0], w.gpu.memory_gib))
+    if args.layout and not shown[0].fits:
+        print("this layout does NOT fit in memory")
+    if args.config:
+        print(f"wrote {args.config} ({report.layout_name(runnable[0])})" + (f"; {note}" if note else ""))
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _params(w) -> int:
+    from loom.planner.costmodel import total_params
+
+    return total_params(w.model)
+
+
+def _run_inference(args, w) -> int:
+    from loom.planner.inference import format_inference, search_inference
+
+    for name in ("input_len", "output_len", "batch"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    results = search_inference(w, args.input_len, args.output_len, args.batch)
+    if not results:
+        raise UserError(f"no inference layout fits {w.gpus} x {w.gpu.name}; add GPUs or lower --batch/--input-len")
+    if args.json:
+        print(json.dumps({"candidates": [e.to_json() for e in results if e.pareto],
+                          "all": len(results)}, indent=1))
+        return 0
+    print(f"inference, {w.gpus} x {w.gpu.name}, {w.precision}, input {args.input_len}, output {args.output_len}: "
+          f"{len(results)} layouts fit; the latency / throughput Pareto front:")
+    print(format_inference(results))
+    return 0

@@ -1,0 +1,432 @@
+"""Memory and step-time model of one training layout: the physics the planner ranks layouts with.
+
+Everything derives from the architecture (`ModelConfig`), the layout, and the hardware numbers in
+`hardware.py`; nothing is fitted to a particular published run. FLOPs and activation bytes come from
+`loom.flops` — the same formulas `loom memory` is tested against.
+
+Time of one micro-batch on one pipeline stage is the sum of
+  gemm         linear-layer matmuls: 2mnk / (peak x ceiling), plus the expected half-wave tail of the
+               kernel (tiles of 128x128 spread over the SMs), or the memory roofline if that is slower;
+  attention    the s x s part: fused kernel FLOPs (causal half) over `attention_efficiency`, or with
+               "math" attention two batched GEMMs plus the softmax/mask/dropout traffic;
+  elementwise  norms, residual adds, activation functions, RoPE, dropout: bytes over HBM bandwidth
+               (backward moves twice the forward bytes);
+  tp_comm      tensor-parallel all-reduces (or all-gather + reduce-scatter with SP) that are not
+               overlapped, over NVLink when the group fits in a node, else the network;
+  overhead     the gap between dependent kernels;
+forward and backward (with recomputation's extra forward work). A step is then
+  pipeline     (m + bubble) micro-batch slots of the slowest stage, bubble = (p-1)/v for 1F1B and
+               interleaved, (p-1)/3 for zero-bubble; plus P2P transfers;
+  dp_comm      the part of gradient reduction / parameter gathering not hidden behind backward;
+  optimizer    the AdamW update, bytes over HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from loom.config import ModelConfig
+from loom.flops import layer_activation_bytes, train_flops_per_token
+from loom.planner.hardware import GPU
+
+GIB = 2**30
+TILE = 128  # GEMM tile edge for the wave-tail model
+CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers
+FRAGMENTATION = 0.05  # allowance for allocator fragmentation, of everything else
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: the caches below key on it
+class Workload:
+    model: ModelConfig
+    seq_len: int
+    global_batch: int
+    gpus: int
+    gpu: GPU
+    precision: str = "bf16"  # bf16 | fp16 | fp8 (fp8: linear layers only, attention stays 16-bit)
+    state_dtype: str = "float32"  # AdamW moments
+    # Gradient reduction overlapped with backward (loom's FSDP2, Megatron-Core's --overlap-grad-reduce).
+    # Megatron-LM before 2023 reduced after the last backward; validation of those runs turns it off.
+    overlap_grad_reduce: bool = True
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    micro_batch: int = 1
+    sp: bool = False
+    recompute: str = "none"  # none | selective | full
+    recompute_layers: int = 0  # full: layers per stage recomputed (0 = all of them)
+    dp_style: str = "fsdp"  # replicate | distopt | fsdp
+    schedule: str = "1f1b"  # 1f1b | interleaved | zero_bubble
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    step_time_s: float
+    time_terms: dict  # seconds per step, each term
+    memory: dict  # bytes per GPU
+    fits: bool
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float
+    mfu: float
+    notes: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        lay = self.layout
+        rec = lay.recompute
+        return {
+            "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep,
+            "micro_batch": lay.micro_batch, "sp": lay.sp, "recompute": rec,
+            "recompute_layers": lay.recompute_layers, "dp_style": lay.dp_style, "schedule": lay.schedule,
+            "step_time_s": round(self.step_time_s, 6),
+            "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 3),
+            "tflops_per_gpu": round(self.tflops_per_gpu, 3),
+            "mfu": round(self.mfu, 5),
+            "memory_gib": {k: round(v / GIB, 4) for k, v in self.memory.items()},
+            "time_s": {k: round(v, 6) for k, v in self.time_terms.items()},
+            "fits": self.fits,
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parameters
+
+
+def _norm_params(cfg: ModelConfig) -> int:
+    return cfg.hidden * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    h, d, a, g, f = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
+    attn = h * (a + 2 * g) * d + a * d * h
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * h * f
+    norms = 2 * _norm_params(cfg)
+    bias = ((a + 2 * g) * d + h + (2 * f if cfg.mlp == "swiglu" else f) + h) if cfg.bias else 0
+    return attn + mlp + norms + bias
+
+
+def embedding_params(cfg: ModelConfig) -> int:
+    return cfg.vocab_size * cfg.hidden + (cfg.max_seq_len * cfg.hidden if cfg.position == "learned" else 0)
+
+
+def head_params(cfg: ModelConfig) -> int:
+    # A tied head still needs its own copy on the last stage when pp > 1 (Megatron does the same).
+    return cfg.vocab_size * cfg.hidden + _norm_params(cfg)
+
+
+def total_params(cfg: ModelConfig) -> int:
+    head = _norm_params(cfg) + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden)
+    return cfg.layers * layer_params(cfg) + embedding_params(cfg) + head
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernels
+
+
+def gemm_time(gpu: GPU, precision: str, m: int, n: int, k: int, batch: int = 1) -> float:
+    """Seconds for `batch` independent (m x k) @ (k x n) products."""
+    flops = 2.0 * m * n * k * batch
+    table = gpu.gemm.get(precision)
+    if table:
+        rate = _measured_rate(tuple(map(tuple, table)), m, n, k) * 1e12
+        compute = flops / rate
+    else:
+        rate = gpu.peak(precision) * 1e12 * gpu.matmul_efficiency.get(precision, 0.7)
+        tiles = batch * math.ceil(m / TILE) * math.ceil(n / TILE)
+        per_tile = 2.0 * TILE * TILE * k
+        # Work is done in waves of `sms` tiles; on average half a wave is lost at the tail.
+        tail = 0.5 * per_tile * gpu.sms if tiles > gpu.sms else per_tile * (gpu.sms - tiles)
+        compute = (flops + tail) / rate
+    elem = {"fp8": 1, "fp32": 4}.get(precision, 2)
+    memory = batch * (m * k + k * n + m * n) * elem / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)
+    return max(compute, memory) + gpu.kernel_overhead_us * 1e-6
+
+
+@lru_cache(maxsize=4096)
+def _measured_rate(table: tuple, m: int, n: int, k: int) -> float:
+    """TFLOP/s of the measured shape closest in log-space (a profile's table)."""
+    best, rate = None, None
+    for tm, tn, tk, tflops in table:
+        dist = (math.log(m / tm)) ** 2 + (math.log(n / tn)) ** 2 + (math.log(k / tk)) ** 2
+        if best is None or dist < best:
+            best, rate = dist, tflops
+    return rate
+
+
+def _bytes_time(gpu: GPU, nbytes: float) -> float:
+    return nbytes / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)
+
+
+def collective_time(gpu: GPU, kind: str, nbytes: float, n: int, intra_node: bool) -> float:
+    """Ring all-reduce / all-gather / reduce-scatter of `nbytes` (the full tensor) over n ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw = (gpu.nvlink_gbps if intra_node else gpu.internode_gbps) * 1e9 * gpu.collective_efficiency
+    factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+    latency = gpu.collective_latency_us * 1e-6 * (2 if kind == "all_reduce" else 1) * (1 if intra_node else 2)
+    return latency + factor * nbytes / bw
+
+
+def p2p_time(gpu: GPU, nbytes: float, intra_node: bool) -> float:
+    bw = (gpu.nvlink_gbps if intra_node else gpu.internode_gbps) * 1e9 * gpu.collective_efficiency
+    return gpu.collective_latency_us * 1e-6 + nbytes / bw
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One layer, one micro-batch
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    fwd: dict
+    bwd: dict  # including recomputation
+
+
+def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool) -> tuple[dict, dict]:
+    """Forward time terms of one layer, and the part of them that belongs to the attention core."""
+    cfg, gpu, prec = w.model, w.gpu, w.precision
+    h, d, a, g, f = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
+    s = w.seq_len // cp  # this rank's queries
+    tokens = mbs * s
+    half = 4 if prec == "fp32" else 2  # bytes of an activation element
+    # Linear layers, split over tp (columns for QKV / fc1, rows for out / fc2).
+    gemm = (gemm_time(gpu, prec, tokens, (a + 2 * g) * d // tp, h)
+            + gemm_time(gpu, prec, tokens, h, a * d // tp)
+            + gemm_time(gpu, prec, tokens, (2 if cfg.mlp == "swiglu" else 1) * f // tp, h)
+            + gemm_time(gpu, prec, tokens, h, f // tp))
+    heads = a // tp
+    core: dict = {}
+    if cfg.attention == "math":
+        # Scores and context as batched GEMMs over all s keys, then scale+mask+softmax (+ dropout).
+        score = gemm_time(gpu, "bf16" if prec == "fp8" else prec, s, w.seq_len, d, mbs * heads)
+        ctx = gemm_time(gpu, "bf16" if prec == "fp8" else prec, s, d, w.seq_len, mbs * heads)
+        elems = mbs * heads * s * w.seq_len
+        traffic = elems * 2 * half + (elems * (2 * half + 1) if cfg.attn_dropout > 0 else 0)
+        core = {"attention": score + ctx, "elementwise": _bytes_time(gpu, traffic)}
+    else:
+        # Fused attention computes only the causal half of the score matrix.
+        flops = 2 * 2 * mbs * heads * s * w.seq_len * d / 2
+        peak16 = gpu.peak("bf16" if prec == "fp8" else prec)
+        core = {"attention": flops / (peak16 * 1e12 * gpu.attention_efficiency), "elementwise": 0.0}
+    # Elementwise traffic per token, in bytes. Replicated over tp unless SP splits the sequence.
+    hid_div = tp if sp else 1
+    per_token_hidden = 2 * (2 * h * half) + 2 * (3 * h * half)  # two norms, two residual adds
+    if cfg.dropout > 0:
+        per_token_hidden += 2 * (2 * h * half + h)
+    per_token_split = (3 if cfg.mlp == "swiglu" else 2) * f * half  # activation function
+    if cfg.position == "rope":
+        per_token_split += 2 * (a + g) * d * half
+    if prec == "fp8":
+        # Every linear input (forward) and output gradient (backward) is scaled and cast to fp8, plus a
+        # transposed fp8 copy for the weight gradient: read 2 bytes, write 2. Counted once here, in the
+        # forward's bytes, which backward doubles.
+        inputs = h + a * d / tp + h + f / tp
+        per_token_split += 4 * inputs / 2 * tp  # (divided by tp below; the / 2 because backward doubles)
+    elementwise = _bytes_time(gpu, tokens * (per_token_hidden / hid_div + per_token_split / tp))
+    tp_comm = 0.0
+    if tp > 1:
+        act = tokens * h * half
+        intra = tp <= gpu.node_size
+        if sp:
+            tp_comm = 2 * (collective_time(gpu, "all_gather", act, tp, intra)
+                           + collective_time(gpu, "reduce_scatter", act, tp, intra))
+        else:
+            tp_comm = 2 * collective_time(gpu, "all_reduce", act, tp, intra)
+    kernels = 14 + (4 if cfg.attention == "math" else 1) + (2 if cfg.dropout > 0 else 0)
+    fwd = {"gemm": gemm, "attention": core["attention"], "elementwise": elementwise + core["elementwise"],
+           "tp_comm": tp_comm, "overhead": kernels * gpu.kernel_overhead_us * 1e-6}
+    return fwd, core
+
+
+@lru_cache(maxsize=65536)
+def layer_times(w: Workload, tp: int, cp: int, mbs: int, sp: bool, recompute: str) -> LayerTimes:
+    fwd, core = _layer_forward(w, tp, cp, mbs, sp)
+    # Backward: twice the matmul work (input and weight gradients), attention backward 2.5x its forward
+    # for fused kernels (it recomputes the probabilities) or 2x for math, twice the elementwise bytes,
+    # the same TP collectives (SP also re-gathers the saved input shards, overlapped with compute).
+    attn_bwd = (2.5 if w.model.attention != "math" else 2.0) * fwd["attention"]
+    bwd = {"gemm": 2 * fwd["gemm"], "attention": attn_bwd, "elementwise": 2 * fwd["elementwise"],
+           "tp_comm": fwd["tp_comm"], "overhead": 2 * fwd["overhead"]}
+    if recompute == "full":
+        for key in bwd:
+            bwd[key] += fwd[key]
+    elif recompute == "selective":
+        bwd["attention"] += core["attention"]
+        bwd["elementwise"] += core["elementwise"]
+    if w.model.attention != "math" and cp > 1:
+        # Ring attention passes K and V around the cp ranks, overlapped with the attention blocks.
+        kv = 2 * mbs * (w.seq_len // cp) * w.model.kv_heads * w.model.head_dim * 2
+        ring = (cp - 1) * p2p_time(w.gpu, kv, cp * tp <= w.gpu.node_size)
+        fwd["attention"] = max(fwd["attention"], ring)
+        bwd["attention"] = max(bwd["attention"], 2 * ring)
+    return LayerTimes(fwd, bwd)
+
+
+@lru_cache(maxsize=4096)
+def head_times(w: Workload, tp: int, cp: int, mbs: int) -> tuple[float, float]:
+    """Forward and backward seconds of the LM head and cross-entropy (fp32 logits) per micro-batch."""
+    cfg, gpu = w.model, w.gpu
+    tokens = mbs * w.seq_len // cp
+    v = cfg.vocab_size // tp
+    fwd = gemm_time(gpu, "bf16" if w.precision == "fp8" else w.precision, tokens, v, cfg.hidden)
+    logits = tokens * v * 4
+    fwd += _bytes_time(gpu, 3 * logits)  # cast to fp32, log-softmax, gather
+    bwd = 2 * (fwd - _bytes_time(gpu, 3 * logits)) + _bytes_time(gpu, 3 * logits)
+    if tp > 1:  # loss-parallel: max and sum-exp all-reduces of tokens floats
+        fwd += 2 * collective_time(gpu, "all_reduce", tokens * 4, tp, tp <= gpu.node_size)
+    return fwd, bwd
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The step
+
+
+def stage_layers(cfg: ModelConfig, pp: int) -> int:
+    return math.ceil(cfg.layers / pp)
+
+
+def inflight_microbatches(lay: Layout, m: int) -> float:
+    """Micro-batches whose activations the first stage holds at its peak (in units of a stage's layers)."""
+    p, v = lay.pp, lay.vpp
+    if p == 1:
+        return 1.0
+    if lay.schedule == "interleaved" and v > 1:
+        return min(m, p) * (1 + (p - 1) / (p * v))
+    return float(min(m, p))
+
+
+def memory(w: Workload, lay: Layout) -> dict:
+    """Peak bytes per GPU on the most loaded stage."""
+    cfg = w.model
+    n_layers = stage_layers(cfg, lay.pp)
+    m = w.global_batch // (lay.dp * lay.micro_batch)
+    lp = layer_params(cfg)
+    first = n_layers * lp + embedding_params(cfg)
+    last = n_layers * lp + head_params(cfg)
+    if lay.pp == 1:
+        first = total_params(cfg)
+        last = first
+    worst = max(first, last) / lay.tp
+    dp = lay.dp
+    moment_bytes = 4 if w.state_dtype == "bfloat16" else 8
+    if lay.dp_style == "replicate":  # loom: fp32 master weights, fp32 gradients, moments, all replicated
+        params, grads, optim = 4 * worst, 4 * worst, moment_bytes * worst
+    elif lay.dp_style == "distopt":  # Megatron: 16-bit weights + fp32 grads replicated; master + moments split
+        params, grads, optim = 2 * worst, 4 * worst, (4 + moment_bytes) * worst / dp
+    else:  # fsdp (loom dp_shard): everything split; gradients are accumulated unsharded across micro-batches
+        params, grads, optim = 4 * worst / dp, (4 * worst if m > 1 else 4 * worst / dp), moment_bytes * worst / dp
+    # Activations: per layer (loom.flops, the formula `loom memory` is tested against) x layers x in flight.
+    act_bytes = 4 if w.precision == "fp32" else 2
+    s = w.seq_len // lay.cp
+    base = "selective" if lay.recompute == "selective" else "none"
+    per_layer = layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes)
+    if lay.recompute == "full":
+        k = lay.recompute_layers or n_layers
+        full = layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, "full", act_bytes)
+        stage_act = k * full + (n_layers - k) * per_layer
+    else:
+        stage_act = n_layers * per_layer
+    activations = stage_act * inflight_microbatches(lay, m)
+    tokens = lay.micro_batch * s
+    logits = tokens * (cfg.vocab_size / lay.tp) * (4 + 4 + act_bytes)  # fp32 logits, their gradient, bf16 out
+    # Communication buffers: two layers' gathered 16-bit weights (FSDP prefetch), or DDP/optimizer buckets.
+    buffers = 2 * 2 * lp / lay.tp + (4 * 40e6 if dp > 1 else 0)
+    dynamic = params + grads + optim + activations + logits + buffers
+    reserve = CONTEXT_GIB * GIB + FRAGMENTATION * dynamic
+    return {"params": params, "grads": grads, "optimizer": optim, "activations": activations,
+            "logits": logits, "buffers": buffers, "reserve": reserve, "total": dynamic + reserve}
+
+
+def _intra(gpu: GPU, stride: int, size: int) -> bool:
+    return stride * size <= gpu.node_size
+
+
+def step_time(w: Workload, lay: Layout) -> dict:
+    cfg, gpu = w.model, w.gpu
+    m = w.global_batch // (lay.dp * lay.micro_batch)
+    n_layers = stage_layers(cfg, lay.pp)
+    full_layers = (lay.recompute_layers or n_layers) if lay.recompute == "full" else 0
+    base = "selective" if lay.recompute == "selective" else "none"
+    lt = layer_times(w, lay.tp, lay.cp, lay.micro_batch, lay.sp, base)
+    terms = dict.fromkeys(("gemm", "attention", "elementwise", "tp_comm", "overhead"), 0.0)
+    for key in terms:
+        terms[key] = n_layers * (lt.fwd[key] + lt.bwd[key])
+    if full_layers:
+        ft = layer_times(w, lay.tp, lay.cp, lay.micro_batch, lay.sp, "full")
+        for key in terms:
+            terms[key] += full_layers * ((ft.fwd[key] + ft.bwd[key]) - (lt.fwd[key] + lt.bwd[key]))
+    hf, hb = head_times(w, lay.tp, lay.cp, lay.micro_batch)
+    terms["head"] = hf + hb  # on the last stage (the slowest one when pp > 1)
+    per_mb = sum(terms.values())
+    # Pipeline: P2P of one activation per micro-batch each way between stages (split over tp with SP).
+    p2p = 0.0
+    if lay.pp > 1:
+        act = lay.micro_batch * (w.seq_len // lay.cp) * cfg.hidden * 2 / (lay.tp if lay.sp else 1)
+        intra = _intra(gpu, lay.tp * lay.cp * lay.dp, lay.pp)
+        p2p = 2 * lay.vpp * p2p_time(gpu, act, intra)
+    v = lay.vpp if lay.schedule in ("interleaved", "zero_bubble") else 1
+    if lay.pp == 1:
+        bubble_slots = 0.0
+    elif lay.schedule == "zero_bubble":
+        bubble_slots = (lay.pp - 1) / (3 * v)
+    else:
+        bubble_slots = (lay.pp - 1) / v
+    step = {k: val * m for k, val in terms.items()}
+    step["pp_p2p"] = p2p * m
+    step["pp_bubble"] = bubble_slots * (per_mb + p2p)
+    # Data parallel: gradient reduction and parameter gathering, minus what hides behind compute.
+    lp = layer_params(cfg)
+    local = (n_layers * lp + (embedding_params(cfg) if lay.pp == 1 else max(embedding_params(cfg), head_params(cfg)))) / lay.tp
+    dp_comm = 0.0
+    if lay.dp > 1:
+        intra = _intra(gpu, lay.tp * lay.cp, lay.dp)
+        bwd_mb = sum(lt.bwd.values()) * n_layers
+        fwd_mb = sum(lt.fwd.values()) * n_layers
+        if lay.dp_style == "replicate":
+            grad = collective_time(gpu, "all_reduce", 4 * local, lay.dp, intra)
+            dp_comm = max(grad - bwd_mb, grad / n_layers) if w.overlap_grad_reduce else grad
+        elif lay.dp_style == "distopt":
+            grad = collective_time(gpu, "reduce_scatter", 4 * local, lay.dp, intra)
+            gather = collective_time(gpu, "all_gather", 2 * local, lay.dp, intra)
+            hidden_grad = max(grad - bwd_mb, grad / n_layers) if w.overlap_grad_reduce else grad
+            dp_comm = hidden_grad + max(gather - fwd_mb, gather / n_layers)
+        else:
+            # fsdp: 16-bit weights gathered before each layer's forward and backward of every
+            # micro-batch (prefetched, overlapping the previous layer), gradients reduce-scattered once.
+            gather = collective_time(gpu, "all_gather", 2 * local, lay.dp, intra)
+            hidden = max(gather - fwd_mb, gather / n_layers) + max(gather - bwd_mb, gather / n_layers)
+            grad = collective_time(gpu, "reduce_scatter", 4 * local, lay.dp, intra)
+            dp_comm = m * hidden + max(grad - bwd_mb, grad / n_layers)
+    if lay.cp > 1 and lay.dp == 1:
+        pass
+    step["dp_comm"] = dp_comm
+    # AdamW: read param, grad, two moments; write param, moments (and a 16-bit copy); over the local shard.
+    shard = local / (1 if lay.dp_style == "replicate" else lay.dp)
+    moment = 2 if w.state_dtype == "bfloat16" else 4
+    step["optimizer"] = _bytes_time(gpu, shard * (4 + 4 + 2 * moment + 4 + 2 * moment + 2))
+    return step
+
+
+def evaluate(w: Workload, lay: Layout) -> Estimate:
+    mem = memory(w, lay)
+    terms = step_time(w, lay)
+    step = sum(terms.values())
+    tokens = w.global_batch * w.seq_len
+    flops = train_flops_per_token(w.model, w.seq_len) * tokens
+    tflops = flops / step / w.gpus / 1e12
+    return Estimate(layout=lay, step_time_s=step, time_terms=terms, memory=mem,
+                    fits=mem["total"] <= w.gpu.memory_gib * GIB,
+                    tokens_per_s_per_gpu=tokens / step / w.gpus, tflops_per_gpu=tflops,
+                    mfu=tflops / w.gpu.peak(w.precision))

@@ -1,0 +1,108 @@
+"""Accelerator and cluster descriptions for the planner: presets from datasheets, or a measured profile.
+
+Every number here is a property of the hardware, never of a particular training run:
+
+- `memory_gib`: memory a process can use (what `nvidia-smi` reports as total).
+- `peak_tflops`: dense tensor-core peak per precision from the vendor datasheet (SXM parts, no sparsity).
+- `matmul_efficiency`: the fraction of that peak a large, well-shaped GEMM sustains (cuBLAS on the
+  chip at its sustained clocks). Published microbenchmarks put A100 bf16 near 0.8-0.9 and H100/H200 near
+  0.75-0.8 (power-limited clocks; this workplace measured ~790 TFLOP/s bf16 on an H200) and fp8 lower
+  still. Smaller GEMMs are slower than this ceiling through the wave-tail model in `costmodel.py`.
+- `attention_efficiency`: fraction of the 16-bit peak that fused (flash) attention sustains, forward and
+  backward together (FlashAttention-2 reports 50-70% on A100 forward and ~45% backward; cuDNN/FA3 on Hopper
+  ~40-60%).
+- `hbm_gbps` and `hbm_efficiency`: datasheet memory bandwidth and the fraction elementwise kernels reach.
+- `nvlink_gbps`: NVLink bandwidth per GPU per direction inside the node (`node_size` GPUs);
+  `internode_gbps`: network bandwidth per GPU per direction (one NIC per GPU);
+  `collective_efficiency`: the fraction of link bandwidth NCCL ring collectives reach (bus bandwidth).
+- `sms`: streaming multiprocessors, for the GEMM wave-tail model.
+
+A profile measured with `loom plan --profile-hardware OUT.json` has the same keys plus an optional
+`gemm` table (`{"bf16": [[m, n, k, tflops], ...]}`) that replaces the default efficiency curve.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from loom.errors import UserError
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gib: float
+    peak_tflops: dict  # precision -> dense TFLOP/s
+    hbm_gbps: float
+    nvlink_gbps: float
+    internode_gbps: float
+    sms: int
+    node_size: int = 8
+    matmul_efficiency: dict = field(default_factory=dict)  # precision -> fraction of peak
+    attention_efficiency: float = 0.5
+    hbm_efficiency: float = 0.8
+    collective_efficiency: float = 0.8
+    collective_latency_us: float = 10.0  # fixed cost of one collective (launch + NCCL protocol)
+    kernel_overhead_us: float = 2.0  # GPU idle time between two dependent kernels
+    gemm: dict = field(default_factory=dict)  # measured table: precision -> [[m, n, k, tflops], ...]
+    source: str = "preset"
+
+    def peak(self, precision: str) -> float:
+        if precision not in self.peak_tflops:
+            raise UserError(
+                f"--precision {precision} is not supported by {self.name}; it has "
+                f"{', '.join(sorted(self.peak_tflops))}"
+            )
+        return self.peak_tflops[precision]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+_AMPERE = dict(peak_tflops={"bf16": 312.0, "fp16": 312.0}, matmul_efficiency={"bf16": 0.80, "fp16": 0.80},
+               nvlink_gbps=300.0, internode_gbps=25.0, sms=108, attention_efficiency=0.5)
+_HOPPER = dict(peak_tflops={"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0},
+               matmul_efficiency={"bf16": 0.78, "fp16": 0.78, "fp8": 0.62},
+               nvlink_gbps=450.0, internode_gbps=50.0, sms=132, attention_efficiency=0.45)
+
+PRESETS: dict[str, GPU] = {
+    "a100-40gb": GPU(name="a100-40gb", memory_gib=39.6, hbm_gbps=1555.0, **_AMPERE),
+    "a100-80gb": GPU(name="a100-80gb", memory_gib=79.3, hbm_gbps=2039.0, **_AMPERE),
+    "h100": GPU(name="h100", memory_gib=79.6, hbm_gbps=3350.0, **_HOPPER),
+    "h200": GPU(name="h200", memory_gib=140.4, hbm_gbps=4800.0, **_HOPPER),
+}
+
+
+def load_gpu(spec: str) -> GPU:
+    """A preset name (a100-40gb, a100-80gb, h100, h200) or a path to a JSON profile."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if not (spec.endswith(".json") or path.exists()):
+        raise UserError(f"--gpu {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a JSON profile file")
+    if not path.is_file():
+        raise UserError(f"--gpu {spec}: no such file (write one with `loom plan --profile-hardware {spec}`)")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--gpu {spec}: not a readable JSON profile ({exc})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--gpu {spec}: the profile must be a JSON object with keys such as memory_gib, peak_tflops")
+    known = {f.name for f in fields(GPU)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UserError(f"--gpu {spec}: unknown keys {unknown}; valid keys: {', '.join(sorted(known))}")
+    required = ["name", "memory_gib", "peak_tflops", "hbm_gbps", "nvlink_gbps", "internode_gbps", "sms"]
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise UserError(f"--gpu {spec}: missing keys {missing} (required: {', '.join(required)})")
+    for key in ("memory_gib", "hbm_gbps", "nvlink_gbps", "internode_gbps", "sms"):
+        if not isinstance(data[key], (int, float)) or data[key] <= 0:
+            raise UserError(f"--gpu {spec}: {key}={data[key]!r} must be a positive number")
+    if not isinstance(data["peak_tflops"], dict) or not data["peak_tflops"] or not all(
+            isinstance(v, (int, float)) and v > 0 for v in data["peak_tflops"].values()):
+        raise UserError(f"--gpu {spec}: peak_tflops must map precisions to positive TFLOP/s, e.g. {{\"bf16\": 312}}")
+    data.setdefault("source", str(path))
+    return GPU(**data)

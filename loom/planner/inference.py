@@ -1,0 +1,115 @@
+"""Inference layouts: TP x PP x batch, prefill and decode latency, throughput, KV cache, the Pareto front.
+
+Prefill runs the prompt through the same forward-kernel model as training (compute-bound). Decode is one
+token per sequence per step: every stage reads its weights once and each sequence's KV cache, so a step
+costs max(bytes / HBM bandwidth, FLOPs / matmul rate) plus two TP all-reduces per layer (latency-bound
+at these message sizes) and the kernel gaps. One batch is in flight (latency-optimal); pipeline stages
+therefore add capacity, not speed. Request latency = prefill + output_len x decode step at the mean
+context length; throughput = output tokens per second per GPU over all replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from loom.planner.costmodel import (GIB, CONTEXT_GIB, Workload, collective_time, embedding_params, layer_params,
+                                    layer_times, p2p_time, stage_layers)
+from loom.planner.search import tp_options
+
+
+@dataclass
+class InferenceEstimate:
+    tp: int
+    pp: int
+    batch: int
+    replicas: int
+    prefill_s: float
+    decode_step_s: float
+    request_latency_s: float
+    tokens_per_s_per_gpu: float
+    weights_gib: float
+    kv_cache_gib: float
+    total_gib: float
+    fits: bool
+    pareto: bool = False
+
+    def to_json(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "batch": self.batch, "replicas": self.replicas,
+                "prefill_s": round(self.prefill_s, 6), "decode_ms_per_token": round(1e3 * self.decode_step_s, 4),
+                "request_latency_s": round(self.request_latency_s, 5),
+                "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 3),
+                "memory_gib": {"weights": round(self.weights_gib, 4), "kv_cache": round(self.kv_cache_gib, 4),
+                               "total": round(self.total_gib, 4)},
+                "fits": self.fits, "pareto": self.pareto}
+
+
+def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int, output_len: int) -> InferenceEstimate:
+    cfg, gpu = w.model, w.gpu
+    weight_bytes = 1 if w.precision == "fp8" else 2
+    n_layers = stage_layers(cfg, pp)
+    stage_params = (n_layers * layer_params(cfg) + embedding_params(cfg)) / tp
+    weights = stage_params * weight_bytes
+    kv_heads_local = max(1, cfg.kv_heads // tp)  # heads are replicated when tp exceeds them
+    kv_per_token_layer = 2 * kv_heads_local * cfg.head_dim * 2  # K and V, 16-bit
+    context = input_len + output_len
+    kv_cache = batch * context * n_layers * kv_per_token_layer
+    prefill_act = batch * input_len * (cfg.hidden * 6 + 3 * cfg.ffn_hidden / tp) * 2 + batch * input_len * cfg.vocab_size / tp * 4
+    total = weights + kv_cache + prefill_act + CONTEXT_GIB * GIB
+    # Prefill: the forward of every stage, one after another, plus the LM head on the last stage's last token.
+    pw = replace(w, seq_len=input_len)
+    fwd = layer_times(pw, tp, 1, batch, tp > 1, "none").fwd
+    stage_fwd = n_layers * sum(fwd.values())
+    act = batch * input_len * cfg.hidden * 2
+    prefill = pp * stage_fwd + (pp - 1) * p2p_time(gpu, act, tp * pp <= gpu.node_size)
+    # Decode step at the mean context.
+    mean_ctx = input_len + output_len / 2
+    bytes_read = n_layers * (layer_params(cfg) / tp * weight_bytes + batch * mean_ctx * kv_per_token_layer)
+    bytes_read += cfg.vocab_size * cfg.hidden / tp * weight_bytes  # the LM head, on the last stage
+    flops = 2 * batch * (n_layers * layer_params(cfg) / tp + cfg.vocab_size * cfg.hidden / tp) \
+        + 4 * batch * n_layers * (cfg.heads / tp) * cfg.head_dim * mean_ctx
+    rate = gpu.peak(w.precision) * 1e12 * gpu.matmul_efficiency.get(w.precision, 0.7)
+    compute = max(bytes_read / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency), flops / rate)
+    comm = n_layers * 2 * collective_time(gpu, "all_reduce", batch * cfg.hidden * 2, tp, tp <= gpu.node_size) if tp > 1 else 0.0
+    gaps = n_layers * 16 * gpu.kernel_overhead_us * 1e-6
+    decode = pp * (compute + comm + gaps) + (pp - 1) * p2p_time(gpu, batch * cfg.hidden * 2, tp * pp <= gpu.node_size)
+    latency = prefill + output_len * decode
+    replicas = w.gpus // (tp * pp)
+    throughput = replicas * batch * output_len / latency / w.gpus
+    return InferenceEstimate(tp=tp, pp=pp, batch=batch, replicas=replicas, prefill_s=prefill, decode_step_s=decode,
+                             request_latency_s=latency, tokens_per_s_per_gpu=throughput, weights_gib=weights / GIB,
+                             kv_cache_gib=kv_cache / GIB, total_gib=total / GIB, fits=total <= gpu.memory_gib * GIB)
+
+
+def search_inference(w: Workload, input_len: int, output_len: int, max_batch: int) -> list[InferenceEstimate]:
+    """Every fitting (tp, pp, batch), the Pareto-optimal ones flagged, sorted by request latency."""
+    cfg = w.model
+    out = []
+    batches = [b for b in (2**i for i in range(0, 20)) if b <= max_batch]
+    for tp in tp_options(cfg, w.gpus, w.gpu.node_size, False):
+        for pp in range(1, cfg.layers + 1):
+            if w.gpus % (tp * pp) or (pp > 1 and stage_layers(cfg, pp) * (pp - 1) >= cfg.layers):
+                continue
+            for b in batches:
+                est = evaluate_inference(w, tp, pp, b, input_len, output_len)
+                if est.fits:
+                    out.append(est)
+    out.sort(key=lambda e: (e.request_latency_s, -e.tokens_per_s_per_gpu))
+    best_throughput = -math.inf
+    for est in out:  # sorted by latency: on the front when it beats every faster one's throughput
+        if est.tokens_per_s_per_gpu > best_throughput:
+            est.pareto = True
+            best_throughput = est.tokens_per_s_per_gpu
+    return out
+
+
+def format_inference(estimates: list[InferenceEstimate], pareto_only: bool = True) -> str:
+    rows = [e for e in estimates if e.pareto] if pareto_only else estimates
+    head = f"{'tp':>3} {'pp':>3} {'batch':>5} {'replicas':>8} {'prefill s':>9} {'ms/token':>8} {'latency s':>9} " \
+           f"{'tok/s/gpu':>10} {'weights':>8} {'KV GiB':>7} {'total':>7}"
+    lines = [head, "-" * len(head)]
+    for e in rows:
+        lines.append(f"{e.tp:>3} {e.pp:>3} {e.batch:>5} {e.replicas:>8} {e.prefill_s:>9.3f} {1e3 * e.decode_step_s:>8.2f} "
+                     f"{e.request_latency_s:>9.2f} {e.tokens_per_s_per_gpu:>10.1f} {e.weights_gib:>8.1f} "
+                     f"{e.kv_cache_gib:>7.1f} {e.total_gib:>7.1f}")
+    return "\n".join(lines)

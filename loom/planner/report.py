@@ -1,0 +1,159 @@
+"""Planner output: the ranked table, the per-term breakdown, a plot, and a loom config for the winner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loom.errors import UserError
+from loom.planner.costmodel import GIB, Estimate, Workload
+
+TERM_LABELS = {
+    "gemm": "linear-layer matmuls", "attention": "attention core", "elementwise": "elementwise (HBM)",
+    "tp_comm": "TP collectives", "overhead": "kernel gaps", "head": "LM head + loss", "pp_p2p": "PP send/recv",
+    "pp_bubble": "pipeline bubble", "dp_comm": "DP comm (exposed)", "optimizer": "optimizer step",
+}
+
+
+def days(estimate: Estimate, w: Workload, tokens: float | None) -> float | None:
+    if not tokens:
+        return None
+    return tokens / (estimate.tokens_per_s_per_gpu * w.gpus) / 86400
+
+
+def layout_name(e: Estimate) -> str:
+    lay = e.layout
+    rec = lay.recompute + (f"({lay.recompute_layers})" if lay.recompute == "full" and lay.recompute_layers else "")
+    parts = [f"tp={lay.tp}", f"pp={lay.pp}"]
+    if lay.vpp > 1:
+        parts.append(f"vpp={lay.vpp}")
+    parts += [f"dp={lay.dp}"] + ([f"cp={lay.cp}"] if lay.cp > 1 else [])
+    parts += [f"mbs={lay.micro_batch}", f"sp={'on' if lay.sp else 'off'}", rec, lay.dp_style]
+    if lay.pp > 1:
+        parts.append(lay.schedule)
+    return " ".join(parts)
+
+
+def format_table(estimates: list[Estimate], w: Workload, tokens: float | None = None) -> str:
+    head = f"{'#':>2}  {'layout':<62} {'step s':>8} {'tok/s/gpu':>9} {'TFLOP/s':>7} {'MFU':>5}  " \
+           f"{'mem GiB: par':>12} {'grad':>5} {'opt':>5} {'act':>5} {'total':>6}"
+    if tokens:
+        head += f" {'days':>6}"
+    lines = [head, "-" * len(head)]
+    for i, e in enumerate(estimates, 1):
+        mem = {k: v / GIB for k, v in e.memory.items()}
+        line = (f"{i:>2}  {layout_name(e):<62} {e.step_time_s:>8.3f} {e.tokens_per_s_per_gpu:>9.0f} "
+                f"{e.tflops_per_gpu:>7.1f} {100 * e.mfu:>4.1f}%  {mem['params']:>12.1f} {mem['grads']:>5.1f} "
+                f"{mem['optimizer']:>5.1f} {mem['activations']:>5.1f} {mem['total']:>6.1f}")
+        if tokens:
+            line += f" {days(e, w, tokens):>6.1f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def format_terms(e: Estimate, capacity_gib: float) -> str:
+    """Why a layout costs what it costs: every step-time term and memory term."""
+    total = e.step_time_s
+    lines = [f"step time {total:.3f} s  ({layout_name(e)})"]
+    for key, value in sorted(e.time_terms.items(), key=lambda kv: -kv[1]):
+        if value > 0:
+            lines.append(f"  {TERM_LABELS.get(key, key):<22} {value:9.3f} s  {100 * value / total:5.1f}%")
+    lines.append(f"memory per GPU {e.memory['total'] / GIB:.1f} of {capacity_gib:.1f} GiB")
+    for key, value in e.memory.items():
+        if key != "total":
+            lines.append(f"  {key:<22} {value / GIB:9.2f} GiB")
+    return "\n".join(lines)
+
+
+def loom_runnable(e: Estimate, w: Workload) -> str | None:
+    """Why loom cannot run this layout today, or None when it can."""
+    lay = e.layout
+    if lay.cp > 1:
+        return "context parallelism (cp > 1) is not implemented in loom yet"
+    if lay.tp > 1 and (w.model.dropout > 0 or w.model.attn_dropout > 0):
+        return "dropout under tensor parallelism needs per-rank RNG streams, which loom does not have yet"
+    if lay.pp > 1 and w.model.tie_embeddings:
+        return "tied embeddings with pipeline parallelism are not supported by loom yet"
+    if w.precision == "fp8":
+        return "loom trains in bf16 (fp8 linear layers are not implemented yet)"
+    return None
+
+
+def write_config(e: Estimate, w: Workload, base_name: str | None, path: Path) -> str:
+    """Write the layout as a loom config; returns a note about what was mapped."""
+    from loom.config import Config, load_config
+
+    cfg = load_config(base_name, measuring=True) if base_name else Config()
+    cfg.model = w.model
+    lay = e.layout
+    p = cfg.parallel
+    p.tp, p.sp, p.pp, p.vpp, p.cp, p.ep = lay.tp, lay.sp, lay.pp, lay.vpp, lay.cp, lay.ep
+    p.schedule = lay.schedule
+    p.dp_replicate, p.dp_shard = (lay.dp, 1) if lay.dp_style == "replicate" else (1, lay.dp)
+    t = cfg.train
+    t.micro_batch, t.global_batch, t.seq_len = lay.micro_batch, w.global_batch, w.seq_len
+    t.dtype = "bfloat16"
+    cfg.optim.state_dtype = w.state_dtype
+    r = cfg.recompute
+    r.mode = lay.recompute
+    if lay.recompute == "full" and lay.recompute_layers:
+        r.method, r.num_layers = "block", lay.recompute_layers
+    else:
+        r.method, r.num_layers = "uniform", 0
+    cfg.model.max_seq_len = max(cfg.model.max_seq_len, w.seq_len)
+    note = ""
+    if lay.dp_style == "distopt":
+        note = "dp_style distopt is written as parallel.dp_shard (loom shards with FSDP2, which needs no more memory)"
+    header = (f"# Written by `loom plan`: predicted {e.step_time_s:.3f} s/step, {e.tokens_per_s_per_gpu:.0f} tokens/s/GPU, "
+              f"{e.memory['total'] / GIB:.1f} GiB/GPU on {w.gpus} x {w.gpu.name}.\n"
+              f"# Launch with {lay.world} processes, e.g. `loom train --config {path} --nproc 8 --nnodes {max(1, lay.world // 8)} ...`.\n")
+    if note:
+        header += f"# Note: {note}.\n"
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(header + cfg.to_toml())
+        tmp.replace(path)
+    except OSError as exc:
+        raise UserError(f"--config {path}: cannot write ({exc})") from None
+    return note
+
+
+def plot(estimates: list[Estimate], path: Path, capacity_gib: float) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'loom[plot]' (or pip install matplotlib)") from None
+    names = [f"#{i}" for i in range(1, len(estimates) + 1)]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.45 * len(estimates) + 2.5))
+    keys = [k for k in TERM_LABELS if any(e.time_terms.get(k, 0) > 0 for e in estimates)]
+    left = [0.0] * len(estimates)
+    for key in keys:
+        values = [e.time_terms.get(key, 0.0) for e in estimates]
+        ax1.barh(names, values, left=left, label=TERM_LABELS[key])
+        left = [a + b for a, b in zip(left, values)]
+    ax1.invert_yaxis()
+    ax1.set_xlabel("seconds per step")
+    ax1.set_title("step time by term")
+    ax1.legend(fontsize=7, loc="lower right")
+    mem_keys = ["params", "grads", "optimizer", "activations", "logits", "buffers", "reserve"]
+    left = [0.0] * len(estimates)
+    for key in mem_keys:
+        values = [e.memory[key] / GIB for e in estimates]
+        ax2.barh(names, values, left=left, label=key)
+        left = [a + b for a, b in zip(left, values)]
+    ax2.axvline(capacity_gib, color="black", linestyle="--", linewidth=1, label="GPU memory")
+    ax2.invert_yaxis()
+    ax2.set_xlabel("GiB per GPU")
+    ax2.set_title("memory by term")
+    ax2.legend(fontsize=7, loc="lower right")
+    labels = "\n".join(f"#{i}: {layout_name(e)}" for i, e in enumerate(estimates, 1))
+    fig.text(0.01, 0.01, labels, fontsize=6, family="monospace", va="bottom")
+    fig.tight_layout(rect=(0, 0.03 + 0.018 * len(estimates), 1, 1))
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:
+        raise UserError(f"--plot {path}: cannot write ({exc})") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,200 @@
+"""Enumerate every valid training layout, price each with the cost model, rank the ones that fit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from loom.config import ModelConfig
+from loom.errors import UserError
+from loom.planner.costmodel import GIB, Estimate, Layout, Workload, evaluate, memory, stage_layers
+
+DP_STYLES = ("replicate", "distopt", "fsdp")
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_options(cfg: ModelConfig, gpus: int, node_size: int, cross_node_tp: bool) -> list[int]:
+    out = []
+    for t in _divisors(gpus):
+        if cfg.heads % t or cfg.kv_heads % t or cfg.ffn_hidden % t or cfg.vocab_size % t:
+            continue
+        if t > node_size and not cross_node_tp:
+            continue
+        out.append(t)
+    return out
+
+
+SCHEDULES = ("1f1b", "interleaved", "zero_bubble")
+
+
+def pipeline_options(cfg: ModelConfig, pp: int, m: int, schedules=SCHEDULES) -> list[tuple[str, int]]:
+    """(schedule, vpp) pairs valid for `pp` stages and `m` micro-batches."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    if m < pp:
+        return []
+    out = [("1f1b", 1)] if "1f1b" in schedules else []
+    per_stage = cfg.layers // pp if cfg.layers % pp == 0 else 0
+    for v in range(2, 9):
+        if "interleaved" in schedules and per_stage and per_stage % v == 0 and m % pp == 0:
+            out.append(("interleaved", v))
+    if "zero_bubble" in schedules and per_stage and per_stage % 2 == 0:
+        out.append(("zero_bubble", 2))  # ZB-V: two chunks per rank
+    return out
+
+
+def cp_options(w: Workload, cp_max: int) -> list[int]:
+    out = [1]
+    if w.model.attention == "math":
+        return out  # context parallelism needs fused (ring) attention
+    c = 2
+    while c <= cp_max and w.seq_len % (2 * c) == 0 and w.seq_len // c >= 1024:
+        out.append(c)
+        c *= 2
+    return out
+
+
+def _min_full_layers(w: Workload, lay: Layout, capacity: float) -> int | None:
+    """Fewest layers per stage to recompute fully so the layout fits (block method), or None."""
+    n = stage_layers(w.model, lay.pp)
+    for k in range(1, n + 1):
+        if memory(w, replace(lay, recompute="full", recompute_layers=0 if k == n else k))["total"] <= capacity:
+            return k
+    return None
+
+
+def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max_micro_batch: int = 16,
+               dp_styles=DP_STYLES, recompute_modes=RECOMPUTE, schedules=SCHEDULES):
+    """Yield every valid layout (fitting or not is decided by the caller)."""
+    cfg, gpus = w.model, w.gpus
+    for tp in tp_options(cfg, gpus, w.gpu.node_size, cross_node_tp):
+        for cp in cp_options(w, cp_max):
+            for pp in range(1, cfg.layers + 1):
+                if gpus % (tp * cp * pp):
+                    continue
+                if pp > 1 and stage_layers(cfg, pp) * (pp - 1) >= cfg.layers:
+                    continue  # the last stage would be empty
+                dp = gpus // (tp * cp * pp)
+                if w.global_batch % dp:
+                    continue
+                for mbs in _divisors(w.global_batch // dp):
+                    if mbs > max_micro_batch:
+                        break
+                    m = w.global_batch // (dp * mbs)
+                    for schedule, vpp in pipeline_options(cfg, pp, m, schedules):
+                        for sp in ((False, True) if tp > 1 else (False,)):
+                            for style in (dp_styles if dp > 1 else ("replicate",)):
+                                for rec in recompute_modes:
+                                    yield Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, micro_batch=mbs, sp=sp,
+                                                 recompute=rec, dp_style=style, schedule=schedule)
+
+
+def _matches(lay: Layout, fixed: dict) -> bool:
+    return all(getattr(lay, k) == v for k, v in fixed.items())
+
+
+def search(w: Workload, *, fixed: dict | None = None, top: int = 10, **kwargs) -> tuple[list[Estimate], dict]:
+    """Ranked estimates of the layouts that fit (best first), and counts of what was considered."""
+    capacity = w.gpu.memory_gib * GIB
+    fixed = fixed or {}
+    considered = fitting = 0
+    smallest = None
+    results: list[Estimate] = []
+    for lay in candidates(w, **kwargs):
+        if not _matches(lay, {k: v for k, v in fixed.items() if k != "recompute_layers"}):
+            continue
+        considered += 1
+        if lay.recompute == "full":
+            if "recompute_layers" in fixed:
+                lay = replace(lay, recompute_layers=fixed["recompute_layers"])
+            else:
+                k = _min_full_layers(w, lay, capacity)
+                n = stage_layers(w.model, lay.pp)
+                lay = replace(lay, recompute_layers=0 if k in (None, n) else k)
+        mem = memory(w, lay)
+        if mem["total"] > capacity:
+            smallest = mem["total"] if smallest is None else min(smallest, mem["total"])
+            continue
+        fitting += 1
+        results.append(evaluate(w, lay))
+    results.sort(key=lambda e: e.step_time_s)
+    return results[:top] if top else results, {"considered": considered, "fit": fitting,
+                                                "smallest_gib": None if smallest is None else smallest / GIB}
+
+
+def parse_layout(text: str, gpus: int) -> dict:
+    """`tp=8,pp=8,dp=16,vpp=1,mbs=1,sp=true,recompute=selective` -> Layout fields."""
+    names = {"tp": "tp", "pp": "pp", "dp": "dp", "vpp": "vpp", "cp": "cp", "ep": "ep", "mbs": "micro_batch",
+             "micro_batch": "micro_batch", "sp": "sp", "recompute": "recompute", "recompute_layers": "recompute_layers",
+             "dp_style": "dp_style", "style": "dp_style", "schedule": "schedule"}
+    out: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "=" not in part:
+            raise UserError(f"--layout item {part!r} is not key=value; e.g. --layout tp=8,pp=8,dp=16,mbs=1,sp=true,recompute=selective")
+        key, value = (s.strip() for s in part.split("=", 1))
+        if key not in names:
+            raise UserError(f"--layout key {key!r} is unknown; valid keys: {', '.join(sorted(names))}")
+        field = names[key]
+        if field == "sp":
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise UserError(f"--layout sp={value!r} must be true or false")
+            out[field] = value.lower() in ("true", "1")
+        elif field == "recompute":
+            if value not in RECOMPUTE:
+                raise UserError(f"--layout recompute={value!r}; valid: {', '.join(RECOMPUTE)}")
+            out[field] = value
+        elif field == "dp_style":
+            if value not in DP_STYLES:
+                raise UserError(f"--layout dp_style={value!r}; valid: {', '.join(DP_STYLES)}")
+            out[field] = value
+        elif field == "schedule":
+            if value not in ("1f1b", "interleaved", "zero_bubble"):
+                raise UserError(f"--layout schedule={value!r}; valid: 1f1b, interleaved, zero_bubble")
+            out[field] = value
+        else:
+            try:
+                out[field] = int(value)
+            except ValueError:
+                raise UserError(f"--layout {key}={value!r} must be an integer") from None
+            if out[field] < (0 if field == "recompute_layers" else 1):
+                raise UserError(f"--layout {key}={value} must be >= 1")
+    if "dp" not in out:
+        rest = out.get("tp", 1) * out.get("pp", 1) * out.get("cp", 1)
+        if gpus % rest:
+            raise UserError(f"--layout tp x pp x cp = {rest} does not divide --gpus {gpus}")
+        out["dp"] = gpus // rest
+    world = out.get("tp", 1) * out.get("pp", 1) * out.get("cp", 1) * out["dp"]
+    if world != gpus:
+        raise UserError(f"--layout tp x pp x cp x dp = {world} but --gpus is {gpus}; the product must equal the GPU count")
+    if out.get("ep", 1) != 1:
+        raise UserError("--layout ep > 1 needs a mixture-of-experts model; loom's planner models dense models only so far")
+    if out.get("vpp", 1) > 1 and "schedule" not in out:
+        out["schedule"] = "interleaved"
+    return out
+
+
+def evaluate_layout(w: Workload, fields: dict) -> Estimate:
+    """Price one given layout (the `--layout` path); unspecified knobs take their defaults."""
+    cfg = w.model
+    lay = Layout(**fields)
+    problems = []
+    if cfg.heads % lay.tp or cfg.kv_heads % lay.tp:
+        problems.append(f"tp={lay.tp} must divide heads={cfg.heads} and kv_heads={cfg.kv_heads}")
+    if lay.pp > cfg.layers or (lay.pp > 1 and stage_layers(cfg, lay.pp) * (lay.pp - 1) >= cfg.layers):
+        problems.append(f"pp={lay.pp} cannot split {cfg.layers} layers into non-empty stages")
+    if lay.vpp > 1 and cfg.layers % (lay.pp * lay.vpp):
+        problems.append(f"pp x vpp = {lay.pp * lay.vpp} must divide layers={cfg.layers}")
+    if w.global_batch % (lay.dp * lay.micro_batch):
+        problems.append(f"dp x mbs = {lay.dp * lay.micro_batch} must divide --global-batch {w.global_batch}")
+    elif lay.pp > 1 and w.global_batch // (lay.dp * lay.micro_batch) < lay.pp:
+        problems.append(f"{w.global_batch // (lay.dp * lay.micro_batch)} micro-batches per step are fewer than pp={lay.pp} stages")
+    if lay.sp and lay.tp == 1:
+        problems.append("sp=true needs tp > 1")
+    if lay.cp > 1 and (cfg.attention == "math" or w.seq_len % (2 * lay.cp)):
+        problems.append(f"cp={lay.cp} needs fused attention and a sequence length divisible by {2 * lay.cp}")
+    if problems:
+        raise UserError("--layout is not valid for this model and batch: " + "; ".join(problems))
+    return evaluate(w, lay)
