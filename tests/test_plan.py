@@ -8,56 +8,24 @@ import time
 import pytest
 from conftest import run_cli
 
-from loom.config import ModelConfig, load_config
+from loom.config import load_config
 from loom.planner.costmodel import GIB, Layout, Workload, evaluate, memory, total_params
 from loom.planner.hardware import PRESETS
 from loom.planner.search import search
+from loom.planner.validation import predict as predict_run
+from loom.planner.validation import published_runs
 
 A100 = PRESETS["a100-80gb"]
 
 
-def gpt(layers, hidden, heads):
-    """GPT-3 shapes as in Megatron's papers: 4h GELU MLP, LayerNorm, learned positions, vocab 51200,
-    dropout, and the unfused softmax attention those runs used."""
-    return ModelConfig(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn_hidden=4 * hidden,
-                       vocab_size=51200, max_seq_len=2048, norm="layernorm", mlp="gelu", position="learned",
-                       bias=True, tie_embeddings=True, attention="math", dropout=0.1, attn_dropout=0.1)
-
-
-def narayanan_seconds(B, s, L, h, V, tflops, gpus):
-    """Step time implied by Narayanan et al.'s Eq. 3 and their reported TFLOP/s per GPU."""
-    flops = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
-    return flops / (tflops * 1e12 * gpus)
-
-
-# (name, workload, the published layout, published step time in seconds)
-PUBLISHED = {
-    "narayanan-1.7b": (Workload(gpt(24, 2304, 24), 2048, 512, 32, A100, overlap_grad_reduce=False),
-                       dict(tp=1, pp=1, dp=32, sp=False, recompute="full", recompute_layers=0, dp_style="replicate"),
-                       narayanan_seconds(512, 2048, 24, 2304, 51200, 137, 32)),
-    "narayanan-145.6b": (Workload(gpt(80, 12288, 96), 2048, 2304, 1536, A100, overlap_grad_reduce=False),
-                         dict(tp=8, pp=8, dp=24, sp=False, recompute="full", recompute_layers=0, dp_style="replicate"),
-                         narayanan_seconds(2304, 2048, 80, 12288, 51200, 148, 1536)),
-    "korthikanti-175b-selective": (Workload(gpt(96, 12288, 96), 2048, 64, 64, A100),
-                                   dict(tp=8, pp=8, dp=1, micro_batch=1, sp=True, recompute="selective"), 13.75),
-    "korthikanti-175b-full": (Workload(gpt(96, 12288, 96), 2048, 64, 64, A100),
-                              dict(tp=8, pp=8, dp=1, micro_batch=1, sp=True, recompute="full", recompute_layers=0), 18.13),
-    "nemo-llama2-7b-fp8": (Workload(ModelConfig(layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008,
-                                                vocab_size=32000, max_seq_len=4096), 4096, 128, 8, PRESETS["h100"],
-                                    precision="fp8"),
-                           dict(tp=1, pp=1, dp=8, micro_batch=1, recompute="none", dp_style="distopt"),
-                           128 * 4096 / (16934 * 8)),
-}
+PUBLISHED = {name: run[:3] for name, run in published_runs().items()}
 
 
 def predict(name):
-    """The planner's best estimate for the published layout. Knobs the paper leaves open (micro-batch,
-    virtual stages) are the planner's choice among what that software had: 1F1B or interleaved schedules
-    (zero-bubble came in 2023), no sequence parallelism before Korthikanti et al."""
     w, fixed, _ = PUBLISHED[name]
-    found, _ = search(w, fixed=fixed, top=1, schedules=("1f1b", "interleaved"))
-    assert found, f"{name}: the published layout is predicted not to fit"
-    return found[0]
+    found = predict_run(w, fixed)
+    assert found is not None, f"{name}: the published layout is predicted not to fit"
+    return found
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))

@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group("calibration")
     h.add_argument("--profile-hardware", type=Path, default=None, metavar="OUT.json",
                    help="measure this machine (GEMMs, memory bandwidth, collectives) and write a profile")
+    h.add_argument("--validate", action="store_true", help="predict the published runs loom is checked against")
     h.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # a smaller grid (tests)
     h.add_argument("--internode-gbps", type=float, default=25.0, help="with --profile-hardware: network GB/s per GPU")
 
@@ -107,6 +108,20 @@ def run(args) -> int:
         prof = profile_hardware(args.profile_hardware, args.internode_gbps, quick=args.quick)
         print(f"wrote {args.profile_hardware}: {prof['name']}, peaks {prof['peak_tflops']} TFLOP/s, "
               f"memory {prof['hbm_gbps']} GB/s, collectives {prof['nvlink_gbps']} GB/s")
+        return 0
+    if args.validate:
+        from loom.planner.validation import validate
+
+        rows = validate()
+        if args.json:
+            print(json.dumps({"runs": rows}, indent=1))
+            return 0
+        print(f"{'run':<28} {'published s':>11} {'predicted s':>11} {'error':>7}  fits  layout chosen")
+        for r in rows:
+            lay = r["layout"] or {}
+            print(f"{r['run']:<28} {r['published_s']:>11.3f} {r['predicted_s']:>11.3f} {100 * r['error']:>+6.1f}%  "
+                  f"{'yes' if r['fits'] else 'NO':<4}  mbs={lay.get('micro_batch')} vpp={lay.get('vpp')} "
+                  f"{lay.get('schedule')}")
         return 0
     start = time.perf_counter()
     w, base_name = build_workload(args)

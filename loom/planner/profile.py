@@ -80,6 +80,17 @@ def attention_rate(device: str, dtype: torch.dtype) -> float:
     return flops / t / 1e12
 
 
+def kernel_overhead_us(device: str) -> float:
+    """Time per small dependent op (launch and dispatch cost, which bounds many short kernels)."""
+    x = torch.zeros(256, device=device)
+
+    def ops():
+        for _ in range(100):
+            x.add_(1.0)
+
+    return _timeit(ops, device) / 100 * 1e6
+
+
 def _allreduce_worker(rank: int, world: int, port: int, backend: str, nbytes: int, out):
     import torch.distributed as dist
 
@@ -153,6 +164,7 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
         "hbm_gbps": round(bw, 2), "hbm_efficiency": 1.0,
         "nvlink_gbps": round(coll if coll else bw / 4, 2), "collective_efficiency": 1.0,
         "internode_gbps": internode_gbps, "sms": sms, "node_size": max(1, local),
+        "kernel_overhead_us": round(kernel_overhead_us(device), 3),
         "gemm": gemm, "source": f"measured by loom plan --profile-hardware (torch {torch.__version__})",
     }
     tmp = out.with_name(out.name + ".tmp")

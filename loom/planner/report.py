@@ -126,7 +126,7 @@ def plot(estimates: list[Estimate], path: Path, capacity_gib: float) -> None:
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'loom[plot]' (or pip install matplotlib)") from None
     names = [f"#{i}" for i in range(1, len(estimates) + 1)]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.45 * len(estimates) + 2.5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.45 * len(estimates) + 4.0))
     keys = [k for k in TERM_LABELS if any(e.time_terms.get(k, 0) > 0 for e in estimates)]
     left = [0.0] * len(estimates)
     for key in keys:
@@ -136,7 +136,7 @@ def plot(estimates: list[Estimate], path: Path, capacity_gib: float) -> None:
     ax1.invert_yaxis()
     ax1.set_xlabel("seconds per step")
     ax1.set_title("step time by term")
-    ax1.legend(fontsize=7, loc="lower right")
+    ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4, frameon=False)
     mem_keys = ["params", "grads", "optimizer", "activations", "logits", "buffers", "reserve"]
     left = [0.0] * len(estimates)
     for key in mem_keys:
@@ -147,10 +147,10 @@ def plot(estimates: list[Estimate], path: Path, capacity_gib: float) -> None:
     ax2.invert_yaxis()
     ax2.set_xlabel("GiB per GPU")
     ax2.set_title("memory by term")
-    ax2.legend(fontsize=7, loc="lower right")
+    ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4, frameon=False)
     labels = "\n".join(f"#{i}: {layout_name(e)}" for i, e in enumerate(estimates, 1))
     fig.text(0.01, 0.01, labels, fontsize=6, family="monospace", va="bottom")
-    fig.tight_layout(rect=(0, 0.03 + 0.018 * len(estimates), 1, 1))
+    fig.tight_layout(rect=(0, 0.02 + 0.016 * len(estimates), 1, 1))
     try:
         fig.savefig(path, dpi=120)
     except OSError as exc:

@@ -171,6 +171,8 @@ def parse_layout(text: str, gpus: int) -> dict:
         raise UserError(f"--layout tp x pp x cp x dp = {world} but --gpus is {gpus}; the product must equal the GPU count")
     if out.get("ep", 1) != 1:
         raise UserError("--layout ep > 1 needs a mixture-of-experts model; loom's planner models dense models only so far")
+    if out["dp"] == 1:
+        out.setdefault("dp_style", "replicate")  # nothing to shard across
     if out.get("vpp", 1) > 1 and "schedule" not in out:
         out["schedule"] = "interleaved"
     return out
