@@ -73,6 +73,8 @@ def loom_runnable(e: Estimate, w: Workload) -> str | None:
         return "dropout under tensor parallelism needs per-rank RNG streams, which loom does not have yet"
     if lay.pp > 1 and w.model.tie_embeddings:
         return "tied embeddings with pipeline parallelism are not supported by loom yet"
+    if lay.dp_style == "distopt" and lay.dp > 1:
+        return "loom has no separate distributed optimizer (its fsdp style shards weights and optimizer state)"
     if w.precision == "fp8":
         return "loom trains in bf16 (fp8 linear layers are not implemented yet)"
     return None
@@ -101,8 +103,6 @@ def write_config(e: Estimate, w: Workload, base_name: str | None, path: Path) ->
         r.method, r.num_layers = "uniform", 0
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, w.seq_len)
     note = ""
-    if lay.dp_style == "distopt":
-        note = "dp_style distopt is written as parallel.dp_shard (loom shards with FSDP2, which needs no more memory)"
     header = (f"# Written by `loom plan`: predicted {e.step_time_s:.3f} s/step, {e.tokens_per_s_per_gpu:.0f} tokens/s/GPU, "
               f"{e.memory['total'] / GIB:.1f} GiB/GPU on {w.gpus} x {w.gpu.name}.\n"
               f"# Launch with {lay.world} processes, e.g. `loom train --config {path} --nproc 8 --nnodes {max(1, lay.world // 8)} ...`.\n")
