@@ -71,8 +71,8 @@ class Beacon:
         else:
             head = f"rank {self.rank} lost its connection to another rank during '{self.what}' (that rank crashed or was killed)"
         if behind:
-            names = ", ".join(str(r) for r, _ in behind)
-            tail = (f"; rank {names} did not get there ({where}): it is hung or far slower than the others. "
+            names = ("rank " if len(behind) == 1 else "ranks ") + ", ".join(str(r) for r, _ in behind)
+            tail = (f"; {names} did not get there ({where}): hung or far slower than the others. "
                     "Look at that rank's output; raise train.collective_timeout_s if it is only slow")
         else:
             tail = f"; every rank got at least as far ({where}), so the hang is inside that step"
