@@ -1,7 +1,7 @@
 """SIGKILL a whole training job at random moments while it checkpoints every step; check what is left.
 
-Each trial starts `loom train --nproc 2 --parallel.dp_shard=2 --checkpoint.interval=1` (alternating
-synchronous and `checkpoint.async=true` saves), waits a random time within the run, and kills the
+Each trial starts `loom train --nproc 2 --parallel.dp_shard=2 --checkpoint.interval=1` (or one
+process with `--nproc 1`), alternating synchronous and `checkpoint.async=true` saves), waits a random time within the run, and kills the
 launcher and both workers at once (SIGKILL to the process group: nothing gets to clean up). Then:
 
 - `checkpoints/latest`, if present, must name a complete checkpoint: every file matches the manifest
@@ -32,13 +32,14 @@ SMALL = [
     "model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=160",
     "model.vocab_size=512", "model.max_seq_len=64", "train.seq_len=32", "train.micro_batch=4",
     "train.global_batch=8", "train.eval_samples=8", "optim.warmup_steps=2", "optim.lr=3e-3",
-    "data.corpus_max_bytes=300000", "log.progress=none", "log.tensorboard=false", "parallel.dp_shard=2",
-    "checkpoint.interval=1",
+    "data.corpus_max_bytes=300000", "log.progress=none", "log.tensorboard=false", "checkpoint.interval=1",
 ]
+NPROC = 2
 
 
 def command(run_dir: Path, steps: int, mode: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "loom.cli", "train", "--config", "tiny", "--run-dir", str(run_dir), "--nproc", "2",
+    layout = ["--nproc", str(NPROC), f"--parallel.dp_shard={NPROC}"] if NPROC > 1 else []
+    return [sys.executable, "-m", "loom.cli", "train", "--config", "tiny", "--run-dir", str(run_dir), *layout,
             *[f"--{o}" for o in SMALL], f"--train.steps={steps}", f"--checkpoint.async={str(mode == 'async').lower()}",
             *extra]
 
@@ -106,10 +107,14 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--nproc", type=int, default=2, choices=[1, 2])
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "ckpt_kill_stress.json"))
     args = parser.parse_args()
     from loom.provenance import stamp
 
+    global NPROC
+    NPROC = args.nproc
+    provenance = stamp("python bench/ckpt_kill_stress.py " + " ".join(sys.argv[1:]))  # the commit that runs
     rng = random.Random(args.seed)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -136,8 +141,7 @@ def main() -> int:
         "wall_s": round(time.time() - t0, 1),
     }
     print(json.dumps(summary))
-    out = {"summary": summary, "trials": trials, "steps": args.steps, "seed": args.seed,
-           **stamp(f"python bench/ckpt_kill_stress.py --trials {args.trials} --steps {args.steps} --seed {args.seed}")}
+    out = {"summary": summary, "trials": trials, "steps": args.steps, "seed": args.seed, "nproc": NPROC, **provenance}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     ok = summary["latest_complete"] == summary["resumed_ok"] == summary["losses_equal_reference"] == len(trials)
