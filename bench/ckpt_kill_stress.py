@@ -2,7 +2,8 @@
 
 Each trial starts `loom train --nproc 2 --parallel.dp_shard=2 --checkpoint.interval=1` (or one
 process with `--nproc 1`), alternating synchronous and `checkpoint.async=true` saves), waits a random time within the run, and kills the
-launcher and both workers at once (SIGKILL to the process group: nothing gets to clean up). Then:
+launcher and its workers at once (SIGKILL to every process of the job; torchrun starts each worker in
+a session of its own, so a process-group kill would miss them). Nothing gets to clean up. Then:
 
 - `checkpoints/latest`, if present, must name a complete checkpoint: every file matches the manifest
   (`loom.train.checkpoint.verify`) and the weights load in one process (`loom.models.io`);
@@ -56,6 +57,40 @@ def steps_done(run_dir: Path) -> int:
         return 0
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_job(pid: int) -> int:
+    """SIGKILL `pid` and all its descendants (Linux /proc); wait until none runs. Returns how many."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    job, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        job.append(p)
+        todo += children.get(p, [])
+    for p in job:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + 30
+    while any(_alive(p) for p in job[1:]) and time.time() < deadline:
+        time.sleep(0.01)
+    assert not any(_alive(p) for p in job[1:]), "job processes survived SIGKILL"
+    return len(job)
+
+
 def check_latest(run_dir: Path) -> dict:
     """What `latest` names, and whether it is complete (manifest checksums, weights load)."""
     from loom.errors import UserError
@@ -82,15 +117,16 @@ def trial(i: int, steps: int, reference: list[float], work: Path, rng: random.Ra
     run_dir = work / f"trial-{i}"
     # Kill once the run has made `after` steps, plus a random fraction of a step.
     after = rng.randint(1, steps - 2)
-    proc = subprocess.Popen(command(run_dir, steps, mode), cwd=ROOT, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(command(run_dir, steps, mode), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while steps_done(run_dir) < after and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     time.sleep(rng.uniform(0.0, 0.4))
-    os.killpg(proc.pid, signal.SIGKILL)
+    killed = kill_job(proc.pid)
     proc.wait()
-    result = {"trial": i, "mode": mode, "killed_after_steps": steps_done(run_dir), **check_latest(run_dir)}
+    result = {"trial": i, "mode": mode, "processes_killed": killed, "killed_after_steps": steps_done(run_dir),
+              **check_latest(run_dir)}
     t0 = time.time()
     resumed = subprocess.run(command(run_dir, steps, mode, "--checkpoint.resume=true"), cwd=ROOT, env=env,
                              capture_output=True, text=True)
