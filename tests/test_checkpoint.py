@@ -102,3 +102,20 @@ def test_hung_rank_becomes_an_error_naming_it(tmp_path):
     assert "Traceback" not in proc.stderr
     assert elapsed < 90, elapsed
     assert len(losses(tmp_path / "r")) == 2
+
+
+def _group_timeouts():
+    from conftest import small_config
+    from loom.parallel import build_layout
+
+    layout = build_layout(small_config("parallel.tp=2", "parallel.dp_shard=2", "train.collective_timeout_s=7"), "cpu")
+    return {n: layout.submesh(n).get_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for n in ("pp", "dp_replicate", "dp_shard", "tp")}
+
+
+def test_every_mesh_group_gets_the_collective_timeout():
+    """New process groups take PyTorch's default timeout (30 min) unless told otherwise."""
+    from distributed import run_ranks
+
+    for timeouts in run_ranks(4, _group_timeouts):
+        assert timeouts == {"pp": 7.0, "dp_replicate": 7.0, "dp_shard": 7.0, "tp": 7.0}

@@ -222,6 +222,16 @@ def test_resume_across_layouts(tmp_path, pipe_reference):
     launch(tmp_path / "run", 4, "parallel.tp=2", "parallel.pp=2", "checkpoint.interval=3", base=PIPE)
     ckpts = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in (ckpts / "step-3").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    # Read in one process, and exported to Hugging Face, the tp x pp checkpoint holds the reference weights.
+    from loom import load_model
+    from loom.interop.hf import convert
+
+    want = final_weights(pipe_reference)
+    exported = load_model(convert(ckpts / "step-6", tmp_path / "hf", to="hf")).state_dict()
+    for got in (final_weights(tmp_path / "run"), exported):
+        assert got.keys() == want.keys()
+        for name in want:
+            assert ((got[name] - want[name]).norm() / want[name].norm()).item() < 5e-5, name
     import shutil
 
     shutil.rmtree(ckpts / "step-6")
