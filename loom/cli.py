@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from loom.errors import TrainingDiverged, UserError
+from loom.errors import CollectiveTimeout, TrainingDiverged, UserError
 
 
 def split_overrides(extra: list[str]) -> list[str]:
@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as exc:
         print(f"loom {args.command}: training diverged: {exc}", file=sys.stderr)
         return 3
+    except CollectiveTimeout as exc:
+        print(f"loom {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -117,6 +117,7 @@ class TrainConfig:
     compile: bool = False
     threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
     max_skipped_consecutive: int = 5  # non-finite loss/grad steps skipped in a row before stopping (exit 3)
+    collective_timeout_s: float = 600.0  # a collective waiting longer fails, naming the rank(s) behind
 
     def validate(self) -> None:
         for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_samples", "log_interval"):
@@ -130,6 +131,8 @@ class TrainConfig:
                 f"train.global_batch={self.global_batch} is not divisible by train.micro_batch="
                 f"{self.micro_batch}; valid micro batches: {', '.join(map(str, valid))}"
             )
+        if not (self.collective_timeout_s > 0 and math.isfinite(self.collective_timeout_s)):
+            raise UserError(f"train.collective_timeout_s={self.collective_timeout_s} must be a finite number of seconds > 0")
         if self.grad_clip < 0 or not math.isfinite(self.grad_clip):
             raise UserError(f"train.grad_clip={self.grad_clip} must be a finite number >= 0 (0 disables)")
 
@@ -194,6 +197,9 @@ class CheckpointConfig:
     keep_last: int = 0  # prune older checkpoints (0: keep all)
     fallback: bool = False  # on resume, skip a damaged latest checkpoint for the newest complete one
     save_final: bool = True
+    # `checkpoint.async` in TOML and on the command line (`async` is a Python keyword): write in the
+    # background while training continues.
+    async_save: bool = field(default=False, metadata={"key": "async"})
 
     def validate(self) -> None:
         for name in ("interval", "keep_last"):
@@ -257,8 +263,11 @@ class Config:
         return self
 
     def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out.pop("name")
+        out = {}
+        for section in SECTIONS:
+            obj = getattr(self, section)
+            values = dataclasses.asdict(obj)
+            out[section] = {key_of(f): values[f.name] for f in dataclasses.fields(obj)}
         return out
 
     def to_toml(self) -> str:
@@ -266,6 +275,11 @@ class Config:
 
 
 SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "name"]
+
+
+def key_of(f: dataclasses.Field) -> str:
+    """A field's key in TOML and overrides: its name, unless that is a Python keyword (metadata "key")."""
+    return f.metadata.get("key", f.name)
 
 
 # --- building ------------------------------------------------------------------------------------
@@ -339,12 +353,12 @@ def set_value(cfg: Config, dotted: str, value: Any, parse_text: bool) -> None:
     if section not in SECTIONS:
         raise UserError(f"unknown config section {section!r}{closest(section, SECTIONS)}; valid: {', '.join(SECTIONS)}")
     obj = getattr(cfg, section)
-    fields = {f.name: f for f in dataclasses.fields(obj)}
+    fields = {key_of(f): f for f in dataclasses.fields(obj)}
     if key not in fields:
         valid = [f"{section}.{k}" for k in fields]
         raise UserError(f"unknown config key {dotted!r}{closest(dotted, valid)}; valid keys in [{section}]: {', '.join(fields)}")
-    hint = typing.get_type_hints(type(obj))[key]
-    setattr(obj, key, coerce(dotted, value, hint, parse_text))
+    hint = typing.get_type_hints(type(obj))[fields[key].name]
+    setattr(obj, fields[key].name, coerce(dotted, value, hint, parse_text))
 
 
 def coerce(name: str, value: Any, hint: Any, parse_text: bool) -> Any:

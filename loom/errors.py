@@ -25,3 +25,10 @@ class TrainingDiverged(Exception):
     """Too many consecutive non-finite steps; the message says where it went non-finite. Exit code 3."""
 
     exit_code = 3
+
+
+class CollectiveTimeout(Exception):
+    """A collective did not complete within train.collective_timeout_s, or a peer vanished; the message
+    names the ranks that were behind (see loom/train/hang.py). Exit code 1."""
+
+    exit_code = 1

@@ -102,9 +102,9 @@ def test_generate_missing_checkpoint(capsys, tmp_path):
 def test_corrupt_checkpoint_on_resume_keeps_latest(capsys, tmp_path):
     run_dir = tmp_path / "run"
     assert main(["train", "--config", "tiny", "--run-dir", str(run_dir), *SMALL_ARGS]) == 0
-    opt = run_dir / "checkpoints" / "step-6" / "optimizer.pt"
-    opt.write_bytes(opt.read_bytes()[:-100])
+    shard = run_dir / "checkpoints" / "step-6" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
     fails(capsys, ["train", "--config", "tiny", "--run-dir", str(run_dir), *SMALL_ARGS, "--train.steps=9",
-                   "--checkpoint.resume=true"], "optimizer.pt", "damaged")
+                   "--checkpoint.resume=true"], "__0_0.distcp", "damaged")
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-6"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-6"]

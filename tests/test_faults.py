@@ -152,3 +152,25 @@ def test_killed_worker_without_restarts_stops_promptly(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and time.time() - t0 < 60
     assert "worker(s) failed" in err
+
+
+def _kill_stress(tmp_path, nproc, trials, steps):
+    """bench/ckpt_kill_stress.py: SIGKILL the whole job at random moments while it checkpoints every step
+    (sync and async alternately); `latest` must name a complete checkpoint and resuming must reproduce
+    the undisturbed run's losses exactly."""
+    out = tmp_path / "kill.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "ckpt_kill_stress.py"), "--trials", str(trials),
+                           "--steps", str(steps), "--nproc", str(nproc), "--seed", str(time.time_ns() % 1000),
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["latest_complete"] == summary["resumed_ok"] == summary["losses_equal_reference"] == trials
+
+
+def test_sigkill_while_checkpointing_every_step_one_process(tmp_path):
+    _kill_stress(tmp_path, nproc=1, trials=2, steps=10)
+
+
+@pytest.mark.slow  # ~90 s: three 2-process runs killed and resumed
+def test_sigkill_while_checkpointing_every_step_two_processes(tmp_path):
+    _kill_stress(tmp_path, nproc=2, trials=3, steps=12)

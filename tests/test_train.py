@@ -136,11 +136,11 @@ def test_refuses_to_overwrite_checkpoints_without_resume(tmp_path):
 
 def test_corrupt_checkpoint_is_named_on_resume(tmp_path):
     train(tmp_path / "r", "checkpoint.interval=3")
-    weights = tmp_path / "r" / "checkpoints" / "step-6" / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-10] ^= 0xFF
-    weights.write_bytes(bytes(data))
-    with pytest.raises(UserError, match="model.safetensors"):
+    shard = tmp_path / "r" / "checkpoints" / "step-6" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF  # same size, one flipped byte: only the checksum can tell
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="__0_0.distcp does not match its manifest checksum"):
         Trainer(small_config("checkpoint.resume=true", "train.steps=8"), tmp_path / "r", quiet=True)
 
 
@@ -163,9 +163,9 @@ def test_fallback_to_previous_complete_checkpoint(tmp_path):
     train(full)
     run = tmp_path / "r"
     train(run, "checkpoint.interval=3")
-    weights = run / "checkpoints" / "step-6" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-64])  # damage the latest
-    with pytest.raises(UserError, match="model.safetensors"):
+    shard = run / "checkpoints" / "step-6" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-64])  # damage the latest
+    with pytest.raises(UserError, match="__0_0.distcp"):
         Trainer(small_config("checkpoint.resume=true", "checkpoint.interval=3"), run, quiet=True)
     trainer = Trainer(small_config("checkpoint.resume=true", "checkpoint.fallback=true", "checkpoint.interval=3"),
                       run, quiet=True)

@@ -1,10 +1,15 @@
 """Model directories: what generation, conversion and `loom.load_model` read without the trainer.
 
-A loom model directory holds `model.safetensors` (weights; a tied output weight is stored once, as
-`tok_embeddings.weight`), `config.toml` (the full run config) and, when known, `tokenizer.json`.
-A training checkpoint `run/checkpoints/step-N/` is a model directory plus trainer state, so anything
-that reads a model directory reads a checkpoint too. `resolve_model_dir` accepts a run directory, its
-`checkpoints/` directory, a step directory or a plain model directory.
+A loom model directory holds `config.toml` (the full run config), when known `tokenizer.json`, and the
+weights in one of two forms:
+
+- `model.safetensors` (a converted model; a tied output weight is stored once, as `tok_embeddings.weight`);
+- a sharded training checkpoint `run/checkpoints/step-N/` (`.metadata` + `*.distcp`, written by
+  `torch.distributed.checkpoint` from any parallel layout): `read_sharded_weights` assembles the full
+  weights in this one process, reading only the model's entries (not the optimizer's).
+
+`resolve_model_dir` accepts a run directory, its `checkpoints/` directory, a step directory or a plain
+model directory.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import tomllib
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,6 +31,7 @@ from loom.models.llama import Transformer, build_model
 WEIGHTS = "model.safetensors"
 CONFIG = "config.toml"
 TOKENIZER = "tokenizer.json"
+DCP_METADATA = ".metadata"  # marks a sharded (torch.distributed.checkpoint) checkpoint
 
 
 def save_model_dir(model: Transformer | dict, cfg: Config, path: Path, tokenizer_path: Path | str | None = None) -> None:
@@ -53,8 +60,9 @@ def resolve_model_dir(path: str | Path) -> Path:
         p = p / name
         if not p.is_dir():
             raise UserError(f"{path}: 'latest' names {name!r}, which does not exist")
-    if not (p / WEIGHTS).is_file() or not (p / CONFIG).is_file():
-        raise UserError(f"{p} is not a loom checkpoint: expected {WEIGHTS} and {CONFIG} in it")
+    if not ((p / WEIGHTS).is_file() or (p / DCP_METADATA).is_file()) or not (p / CONFIG).is_file():
+        raise UserError(f"{p} is not a loom checkpoint: expected {CONFIG} and {WEIGHTS} or a sharded "
+                        f"checkpoint ({DCP_METADATA} + *.distcp) in it")
     return p
 
 
@@ -70,8 +78,26 @@ def load_model_dir(path: str | Path, dtype: torch.dtype = torch.float32, device:
     model_dir = resolve_model_dir(path)
     cfg = read_config(model_dir)
     model = build_model(cfg.model, device=device, dtype=dtype)
-    load_weights(model, model_dir / WEIGHTS)
+    if (model_dir / DCP_METADATA).is_file():
+        read_sharded_weights(model_dir, model)
+    else:
+        load_weights(model, model_dir / WEIGHTS)
     return model.eval(), cfg, model_dir
+
+
+def read_sharded_weights(ckpt_dir: Path, model: Transformer) -> None:
+    """Fill `model` (one process, any dtype) from a sharded checkpoint saved in any layout."""
+    import torch.distributed.checkpoint as dcp
+
+    state = model.state_dict()
+    try:
+        with warnings.catch_warnings():  # one process, no process group: DCP warns that it assumes so
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": state}, checkpoint_id=Path(ckpt_dir), no_dist=True)
+    except Exception as exc:  # CheckpointException: unreadable shard, missing entry, wrong shape
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise UserError(f"{ckpt_dir} cannot be read as this config's model ({first}); the checkpoint is "
+                        "damaged or its config.toml does not match its weights") from None
 
 
 def read_weights(file: Path, model: Transformer, partial: bool = False) -> dict[str, torch.Tensor]:

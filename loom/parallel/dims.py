@@ -118,8 +118,25 @@ def build_layout(cfg: Config, device_type: str, measuring: bool = False) -> Layo
     world = dist.get_world_size()
     validate_layout(cfg, world, measuring)
     p = cfg.parallel
-    mesh = init_device_mesh(device_type, (p.pp, p.dp_replicate, p.dp_shard, p.tp),
-                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    names = ("pp", "dp_replicate", "dp_shard", "tp")
+    # The mesh's groups get train.collective_timeout_s too (new groups otherwise take PyTorch's default).
+    options = _group_options(dist.get_backend(), cfg.train.collective_timeout_s)
+    mesh = init_device_mesh(device_type, (p.pp, p.dp_replicate, p.dp_shard, p.tp), mesh_dim_names=names,
+                            backend_override={n: options for n in names})
     dp_rank = mesh["dp_replicate"].get_local_rank() * p.dp_shard + mesh["dp_shard"].get_local_rank()
     return Layout(mesh=mesh, rank=dist.get_rank(), world_size=world, dp_rank=dp_rank, dp_size=p.dp, tp=p.tp,
                   pp=p.pp, pp_rank=mesh["pp"].get_local_rank())
+
+
+def _group_options(backend: str, timeout_s: float):
+    from datetime import timedelta
+
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timedelta(seconds=timeout_s)
+        return options
+    from torch._C._distributed_c10d import Backend
+
+    return Backend.Options(backend, timedelta(seconds=timeout_s))

@@ -1,11 +1,21 @@
-"""Training checkpoints: atomic, verified, resumable.
+"""Training checkpoints: sharded, atomic, verified, reshardable, optionally asynchronous.
 
-`run/checkpoints/step-N/` is a model directory (see `loom.models.io`) plus `optimizer.pt`,
-`trainer_state.json` (step, consumed samples), `rng-R.pt` (every RNG rank R draws from) and
-`manifest.json` (size and sha256 of every file). A checkpoint is written into a hidden temporary
-directory and renamed into place only when complete; `latest` (a one-line file naming the step
-directory) is replaced atomically afterwards. So `latest` never names a partial checkpoint, and a
-damaged file is detected on resume and named.
+`run/checkpoints/step-N/` holds
+
+- `.metadata` and `__R_K.distcp`: model and optimizer state written with `torch.distributed.checkpoint`
+  (DCP). Every rank writes its own shards, in parallel; keys are parameter names independent of the
+  layout (pipeline stages keep the original names), so any layout — or one process — can load them;
+- `config.toml`, `tokenizer.json`, `trainer_state.json` (step, consumed samples, world size) and
+  `rng-R.pt` (every RNG rank R draws from);
+- `manifest.json`: size and sha256 of every file. Each rank hashes the files it wrote; the
+  coordinator merges the parts once every rank has finished.
+
+A checkpoint is written into `.tmp-step-N/` and renamed into place by rank 0 only after DCP's
+coordinator has seen every rank finish; `latest` (a one-line file naming the step directory) is
+replaced atomically afterwards. So `latest` never names a partial checkpoint, and a damaged file is
+named on resume. With `checkpoint.async=true` the state is copied to memory while the step loop
+waits, then written by a background thread (over a gloo group of its own, so its collectives never
+interleave with training's); the rename happens when that write has completed everywhere.
 """
 
 from __future__ import annotations
@@ -15,17 +25,30 @@ import json
 import os
 import random
 import shutil
+import time
+import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from loom.config import Config
 from loom.errors import UserError
-from loom.models.io import WEIGHTS, atomic_write_text, read_config, read_weights, save_model_dir, write_json
+from loom.models.io import CONFIG, TOKENIZER, atomic_write_text, read_config, write_json
+
+# One process saves and loads without a process group on purpose (DCP's no_dist mode).
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 MANIFEST = "manifest.json"
+STATE = "trainer_state.json"
+# Optimizer state keyed `state.<param>.<key>` / `param_groups.<param>.<key>`: the union over pipeline
+# ranks is the whole optimizer, and each key means the same thing in every layout.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @dataclass
@@ -49,12 +72,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _sha256(path: Path) -> str:
+def _describe(path: Path) -> dict:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
-    return h.hexdigest()
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
 
 
 def _dist():
@@ -63,112 +86,29 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def _barrier() -> None:
-    if (dist := _dist()) is not None:
-        dist.barrier()
+class _ManifestWriter(FileSystemWriter):
+    """DCP's file writer, plus: each rank hashes what it wrote; the coordinator writes the manifest."""
 
+    def __init__(self, path: Path, own_files: list[str]):
+        super().__init__(path)
+        self.own_files = own_files  # files this rank wrote outside DCP (RNG, config, ...)
 
-def full_state(model, optimizer) -> tuple[dict, dict]:
-    """Whole (unsharded) model and optimizer state, keyed by parameter name, whatever the layout.
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        names = {r.storage_data.relative_path for r in future.wait()} | set(self.own_files)
+        write_json(Path(self.path) / f"manifest-{self.rank}.json", {n: _describe(Path(self.path) / n) for n in names})
+        return future
 
-    Saving the full state makes a checkpoint loadable into any other layout. It is a collective:
-    every rank must call it.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    dist = _dist()
-    pipeline = dist is not None and getattr(model, "is_pipeline_view", False)
-    # cpu_offload keeps the full state on global rank 0 only; pipeline stages need it on their first rank.
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=not pipeline)
-    model_state = get_model_state_dict(model, options=opts)
-    optim_state = get_optimizer_state_dict(model, optimizer, options=opts)
-    if pipeline:
-        # Each pipeline rank holds some stages: the first rank of every stage group sends its part to
-        # rank 0, which merges them (the mesh is (pp, ...), so stage groups are contiguous ranks).
-        rank, per_stage = dist.get_rank(), dist.get_world_size() // model.pp_size
-        mine = _to_cpu((model_state, optim_state)) if rank % per_stage == 0 else None
-        parts = [None] * dist.get_world_size() if rank == 0 else None
-        dist.gather_object(mine, parts, dst=0)
-        if parts is None:
-            return {}, {}
-        model_state, optim_state = _merge([p for p in parts if p is not None])
-    return model_state, optim_state
-
-
-def _to_cpu(obj):
-    if torch.is_tensor(obj):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def _merge(parts) -> tuple[dict, dict]:
-    model_state, state, groups = {}, {}, []
-    for m, o in parts:
-        model_state.update(m)
-        state.update(o["state"])
-        for i, g in enumerate(o["param_groups"]):
-            if i == len(groups):
-                groups.append({**g, "params": []})
-            groups[i]["params"] += [p for p in g["params"] if p not in groups[i]["params"]]
-    return model_state, {"state": state, "param_groups": groups}
-
-
-def _restrict(optim_state: dict, names: set) -> dict:
-    """The part of a full optimizer state that concerns the parameters `names` (a pipeline rank's)."""
-    return {
-        "state": {k: v for k, v in optim_state["state"].items() if k in names},
-        "param_groups": [{**g, "params": [p for p in g["params"] if p in names]} for g in optim_state["param_groups"]],
-    }
-
-
-def save_checkpoint(ckpt_root: Path, model, optimizer, cfg: Config, state: TrainState,
-                    tokenizer_path: Path | None, keep_last: int = 0) -> Path:
-    """Collective: every rank calls it; rank 0 writes the model and optimizer, each rank its RNG."""
-    dist = _dist()
-    rank = dist.get_rank() if dist else 0
-    model_state, optim_state = full_state(model, optimizer)
-    name = f"step-{state.step}"
-    final = ckpt_root / name
-    tmp = ckpt_root / f".tmp-{name}"
-    if rank == 0:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()
-    try:
-        torch.save(rng_state(), tmp / f"rng-{rank}.pt")
-        _barrier()
-        if rank == 0:
-            save_model_dir(model_state, cfg, tmp, tokenizer_path)
-            torch.save(optim_state, tmp / "optimizer.pt")
-            write_json(tmp / "trainer_state.json", {"step": state.step, "consumed_samples": state.consumed_samples,
-                                                    "world_size": dist.get_world_size() if dist else 1})
-            files = sorted(p.name for p in tmp.iterdir())
-            write_json(tmp / MANIFEST, {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in files})
-            _fsync_dir(tmp)
-            old = None
-            if final.exists():  # re-saving the same step (e.g. after a resume): swap it whole
-                old = ckpt_root / f".old-{name}"
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            atomic_write_text(ckpt_root / "latest", name + "\n")
-            _fsync_dir(ckpt_root)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-            if keep_last:
-                prune(ckpt_root, keep_last)
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _barrier()
-    return final
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)  # writes .metadata, after every rank's write_data returned
+        root = Path(self.path)
+        parts = sorted(root.glob("manifest-*.json"))
+        manifest = {".metadata": _describe(root / ".metadata")}
+        for part in parts:
+            manifest.update(json.loads(part.read_text()))
+        write_json(root / MANIFEST, manifest)
+        for part in parts:
+            part.unlink()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -179,6 +119,137 @@ def _fsync_dir(path: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+class Checkpointer:
+    """Saves and loads one run's checkpoints. `save`, `load` are collectives (every rank calls them)."""
+
+    def __init__(self, root: Path, model, optimizer, cfg: Config, tokenizer_path: Path | None, group=None):
+        self.root, self.model, self.optimizer, self.cfg = root, model, optimizer, cfg
+        self.tokenizer_path, self.group = tokenizer_path, group
+        dist = _dist()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+        self.pending = None  # (future, tmp dir, name) of an asynchronous save in flight
+
+    def _state(self) -> dict:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=OPTIONS)
+        return {"model": model_state, "optim": optim_state}
+
+    def save(self, state: TrainState) -> float:
+        """Write step `state.step`; return the seconds the caller was blocked. The commit (rename into
+        place, `latest`) follows in `poll` or `wait` once the write has finished on every rank."""
+        t0 = time.perf_counter()
+        self.wait()  # one save in flight at a time
+        name = f"step-{state.step}"
+        tmp = self.root / f".tmp-{name}"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in [*self.root.glob(".tmp-*"), *self.root.glob(".old-*")]:  # left by a killed run
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        if (dist := _dist()) is not None:
+            dist.barrier()
+        own = [f"rng-{self.rank}.pt"]
+        torch.save(rng_state(), tmp / own[0])
+        if self.rank == 0:
+            (tmp / CONFIG).write_text(self.cfg.to_toml())
+            write_json(tmp / STATE, {"step": state.step, "consumed_samples": state.consumed_samples,
+                                     "world_size": self.world})
+            own += [CONFIG, STATE]
+            if self.tokenizer_path is not None and Path(self.tokenizer_path).is_file():
+                shutil.copyfile(self.tokenizer_path, tmp / TOKENIZER)
+                own.append(TOKENIZER)
+        writer = _ManifestWriter(tmp, own)
+        if self.cfg.checkpoint.async_save:
+            # Copies the state to memory now; the write runs in a background thread.
+            future = dcp.async_save(self._state(), storage_writer=writer, process_group=self.group,
+                                    no_dist=self.world == 1)
+        else:
+            dcp.save(self._state(), storage_writer=writer, process_group=self.group, no_dist=self.world == 1)
+            future = Future()
+            future.set_result(None)
+        self.pending = (future, tmp, name)  # committed by the next poll() or wait()
+        return time.perf_counter() - t0
+
+    def poll(self) -> None:
+        """Commit a save whose write has finished (call once per step)."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the asynchronous save in flight (if any) is written and committed."""
+        if self.pending is None:
+            return
+        future, tmp, name = self.pending
+        self.pending = None
+        future.result()
+        self._commit(tmp, name)
+
+    def _commit(self, tmp: Path, name: str) -> None:
+        """Rank 0: the write is complete on every rank; move it into place, then point `latest` at it."""
+        if self.rank != 0:
+            return
+        _fsync_dir(tmp)
+        final, old = self.root / name, None
+        if final.exists():  # re-saving the same step (e.g. after a resume): swap it whole
+            old = self.root / f".old-{name}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        atomic_write_text(self.root / "latest", name + "\n")
+        _fsync_dir(self.root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        if self.cfg.checkpoint.keep_last:
+            prune(self.root, self.cfg.checkpoint.keep_last)
+
+    def load(self, path: Path) -> TrainState:
+        """Restore model, optimizer and RNG from `path` (verified first) into this layout; return the state.
+
+        RNG streams are restored per rank when the checkpoint was written by the same number of ranks
+        (bit-exact resume); in another layout each rank keeps the fresh seed-derived stream.
+        """
+        verify_everywhere(path)
+        check_compatible(path, self.cfg)
+        state = self._state()  # this layout's tensors, filled in place from whatever layout saved them
+        try:
+            dcp.load(state, checkpoint_id=path, process_group=self.group, no_dist=self.world == 1)
+        except Exception as exc:  # DCP wraps per-rank failures (missing keys, shapes) in CheckpointException
+            raise UserError(f"checkpoint {path} does not fit this model and optimizer ({_first_line(exc)}); "
+                            "resume with the same model settings and optim.state_dtype") from None
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=OPTIONS)
+        from loom.train.optim import apply_hyperparameters
+
+        apply_hyperparameters(self.optimizer, self.cfg.optim)
+        meta = json.loads((path / STATE).read_text())
+        rng_file = path / f"rng-{self.rank}.pt"
+        if meta.get("world_size", 1) == self.world and rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        return TrainState(step=meta["step"], consumed_samples=meta["consumed_samples"])
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def check_compatible(path: Path, cfg: Config) -> None:
+    saved = read_config(path)
+    fixed = [("train", "seq_len"), ("train", "global_batch"), ("train", "seed"), ("data", "paths"),
+             ("data", "weights"), ("data", "tokenizer"), ("data", "corpus_max_bytes")]
+    changed = [f"{a}.{b}" for a, b in fixed if getattr(getattr(saved, a), b) != getattr(getattr(cfg, a), b)]
+    if changed:
+        raise UserError(
+            f"checkpoint {path} was trained with different {', '.join(changed)}; the data order and position "
+            "depend on them, so resume with the values in its config.toml"
+        )
+    if saved.model != cfg.model:
+        diffs = [k for k in vars(cfg.model) if getattr(saved.model, k) != getattr(cfg.model, k)]
+        raise UserError(
+            f"checkpoint {path} was trained with a different model ({', '.join(f'model.{k}' for k in diffs)} differ); "
+            "resume with the same model settings or use another --run-dir"
+        )
 
 
 def list_checkpoints(ckpt_root: Path) -> list[Path]:
@@ -203,66 +274,35 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return path
 
 
-def verify(path: Path) -> None:
-    """Check every file against the manifest; raise UserError naming the first damaged file."""
+def verify(path: Path, rank: int = 0, world: int = 1) -> None:
+    """Check the files (every `world`-th, from `rank`) against the manifest; raise UserError naming a damaged one."""
     manifest_file = path / MANIFEST
     try:
         manifest = json.loads(manifest_file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"checkpoint {path} has no readable {MANIFEST} ({exc}); it is incomplete or damaged") from None
-    for name, meta in manifest.items():
-        f = path / name
+    for name in sorted(manifest)[rank::world]:
+        meta, f = manifest[name], path / name
         if not f.is_file():
             raise UserError(f"checkpoint {path} is damaged: {name} is missing")
-        if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+        if f.stat().st_size != meta["bytes"] or _describe(f)["sha256"] != meta["sha256"]:
             raise UserError(
                 f"checkpoint {path} is damaged: {name} does not match its manifest checksum "
                 f"(expected {meta['bytes']} bytes, sha256 {meta['sha256'][:12]}...)"
             )
 
 
-def load_checkpoint(path: Path, model, optimizer, cfg: Config) -> TrainState:
-    """Restore model, optimizer and RNG from `path` (verified first) into any layout; return the state.
-
-    RNG streams are restored per rank when the checkpoint was written by the same number of ranks
-    (bit-exact resume); in another layout each rank keeps the fresh seed-derived stream.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-    verify(path)
-    saved = read_config(path)
-    fixed = [("train", "seq_len"), ("train", "global_batch"), ("train", "seed"), ("data", "paths"),
-             ("data", "weights"), ("data", "tokenizer"), ("data", "corpus_max_bytes")]
-    changed = [f"{a}.{b}" for a, b in fixed if getattr(getattr(saved, a), b) != getattr(getattr(cfg, a), b)]
-    if changed:
-        raise UserError(
-            f"checkpoint {path} was trained with different {', '.join(changed)}; the data order and position "
-            "depend on them, so resume with the values in its config.toml"
-        )
-    if saved.model != cfg.model:
-        diffs = [k for k in vars(cfg.model) if getattr(saved.model, k) != getattr(cfg.model, k)]
-        raise UserError(
-            f"checkpoint {path} was trained with a different model ({', '.join(f'model.{k}' for k in diffs)} differ); "
-            "resume with the same model settings or use another --run-dir"
-        )
-    opts = StateDictOptions(full_state_dict=True)
-    partial = getattr(model, "is_pipeline_view", False)
-    set_model_state_dict(model, read_weights(path / WEIGHTS, model, partial=partial), options=opts)
-    optim_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-    if partial:
-        optim_state = _restrict(optim_state, {n for n, _ in model.named_parameters()})
-    try:
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state, options=opts)
-    except (ValueError, KeyError, RuntimeError) as exc:
-        raise UserError(f"the optimizer state in {path} does not fit this run's parameter groups ({exc}); "
-                        "resume with the same optim.decay_norms_and_biases and model") from None
-    from loom.train.optim import apply_hyperparameters
-
-    apply_hyperparameters(optimizer, cfg.optim)
+def verify_everywhere(path: Path) -> None:
+    """`verify` with the files split over the ranks; every rank raises the same error (a collective)."""
     dist = _dist()
-    rng_file = path / f"rng-{dist.get_rank() if dist else 0}.pt"
-    meta = json.loads((path / "trainer_state.json").read_text())
-    if meta.get("world_size", 1) == (dist.get_world_size() if dist else 1) and rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return TrainState(step=meta["step"], consumed_samples=meta["consumed_samples"])
+    if dist is None:
+        return verify(path)
+    try:
+        verify(path, dist.get_rank(), dist.get_world_size())
+        error = None
+    except UserError as exc:
+        error = str(exc)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    if first := next((e for e in errors if e), None):
+        raise UserError(first)

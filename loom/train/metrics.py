@@ -1,8 +1,8 @@
 """Where a run reports: `metrics.jsonl`, TensorBoard scalars, and a progress display.
 
 `metrics.jsonl` gets one JSON object per optimizer step (contract keys: step, loss, grad_norm, lr,
-tokens, tokens_per_s, tflops_per_device, mfu, memory_gib) and one per evaluation (step, val_loss,
-val_bpb, gzip_bpb, xz_bpb). On resume, rows past the resumed step are dropped so the file reads as one
+tokens, tokens_per_s, tflops_per_device, mfu, memory_gib; plus checkpoint_blocking_s on steps that
+save) and one per evaluation (step, val_loss, val_bpb, gzip_bpb, xz_bpb). On resume, rows past the resumed step are dropped so the file reads as one
 uninterrupted run.
 """
 

@@ -32,7 +32,8 @@ from loom.models.llama import build_model
 from loom.parallel import build_layout, parallelize
 from loom.parallel.data import set_gradient_sync
 from loom.parallel.tensor import loss_context
-from loom.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from loom.train.checkpoint import Checkpointer, TrainState, latest_checkpoint
+from loom.train.hang import Beacon
 from loom.train.metrics import MetricsWriter, Progress
 from loom.train.optim import build_optimizer
 from loom.train.schedule import lr_at
@@ -55,16 +56,20 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
-def init_distributed(device: torch.device) -> None:
-    """Join the process group when started by the launcher (torchrun sets WORLD_SIZE etc.)."""
-    import os
+def init_distributed(device: torch.device, timeout_s: float | None = None) -> None:
+    """Join the process group when started by the launcher (torchrun sets WORLD_SIZE etc.).
+
+    A collective that waits longer than `timeout_s` raises instead of hanging.
+    """
+    from datetime import timedelta
 
     import torch.distributed as dist
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
 
 
 def _all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
@@ -111,7 +116,8 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.device = pick_device(t.device)
-        init_distributed(self.device)
+        init_distributed(self.device, t.collective_timeout_s)
+        self.beacon = Beacon(t.collective_timeout_s)
         self.layout = build_layout(cfg, self.device.type)
         if self.device.type == "cuda" and self.layout.distributed:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -156,6 +162,13 @@ class Trainer:
         self.skipped_steps = self.skipped_in_a_row = 0
         self.stop_signal: int | None = None
         self.tokenizer_path = self.run_dir / "tokenizer.json"
+        group = None
+        if self.layout.distributed:  # checkpoint collectives get their own gloo group (async saves run them
+            import torch.distributed as dist  # in a background thread, beside training's collectives)
+            from datetime import timedelta
+
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=t.collective_timeout_s))
+        self.checkpointer = Checkpointer(self.ckpt_root, self.model, self.optimizer, cfg, self.tokenizer_path, group)
         if resume_from is not None:  # checked and loaded before anything in the run directory changes
             resume_from = self._resume(resume_from)
         self.resumed_from = resume_from
@@ -179,16 +192,17 @@ class Trainer:
 
     def _resume(self, latest: Path) -> Path:
         """Load `latest`; with checkpoint.fallback, a damaged one gives way to the newest older complete one."""
-        from loom.train.checkpoint import list_checkpoints, verify
+        from loom.train.checkpoint import list_checkpoints, verify_everywhere
 
         candidates = [latest]
         if self.cfg.checkpoint.fallback:
             candidates += [p for p in reversed(list_checkpoints(self.ckpt_root)) if p != latest]
+        self.beacon.mark("checkpoint load")
         for i, path in enumerate(candidates):
             try:
                 if i + 1 < len(candidates):
-                    verify(path)  # cheap to retry; load_checkpoint verifies again
-                self.state = load_checkpoint(path, self.model, self.optimizer, self.cfg)
+                    verify_everywhere(path)  # before loading anything; load verifies again
+                self.state = self.checkpointer.load(path)
                 if i and self.is_main:
                     print(f"checkpoint {latest} is damaged; resumed from {path} (checkpoint.fallback=true)",
                           file=sys.stderr)
@@ -341,11 +355,22 @@ class Trainer:
             return torch.cuda.max_memory_allocated(self.device) / 2**30
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
-    def save(self) -> Path:
-        return save_checkpoint(self.ckpt_root, self.model, self.optimizer, self.cfg, self.state,
-                               self.tokenizer_path, self.cfg.checkpoint.keep_last)
+    def save(self) -> float:
+        """Checkpoint the current step; the seconds the step loop was blocked (all of a synchronous save)."""
+        self.beacon.mark(f"step {self.state.step}: checkpoint save")
+        return self.checkpointer.save(self.state)
 
     def fit(self) -> dict:
+        """Train to train.steps; a timed-out collective becomes a CollectiveTimeout naming the ranks behind."""
+        try:
+            return self._fit()
+        except Exception as exc:
+            explained = self.beacon.explain(exc)
+            if explained is None:
+                raise
+            raise explained from None
+
+    def _fit(self) -> dict:
         t, ck = self.cfg.train, self.cfg.checkpoint
         resumed = self.resumed_from is not None
         metrics = MetricsWriter(self.run_dir, self.state.step if resumed else None, self.cfg.log.tensorboard,
@@ -368,6 +393,7 @@ class Trainer:
                 previous[sig] = signal.signal(sig, on_signal)
         try:
             while self.state.step < t.steps:
+                self.beacon.mark(f"step {self.state.step + 1}: train")
                 t0 = time.perf_counter()
                 out = self.train_step()
                 if self.device.type == "cuda":
@@ -381,22 +407,31 @@ class Trainer:
                     "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
                     "memory_gib": self.memory_gib(), "step_time_s": dt,
                 }
-                metrics.write(row)
-                progress.update(row)
                 if self.skipped_in_a_row >= t.max_skipped_consecutive:
+                    metrics.write(row)
                     raise TrainingDiverged(self.diagnose())
                 last = self.state.step == t.steps
-                if (t.eval_interval and self.state.step % t.eval_interval == 0) or last:
+                evaluate = (t.eval_interval and self.state.step % t.eval_interval == 0) or last
+                if evaluate:
+                    self.beacon.mark(f"step {self.state.step}: evaluation")
                     last_eval = {"step": self.state.step, **self.evaluate()}
+                stop = self._stop_requested()
+                if (ck.interval and self.state.step % ck.interval == 0) or (last and ck.save_final) or stop:
+                    row["checkpoint_blocking_s"] = self.save()
+                metrics.write(row)
+                progress.update(row)
+                if evaluate:
                     metrics.write(last_eval)
                     progress.message(
                         f"eval step {self.state.step}: val_loss {last_eval['val_loss']:.4f}  val_bpb "
                         f"{last_eval['val_bpb']:.3f}  (gzip {last_eval['gzip_bpb']:.3f}, xz {last_eval['xz_bpb']:.3f})"
                     )
-                stop = self._stop_requested()
-                if (ck.interval and self.state.step % ck.interval == 0) or (last and ck.save_final) or stop:
-                    self.save()
+                # A checkpoint becomes `latest` only after this step's rows are written, so a run killed at
+                # any moment resumes with metrics.jsonl complete up to the checkpoint's step. A synchronous
+                # save commits here; an asynchronous one at the first step after its write finished.
+                self.checkpointer.poll()
                 if stop:
+                    self.checkpointer.wait()
                     self.stopped_at = self.state.step
                     if self.is_main:  # always shown, whatever the progress setting
                         print(f"stopped by signal {self.stop_signal or 'on another rank'} after step "
@@ -404,6 +439,7 @@ class Trainer:
                               f"{self.cfg.name} --run-dir {self.run_dir} --checkpoint.resume=true",
                               file=sys.stderr, flush=True)
                     break
+            self.checkpointer.wait()  # the last checkpoint is complete before the run ends
         finally:
             progress.close()
             metrics.close()
@@ -415,6 +451,7 @@ class Trainer:
         """A SIGTERM/SIGINT arrived (on any rank): every rank stops after the same step."""
         flag = torch.tensor(1.0 if self.stop_signal is not None else 0.0, device=self.device)
         if self.layout.distributed:
+            self.beacon.mark(f"step {self.state.step}: stop check")
             import torch.distributed as dist
 
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

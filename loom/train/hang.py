@@ -1,0 +1,79 @@
+"""A hung collective becomes an error that names the rank (`train.collective_timeout_s`).
+
+The process group is created with that timeout, so a collective that waits longer raises on the
+ranks that are waiting. To say *who* they were waiting for, every rank posts what it is about to do
+("step 12: train", "step 12: checkpoint save", ...) to the process group's key-value store, with a
+sequence number; a rank that times out reads the others' posts and names those behind it.
+
+Test hook: `LOOM_TEST_HANG=RANK:WHAT` makes rank RANK stop (sleep) instead of starting WHAT, e.g.
+`1:step 3: train`; the sleeping process dies on SIGTERM, as a process stuck in Python would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from loom.errors import CollectiveTimeout
+
+TIMEOUT_MARKERS = ("timed out", "timeout")
+PEER_GONE_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+class Beacon:
+    def __init__(self, timeout_s: float):
+        import torch.distributed as dist
+
+        self.timeout_s = timeout_s
+        self.store = None
+        self.rank, self.world = 0, 1
+        self.seq, self.what = 0, "start"
+        if dist.is_available() and dist.is_initialized():
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self.store = _get_default_store()
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            self.mark("start-up")
+
+    def mark(self, what: str) -> None:
+        if os.environ.get("LOOM_TEST_HANG") == f"{self.rank}:{what}":
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(3600)
+        self.seq, self.what = self.seq + 1, what
+        if self.store is not None:
+            self.store.set(f"loom/beacon/{self.rank}", f"{self.seq}|{what}")
+
+    def others(self) -> list[tuple[int, int, str]]:
+        out = []
+        for r in range(self.world):
+            key = f"loom/beacon/{r}"
+            if r != self.rank and self.store.check([key]):
+                seq, _, what = self.store.get(key).decode().partition("|")
+                out.append((r, int(seq), what))
+        return out
+
+    def explain(self, exc: BaseException) -> CollectiveTimeout | None:
+        """A CollectiveTimeout naming the ranks behind, if `exc` is a timed-out or broken collective."""
+        text = str(exc).lower()
+        timed_out = any(m in text for m in TIMEOUT_MARKERS)
+        if self.store is None or not (timed_out or any(m in text for m in PEER_GONE_MARKERS)):
+            return None
+        try:
+            others = self.others()
+        except Exception:  # the store lives with the launcher or rank 0, which may be gone too
+            others = []
+        behind = [(r, what) for r, seq, what in others if seq < self.seq]
+        where = "; ".join(f"rank {r} last reported '{what}'" for r, seq, what in others) or "no other rank reachable"
+        if timed_out:
+            head = (f"rank {self.rank} waited more than train.collective_timeout_s={self.timeout_s:g}s in a "
+                    f"collective during '{self.what}'")
+        else:
+            head = f"rank {self.rank} lost its connection to another rank during '{self.what}' (that rank crashed or was killed)"
+        if behind:
+            names = ("rank " if len(behind) == 1 else "ranks ") + ", ".join(str(r) for r, _ in behind)
+            tail = (f"; {names} did not get there ({where}): hung or far slower than the others. "
+                    "Look at that rank's output; raise train.collective_timeout_s if it is only slow")
+        else:
+            tail = f"; every rank got at least as far ({where}), so the hang is inside that step"
+        return CollectiveTimeout(head + tail)
