@@ -58,5 +58,7 @@ def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nn
         codes = {f.exitcode for f in exc.failures.values()}
         print(f"loom {command[0]}: {len(exc.failures)} worker(s) failed (exit codes {sorted(codes)}); see their output above",
               file=sys.stderr)
-        return 2 if codes == {2} else 1
+        # Workers the launcher itself stopped (killed by a signal: negative codes) do not count: when the
+        # rest failed on bad input (2), so did the job.
+        return 2 if {c for c in codes if c >= 0} == {2} else 1
     return 0
