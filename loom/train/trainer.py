@@ -409,6 +409,8 @@ class Trainer:
                 }
                 if self.skipped_in_a_row >= t.max_skipped_consecutive:
                     metrics.write(row)
+                    progress.update(row)
+                    self.checkpointer.wait()  # the last good checkpoint, if still being written, is kept
                     raise TrainingDiverged(self.diagnose())
                 last = self.state.step == t.steps
                 evaluate = (t.eval_interval and self.state.step % t.eval_interval == 0) or last
