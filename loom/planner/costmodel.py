@@ -409,8 +409,6 @@ def step_time(w: Workload, lay: Layout) -> dict:
             hidden = max(gather - fwd_mb, gather / n_layers) + max(gather - bwd_mb, gather / n_layers)
             grad = collective_time(gpu, "reduce_scatter", 4 * local, lay.dp, intra)
             dp_comm = m * hidden + max(grad - bwd_mb, grad / n_layers)
-    if lay.cp > 1 and lay.dp == 1:
-        pass
     step["dp_comm"] = dp_comm
     # AdamW: read param, grad, two moments; write param, moments (and a 16-bit copy); over the local shard.
     shard = local / (1 if lay.dp_style == "replicate" else lay.dp)
@@ -419,8 +417,8 @@ def step_time(w: Workload, lay: Layout) -> dict:
     return step
 
 
-def evaluate(w: Workload, lay: Layout) -> Estimate:
-    mem = memory(w, lay)
+def evaluate(w: Workload, lay: Layout, mem: dict | None = None) -> Estimate:
+    mem = mem if mem is not None else memory(w, lay)
     terms = step_time(w, lay)
     step = sum(terms.values())
     tokens = w.global_batch * w.seq_len

@@ -119,7 +119,7 @@ def search(w: Workload, *, fixed: dict | None = None, top: int = 10, **kwargs) -
             smallest = mem["total"] if smallest is None else min(smallest, mem["total"])
             continue
         fitting += 1
-        results.append(evaluate(w, lay))
+        results.append(evaluate(w, lay, mem))
     results.sort(key=lambda e: e.step_time_s)
     return results[:top] if top else results, {"considered": considered, "fit": fitting,
                                                 "smallest_gib": None if smallest is None else smallest / GIB}
