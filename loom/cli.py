@@ -6,6 +6,7 @@ Exit codes: 0 success; 2 bad input (a one-paragraph message, no traceback); 1 an
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -57,6 +58,10 @@ def cmd_train(args, extra) -> int:
         print(f"run directory: {trainer.run_dir}")
         if result:
             print("final eval: " + "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "step"))
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # every rank finished the same steps: release the process groups cleanly
+        dist.destroy_process_group()
     return 0
 
 
@@ -239,5 +244,19 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _exit(code: int) -> None:
+    """Leave with `code`. A worker started by the launcher that fails skips interpreter teardown: its
+    process group's C++ threads (gloo/nccl) may still be running, and destroying them during Python's
+    finalisation can abort the process (SIGABRT, "terminate called without an active exception"), which
+    would turn a clean exit 2 (bad input) into a crash the launcher cannot classify."""
+    from loom.launch import in_worker
+
+    if code and in_worker():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
