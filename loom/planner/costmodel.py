@@ -228,13 +228,14 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool) -> tuple[d
     per_token_split = (3 if cfg.mlp == "swiglu" else 2) * f * half  # activation function
     if cfg.position == "rope":
         per_token_split += 2 * (a + g) * d * half
+    fp8_cast = 0.0
     if prec == "fp8":
         # Every linear input (forward) and output gradient (backward) is scaled and cast to fp8, plus a
-        # transposed fp8 copy for the weight gradient: read 2 bytes, write 2. Counted once here, in the
-        # forward's bytes, which backward doubles.
-        inputs = h + a * d / tp + h + f / tp
-        per_token_split += 4 * inputs / 2 * tp  # (divided by tp below; the / 2 because backward doubles)
-    elementwise = _bytes_time(gpu, tokens * (per_token_hidden / hid_div + per_token_split / tp))
+        # transposed fp8 copy for the weight gradient: 4 bytes moved per input element over forward and
+        # backward together. Half is counted here, in the forward's bytes; backward's 2x gives the rest.
+        inputs_per_token = h + a * d / tp + h + f / tp  # QKV, out-proj, fc1, fc2 inputs on this rank
+        fp8_cast = 4 * inputs_per_token / 2
+    elementwise = _bytes_time(gpu, tokens * (per_token_hidden / hid_div + per_token_split / tp + fp8_cast))
     tp_comm = 0.0
     if tp > 1:
         act = tokens * h * half
