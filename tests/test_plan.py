@@ -104,6 +104,80 @@ def test_sharding_styles_divide_what_they_should():
     assert bf16["optimizer"] == pytest.approx(4 * p)
 
 
+def _big_vocab_workload(layers: int = 32) -> Workload:
+    """Llama-3-8B-shaped: its 128k-token LM head costs about two layers, so the last stage is the slowest."""
+    cfg = load_config("llama3-8b").model
+    cfg.layers = layers
+    return Workload(cfg, 8192, 64, 32, PRESETS["h100"])
+
+
+def test_uneven_split_balances_the_lm_head_and_prices_the_slowest_rank():
+    from loom.planner.costmodel import head_times, layer_times
+    from loom.planner.search import split_options
+
+    w = _big_vocab_workload()
+    lt = layer_times(w, 2, 1, 1, True, "none")
+    layer = sum(lt.fwd.values()) + sum(lt.bwd.values())
+    head = sum(head_times(w, 2, 1, 1))
+    assert 1.5 < head / layer < 3  # the premise: the head is worth about two layers
+    even = evaluate(w, Layout(tp=2, pp=4, dp=4, sp=True, dp_style="distopt"))
+    # Independent arithmetic for the split the search proposes: ranks run first / mid / mid / last layers,
+    # the last also the head; the slowest rank times the micro-batches sets the compute terms.
+    options = split_options(32, 4, 1, "1f1b", round(head / layer, 1))
+    assert options[0] == (0, 0) and len(options) == 2
+    first, last = options[1]
+    mid = (32 - first - last) // 2
+    assert first + 2 * mid + last == 32 and last < mid
+    uneven = evaluate(w, Layout(tp=2, pp=4, dp=4, sp=True, dp_style="distopt", first_stage_layers=first,
+                                last_stage_layers=last))
+    m = 64 // 4
+    ranks = [(first, False), (mid, False), (mid, False), (last, True)]
+    n_b, has_head = max(ranks, key=lambda r: r[0] * layer + (head if r[1] else 0))
+    core = lt.fwd["gemm"] + lt.bwd["gemm"] + lt.fwd["attention"] + lt.bwd["attention"]
+    t = uneven.time_terms
+    assert t["gemm"] + t["attention"] + t["head"] == pytest.approx(m * (n_b * core + (head if has_head else 0)), rel=1e-9)
+    # Even split: 8 layers + head on the last rank.
+    assert even.time_terms["head"] == pytest.approx(m * head)
+    assert uneven.step_time_s < even.step_time_s * 0.95
+    # 1F1B: rank 0 keeps pp micro-batches of its layers; rank 3 keeps one of its own plus the logits.
+    from loom.flops import layer_activation_bytes
+
+    per_layer = layer_activation_bytes(w.model, 8192, 1, 2, True, "none", 2)
+    assert memory(w, Layout(tp=2, pp=4, dp=4, sp=True, dp_style="distopt"))["activations"] == pytest.approx(4 * 8 * per_layer)
+
+
+def test_layers_that_do_not_split_evenly_get_a_declared_split(tmp_path):
+    w = _big_vocab_workload(layers=30)
+    results, counts = search(w, fixed={"pp": 4, "tp": 2}, top=0)
+    assert results, counts
+    for e in results:
+        lay = e.layout
+        assert lay.first_stage_layers and lay.last_stage_layers  # 30 does not divide into 4 (or 8, ...) chunks
+        chunks = lay.pp * lay.vpp
+        assert (30 - lay.first_stage_layers - lay.last_stage_layers) % (chunks - 2) == 0
+    r = run_cli("plan", "--model", "llama3-8b", "--layers", "30", "--gpus", "32", "--gpu", "h100", "--global-batch",
+                "64", "--layout", "tp=2,pp=4,sp=true", "--json")
+    assert r.returncode == 2 and "does not split evenly" in r.stderr and "first" in r.stderr, r.stderr
+    r = run_cli("plan", "--model", "llama3-8b", "--layers", "30", "--gpus", "32", "--gpu", "h100", "--global-batch",
+                "64", "--layout", "tp=2,pp=4,sp=true,first=6,last=6", "--json")
+    assert r.returncode == 0, r.stderr
+    (one,) = json.loads(r.stdout)["candidates"]
+    assert (one["first_stage_layers"], one["last_stage_layers"]) == (6, 6)
+    # The written config asks loom for the same split the planner priced.
+    from loom.parallel.pipeline import chunk_layer_counts
+    from loom.planner.costmodel import pipeline_ranks
+    from loom.planner.report import write_config
+
+    best = results[0]
+    write_config(best, w, "llama3-8b", tmp_path / "plan.toml")
+    cfg = load_config(str(tmp_path / "plan.toml"), measuring=True)
+    counts = chunk_layer_counts(cfg)
+    assert sum(counts) == 30 and (counts[0], counts[-1]) == (best.layout.first_stage_layers, best.layout.last_stage_layers)
+    shapes = pipeline_ranks(30, best.layout.pp, best.layout.vpp, best.layout.schedule, counts[0], counts[-1], 64)
+    assert max(s.layers for s in shapes) == max(sum(counts[c] for c in range(r, len(counts), best.layout.pp))
+                                               for r in range(best.layout.pp)) or best.layout.schedule == "zero_bubble"
+
+
 def test_cli_json_contract_and_layout():
     r = run_cli("plan", "--model", "gpt3-175b", "--gpus", "64", "--gpu", "a100-80gb", "--global-batch", "64",
                 "--json", "--top", "3")

@@ -19,55 +19,25 @@ from torch import nn
 
 from loom.config import Config
 from loom.errors import UserError
+from loom.parallel.split import chunk_owner, rank_chunks, split_layers
 
 
 def chunk_layer_counts(cfg: Config) -> list[int]:
     """Layers in each of the pp*vpp chunks, first to last; raise UserError for impossible splits."""
-    p, layers = cfg.parallel, cfg.model.layers
-    chunks = p.pp * p.vpp
-    if chunks > layers:
-        raise UserError(
-            f"parallel.pp={p.pp} x parallel.vpp={p.vpp} = {chunks} pipeline stages but model.layers={layers}; "
-            f"every stage needs at least one layer: valid pp x vpp <= {layers}"
-        )
-    first, last = p.first_stage_layers, p.last_stage_layers
-    if chunks == 1:
-        return [layers]
-    rest = layers - first - last
-    middle = chunks - (first > 0) - (last > 0)
-    if first < 0 or last < 0 or rest < 0 or (middle == 0 and rest) or (middle and rest % middle) or (middle and rest < middle):
-        if not first and not last:
-            valid = [d for d in range(1, layers + 1) if layers % d == 0 and d <= layers]
-            raise UserError(
-                f"model.layers={layers} does not split evenly into pp x vpp = {chunks} stages; valid stage "
-                f"counts: {', '.join(map(str, valid))}, or set parallel.first_stage_layers / "
-                "parallel.last_stage_layers for an uneven split"
-            )
-        raise UserError(
-            f"parallel.first_stage_layers={first} and parallel.last_stage_layers={last} leave {rest} of "
-            f"model.layers={layers} for {middle} middle stages, which must split evenly with at least one each"
-        )
-    counts = [rest // middle if middle else 0] * chunks
-    if first:
-        counts[0] = first
-    if last:
-        counts[-1] = last
-    return counts
+    p = cfg.parallel
+    return split_layers(cfg.model.layers, p.pp * p.vpp, p.first_stage_layers, p.last_stage_layers,
+                        what=f"parallel.pp={p.pp} x parallel.vpp={p.vpp}")
 
 
 def stage_ids(cfg: Config, pp_rank: int) -> list[int]:
     p = cfg.parallel
-    if p.schedule == "zero_bubble" and p.vpp == 2:
-        return [pp_rank, 2 * p.pp - 1 - pp_rank]
-    return [pp_rank + v * p.pp for v in range(p.vpp)]
+    return rank_chunks(p.pp, p.vpp, p.schedule, pp_rank)
 
 
 def stage_owner(cfg: Config, stage: int) -> int:
     """The pipeline rank holding `stage`."""
     p = cfg.parallel
-    if p.schedule == "zero_bubble" and p.vpp == 2:
-        return stage if stage < p.pp else 2 * p.pp - 1 - stage
-    return stage % p.pp
+    return chunk_owner(p.pp, p.vpp, p.schedule, stage)
 
 
 @torch.no_grad()

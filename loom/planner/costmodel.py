@@ -29,6 +29,7 @@ from functools import lru_cache
 
 from loom.config import ModelConfig
 from loom.flops import layer_activation_bytes, train_flops_per_token
+from loom.parallel.split import rank_chunks, valid_split
 from loom.planner.hardware import GPU
 
 GIB = 2**30
@@ -65,6 +66,10 @@ class Layout:
     recompute_layers: int = 0  # full: layers per stage recomputed (0 = all of them)
     dp_style: str = "fsdp"  # replicate | distopt | fsdp
     schedule: str = "1f1b"  # 1f1b | interleaved | zero_bubble
+    # Uneven pipeline split (loom's parallel.first/last_stage_layers): layers in the first / last chunk,
+    # the other chunks splitting the rest evenly; 0 = even split.
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
 
     @property
     def world(self) -> int:
@@ -90,6 +95,7 @@ class Estimate:
             "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep,
             "micro_batch": lay.micro_batch, "sp": lay.sp, "recompute": rec,
             "recompute_layers": lay.recompute_layers, "dp_style": lay.dp_style, "schedule": lay.schedule,
+            "first_stage_layers": lay.first_stage_layers, "last_stage_layers": lay.last_stage_layers,
             "step_time_s": round(self.step_time_s, 6),
             "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 3),
             "tflops_per_gpu": round(self.tflops_per_gpu, 3),
@@ -295,59 +301,108 @@ def head_times(w: Workload, tp: int, cp: int, mbs: int) -> tuple[float, float]:
 
 
 def stage_layers(cfg: ModelConfig, pp: int) -> int:
+    """Layers on the fullest stage of an (even as possible) split; inference's pipeline uses it."""
     return math.ceil(cfg.layers / pp)
 
 
-def inflight_microbatches(lay: Layout, m: int) -> float:
-    """Micro-batches whose activations the first stage holds at its peak (in units of a stage's layers)."""
-    p, v = lay.pp, lay.vpp
-    if p == 1:
-        return 1.0
-    if lay.schedule == "interleaved" and v > 1:
-        return min(m, p) * (1 + (p - 1) / (p * v))
-    return float(min(m, p))
+@dataclass(frozen=True)
+class StageShape:
+    """What one pipeline rank runs: its layers (all its chunks), whether it holds the embedding and the
+    LM head, and how many micro-batches' activations (in units of its layers) it holds at its peak."""
+    layers: int
+    embedding: bool
+    head: bool
+    inflight: float
+
+
+@lru_cache(maxsize=65536)
+def pipeline_ranks(layers: int, pp: int, vpp: int, schedule: str, first: int, last: int,
+                   m: int) -> tuple[StageShape, ...] | None:
+    """The distinct rank shapes of a pipeline (None when the split is impossible)."""
+    if pp == 1:
+        return (StageShape(layers, True, True, 1.0),)
+    counts = valid_split(layers, pp * vpp, first, last)
+    if counts is None:
+        return None
+    shapes = []
+    for r in range(pp):
+        ids = rank_chunks(pp, vpp, schedule, r)
+        if schedule == "interleaved" and vpp > 1:
+            # Megatron's interleaved warm-up: rank r runs 2(p-r-1) + (v-1)p + 1 chunk forwards before its
+            # first backward; each holds one chunk's activations (on average its layers / v).
+            inflight = min(m * vpp, 2 * (pp - r - 1) + (vpp - 1) * pp + 1) / vpp
+        elif schedule == "zero_bubble":
+            inflight = float(min(m, pp))  # the V shape holds about the same on every rank; as 1F1B's rank 0
+        else:
+            inflight = float(min(m, pp - r))  # 1F1B: rank r has pp - r micro-batches in flight
+        shapes.append(StageShape(sum(counts[i] for i in ids), 0 in ids, pp * vpp - 1 in ids, inflight))
+    return tuple(dict.fromkeys(shapes))
+
+
+def _shapes(w: Workload, lay: Layout) -> tuple[StageShape, ...]:
+    m = w.global_batch // (lay.dp * lay.micro_batch)
+    shapes = pipeline_ranks(w.model.layers, lay.pp, lay.vpp, lay.schedule, lay.first_stage_layers,
+                            lay.last_stage_layers, m)
+    if shapes is None:
+        raise ValueError(f"{w.model.layers} layers cannot be split as {lay}")
+    return shapes
+
+
+def max_stage_layers(w: Workload, lay: Layout) -> int:
+    return max(s.layers for s in _shapes(w, lay))
+
+
+def _stage_params(cfg: ModelConfig, lay: Layout, shape: StageShape, lp: int | None = None) -> int:
+    if lay.pp == 1:
+        return total_params(cfg)
+    # A tied head still needs its own copy on the last stage when pp > 1 (Megatron does the same).
+    lp = layer_params(cfg) if lp is None else lp
+    return (shape.layers * lp + (embedding_params(cfg) if shape.embedding else 0)
+            + (head_params(cfg) if shape.head else 0))
 
 
 def memory(w: Workload, lay: Layout) -> dict:
-    """Peak bytes per GPU on the most loaded stage."""
+    """Peak bytes per GPU on the most loaded pipeline rank."""
     cfg = w.model
-    n_layers = stage_layers(cfg, lay.pp)
     m = w.global_batch // (lay.dp * lay.micro_batch)
     lp = layer_params(cfg)
-    first = n_layers * lp + embedding_params(cfg)
-    last = n_layers * lp + head_params(cfg)
-    if lay.pp == 1:
-        first = total_params(cfg)
-        last = first
-    worst = max(first, last) / lay.tp
-    dp = lay.dp
     moment_bytes = 4 if w.state_dtype == "bfloat16" else 8
-    if lay.dp_style == "replicate":  # loom: fp32 master weights, fp32 gradients, moments, all replicated
-        params, grads, optim = 4 * worst, 4 * worst, moment_bytes * worst
-    elif lay.dp_style == "distopt":  # Megatron: 16-bit weights + fp32 grads replicated; master + moments split
-        params, grads, optim = 2 * worst, 4 * worst, (4 + moment_bytes) * worst / dp
-    else:  # fsdp (loom dp_shard): everything split; gradients are accumulated unsharded across micro-batches
-        params, grads, optim = 4 * worst / dp, (4 * worst if m > 1 else 4 * worst / dp), moment_bytes * worst / dp
     # Activations: per layer (loom.flops, the formula `loom memory` is tested against) x layers x in flight.
     act_bytes = 4 if w.precision == "fp32" else 2
     s = w.seq_len // lay.cp
     base = "selective" if lay.recompute == "selective" else "none"
     per_layer = layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes)
-    if lay.recompute == "full":
-        k = lay.recompute_layers or n_layers
-        full = layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, "full", act_bytes)
-        stage_act = k * full + (n_layers - k) * per_layer
-    else:
-        stage_act = n_layers * per_layer
-    activations = stage_act * inflight_microbatches(lay, m)
+    full = (layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, "full", act_bytes)
+            if lay.recompute == "full" else 0)
     tokens = lay.micro_batch * s
-    logits = tokens * (cfg.vocab_size / lay.tp) * (4 + 4 + act_bytes)  # fp32 logits, their gradient, bf16 out
     # Communication buffers: two layers' gathered 16-bit weights (FSDP prefetch), or DDP/optimizer buckets.
-    buffers = 2 * 2 * lp / lay.tp + (4 * 40e6 if dp > 1 else 0)
-    dynamic = params + grads + optim + activations + logits + buffers
-    reserve = CONTEXT_GIB * GIB + FRAGMENTATION * dynamic
-    return {"params": params, "grads": grads, "optimizer": optim, "activations": activations,
-            "logits": logits, "buffers": buffers, "reserve": reserve, "total": dynamic + reserve}
+    buffers = 2 * 2 * lp / lay.tp + (4 * 40e6 if lay.dp > 1 else 0)
+    worst = None
+    for shape in _shapes(w, lay):
+        n_layers = shape.layers
+        local = _stage_params(cfg, lay, shape, lp) / lay.tp
+        dp = lay.dp
+        if lay.dp_style == "replicate":  # loom: fp32 master weights, fp32 gradients, moments, all replicated
+            params, grads, optim = 4 * local, 4 * local, moment_bytes * local
+        elif lay.dp_style == "distopt":  # Megatron: 16-bit weights + fp32 grads replicated; master + moments split
+            params, grads, optim = 2 * local, 4 * local, (4 + moment_bytes) * local / dp
+        else:  # fsdp (loom dp_shard): everything split; gradients are accumulated unsharded across micro-batches
+            params, grads, optim = 4 * local / dp, (4 * local if m > 1 else 4 * local / dp), moment_bytes * local / dp
+        if lay.recompute == "full":
+            k = min(lay.recompute_layers or n_layers, n_layers)
+            stage_act = k * full + (n_layers - k) * per_layer
+        else:
+            stage_act = n_layers * per_layer
+        activations = stage_act * shape.inflight
+        # fp32 logits, their gradient, 16-bit output: on the rank with the LM head
+        logits = tokens * (cfg.vocab_size / lay.tp) * (4 + 4 + act_bytes) if shape.head else 0.0
+        dynamic = params + grads + optim + activations + logits + buffers
+        total = dynamic * (1 + FRAGMENTATION) + CONTEXT_GIB * GIB
+        if worst is None or total > worst["total"]:
+            worst = {"params": params, "grads": grads, "optimizer": optim, "activations": activations,
+                     "logits": logits, "buffers": buffers, "reserve": CONTEXT_GIB * GIB + FRAGMENTATION * dynamic,
+                     "total": total}
+    return worst
 
 
 def _intra(gpu: GPU, stride: int, size: int) -> bool:
@@ -357,20 +412,23 @@ def _intra(gpu: GPU, stride: int, size: int) -> bool:
 def step_time(w: Workload, lay: Layout) -> dict:
     cfg, gpu = w.model, w.gpu
     m = w.global_batch // (lay.dp * lay.micro_batch)
-    n_layers = stage_layers(cfg, lay.pp)
-    full_layers = (lay.recompute_layers or n_layers) if lay.recompute == "full" else 0
     base = "selective" if lay.recompute == "selective" else "none"
     lt = layer_times(w, lay.tp, lay.cp, lay.micro_batch, lay.sp, base)
-    terms = dict.fromkeys(("gemm", "attention", "elementwise", "tp_comm", "overhead"), 0.0)
-    for key in terms:
-        terms[key] = n_layers * (lt.fwd[key] + lt.bwd[key])
-    if full_layers:
-        ft = layer_times(w, lay.tp, lay.cp, lay.micro_batch, lay.sp, "full")
-        for key in terms:
-            terms[key] += full_layers * ((ft.fwd[key] + ft.bwd[key]) - (lt.fwd[key] + lt.bwd[key]))
+    ft = layer_times(w, lay.tp, lay.cp, lay.micro_batch, lay.sp, "full") if lay.recompute == "full" else None
     hf, hb = head_times(w, lay.tp, lay.cp, lay.micro_batch)
-    terms["head"] = hf + hb  # on the last stage (the slowest one when pp > 1)
-    per_mb = sum(terms.values())
+    # A micro-batch's forward + backward on each pipeline rank; the slowest rank sets the pace.
+    shapes = _shapes(w, lay)
+    terms, per_mb, n_layers = {}, -1.0, 0
+    for shape in shapes:
+        t = dict.fromkeys(("gemm", "attention", "elementwise", "tp_comm", "overhead"), 0.0)
+        full_layers = min(lay.recompute_layers or shape.layers, shape.layers) if ft else 0
+        for key in t:
+            t[key] = shape.layers * (lt.fwd[key] + lt.bwd[key])
+            if full_layers:
+                t[key] += full_layers * ((ft.fwd[key] + ft.bwd[key]) - (lt.fwd[key] + lt.bwd[key]))
+        t["head"] = hf + hb if shape.head else 0.0
+        if sum(t.values()) > per_mb:
+            terms, per_mb, n_layers = t, sum(t.values()), shape.layers
     # Pipeline: P2P of one activation per micro-batch each way between stages (split over tp with SP).
     p2p = 0.0
     if lay.pp > 1:
@@ -389,7 +447,7 @@ def step_time(w: Workload, lay: Layout) -> dict:
     step["pp_bubble"] = bubble_slots * (per_mb + p2p)
     # Data parallel: gradient reduction and parameter gathering, minus what hides behind compute.
     lp = layer_params(cfg)
-    local = (n_layers * lp + (embedding_params(cfg) if lay.pp == 1 else max(embedding_params(cfg), head_params(cfg)))) / lay.tp
+    local = max(_stage_params(cfg, lay, shape) for shape in shapes) / lay.tp  # the largest rank's weights
     dp_comm = 0.0
     if lay.dp > 1:
         intra = _intra(gpu, lay.tp * lay.cp, lay.dp)

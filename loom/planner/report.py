@@ -30,18 +30,21 @@ def layout_name(e: Estimate) -> str:
     parts += [f"mbs={lay.micro_batch}", f"sp={'on' if lay.sp else 'off'}", rec, lay.dp_style]
     if lay.pp > 1:
         parts.append(lay.schedule)
+    if lay.first_stage_layers or lay.last_stage_layers:
+        parts.append(f"split={lay.first_stage_layers or '='}/{lay.last_stage_layers or '='}")
     return " ".join(parts)
 
 
 def format_table(estimates: list[Estimate], w: Workload, tokens: float | None = None) -> str:
-    head = f"{'#':>2}  {'layout':<62} {'step s':>8} {'tok/s/gpu':>9} {'TFLOP/s':>7} {'MFU':>5}  " \
+    width = max([62] + [len(layout_name(e)) for e in estimates])
+    head = f"{'#':>2}  {'layout':<{width}} {'step s':>8} {'tok/s/gpu':>9} {'TFLOP/s':>7} {'MFU':>5}  " \
            f"{'mem GiB: par':>12} {'grad':>5} {'opt':>5} {'act':>5} {'total':>6}"
     if tokens:
         head += f" {'days':>6}"
     lines = [head, "-" * len(head)]
     for i, e in enumerate(estimates, 1):
         mem = {k: v / GIB for k, v in e.memory.items()}
-        line = (f"{i:>2}  {layout_name(e):<62} {e.step_time_s:>8.3f} {e.tokens_per_s_per_gpu:>9.0f} "
+        line = (f"{i:>2}  {layout_name(e):<{width}} {e.step_time_s:>8.3f} {e.tokens_per_s_per_gpu:>9.0f} "
                 f"{e.tflops_per_gpu:>7.1f} {100 * e.mfu:>4.1f}%  {mem['params']:>12.1f} {mem['grads']:>5.1f} "
                 f"{mem['optimizer']:>5.1f} {mem['activations']:>5.1f} {mem['total']:>6.1f}")
         if tokens:
@@ -90,6 +93,7 @@ def write_config(e: Estimate, w: Workload, base_name: str | None, path: Path) ->
     p = cfg.parallel
     p.tp, p.sp, p.pp, p.vpp, p.cp, p.ep = lay.tp, lay.sp, lay.pp, lay.vpp, lay.cp, lay.ep
     p.schedule = lay.schedule
+    p.first_stage_layers, p.last_stage_layers = lay.first_stage_layers, lay.last_stage_layers
     p.dp_replicate, p.dp_shard = (lay.dp, 1) if lay.dp_style == "replicate" else (1, lay.dp)
     t = cfg.train
     t.micro_batch, t.global_batch, t.seq_len = lay.micro_batch, w.global_batch, w.seq_len

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 from loom.config import ModelConfig
 from loom.errors import UserError
-from loom.planner.costmodel import GIB, Estimate, Layout, Workload, evaluate, memory, stage_layers
+from loom.parallel.split import rank_chunks, split_layers, valid_split
+from loom.planner.costmodel import (GIB, Estimate, Layout, Workload, evaluate, head_times, layer_times,
+                                    max_stage_layers, memory)
 
 DP_STYLES = ("replicate", "distopt", "fsdp")
 RECOMPUTE = ("none", "selective", "full")
@@ -31,19 +34,65 @@ SCHEDULES = ("1f1b", "interleaved", "zero_bubble")
 
 
 def pipeline_options(cfg: ModelConfig, pp: int, m: int, schedules=SCHEDULES) -> list[tuple[str, int]]:
-    """(schedule, vpp) pairs valid for `pp` stages and `m` micro-batches."""
+    """(schedule, vpp) pairs valid for `pp` stages and `m` micro-batches (splits are chosen later)."""
     if pp == 1:
         return [("1f1b", 1)]
-    if m < pp:
+    if m < pp or pp > cfg.layers:
         return []
     out = [("1f1b", 1)] if "1f1b" in schedules else []
-    per_stage = cfg.layers // pp if cfg.layers % pp == 0 else 0
     for v in range(2, 9):
-        if "interleaved" in schedules and per_stage and per_stage % v == 0 and m % pp == 0:
+        if "interleaved" in schedules and pp * v <= cfg.layers and m % pp == 0:
             out.append(("interleaved", v))
-    if "zero_bubble" in schedules and per_stage and per_stage % 2 == 0:
+    if "zero_bubble" in schedules and 2 * pp <= cfg.layers:
         out.append(("zero_bubble", 2))  # ZB-V: two chunks per rank
     return out
+
+
+def _bottleneck(layers: int, pp: int, vpp: int, schedule: str, first: int, last: int, head: float):
+    """(slowest rank's work in layer units, layers on rank 0) of a split, or None if impossible."""
+    counts = valid_split(layers, pp * vpp, first, last)
+    if counts is None:
+        return None
+    work = []
+    for r in range(pp):
+        ids = rank_chunks(pp, vpp, schedule, r)
+        work.append(sum(counts[i] for i in ids) + (head if pp * vpp - 1 in ids else 0.0))
+    return max(work), work[0]
+
+
+@lru_cache(maxsize=16384)
+def split_options(layers: int, pp: int, vpp: int, schedule: str, head: float) -> tuple[tuple[int, int], ...]:
+    """(first_stage_layers, last_stage_layers) splits worth pricing: the even one when it exists, and the
+    uneven one that best balances the ranks' work when it is faster (or when no even split exists).
+
+    `head` is the LM head + loss time of a micro-batch in units of one layer's time: with a large
+    vocabulary the last stage is the slowest, and giving its chunk fewer layers shortens every step
+    (what Megatron users do by hand with --decoder-last-pipeline-num-layers). Ties go to the split with
+    fewer layers on rank 0, which holds the most activations in flight.
+    """
+    if pp == 1:
+        return ((0, 0),)
+    chunks = pp * vpp
+    even = _bottleneck(layers, pp, vpp, schedule, 0, 0, head)
+    best, best_key = None, None
+    top = -(-layers // chunks) + 1
+    for first in range(1, top + 1):
+        for last in range(1, top + 1):
+            b = _bottleneck(layers, pp, vpp, schedule, first, last, head)
+            if b is not None and (best_key is None or (round(b[0], 6), b[1]) < best_key):
+                best, best_key = (first, last), (round(b[0], 6), b[1])
+    out = []
+    if even is not None:
+        out.append((0, 0))
+    if best is not None and (even is None or best_key[0] < round(even[0], 6) - 1e-6):
+        out.append(best)
+    return tuple(out)
+
+
+def head_weight(w: Workload, tp: int, cp: int) -> float:
+    """The LM head + loss time of a micro-batch over one layer's (forward + backward), to 0.1."""
+    lt = layer_times(w, tp, cp, 1, False, "none")
+    return round(sum(head_times(w, tp, cp, 1)) / (sum(lt.fwd.values()) + sum(lt.bwd.values())), 1)
 
 
 def cp_options(w: Workload, cp_max: int) -> list[int]:
@@ -59,11 +108,21 @@ def cp_options(w: Workload, cp_max: int) -> list[int]:
 
 def _min_full_layers(w: Workload, lay: Layout, capacity: float) -> int | None:
     """Fewest layers per stage to recompute fully so the layout fits (block method), or None."""
-    n = stage_layers(w.model, lay.pp)
-    for k in range(1, n + 1):
-        if memory(w, replace(lay, recompute="full", recompute_layers=0 if k == n else k))["total"] <= capacity:
-            return k
-    return None
+    n = max_stage_layers(w, lay)
+
+    def fits(k: int) -> bool:
+        return memory(w, replace(lay, recompute="full", recompute_layers=0 if k == n else k))["total"] <= capacity
+
+    if not fits(n):
+        return None
+    lo, hi = 1, n  # memory falls as more layers are recomputed: bisect for the fewest that fit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max_micro_batch: int = 16,
@@ -72,11 +131,10 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
     cfg, gpus = w.model, w.gpus
     for tp in tp_options(cfg, gpus, w.gpu.node_size, cross_node_tp):
         for cp in cp_options(w, cp_max):
+            head = head_weight(w, tp, cp)
             for pp in range(1, cfg.layers + 1):
                 if gpus % (tp * cp * pp):
                     continue
-                if pp > 1 and stage_layers(cfg, pp) * (pp - 1) >= cfg.layers:
-                    continue  # the last stage would be empty
                 dp = gpus // (tp * cp * pp)
                 if w.global_batch % dp:
                     continue
@@ -85,11 +143,13 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                         break
                     m = w.global_batch // (dp * mbs)
                     for schedule, vpp in pipeline_options(cfg, pp, m, schedules):
-                        for sp in ((False, True) if tp > 1 else (False,)):
-                            for style in (dp_styles if dp > 1 else ("replicate",)):
-                                for rec in recompute_modes:
-                                    yield Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, micro_batch=mbs, sp=sp,
-                                                 recompute=rec, dp_style=style, schedule=schedule)
+                        for first, last in split_options(cfg.layers, pp, vpp, schedule, head):
+                            for sp in ((False, True) if tp > 1 else (False,)):
+                                for style in (dp_styles if dp > 1 else ("replicate",)):
+                                    for rec in recompute_modes:
+                                        yield Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, micro_batch=mbs, sp=sp,
+                                                     recompute=rec, dp_style=style, schedule=schedule,
+                                                     first_stage_layers=first, last_stage_layers=last)
 
 
 def _matches(lay: Layout, fixed: dict) -> bool:
@@ -112,7 +172,7 @@ def search(w: Workload, *, fixed: dict | None = None, top: int = 10, **kwargs) -
                 lay = replace(lay, recompute_layers=fixed["recompute_layers"])
             else:
                 k = _min_full_layers(w, lay, capacity)
-                n = stage_layers(w.model, lay.pp)
+                n = max_stage_layers(w, lay)
                 lay = replace(lay, recompute_layers=0 if k in (None, n) else k)
         mem = memory(w, lay)
         if mem["total"] > capacity:
@@ -129,7 +189,9 @@ def parse_layout(text: str, gpus: int) -> dict:
     """`tp=8,pp=8,dp=16,vpp=1,mbs=1,sp=true,recompute=selective` -> Layout fields."""
     names = {"tp": "tp", "pp": "pp", "dp": "dp", "vpp": "vpp", "cp": "cp", "ep": "ep", "mbs": "micro_batch",
              "micro_batch": "micro_batch", "sp": "sp", "recompute": "recompute", "recompute_layers": "recompute_layers",
-             "dp_style": "dp_style", "style": "dp_style", "schedule": "schedule"}
+             "dp_style": "dp_style", "style": "dp_style", "schedule": "schedule",
+             "first": "first_stage_layers", "first_stage_layers": "first_stage_layers",
+             "last": "last_stage_layers", "last_stage_layers": "last_stage_layers"}
     out: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         if "=" not in part:
@@ -159,7 +221,7 @@ def parse_layout(text: str, gpus: int) -> dict:
                 out[field] = int(value)
             except ValueError:
                 raise UserError(f"--layout {key}={value!r} must be an integer") from None
-            if out[field] < (0 if field == "recompute_layers" else 1):
+            if out[field] < (0 if field in ("recompute_layers", "first_stage_layers", "last_stage_layers") else 1):
                 raise UserError(f"--layout {key}={value} must be >= 1")
     if "dp" not in out:
         rest = out.get("tp", 1) * out.get("pp", 1) * out.get("cp", 1)
@@ -185,10 +247,15 @@ def evaluate_layout(w: Workload, fields: dict) -> Estimate:
     problems = []
     if cfg.heads % lay.tp or cfg.kv_heads % lay.tp:
         problems.append(f"tp={lay.tp} must divide heads={cfg.heads} and kv_heads={cfg.kv_heads}")
-    if lay.pp > cfg.layers or (lay.pp > 1 and stage_layers(cfg, lay.pp) * (lay.pp - 1) >= cfg.layers):
-        problems.append(f"pp={lay.pp} cannot split {cfg.layers} layers into non-empty stages")
-    if lay.vpp > 1 and cfg.layers % (lay.pp * lay.vpp):
-        problems.append(f"pp x vpp = {lay.pp * lay.vpp} must divide layers={cfg.layers}")
+    if lay.pp == 1 and (lay.vpp > 1 or lay.first_stage_layers or lay.last_stage_layers):
+        problems.append("vpp, first and last need pp > 1")
+    else:
+        try:
+            split_layers(cfg.layers, lay.pp * lay.vpp, lay.first_stage_layers, lay.last_stage_layers,
+                         what=f"pp={lay.pp} x vpp={lay.vpp}")
+        except UserError as exc:
+            problems.append(str(exc).replace("parallel.first_stage_layers", "first").replace(
+                "parallel.last_stage_layers", "last"))
     if w.global_batch % (lay.dp * lay.micro_batch):
         problems.append(f"dp x mbs = {lay.dp * lay.micro_batch} must divide --global-batch {w.global_batch}")
     elif lay.pp > 1 and w.global_batch // (lay.dp * lay.micro_batch) < lay.pp:

@@ -1,0 +1,68 @@
+"""How layers are split into pipeline chunks and which rank holds which chunk.
+
+Pure arithmetic (no torch), shared by the pipeline runtime (loom/parallel/pipeline.py) and the planner
+(loom/planner), so `loom plan` prices exactly the split `loom train` would build.
+
+A model of L layers runs as pp x vpp chunks. An even split gives every chunk L / (pp*vpp) layers. An
+uneven split names the first and/or last chunk's layer count (`parallel.first_stage_layers`,
+`parallel.last_stage_layers`, as Megatron-Core's decoder_first/last_pipeline_num_layers); the other
+chunks split the rest evenly. The usual reason: the last chunk also runs the LM head and loss, and the
+first holds the most activations in flight, so giving them fewer layers balances the pipeline.
+"""
+
+from __future__ import annotations
+
+from loom.errors import UserError
+
+
+def split_layers(layers: int, chunks: int, first: int = 0, last: int = 0, what: str | None = None) -> list[int]:
+    """Layers in each chunk, first to last; UserError naming what is wrong for an impossible split."""
+    what = what or f"{chunks} pipeline chunks"
+    if chunks > layers:
+        raise UserError(f"{what} = {chunks} pipeline stages but model.layers={layers}; every stage needs at least "
+                        f"one layer: valid pp x vpp <= {layers}")
+    if chunks == 1:
+        return [layers]
+    rest = layers - first - last
+    middle = chunks - (first > 0) - (last > 0)
+    if first < 0 or last < 0 or rest < 0 or (middle == 0 and rest) or (middle and rest % middle) or (middle and rest < middle):
+        if not first and not last:
+            valid = [d for d in range(1, layers + 1) if layers % d == 0]
+            raise UserError(
+                f"model.layers={layers} does not split evenly into {what} = {chunks} stages; valid stage "
+                f"counts: {', '.join(map(str, valid))}, or set parallel.first_stage_layers / "
+                "parallel.last_stage_layers for an uneven split"
+            )
+        raise UserError(
+            f"parallel.first_stage_layers={first} and parallel.last_stage_layers={last} leave {rest} of "
+            f"model.layers={layers} for {middle} middle stages, which must split evenly with at least one each"
+        )
+    counts = [rest // middle if middle else 0] * chunks
+    if first:
+        counts[0] = first
+    if last:
+        counts[-1] = last
+    return counts
+
+
+def valid_split(layers: int, chunks: int, first: int = 0, last: int = 0) -> list[int] | None:
+    """split_layers, or None when the split is impossible (for searches)."""
+    try:
+        return split_layers(layers, chunks, first, last)
+    except UserError:
+        return None
+
+
+def rank_chunks(pp: int, vpp: int, schedule: str, rank: int) -> list[int]:
+    """The chunk ids pipeline rank `rank` runs: round-robin, or the V shape of ZB-V (schedule
+    zero_bubble with vpp=2: rank r holds chunks r and 2pp-1-r, so rank 0 has the first and the last)."""
+    if schedule == "zero_bubble" and vpp == 2:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + v * pp for v in range(vpp)]
+
+
+def chunk_owner(pp: int, vpp: int, schedule: str, chunk: int) -> int:
+    """The pipeline rank holding `chunk`."""
+    if schedule == "zero_bubble" and vpp == 2:
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
+    return chunk % pp
