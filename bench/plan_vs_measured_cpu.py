@@ -32,6 +32,12 @@ def loom(*args, **kw):
     return subprocess.run([sys.executable, "-m", "loom.cli", *args], capture_output=True, text=True, cwd=ROOT, **kw)
 
 
+def _footer(result: dict) -> str:
+    m = result["machine"]
+    return (f"\n{m['cpu']}, {m['cores']} cores, torch {result['torch']}, commit {result['commit'][:10]}, "
+            f"{result['date']}: `{result['command']}`\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
@@ -72,7 +78,7 @@ def main() -> None:
     lines = ["| micro-batch | recompute | seq | predicted s | measured s | error |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['micro_batch']} | {r['recompute']} | {r['seq_len']} | {r['predicted_s']:.4f} | {r['measured_s']:.4f} | "
               f"{100 * r['error']:+.1f}% |" for r in rows]
-    (out_dir / "plan_vs_measured_cpu.md").write_text("\n".join(lines) + f"\n\nmean |error| {100 * result['mean_abs_error']:.1f}%\n")
+    (out_dir / "plan_vs_measured_cpu.md").write_text("\n".join(lines) + f"\n\nmean |error| {100 * result['mean_abs_error']:.1f}%\n" + _footer(result))
     print("\n".join(lines))
 
 
