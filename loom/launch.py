@@ -52,6 +52,11 @@ def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nn
     argv += ["--module", "loom.cli", *command]
     argv += [f"--{o}" for o in overrides]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if max_restarts > 0:
+        # By default torchrun's workers share the rendezvous' TCP store across restart rounds without a
+        # per-round key prefix, so restarted gloo workers can read a dead peer's address from the first
+        # round and fail with "connectFullMesh ... Connection refused". A store per round avoids that.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(parse_args(argv))
     except ChildFailedError as exc:

@@ -111,7 +111,6 @@ def _children(pid):
     return out
 
 
-@pytest.mark.slow  # passes alone; under a loaded 2-core machine gloo's reconnect after the restart can time out
 def test_killed_worker_is_restarted_and_run_completes_like_undisturbed(tmp_path):
     import os
 
