@@ -104,6 +104,19 @@ def test_hung_rank_becomes_an_error_naming_it(tmp_path):
     assert len(losses(tmp_path / "r")) == 2
 
 
+def test_rank_hung_while_loading_a_checkpoint_is_named(tmp_path):
+    """A hang at start-up (here: rank 1 never starts loading the checkpoint to resume from) is named too."""
+    run = tmp_path / "r"
+    assert _launch(run, "--train.steps=2", "--checkpoint.interval=2").returncode == 0
+    proc = _launch(run, "--train.steps=4", "--checkpoint.resume=true", "--train.collective_timeout_s=5",
+                   env={"LOOM_TEST_HANG": "1:checkpoint load"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert ("rank 0 waited more than train.collective_timeout_s=5s in a collective during 'checkpoint load'; "
+            "rank 1 did not get there (rank 1 last reported 'start-up')") in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert len(losses(run)) == 2  # nothing written by the failed resume
+
+
 def _group_timeouts():
     from conftest import small_config
     from loom.parallel import build_layout

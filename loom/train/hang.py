@@ -11,6 +11,7 @@ Test hook: `LOOM_TEST_HANG=RANK:WHAT` makes rank RANK stop (sleep) instead of st
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -52,6 +53,17 @@ class Beacon:
                 seq, _, what = self.store.get(key).decode().partition("|")
                 out.append((r, int(seq), what))
         return out
+
+    @contextlib.contextmanager
+    def naming_hangs(self):
+        """Turn a timed-out or broken collective inside the block into a CollectiveTimeout naming the ranks."""
+        try:
+            yield
+        except Exception as exc:
+            explained = self.explain(exc)
+            if explained is None:
+                raise
+            raise explained from None
 
     def explain(self, exc: BaseException) -> CollectiveTimeout | None:
         """A CollectiveTimeout naming the ranks behind, if `exc` is a timed-out or broken collective."""

@@ -118,6 +118,13 @@ class Trainer:
         self.device = pick_device(t.device)
         init_distributed(self.device, t.collective_timeout_s)
         self.beacon = Beacon(t.collective_timeout_s)
+        # From here on every rank takes part in collectives (mesh groups, loading a checkpoint): one that
+        # hangs becomes an error naming the rank that did not arrive, as in training.
+        with self.beacon.naming_hangs():
+            self._set_up(cfg)
+
+    def _set_up(self, cfg: Config) -> None:
+        t = cfg.train
         self.layout = build_layout(cfg, self.device.type)
         if self.device.type == "cuda" and self.layout.distributed:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -362,13 +369,8 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train to train.steps; a timed-out collective becomes a CollectiveTimeout naming the ranks behind."""
-        try:
+        with self.beacon.naming_hangs():
             return self._fit()
-        except Exception as exc:
-            explained = self.beacon.explain(exc)
-            if explained is None:
-                raise
-            raise explained from None
 
     def _fit(self) -> dict:
         t, ck = self.cfg.train, self.cfg.checkpoint
