@@ -163,19 +163,63 @@ def test_layers_that_do_not_split_evenly_get_a_declared_split(tmp_path):
     assert r.returncode == 0, r.stderr
     (one,) = json.loads(r.stdout)["candidates"]
     assert (one["first_stage_layers"], one["last_stage_layers"]) == (6, 6)
-    # The written config asks loom for the same split the planner priced.
+    # Every layout the planner says loom can run is accepted by loom's own config checks, with the split
+    # the planner priced.
     from loom.parallel.pipeline import chunk_layer_counts
-    from loom.planner.costmodel import pipeline_ranks
-    from loom.planner.report import write_config
+    from loom.planner.report import loom_runnable, write_config
 
-    best = results[0]
-    write_config(best, w, "llama3-8b", tmp_path / "plan.toml")
-    cfg = load_config(str(tmp_path / "plan.toml"), measuring=True)
-    counts = chunk_layer_counts(cfg)
-    assert sum(counts) == 30 and (counts[0], counts[-1]) == (best.layout.first_stage_layers, best.layout.last_stage_layers)
-    shapes = pipeline_ranks(30, best.layout.pp, best.layout.vpp, best.layout.schedule, counts[0], counts[-1], 64)
-    assert max(s.layers for s in shapes) == max(sum(counts[c] for c in range(r, len(counts), best.layout.pp))
-                                               for r in range(best.layout.pp)) or best.layout.schedule == "zero_bubble"
+    w.model.tie_embeddings = False  # loom does not tie embeddings across pipeline stages
+    results, _ = search(w, fixed={"pp": 4, "tp": 2}, top=0)
+    runnable = [e for e in results if loom_runnable(e, w) is None]
+    assert {e.layout.schedule for e in runnable} == {"1f1b", "interleaved", "zero_bubble"}
+    for i, e in enumerate(runnable):
+        write_config(e, w, "llama3-8b", tmp_path / f"plan{i}.toml")
+        cfg = load_config(str(tmp_path / f"plan{i}.toml"), measuring=True)
+        counts = chunk_layer_counts(cfg)
+        assert sum(counts) == 30 and (counts[0], counts[-1]) == (e.layout.first_stage_layers, e.layout.last_stage_layers)
+
+
+def test_pipeline_memory_follows_each_schedules_warm_up():
+    """Activations held at the peak, counted by hand from the schedules' forward order, uneven split
+    1/5/5/5/5/5/5/1 over pp=4 x vpp=2, 16 micro-batches."""
+    from loom.flops import layer_activation_bytes
+
+    w = _big_vocab_workload()
+    w.model.tie_embeddings = False
+    per_layer = layer_activation_bytes(w.model, 8192, 1, 2, True, "none", 2)
+    lay = Layout(tp=2, pp=4, vpp=2, dp=4, sp=True, dp_style="distopt", schedule="interleaved",
+                 first_stage_layers=1, last_stage_layers=1)
+    # Interleaved: rank r runs 2(p-r-1) + (v-1)p + 1 forwards before its first backward, p at a time per
+    # chunk. Rank 0: 11 = 4 of chunk 0 (1 layer), 4 of chunk 4 (5), 3 of chunk 0 -> 7*1 + 4*5 = 27;
+    # rank 1: 9 = 5 of chunk 1 (5) + 4 of chunk 5 (5) = 45; rank 2: 7 -> 35; rank 3: 5 -> 4*5 + 1*1 = 21.
+    assert memory(w, lay)["activations"] == pytest.approx(45 * per_layer)
+    # ZB-V: rank r holds 2p-r-1 micro-batches of chunk r and r+1 of chunk 2p-1-r: rank 0 7*1 + 1*1 = 8,
+    # ranks 1-3 (6+2, 5+3, 4+4) x 5 = 40.
+    zbv = Layout(tp=2, pp=4, vpp=2, dp=4, sp=True, dp_style="distopt", schedule="zero_bubble",
+                 first_stage_layers=1, last_stage_layers=1)
+    assert memory(w, zbv)["activations"] == pytest.approx(40 * per_layer)
+    # 1F1B, even split (8 layers a rank): rank 0 holds p = 4 micro-batches.
+    assert memory(w, Layout(tp=2, pp=4, dp=4, sp=True, dp_style="distopt"))["activations"] == pytest.approx(32 * per_layer)
+
+
+def test_full_recompute_layers_count_per_chunk_as_loom_applies_them():
+    """recompute.num_layers (block method) applies to every chunk a rank runs: with vpp=2 and k=1 a rank
+    recomputes 2 layers, in time and in memory."""
+    from loom.flops import layer_activation_bytes
+    from loom.planner.costmodel import layer_times
+
+    w = _big_vocab_workload()
+    base = dict(tp=2, pp=4, vpp=2, dp=4, sp=True, dp_style="distopt", schedule="interleaved")
+    none, one = evaluate(w, Layout(**base)), evaluate(w, Layout(**base, recompute="full", recompute_layers=1))
+    lt, ft = layer_times(w, 2, 1, 1, True, "none"), layer_times(w, 2, 1, 1, True, "full")
+    extra = sum(ft.fwd.values()) + sum(ft.bwd.values()) - sum(lt.fwd.values()) - sum(lt.bwd.values())
+    m = 16
+    compute = ("gemm", "attention", "elementwise", "tp_comm", "overhead")
+    assert sum(one.time_terms[k] - none.time_terms[k] for k in compute) == pytest.approx(m * 2 * extra, rel=1e-9)
+    per_layer = layer_activation_bytes(w.model, 8192, 1, 2, True, "none", 2)
+    full = layer_activation_bytes(w.model, 8192, 1, 2, True, "full", 2)
+    # Rank 0 (the most in flight): 7 micro-batches of chunk 0 and 4 of chunk 4, 4 layers each, 1 recomputed.
+    assert one.memory["activations"] == pytest.approx(11 * (full + 3 * per_layer))
 
 
 def test_cli_json_contract_and_layout():

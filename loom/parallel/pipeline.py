@@ -19,7 +19,8 @@ from torch import nn
 
 from loom.config import Config
 from loom.errors import UserError
-from loom.parallel.split import chunk_owner, rank_chunks, split_layers
+from loom.parallel.split import (chunk_owner, micro_batches_needed, rank_chunks, schedule_problem,
+                                 split_layers)
 
 
 def chunk_layer_counts(cfg: Config) -> list[int]:
@@ -75,9 +76,10 @@ def forward_through_stages(chunks, ids, cfg: Config, pp_group, x: torch.Tensor):
 
 def validate_pipeline(cfg: Config) -> None:
     p, t = cfg.parallel, cfg.train
+    problem = schedule_problem(p.pp, p.vpp, p.schedule)
     if p.pp == 1:
-        if p.vpp != 1:
-            raise UserError(f"parallel.vpp={p.vpp} needs pipeline parallelism (parallel.pp > 1); valid: 1")
+        if problem:
+            raise UserError(problem)
         return
     chunk_layer_counts(cfg)
     if t.compile:
@@ -91,24 +93,15 @@ def validate_pipeline(cfg: Config) -> None:
             "model.tie_embeddings=true with parallel.pp > 1 is not supported yet (the embedding and the LM head "
             "live on different stages); set model.tie_embeddings=false or parallel.pp=1"
         )
-    if p.schedule == "1f1b" and p.vpp != 1:
-        raise UserError(f"parallel.schedule=1f1b runs one stage per rank; with parallel.vpp={p.vpp} use "
-                        "parallel.schedule=interleaved (or zero_bubble)")
-    if p.schedule == "zero_bubble" and p.vpp > 2:
-        raise UserError(f"parallel.schedule=zero_bubble supports parallel.vpp 1 or 2 (ZB-V), not {p.vpp}")
+    if problem:
+        raise UserError(problem)
     micro = t.global_batch // (p.dp * t.micro_batch)
-    stages = p.pp * p.vpp
-    if p.schedule == "1f1b":
-        ok, need = micro >= p.pp, f"at least pp={p.pp}"
-    else:
-        ok, need = micro >= p.pp and micro % p.pp == 0, f"a multiple of pp={p.pp}"
-    if p.schedule == "zero_bubble" and p.vpp == 2:
-        ok, need = micro >= stages, f"at least pp x vpp = {stages}"
-    if not ok:
+    need = micro_batches_needed(p.pp, p.vpp, p.schedule, micro)
+    if need:
         raise UserError(
             f"parallel.schedule={p.schedule} needs the micro-batch count to be {need}, but train.global_batch="
             f"{t.global_batch} / (data parallel {p.dp} x train.micro_batch={t.micro_batch}) = {micro}; "
-            f"raise train.global_batch (e.g. {p.dp * t.micro_batch * stages}) or lower train.micro_batch"
+            f"raise train.global_batch (e.g. {p.dp * t.micro_batch * p.pp * p.vpp}) or lower train.micro_batch"
         )
 
 

@@ -29,7 +29,7 @@ def split_layers(layers: int, chunks: int, first: int = 0, last: int = 0, what: 
         if not first and not last:
             valid = [d for d in range(1, layers + 1) if layers % d == 0]
             raise UserError(
-                f"model.layers={layers} does not split evenly into {what} = {chunks} stages; valid stage "
+                f"model.layers={layers} does not split evenly into pp x vpp = {chunks} stages; valid stage "
                 f"counts: {', '.join(map(str, valid))}, or set parallel.first_stage_layers / "
                 "parallel.last_stage_layers for an uneven split"
             )
@@ -66,3 +66,28 @@ def chunk_owner(pp: int, vpp: int, schedule: str, chunk: int) -> int:
     if schedule == "zero_bubble" and vpp == 2:
         return chunk if chunk < pp else 2 * pp - 1 - chunk
     return chunk % pp
+
+
+def schedule_problem(pp: int, vpp: int, schedule: str) -> str | None:
+    """Why loom's pipeline cannot run `schedule` with this vpp, or None."""
+    if pp == 1:
+        return None if vpp == 1 else f"parallel.vpp={vpp} needs pipeline parallelism (parallel.pp > 1); valid: 1"
+    if schedule == "1f1b" and vpp != 1:
+        return (f"parallel.schedule=1f1b runs one stage per rank; with parallel.vpp={vpp} use "
+                "parallel.schedule=interleaved (or zero_bubble)")
+    if schedule == "zero_bubble" and vpp > 2:
+        return f"parallel.schedule=zero_bubble supports parallel.vpp 1 or 2 (ZB-V), not {vpp}"
+    return None
+
+
+def micro_batches_needed(pp: int, vpp: int, schedule: str, micro_batches: int) -> str | None:
+    """What micro-batch count the schedule needs, when `micro_batches` does not satisfy it; else None."""
+    if pp == 1:
+        return None
+    if schedule == "zero_bubble" and vpp == 2:
+        ok, need = micro_batches >= pp * vpp, f"at least pp x vpp = {pp * vpp}"
+    elif schedule == "1f1b":
+        ok, need = micro_batches >= pp, f"at least pp={pp}"
+    else:
+        ok, need = micro_batches >= pp and micro_batches % pp == 0, f"a multiple of pp={pp}"
+    return None if ok else need

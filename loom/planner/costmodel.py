@@ -307,12 +307,34 @@ def stage_layers(cfg: ModelConfig, pp: int) -> int:
 
 @dataclass(frozen=True)
 class StageShape:
-    """What one pipeline rank runs: its layers (all its chunks), whether it holds the embedding and the
-    LM head, and how many micro-batches' activations (in units of its layers) it holds at its peak."""
-    layers: int
+    """What one pipeline rank runs: the layer counts of its chunks, whether it holds the embedding and
+    the LM head, and how many micro-batches of each chunk's activations it holds at its peak."""
+    chunks: tuple[int, ...]
     embedding: bool
     head: bool
-    inflight: float
+    held: tuple[float, ...]
+    layers: int = 0  # sum(chunks)
+    held_layers: float = 0.0  # sum(chunk x held): layer-micro-batches of activations at the peak
+
+
+def _shape(chunks: tuple[int, ...], embedding: bool, head: bool, held: tuple[float, ...]) -> StageShape:
+    return StageShape(chunks, embedding, head, held, sum(chunks), sum(c * h for c, h in zip(chunks, held)))
+
+
+def _held(pp: int, vpp: int, schedule: str, rank: int, m: int) -> tuple[float, ...]:
+    """Micro-batches of each local chunk whose activations rank `rank` holds at its peak, following the
+    order in which torch.distributed.pipelining's schedules run forwards before the first backward."""
+    if schedule == "interleaved" and vpp > 1:
+        # Megatron's interleaved warm-up: 2(p-r-1) + (v-1)p forwards, then one more before the first
+        # backward; the k-th runs local chunk (k // p) % v.
+        held = [0] * vpp
+        for k in range(min(m * vpp, 2 * (pp - rank - 1) + (vpp - 1) * pp + 1)):
+            held[(k // pp) % vpp] += 1
+        return tuple(float(x) for x in held)
+    if schedule == "zero_bubble" and vpp == 2:
+        # ZB-V: 2p-r-1 forwards of the first chunk and r+1 of the second (each backed out at once).
+        return (float(min(m, 2 * pp - rank - 1)), float(min(m, rank + 1)))
+    return tuple(float(min(m, pp - rank)) for _ in range(vpp))  # 1F1B: rank r has p - r in flight
 
 
 @lru_cache(maxsize=65536)
@@ -320,22 +342,15 @@ def pipeline_ranks(layers: int, pp: int, vpp: int, schedule: str, first: int, la
                    m: int) -> tuple[StageShape, ...] | None:
     """The distinct rank shapes of a pipeline (None when the split is impossible)."""
     if pp == 1:
-        return (StageShape(layers, True, True, 1.0),)
+        return (_shape((layers,), True, True, (1.0,)),)
     counts = valid_split(layers, pp * vpp, first, last)
     if counts is None:
         return None
     shapes = []
     for r in range(pp):
         ids = rank_chunks(pp, vpp, schedule, r)
-        if schedule == "interleaved" and vpp > 1:
-            # Megatron's interleaved warm-up: rank r runs 2(p-r-1) + (v-1)p + 1 chunk forwards before its
-            # first backward; each holds one chunk's activations (on average its layers / v).
-            inflight = min(m * vpp, 2 * (pp - r - 1) + (vpp - 1) * pp + 1) / vpp
-        elif schedule == "zero_bubble":
-            inflight = float(min(m, pp))  # the V shape holds about the same on every rank; as 1F1B's rank 0
-        else:
-            inflight = float(min(m, pp - r))  # 1F1B: rank r has pp - r micro-batches in flight
-        shapes.append(StageShape(sum(counts[i] for i in ids), 0 in ids, pp * vpp - 1 in ids, inflight))
+        shapes.append(_shape(tuple(counts[i] for i in ids), 0 in ids, pp * vpp - 1 in ids,
+                             _held(pp, vpp, schedule, r, m)))
     return tuple(dict.fromkeys(shapes))
 
 
@@ -348,8 +363,17 @@ def _shapes(w: Workload, lay: Layout) -> tuple[StageShape, ...]:
     return shapes
 
 
-def max_stage_layers(w: Workload, lay: Layout) -> int:
-    return max(s.layers for s in _shapes(w, lay))
+def max_chunk_layers(w: Workload, lay: Layout) -> int:
+    """The largest chunk: recompute.num_layers (block method) counts layers per chunk, as loom applies it
+    to each chunk a rank runs."""
+    return max(max(s.chunks) for s in _shapes(w, lay))
+
+
+def _recomputed(lay: Layout, chunk: int) -> int:
+    """Layers of a chunk recomputed fully (0 unless recompute=full)."""
+    if lay.recompute != "full":
+        return 0
+    return min(lay.recompute_layers or chunk, chunk)
 
 
 def _stage_params(cfg: ModelConfig, lay: Layout, shape: StageShape, lp: int | None = None) -> int:
@@ -379,7 +403,6 @@ def memory(w: Workload, lay: Layout) -> dict:
     buffers = 2 * 2 * lp / lay.tp + (4 * 40e6 if lay.dp > 1 else 0)
     worst = None
     for shape in _shapes(w, lay):
-        n_layers = shape.layers
         local = _stage_params(cfg, lay, shape, lp) / lay.tp
         dp = lay.dp
         if lay.dp_style == "replicate":  # loom: fp32 master weights, fp32 gradients, moments, all replicated
@@ -388,12 +411,9 @@ def memory(w: Workload, lay: Layout) -> dict:
             params, grads, optim = 2 * local, 4 * local, (4 + moment_bytes) * local / dp
         else:  # fsdp (loom dp_shard): everything split; gradients are accumulated unsharded across micro-batches
             params, grads, optim = 4 * local / dp, (4 * local if m > 1 else 4 * local / dp), moment_bytes * local / dp
-        if lay.recompute == "full":
-            k = min(lay.recompute_layers or n_layers, n_layers)
-            stage_act = k * full + (n_layers - k) * per_layer
-        else:
-            stage_act = n_layers * per_layer
-        activations = stage_act * shape.inflight
+        activations = shape.held_layers * per_layer
+        if lay.recompute == "full":  # k layers of every chunk keep only their input
+            activations -= sum(held * _recomputed(lay, c) for c, held in zip(shape.chunks, shape.held)) * (per_layer - full)
         # fp32 logits, their gradient, 16-bit output: on the rank with the LM head
         logits = tokens * (cfg.vocab_size / lay.tp) * (4 + 4 + act_bytes) if shape.head else 0.0
         dynamic = params + grads + optim + activations + logits + buffers
@@ -421,7 +441,7 @@ def step_time(w: Workload, lay: Layout) -> dict:
     terms, per_mb, n_layers = {}, -1.0, 0
     for shape in shapes:
         t = dict.fromkeys(("gemm", "attention", "elementwise", "tp_comm", "overhead"), 0.0)
-        full_layers = min(lay.recompute_layers or shape.layers, shape.layers) if ft else 0
+        full_layers = sum(_recomputed(lay, c) for c in shape.chunks) if ft else 0
         for key in t:
             t[key] = shape.layers * (lt.fwd[key] + lt.bwd[key])
             if full_layers:

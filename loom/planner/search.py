@@ -7,9 +7,9 @@ from functools import lru_cache
 
 from loom.config import ModelConfig
 from loom.errors import UserError
-from loom.parallel.split import rank_chunks, split_layers, valid_split
+from loom.parallel.split import micro_batches_needed, rank_chunks, schedule_problem, split_layers, valid_split
 from loom.planner.costmodel import (GIB, Estimate, Layout, Workload, evaluate, head_times, layer_times,
-                                    max_stage_layers, memory)
+                                    max_chunk_layers, memory)
 
 DP_STYLES = ("replicate", "distopt", "fsdp")
 RECOMPUTE = ("none", "selective", "full")
@@ -34,18 +34,13 @@ SCHEDULES = ("1f1b", "interleaved", "zero_bubble")
 
 
 def pipeline_options(cfg: ModelConfig, pp: int, m: int, schedules=SCHEDULES) -> list[tuple[str, int]]:
-    """(schedule, vpp) pairs valid for `pp` stages and `m` micro-batches (splits are chosen later)."""
+    """(schedule, vpp) pairs loom's pipeline accepts for `pp` stages and `m` micro-batches (splits are
+    chosen later): the rules are loom.parallel.split's, the ones `loom train` checks."""
     if pp == 1:
         return [("1f1b", 1)]
-    if m < pp or pp > cfg.layers:
-        return []
-    out = [("1f1b", 1)] if "1f1b" in schedules else []
-    for v in range(2, 9):
-        if "interleaved" in schedules and pp * v <= cfg.layers and m % pp == 0:
-            out.append(("interleaved", v))
-    if "zero_bubble" in schedules and 2 * pp <= cfg.layers:
-        out.append(("zero_bubble", 2))  # ZB-V: two chunks per rank
-    return out
+    options = [("1f1b", 1)] + [("interleaved", v) for v in range(2, 9)] + [("zero_bubble", 2)]  # ZB-V
+    return [(sched, v) for sched, v in options
+            if sched in schedules and pp * v <= cfg.layers and micro_batches_needed(pp, v, sched, m) is None]
 
 
 def _bottleneck(layers: int, pp: int, vpp: int, schedule: str, first: int, last: int, head: float):
@@ -75,9 +70,10 @@ def split_options(layers: int, pp: int, vpp: int, schedule: str, head: float) ->
     chunks = pp * vpp
     even = _bottleneck(layers, pp, vpp, schedule, 0, 0, head)
     best, best_key = None, None
-    top = -(-layers // chunks) + 1
+    # Ends of at most a chunk above the even share; with two chunks (no middle) any split of the layers.
+    top = layers - 1 if chunks == 2 else -(-layers // chunks) + 1
     for first in range(1, top + 1):
-        for last in range(1, top + 1):
+        for last in ([layers - first] if chunks == 2 else range(1, top + 1)):
             b = _bottleneck(layers, pp, vpp, schedule, first, last, head)
             if b is not None and (best_key is None or (round(b[0], 6), b[1]) < best_key):
                 best, best_key = (first, last), (round(b[0], 6), b[1])
@@ -107,8 +103,8 @@ def cp_options(w: Workload, cp_max: int) -> list[int]:
 
 
 def _min_full_layers(w: Workload, lay: Layout, capacity: float) -> int | None:
-    """Fewest layers per stage to recompute fully so the layout fits (block method), or None."""
-    n = max_stage_layers(w, lay)
+    """Fewest layers per chunk to recompute fully so the layout fits (block method), or None."""
+    n = max_chunk_layers(w, lay)
 
     def fits(k: int) -> bool:
         return memory(w, replace(lay, recompute="full", recompute_layers=0 if k == n else k))["total"] <= capacity
@@ -172,7 +168,7 @@ def search(w: Workload, *, fixed: dict | None = None, top: int = 10, **kwargs) -
                 lay = replace(lay, recompute_layers=fixed["recompute_layers"])
             else:
                 k = _min_full_layers(w, lay, capacity)
-                n = max_stage_layers(w, lay)
+                n = max_chunk_layers(w, lay)
                 lay = replace(lay, recompute_layers=0 if k in (None, n) else k)
         mem = memory(w, lay)
         if mem["total"] > capacity:
@@ -221,8 +217,9 @@ def parse_layout(text: str, gpus: int) -> dict:
                 out[field] = int(value)
             except ValueError:
                 raise UserError(f"--layout {key}={value!r} must be an integer") from None
-            if out[field] < (0 if field in ("recompute_layers", "first_stage_layers", "last_stage_layers") else 1):
-                raise UserError(f"--layout {key}={value} must be >= 1")
+            least = 0 if field in ("recompute_layers", "first_stage_layers", "last_stage_layers") else 1
+            if out[field] < least:
+                raise UserError(f"--layout {key}={value} must be >= {least}")
     if "dp" not in out:
         rest = out.get("tp", 1) * out.get("pp", 1) * out.get("cp", 1)
         if gpus % rest:
@@ -247,19 +244,26 @@ def evaluate_layout(w: Workload, fields: dict) -> Estimate:
     problems = []
     if cfg.heads % lay.tp or cfg.kv_heads % lay.tp:
         problems.append(f"tp={lay.tp} must divide heads={cfg.heads} and kv_heads={cfg.kv_heads}")
-    if lay.pp == 1 and (lay.vpp > 1 or lay.first_stage_layers or lay.last_stage_layers):
-        problems.append("vpp, first and last need pp > 1")
-    else:
+    if lay.pp == 1 and (lay.first_stage_layers or lay.last_stage_layers):
+        problems.append("first and last (an uneven pipeline split) need pp > 1")
+    elif lay.pp > 1:
         try:
             split_layers(cfg.layers, lay.pp * lay.vpp, lay.first_stage_layers, lay.last_stage_layers,
                          what=f"pp={lay.pp} x vpp={lay.vpp}")
         except UserError as exc:
             problems.append(str(exc).replace("parallel.first_stage_layers", "first").replace(
                 "parallel.last_stage_layers", "last"))
+    problem = schedule_problem(lay.pp, lay.vpp, lay.schedule)
+    if problem:
+        problems.append(problem.replace("parallel.", ""))
     if w.global_batch % (lay.dp * lay.micro_batch):
         problems.append(f"dp x mbs = {lay.dp * lay.micro_batch} must divide --global-batch {w.global_batch}")
-    elif lay.pp > 1 and w.global_batch // (lay.dp * lay.micro_batch) < lay.pp:
-        problems.append(f"{w.global_batch // (lay.dp * lay.micro_batch)} micro-batches per step are fewer than pp={lay.pp} stages")
+    else:
+        m = w.global_batch // (lay.dp * lay.micro_batch)
+        need = micro_batches_needed(lay.pp, lay.vpp, lay.schedule, m)
+        if need:
+            problems.append(f"schedule={lay.schedule} needs the micro-batch count to be {need}, but --global-batch "
+                            f"{w.global_batch} / (dp {lay.dp} x mbs {lay.micro_batch}) = {m}")
     if lay.sp and lay.tp == 1:
         problems.append("sp=true needs tp > 1")
     if lay.cp > 1 and (cfg.attention == "math" or w.seq_len % (2 * lay.cp)):
