@@ -63,7 +63,7 @@ class Layout:
     micro_batch: int = 1
     sp: bool = False
     recompute: str = "none"  # none | selective | full
-    recompute_layers: int = 0  # full: layers per stage recomputed (0 = all of them)
+    recompute_layers: int = 0  # full: layers per chunk recomputed, as loom's recompute.num_layers (0 = all)
     dp_style: str = "fsdp"  # replicate | distopt | fsdp
     schedule: str = "1f1b"  # 1f1b | interleaved | zero_bubble
     # Uneven pipeline split (loom's parallel.first/last_stage_layers): layers in the first / last chunk,

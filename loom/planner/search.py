@@ -7,9 +7,9 @@ from functools import lru_cache
 
 from loom.config import ModelConfig
 from loom.errors import UserError
-from loom.parallel.split import micro_batches_needed, rank_chunks, schedule_problem, split_layers, valid_split
+from loom.parallel.split import micro_batches_needed, schedule_problem, split_layers
 from loom.planner.costmodel import (GIB, Estimate, Layout, Workload, evaluate, head_times, layer_times,
-                                    max_chunk_layers, memory)
+                                    max_chunk_layers, memory, pipeline_ranks)
 
 DP_STYLES = ("replicate", "distopt", "fsdp")
 RECOMPUTE = ("none", "selective", "full")
@@ -45,14 +45,11 @@ def pipeline_options(cfg: ModelConfig, pp: int, m: int, schedules=SCHEDULES) -> 
 
 def _bottleneck(layers: int, pp: int, vpp: int, schedule: str, first: int, last: int, head: float):
     """(slowest rank's work in layer units, layers on rank 0) of a split, or None if impossible."""
-    counts = valid_split(layers, pp * vpp, first, last)
-    if counts is None:
+    shapes = pipeline_ranks(layers, pp, vpp, schedule, first, last, 1)  # rank 0's shape comes first
+    if shapes is None:
         return None
-    work = []
-    for r in range(pp):
-        ids = rank_chunks(pp, vpp, schedule, r)
-        work.append(sum(counts[i] for i in ids) + (head if pp * vpp - 1 in ids else 0.0))
-    return max(work), work[0]
+    work = [s.layers + (head if s.head else 0.0) for s in shapes]
+    return max(work), shapes[0].layers
 
 
 @lru_cache(maxsize=16384)
