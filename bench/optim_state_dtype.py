@@ -38,7 +38,7 @@ def main() -> int:
             result = trainer.fit()
             # one more backward (no step) so gradients exist for the byte count
             x, y = batch(trainer.val_data, 0, 2)
-            trainer.loss_sum(x, y).backward()
+            trainer.runner.loss_sum({"input_ids": x, "labels": y}).backward()
             bytes_pp = state_bytes_per_param(trainer.model, trainer.optimizer)
             losses = [json.loads(x)["loss"] for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
                       if "loss" in json.loads(x)]

@@ -9,8 +9,10 @@ process group from the environment torchrun sets (gloo on CPU, nccl on GPU).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -40,6 +42,7 @@ def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nn
 
         build_datasets(cfg, load_tokenizer(cfg))
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -57,8 +60,13 @@ def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nn
         # per-round key prefix, so restarted gloo workers can read a dead peer's address from the first
         # round and fail with "connectFullMesh ... Connection refused". A store per round avoids that.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    started = time.time()
     try:
         run(parse_args(argv))
+    except SignalException as exc:
+        # SIGTERM/SIGINT reached the launcher (Ctrl-C, a scheduler's preemption): torchrun has passed SIGTERM
+        # on to the workers and waited for them; they finish the step, checkpoint, and leave a stop record.
+        return _stopped(command, started, exc.sigval)
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
         print(f"loom {command[0]}: {len(exc.failures)} worker(s) failed (exit codes {sorted(codes)}); see their output above",
@@ -66,4 +74,21 @@ def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nn
         # Workers the launcher itself stopped (killed by a signal: negative codes) do not count: when the
         # rest failed on bad input (2), so did the job.
         return 2 if {c for c in codes if c >= 0} == {2} else 1
+    return 0
+
+
+def _stopped(command: list[str], started: float, sigval) -> int:
+    """Exit 0 when the workers checkpointed after the signal (and say how to resume), else 1."""
+    from loom.train.control import STOP_RECORD
+
+    record = None
+    if "--run-dir" in command:
+        path = Path(command[command.index("--run-dir") + 1]) / STOP_RECORD
+        if path.is_file() and path.stat().st_mtime >= started:
+            record = json.loads(path.read_text())
+    if record is None:
+        print(f"loom {command[0]}: stopped by signal {sigval} before the workers saved a checkpoint", file=sys.stderr)
+        return 1
+    print(f"loom {command[0]}: stopped by signal {sigval} after step {record['step']}; checkpoint saved. "
+          f"Resume with: {record['resume_command']}", file=sys.stderr, flush=True)
     return 0

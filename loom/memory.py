@@ -19,85 +19,47 @@ from __future__ import annotations
 import torch
 
 from loom.config import Config
+from loom.ledger import SavedTensorLedger
+from loom.models.losses import token_loss_sum
 
 
-def _storage_key(t: torch.Tensor):
-    local = t._local_tensor if hasattr(t, "_local_tensor") else t
-    st = local.untyped_storage()
-    return st._cdata, st.nbytes()
+class _FusedAttention(torch.autograd.Function):
+    """Stands in for SDPA on the meta device, where PyTorch would pick its math fallback (which keeps the
+    s x s probabilities): a fused kernel (FlashAttention, or SDPA's flash path on CPU) keeps q, k, v, its
+    output and the fp32 row log-sum-exp, and that is what this saves. Shapes only; never differentiated."""
 
-
-class SavedTensorLedger:
-    """Bytes saved for backward per module, each storage counted once, parameters and buffers excluded."""
-
-    active: "SavedTensorLedger | None" = None
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.excluded = {_storage_key(t)[0] for t in [*model.parameters(), *model.buffers()]}
-        self.seen: dict = {}  # storage -> label
-        self.bytes: dict[str, int] = {}
-        self.stack = ["outside"]
-        self._handles = []
-
-    def record(self, t: torch.Tensor) -> None:
-        key, nbytes = _storage_key(t)
-        if key in self.excluded or key in self.seen or nbytes == 0:
-            return
-        label = self.stack[-1]
-        self.seen[key] = label
-        self.bytes[label] = self.bytes.get(label, 0) + nbytes
-
-    def _leave(self) -> None:  # a forward hook must return None (else it replaces the output)
-        self.stack.pop()
-
-    def _pack(self, t):
-        self.record(t)
-        return t
-
-    def __enter__(self):
-        for name, module in self.model.named_modules():
-            if not name:
-                continue
-            self._handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self.stack.append(n)))
-            self._handles.append(module.register_forward_hook(lambda m, a, o: self._leave()))
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        SavedTensorLedger.active = self
-        return self
-
-    def __exit__(self, *exc):
-        SavedTensorLedger.active = None
-        self._hooks.__exit__(*exc)
-        for h in self._handles:
-            h.remove()
-
-    def per_layer(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for label, n in self.bytes.items():
-            parts = label.split(".")
-            key = ".".join(parts[:2]) if parts[0] == "layers" else "outside layers"
-            out[key] = out.get(key, 0) + n
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
         return out
 
-    def breakdown(self, layer: str) -> dict[str, int]:
-        """Bytes by module inside one layer (`attention` includes its core)."""
-        prefix = layer + "."
-        out: dict[str, int] = {}
-        for label, n in self.bytes.items():
-            if label.startswith(prefix):
-                part = label[len(prefix):].split(".")[0]
-                out[part] = out.get(part, 0) + n
-        return out
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - measurement runs forward only
+        raise RuntimeError("the fused-attention stand-in only measures memory")
 
 
-def _build(cfg: Config, device, layout=None, layer_plan: dict[str, str] | None = None):
+def _fused_core(q, k, v, kind, dropout, start_pos=0):
+    return _FusedAttention.apply(q, k, v)
+
+
+ATTENTION_COUNTED = {
+    "sdpa": "fused kernel (FlashAttention / SDPA flash): keeps q, k, v, output and log-sum-exp, no s x s term",
+    "math": "materialised softmax (model.attention=math): keeps the s x s scores and probabilities",
+}
+
+
+def _build(cfg: Config, device, layout=None, layer_plan: dict[str, str] | None = None, fused_standin: bool = False):
     from loom.models.llama import build_model
     from loom.parallel.recompute import apply_recompute
 
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
     model = build_model(cfg.model, device=device, dtype=dtype, seed=None if str(device) == "meta" else 0)
     model.train()
+    if fused_standin and str(device) == "meta" and cfg.model.attention == "sdpa" and not cfg.model.attn_dropout:
+        for block in model.layers.values():  # count what a fused kernel keeps, not the math fallback's
+            block.attention.core = _fused_core
     if layout is not None and layout.tp > 1:
         from loom.parallel.tensor import apply_tensor_parallel
 
@@ -117,9 +79,7 @@ def _batch(cfg: Config, device):
 def measure_activations(cfg: Config, layout=None, device="meta", layer_plan=None) -> dict:
     """Saved bytes of one micro-batch's forward on this rank, per layer and per component."""
     from loom.parallel.tensor import loss_context
-    from loom.train.trainer import token_loss_sum
-
-    model = _build(cfg, device, layout, layer_plan)
+    model = _build(cfg, device, layout, layer_plan, fused_standin=True)
     x, y = _batch(cfg, device)
     with loss_context(layout.tp if layout else 1):
         with SavedTensorLedger(model) as ledger:
@@ -140,8 +100,6 @@ def measure_activations(cfg: Config, layout=None, device="meta", layer_plan=None
 def count_flops(cfg: Config, layer_plan=None) -> int:
     """Matmul FLOPs of forward + backward (incl. recomputation) of one micro-batch, unsharded model."""
     from torch.utils.flop_counter import FlopCounterMode
-
-    from loom.train.trainer import token_loss_sum
 
     model = _build(cfg, "meta", None, layer_plan)
     x, y = _batch(cfg, "meta")
@@ -223,8 +181,7 @@ def report(cfg: Config) -> dict | None:
     import torch.distributed as dist
 
     from loom.parallel.dims import build_layout
-
-    from loom.train.trainer import init_distributed
+    from loom.parallel.distributed import init_distributed
 
     distributed = not dist.is_initialized()
     init_distributed(torch.device("cpu"))  # measurement runs on CPU ranks (gloo)
@@ -250,6 +207,8 @@ def report(cfg: Config) -> dict | None:
             "layout": {"tp": p.tp, "sp": p.sp, "pp": p.pp, "vpp": p.vpp, "dp_replicate": p.dp_replicate,
                        "dp_shard": p.dp_shard},
             "recompute": cfg.recompute.mode,
+            "attention_counted": ATTENTION_COUNTED[cfg.model.attention] if not cfg.model.attn_dropout else
+            "SDPA with attention dropout: PyTorch's math path, which keeps the s x s probabilities and mask",
             "micro_batch": t.micro_batch, "seq_len": t.seq_len, "dtype": t.dtype,
             **acts,
             **step_flops(cfg, plan and plan["plan"]),
@@ -268,6 +227,8 @@ def format_table(r: dict) -> str:
     lines = [
         f"loom memory: {r['config']} ({lay}; recompute={r['recompute']}; micro_batch {r['micro_batch']} x "
         f"seq {r['seq_len']}, {r['dtype']})",
+        "",
+        f"attention counted as: {r['attention_counted']}",
         "",
         "activations saved for backward, per rank, one micro-batch:",
         f"  one transformer layer        {gib(r['layer_activation_bytes'])}  ({r['layer_activation_bytes']:,} bytes)",

@@ -20,11 +20,11 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from loom.ledger import SavedTensorLedger
+
 
 def _record_inputs(*tensors) -> None:
     """A checkpoint keeps its inputs alive outside autograd's saved tensors: tell the ledger."""
-    from loom.memory import SavedTensorLedger
-
     ledger = SavedTensorLedger.active
     if ledger is not None:
         for t in tensors:

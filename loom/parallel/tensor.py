@@ -37,6 +37,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from loom.ledger import SavedTensorLedger
+
 
 class Replicated(ParallelStyle):
     """A module whose parameters are replicated over the group (norms without SP, position table).
@@ -111,8 +113,7 @@ class GatherSequence(ParallelStyle):
         state: dict = {}
 
         def pack(t):
-            from loom.memory import SavedTensorLedger  # this hook hides the ledger's: report to it
-
+            # this hook hides the ledger's: report to it
             ledger = SavedTensorLedger.active
             gathered = state.get("current")
             local = t._local_tensor if isinstance(t, DTensor) else t

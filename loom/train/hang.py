@@ -22,6 +22,18 @@ TIMEOUT_MARKERS = ("timed out", "timeout")
 PEER_GONE_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe")
 
 
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` was raised by the communication backend, judged by its type: torch's distributed
+    errors (NCCL and store timeouts, broken connections), or the plain RuntimeError that gloo raises from
+    its transport (its message starts with the gloo source file). Anything else, such as an OSError
+    "Connection timed out" from a file system, is not a collective failure and keeps its traceback."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    return type(exc) is RuntimeError and "gloo" in str(exc).split("]", 1)[0]
+
+
 class Beacon:
     def __init__(self, timeout_s: float):
         import torch.distributed as dist
@@ -67,9 +79,11 @@ class Beacon:
 
     def explain(self, exc: BaseException) -> CollectiveTimeout | None:
         """A CollectiveTimeout naming the ranks behind, if `exc` is a timed-out or broken collective."""
+        if self.store is None or not is_collective_failure(exc):
+            return None
         text = str(exc).lower()
         timed_out = any(m in text for m in TIMEOUT_MARKERS)
-        if self.store is None or not (timed_out or any(m in text for m in PEER_GONE_MARKERS)):
+        if not (timed_out or any(m in text for m in PEER_GONE_MARKERS)):
             return None
         try:
             others = self.others()

@@ -23,6 +23,12 @@ def _row_step(line: str) -> float:
         return math.inf
 
 
+def hms(seconds: float) -> str:
+    """Seconds as h:mm:ss."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
 class MetricsWriter:
     def __init__(self, run_dir: Path, resume_step: int | None, tensorboard: bool, enabled: bool = True):
         self.enabled = enabled
@@ -89,15 +95,20 @@ class Progress:
             return
         if self.bar is not None:
             self.bar.update(self.task, completed=row["step"], loss=row["loss"], tps=row["tokens_per_s"])
-        elif row["step"] % self.log_interval == 0 or row["step"] == self.total:
+        elif (row["step"] % self.log_interval == 0 or row["step"] == self.total
+              or row["step"] == self.start_step + 1):  # the first step shows at once
             done = row["step"] - self.start_step
             elapsed = time.perf_counter() - self.t0
             eta = elapsed / max(done, 1) * (self.total - row["step"])
             print(
                 f"step {row['step']:>6}/{self.total}  loss {row['loss']:.4f}  grad_norm {row['grad_norm']:.3f}  "
-                f"lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s  eta {eta:,.0f}s",
+                f"lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s  eta {hms(eta)}",
                 flush=True,
             )
+
+    def evaluation(self, row: dict) -> None:
+        self.message(f"eval step {row['step']}: val_loss {row['val_loss']:.4f}  val_bpb {row['val_bpb']:.3f}  "
+                     f"(gzip {row['gzip_bpb']:.3f}, xz {row['xz_bpb']:.3f})")
 
     def message(self, text: str) -> None:
         if not self.enabled:

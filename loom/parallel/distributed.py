@@ -1,0 +1,64 @@
+"""Process-group set-up and the few collective helpers every execution style shares."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from loom.errors import UserError
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device=cuda but no CUDA device is available; valid here: cpu, auto")
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def init_distributed(device: torch.device, timeout_s: float | None = None) -> None:
+    """Join the process group when started by the launcher (torchrun sets WORLD_SIZE etc.).
+
+    A collective that waits longer than `timeout_s` raises instead of hanging.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+
+
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum `t` in place over `group` (all ranks by default); a no-op on one process."""
+    if dist.is_initialized():
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a (replicated) DTensor result such as the vocabulary-parallel loss."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def clip_grad_norm(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
+    """Global gradient norm over every shard of every parameter; clip to max_norm (0: no clipping).
+
+    With pipeline parallelism each rank holds some stages: squared norms are summed over `pp_group`.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    # Group by mesh: sharded (DTensor) gradients need their shards' norms combined across ranks;
+    # plain gradients (replicated parameters such as norms under TP without SP) are whole on every rank.
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [local(torch.nn.utils.get_total_norm([p.grad for p in group])) for group in groups.values()]
+    norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    if pp_group is not None:
+        norm = all_reduce_sum(norm.double() ** 2, pp_group).sqrt().float()
+    if max_norm > 0:
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+    return norm

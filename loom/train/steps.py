@@ -1,0 +1,190 @@
+"""Step runners: how one rank runs forward and backward over its share of a global batch.
+
+One runner per execution style, both with the same small surface, so the trainer (and later the SFT,
+DPO and RL recipes) never asks which style it runs:
+
+- `model`: the module the optimizer and checkpoints see (a pipeline rank's view of its stages);
+- `forward_backward(batch, scale)`: run this rank's micro-batches, accumulating `scale` x the summed loss's
+  gradients; returns the summed loss this rank observed (0 off the last pipeline stage);
+- `eval_loss_sum(batch)`: the summed loss of a held-out batch, without gradients (every rank gets it);
+- `grad_norm_group`: the group over which squared gradient norms add up (pipeline stages), or None;
+- `metrics()`: extra per-step numbers (the pipeline bubble);
+- `first_non_finite(batch)`: the first module whose output is non-finite, for divergence reports.
+
+The loss is a `loom.models.losses.Loss`: a function of the model's output and the batch, so a new loss
+(masked SFT, DPO, policy gradient) plugs in here without touching parallel code or the pipeline runner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from torch import nn
+
+from loom.config import Config
+from loom.data.loader import batch as sample_rows
+from loom.models.losses import Batch, Loss
+from loom.parallel import Layout, parallelize
+from loom.parallel.data import set_gradient_sync
+from loom.parallel.distributed import all_reduce_sum, local
+from loom.parallel.tensor import loss_context
+
+
+def read_batch(dataset, start: int, count: int) -> Batch:
+    """Samples [start, start+count) of `dataset` as a batch: `input_ids` and next-token `labels`."""
+    x, y = sample_rows(dataset, start, count)
+    return {"input_ids": x, "labels": y}
+
+
+def micro_batches(batch: Batch, size: int) -> list[Batch]:
+    """`batch` cut along the sample dimension into micro-batches of `size` samples."""
+    n = next(iter(batch.values())).shape[0]
+    return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, n, size)]
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class _Runner:
+    grad_norm_group = None
+
+    def __init__(self, cfg: Config, layout: Layout, loss: Loss, device: torch.device,
+                 autocast_dtype: torch.dtype | None):
+        self.cfg, self.layout, self.loss, self.device = cfg, layout, loss, device
+        self.autocast_dtype = autocast_dtype
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def metrics(self) -> dict:
+        return {}
+
+    def first_non_finite(self, batch: Batch) -> str | None:
+        return None
+
+
+class SPMDRunner(_Runner):
+    """Every rank runs the whole (tensor/data-parallel) model: micro-batches one after another, with the
+    data-parallel gradient reduction only after the last."""
+
+    def __init__(self, model: nn.Module, cfg: Config, layout: Layout, loss: Loss, device: torch.device,
+                 compute_dtype: torch.dtype | None, layer_plan: dict | None = None):
+        # bf16 compute: FSDP2 casts parameters per block when data-parallel, else autocast does it.
+        super().__init__(cfg, layout, loss, device, compute_dtype if layout.dp_size == 1 else None)
+        self.model = parallelize(model, layout, cfg, compute_dtype, layer_plan)
+        # Forward and loss as one function, so that compilation can fuse the loss into the head.
+        self.loss_sum = torch.compile(self._loss_sum) if cfg.train.compile else self._loss_sum
+
+    def _loss_sum(self, batch: Batch) -> torch.Tensor:
+        with self.autocast():
+            output = self.model(batch["input_ids"])
+        return self.loss(output, batch)
+
+    def forward_backward(self, batch: Batch, scale: float) -> torch.Tensor:
+        loss_sum = torch.zeros((), device=self.device)
+        micro = micro_batches(batch, self.cfg.train.micro_batch)
+        for m, mb in enumerate(micro):
+            mb = to_device(mb, self.device)
+            set_gradient_sync(self.model, m == len(micro) - 1)
+            with loss_context(self.layout.tp):
+                micro_loss = self.loss_sum(mb)
+                (micro_loss * scale).backward()
+            loss_sum += local(micro_loss).detach()
+        return loss_sum
+
+    def eval_loss_sum(self, batch: Batch) -> torch.Tensor:
+        with loss_context(self.layout.tp):
+            return local(self.loss_sum(to_device(batch, self.device))).detach()
+
+    def first_non_finite(self, batch: Batch) -> str | None:
+        first = None
+
+        def check(name):
+            def hook(module, inputs, output):
+                nonlocal first
+                out = output[0] if isinstance(output, tuple) else output
+                if first is None and torch.is_tensor(out) and not torch.isfinite(local(out.detach())).all():
+                    first = name
+            return hook
+
+        hooks = [m.register_forward_hook(check(n)) for n, m in self.model.named_modules() if n]
+        try:
+            with torch.no_grad(), self.autocast():
+                self.model(batch["input_ids"].to(self.device))
+        finally:
+            for h in hooks:
+                h.remove()
+        return first
+
+
+class PipelineRunner(_Runner):
+    """This rank's pipeline stages, run by a torch.distributed.pipelining schedule (1F1B, interleaved,
+    zero-bubble), which cuts the rank's batch into micro-batches itself."""
+
+    def __init__(self, model: nn.Module, cfg: Config, layout: Layout, loss: Loss, device: torch.device,
+                 compute_dtype: torch.dtype | None, layer_plan: dict | None = None):
+        from loom.parallel.pipeline import RankView, build_schedule, split_stages
+
+        super().__init__(cfg, layout, loss, device, compute_dtype if layout.dp_size == 1 else None)
+        self.chunks, self.stage_ids = split_stages(model, cfg, layout.pp_rank)
+        for chunk in self.chunks:
+            parallelize(chunk, layout, cfg, compute_dtype, layer_plan)
+        self.model = RankView(self.chunks)
+        self.model.pp_size = layout.pp
+        num_stages = cfg.parallel.pp * cfg.parallel.vpp
+        self.has_first, self.has_last = 0 in self.stage_ids, num_stages - 1 in self.stage_ids
+        n_micro = cfg.train.global_batch // (layout.dp_size * cfg.train.micro_batch)
+        self.grad_norm_group = layout.submesh("pp").get_group()
+        self.scale = 1.0
+        self.bubble = 0.0
+        self.schedule, self.stages = build_schedule(self.chunks, self.stage_ids, cfg, self.grad_norm_group, device,
+                                                    n_micro, self._stage_loss)
+
+    def _stage_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss(output, {"labels": labels}) * self.scale
+
+    def forward_backward(self, batch: Batch, scale: float) -> torch.Tensor:
+        from loom.parallel.pipeline import WaitTimer
+
+        self.scale = scale
+        batch = to_device(batch, self.device)
+        losses: list = []
+        args = (batch["input_ids"],) if self.has_first else ()
+        kwargs = {"target": batch["labels"], "losses": losses} if self.has_last else {}
+        WaitTimer.seconds = 0.0
+        t0 = time.perf_counter()
+        with loss_context(self.layout.tp), self.autocast():
+            self.schedule.step(*args, **kwargs)
+        elapsed = time.perf_counter() - t0
+        # Bubble: time blocked on pipeline transfers over time computing, averaged over ranks.
+        bubble = torch.tensor(WaitTimer.seconds / max(elapsed - WaitTimer.seconds, 1e-9), device=self.device)
+        self.bubble = (all_reduce_sum(bubble) / self.layout.world_size).item()
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return sum(local(loss).detach() for loss in losses) / self.scale
+
+    def eval_loss_sum(self, batch: Batch) -> torch.Tensor:
+        from loom.parallel.pipeline import forward_through_stages
+
+        batch = to_device(batch, self.device)
+        with loss_context(self.layout.tp):
+            with self.autocast():
+                output = forward_through_stages(self.chunks, self.stage_ids, self.cfg, self.grad_norm_group,
+                                                batch["input_ids"])
+            loss = (local(self.loss(output, batch)).detach() if output is not None
+                    else torch.zeros((), device=self.device))
+        return all_reduce_sum(loss, self.grad_norm_group)  # only the last stage has it
+
+    def metrics(self) -> dict:
+        return {"pipeline_bubble": self.bubble}
+
+
+def build_runner(model: nn.Module, cfg: Config, layout: Layout, loss: Loss, device: torch.device,
+                 compute_dtype: torch.dtype | None, layer_plan: dict | None = None) -> _Runner:
+    kind = PipelineRunner if layout.pp > 1 else SPMDRunner
+    return kind(model, cfg, layout, loss, device, compute_dtype, layer_plan)
