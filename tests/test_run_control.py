@@ -151,3 +151,47 @@ def test_loom_memory_counts_sdpa_as_a_fused_kernel_on_meta_and_says_so():
     s, b, a = 64, cfg.train.micro_batch, cfg.model.heads
     assert measure_activations(math_cfg, device="meta")["layer_activation_bytes"] >= meta + 4 * b * a * s * s  # the fp32 probabilities
     assert "attention counted as: fused kernel" in format_table(report(cfg))
+
+
+def _trained(tmp_path, *extra):
+    run = tmp_path / "r"
+    Trainer(small_config("checkpoint.interval=3", *extra), run, quiet=True).fit()
+    return run
+
+
+def test_a_failure_while_loading_keeps_its_traceback_and_never_falls_back(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    run = _trained(tmp_path)
+
+    def broken_disk(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(dcp, "load", broken_disk)
+    for fallback in ("false", "true"):  # not bad input (exit 2), and not a reason to roll back to step-3
+        with pytest.raises(OSError, match="Input/output error"):
+            Trainer(small_config("checkpoint.resume=true", f"checkpoint.fallback={fallback}"), run, quiet=True)
+
+
+def test_a_key_or_shape_mismatch_is_bad_input_naming_the_tensor(tmp_path, monkeypatch):
+    from loom.train.checkpoint import Checkpointer
+
+    run = _trained(tmp_path)
+    original = Checkpointer._state
+
+    def with_extra_tensor(self):
+        state = original(self)
+        state["model"]["extra.weight"] = torch.zeros(3)
+        return state
+
+    monkeypatch.setattr(Checkpointer, "_state", with_extra_tensor)
+    with pytest.raises(UserError, match="model.extra.weight is missing"):
+        Trainer(small_config("checkpoint.resume=true"), run, quiet=True)
+
+
+def test_changed_settings_on_resume_name_old_and_new_values(tmp_path):
+    run = _trained(tmp_path)
+    with pytest.raises(UserError, match="train.global_batch: 8 in the checkpoint, 16 now"):
+        Trainer(small_config("checkpoint.resume=true", "train.global_batch=16"), run, quiet=True)
+    with pytest.raises(UserError, match="model.ffn_hidden: 160 in the checkpoint, 192 now"):
+        Trainer(small_config("checkpoint.resume=true", "model.ffn_hidden=192"), run, quiet=True)

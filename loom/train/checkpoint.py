@@ -212,11 +212,10 @@ class Checkpointer:
         verify_everywhere(path)
         check_compatible(path, self.cfg)
         state = self._state()  # this layout's tensors, filled in place from whatever layout saved them
-        try:
-            dcp.load(state, checkpoint_id=path, process_group=self.group, no_dist=self.world == 1)
-        except Exception as exc:  # DCP wraps per-rank failures (missing keys, shapes) in CheckpointException
-            raise UserError(f"checkpoint {path} does not fit this model and optimizer ({_first_line(exc)}); "
-                            "resume with the same model settings and optim.state_dtype") from None
+        check_state_matches(path, state)  # bad input (exit 2) is decided here, before loading anything
+        # Anything that fails from here on (I/O, memory, a collective) is not a mismatch: it keeps its
+        # traceback and is never taken for a damaged checkpoint.
+        dcp.load(state, checkpoint_id=path, process_group=self.group, no_dist=self.world == 1)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=OPTIONS)
         from loom.train.optim import apply_hyperparameters
@@ -229,26 +228,50 @@ class Checkpointer:
         return TrainState(step=meta["step"], consumed_samples=meta["consumed_samples"])
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
+def check_state_matches(path: Path, state: dict) -> None:
+    """UserError when the checkpoint's tensors do not fit this run's: a key it lacks, or another global
+    shape or dtype (read from DCP's metadata, so nothing is loaded to find out)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    flat, _ = flatten_state_dict(state)
+    problems = []
+    for key, tensor in flat.items():
+        if not torch.is_tensor(tensor):
+            continue
+        meta = saved.get(key)
+        if not isinstance(meta, TensorStorageMetadata):
+            problems.append(f"{key} is missing")
+        elif tuple(meta.size) != tuple(tensor.shape) or meta.properties.dtype != tensor.dtype:
+            problems.append(f"{key} is {meta.properties.dtype} {tuple(meta.size)} in the checkpoint but "
+                            f"{tensor.dtype} {tuple(tensor.shape)} here")
+    if problems:
+        raise UserError(
+            f"checkpoint {path} does not fit this model and optimizer: {'; '.join(problems[:3])}"
+            f"{f' (and {len(problems) - 3} more)' if len(problems) > 3 else ''}; resume with the same model "
+            "settings and optim.state_dtype"
+        )
 
 
 def check_compatible(path: Path, cfg: Config) -> None:
     saved = read_config(path)
     fixed = [("train", "seq_len"), ("train", "global_batch"), ("train", "seed"), ("data", "paths"),
              ("data", "weights"), ("data", "tokenizer"), ("data", "corpus_max_bytes")]
-    changed = [f"{a}.{b}" for a, b in fixed if getattr(getattr(saved, a), b) != getattr(getattr(cfg, a), b)]
+    changed = [f"{a}.{b}: {getattr(getattr(saved, a), b)!r} in the checkpoint, {getattr(getattr(cfg, a), b)!r} now"
+               for a, b in fixed if getattr(getattr(saved, a), b) != getattr(getattr(cfg, a), b)]
     if changed:
         raise UserError(
-            f"checkpoint {path} was trained with different {', '.join(changed)}; the data order and position "
-            "depend on them, so resume with the values in its config.toml"
+            f"checkpoint {path} was trained with different data settings ({'; '.join(changed)}); the data order "
+            "and position depend on them, so resume with the checkpoint's values (its config.toml)"
         )
     if saved.model != cfg.model:
-        diffs = [k for k in vars(cfg.model) if getattr(saved.model, k) != getattr(cfg.model, k)]
+        diffs = [f"model.{k}: {getattr(saved.model, k)!r} in the checkpoint, {getattr(cfg.model, k)!r} now"
+                 for k in vars(cfg.model) if getattr(saved.model, k) != getattr(cfg.model, k)]
         raise UserError(
-            f"checkpoint {path} was trained with a different model ({', '.join(f'model.{k}' for k in diffs)} differ); "
-            "resume with the same model settings or use another --run-dir"
+            f"checkpoint {path} was trained with a different model ({'; '.join(diffs)}); resume with the same "
+            "model settings or use another --run-dir"
         )
 
 
