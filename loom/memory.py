@@ -50,6 +50,12 @@ ATTENTION_COUNTED = {
 }
 
 
+def attention_counted(model) -> str:
+    if model.attention == "sdpa" and model.attn_dropout:
+        return "SDPA with attention dropout: PyTorch's math path, which keeps the s x s probabilities and mask"
+    return ATTENTION_COUNTED[model.attention]
+
+
 def _build(cfg: Config, device, layout=None, layer_plan: dict[str, str] | None = None, fused_standin: bool = False):
     from loom.models.llama import build_model
     from loom.parallel.recompute import apply_recompute
@@ -207,8 +213,7 @@ def report(cfg: Config) -> dict | None:
             "layout": {"tp": p.tp, "sp": p.sp, "pp": p.pp, "vpp": p.vpp, "dp_replicate": p.dp_replicate,
                        "dp_shard": p.dp_shard},
             "recompute": cfg.recompute.mode,
-            "attention_counted": ATTENTION_COUNTED[cfg.model.attention] if not cfg.model.attn_dropout else
-            "SDPA with attention dropout: PyTorch's math path, which keeps the s x s probabilities and mask",
+            "attention_counted": attention_counted(cfg.model),
             "micro_batch": t.micro_batch, "seq_len": t.seq_len, "dtype": t.dtype,
             **acts,
             **step_flops(cfg, plan and plan["plan"]),
