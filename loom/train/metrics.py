@@ -121,3 +121,30 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+class Reporter:
+    """One step's rows and messages: metrics.jsonl / TensorBoard, the progress line, and announcements
+    (a checkpoint saved, a full pass over the training data)."""
+
+    def __init__(self, metrics: MetricsWriter, progress: Progress, ckpt_root: Path, async_save: bool,
+                 epochs: dict[int, str]):
+        self.metrics, self.progress, self.ckpt_root = metrics, progress, ckpt_root
+        self.async_save, self.epochs = async_save, epochs
+
+    def step(self, row: dict, evaluation: dict | None = None) -> None:
+        step = row["step"]
+        self.metrics.write(row)
+        self.progress.update(row)
+        if "checkpoint_blocking_s" in row:
+            how = "writing in the background" if self.async_save else "saved"
+            self.progress.message(f"step {step}: checkpoint {self.ckpt_root / f'step-{step}'} ({how})")
+        if step in self.epochs:
+            self.progress.message(f"step {step}: {self.epochs[step]}")
+        if evaluation:
+            self.metrics.write(evaluation)
+            self.progress.evaluation(evaluation)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.metrics.close()

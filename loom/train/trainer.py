@@ -40,7 +40,7 @@ from loom.train.checkpoint import Checkpointer, TrainState, latest_checkpoint
 from loom.train.control import STOP_RECORD, RunControl, is_finite, resume
 from loom.train.evaluate import Evaluator
 from loom.train.hang import Beacon
-from loom.train.metrics import MetricsWriter, Progress
+from loom.train.metrics import MetricsWriter, Progress, Reporter
 from loom.train.optim import build_optimizer
 from loom.train.schedule import lr_at
 from loom.train.steps import build_runner, read_batch
@@ -220,16 +220,7 @@ class Trainer:
 
     def _fit(self) -> dict:
         t, control = self.cfg.train, self.control
-        resumed = self.resumed_from is not None
-        metrics = MetricsWriter(self.run_dir, self.state.step if resumed else None, self.cfg.log.tensorboard,
-                                enabled=self.is_main)
-        progress = Progress(self.cfg.log.progress, t.steps, self.state.step, t.log_interval,
-                            enabled=not self.quiet and self.is_main)
-        progress.message(banner(self.cfg, self.layout, self.num_params, self.train_data, self.run_dir,
-                                self.resumed_from, valid_source(self.cfg, self.val_data)))
-        epochs = epoch_steps(self.train_data, t.global_batch)
-        if resumed:
-            progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
+        report = self._reporter()
         last_eval: dict = {}
         self.stopped_at = None
         try:
@@ -238,11 +229,8 @@ class Trainer:
                     row = self.timed_step()
                     step = self.state.step
                     if control.diverged:
-                        metrics.write(row)
-                        progress.update(row)
-                        self.checkpointer.wait()  # the last good checkpoint, if still being written, is kept
-                        last = read_batch(self.train_data, self.state.consumed_samples - t.global_batch, t.micro_batch)
-                        raise TrainingDiverged(control.diagnose(self.model, self.runner, last, step))
+                        report.step(row)
+                        self._stop_diverged(step)
                     evaluation = None
                     if control.eval_due(step):
                         self.beacon.mark(f"step {step}: evaluation")
@@ -250,30 +238,42 @@ class Trainer:
                     stop = control.stop_requested(self.beacon, step)
                     if control.save_due(step, stop):
                         row["checkpoint_blocking_s"] = self.save()
-                    metrics.write(row)
-                    progress.update(row)
-                    if "checkpoint_blocking_s" in row:
-                        progress.message(f"step {step}: checkpoint {self.ckpt_root / f'step-{step}'} "
-                                         f"({'writing in the background' if self.cfg.checkpoint.async_save else 'saved'})")
-                    if step in epochs:
-                        progress.message(f"step {step}: {epochs[step]}")
-                    if evaluation:
-                        metrics.write(evaluation)
-                        progress.evaluation(evaluation)
+                    report.step(row, evaluation)
                     # A checkpoint becomes `latest` only after this step's rows are written, so a run killed at
                     # any moment resumes with metrics.jsonl complete up to the checkpoint's step. A synchronous
                     # save commits here; an asynchronous one at the first step after its write finished.
                     self.checkpointer.poll()
                     if stop:
-                        self.checkpointer.wait()
-                        self.stopped_at = step
-                        self._announce_stop()
+                        self._stop_by_signal(step)
                         break
                 self.checkpointer.wait()  # the last checkpoint is complete before the run ends
         finally:
-            progress.close()
-            metrics.close()
+            report.close()
         return last_eval
+
+    def _reporter(self) -> Reporter:
+        t, resumed = self.cfg.train, self.resumed_from is not None
+        metrics = MetricsWriter(self.run_dir, self.state.step if resumed else None, self.cfg.log.tensorboard,
+                                enabled=self.is_main)
+        progress = Progress(self.cfg.log.progress, t.steps, self.state.step, t.log_interval,
+                            enabled=not self.quiet and self.is_main)
+        progress.message(banner(self.cfg, self.layout, self.num_params, self.train_data, self.run_dir,
+                                self.resumed_from, valid_source(self.cfg, self.val_data)))
+        if resumed:
+            progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
+        return Reporter(metrics, progress, self.ckpt_root, self.cfg.checkpoint.async_save,
+                        epoch_steps(self.train_data, t.global_batch))
+
+    def _stop_diverged(self, step: int) -> None:
+        t = self.cfg.train
+        self.checkpointer.wait()  # the last good checkpoint, if still being written, is kept
+        last = read_batch(self.train_data, self.state.consumed_samples - t.global_batch, t.micro_batch)
+        raise TrainingDiverged(self.control.diagnose(self.model, self.runner, last, step))
+
+    def _stop_by_signal(self, step: int) -> None:
+        self.checkpointer.wait()
+        self.stopped_at = step
+        self._announce_stop()
 
     def resume_command(self) -> str:
         """A command that continues this run as printed: the run's own merged config.toml holds every
