@@ -73,6 +73,8 @@ def cmd_memory(args, extra) -> int:
     from loom.memory import report
 
     overrides = split_overrides(extra)
+    if args.attention:  # loom plan's names: flash is SDPA's fused kernel
+        overrides.append(f"model.attention={'math' if args.attention == 'math' else 'sdpa'}")
     cfg = load_config(args.config, overrides, measuring=True)
     if args.nproc > 1 and not in_worker():
         command = ["memory", "--config", args.config] + (["--json"] if args.json else [])
@@ -199,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True)
     p.add_argument("--nproc", type=int, default=1, help="processes (needed when parallel.tp > 1)")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
+    p.add_argument("--attention", choices=["flash", "sdpa", "math"], default=None,
+                   help="as in loom plan: a fused kernel (flash, i.e. model.attention=sdpa) or the materialised "
+                   "softmax (math); default: the config's model.attention")
     p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser("generate", help="continue a prompt with a trained model")

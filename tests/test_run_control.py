@@ -195,3 +195,15 @@ def test_changed_settings_on_resume_name_old_and_new_values(tmp_path):
         Trainer(small_config("checkpoint.resume=true", "train.global_batch=16"), run, quiet=True)
     with pytest.raises(UserError, match="model.ffn_hidden: 160 in the checkpoint, 192 now"):
         Trainer(small_config("checkpoint.resume=true", "model.ffn_hidden=192"), run, quiet=True)
+
+
+def test_loom_memory_accepts_loom_plans_attention_names(capsys):
+    from loom.cli import main
+
+    args = ["memory", "--config", "korthikanti", "--json"]
+    assert main([*args, "--attention", "flash", "--model.attn_dropout=0"]) == 0
+    flash = json.loads(capsys.readouterr().out)
+    assert main([*args, "--attention", "math"]) == 0
+    math_ = json.loads(capsys.readouterr().out)
+    assert flash["attention_counted"].startswith("fused kernel") and math_["attention_counted"].startswith("materialised")
+    assert math_["layer_activation_bytes"] > flash["layer_activation_bytes"]
