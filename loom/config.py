@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loom.errors import UserError, closest
+from loom.rules import check_layout, data_parallel_size, world_size
+from loom.rules import divisors as _divisors
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -90,11 +92,11 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp_replicate * self.dp_shard * self.cp
+        return world_size(self)
 
     @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return data_parallel_size(self)
 
     def validate(self) -> None:
         for name in ("tp", "pp", "vpp", "dp_replicate", "dp_shard", "cp", "ep"):
@@ -252,9 +254,7 @@ class Config:
     def validate(self, measuring: bool = False) -> "Config":
         for section in SECTIONS:
             getattr(self, section).validate()
-        from loom.parallel.dims import validate_layout
-
-        validate_layout(self, measuring=measuring)
+        check_layout(self, measuring=measuring)
         if self.train.seq_len > self.model.max_seq_len:
             raise UserError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
@@ -410,10 +410,6 @@ def coerce(name: str, value: Any, hint: Any, parse_text: bool) -> Any:
 def _positive(name: str, value: int) -> None:
     if value <= 0:
         raise UserError(f"{name}={value} must be a positive integer")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def dumps_toml(data: dict) -> str:

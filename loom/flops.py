@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from loom.config import ModelConfig
 
-# Dense 16-bit tensor-core peak, TFLOP/s, per device (vendor datasheets, SXM parts).
-PEAK_TFLOPS_BF16 = {
-    "a100": 312.0,
-    "h100": 989.0,
-    "h200": 989.0,
+# Dense tensor-core peak, TFLOP/s, per device and precision (vendor datasheets, SXM parts, no sparsity):
+# the one table behind MFU in metrics.jsonl and the planner's hardware presets.
+PEAK_TFLOPS = {
+    "a100": {"bf16": 312.0, "fp16": 312.0},
+    "h100": {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0},
+    "h200": {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0},
 }
 
 
@@ -47,14 +48,14 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     return 3 * forward_flops_per_token(cfg, seq_len)
 
 
-def device_peak_tflops(device_name: str | None) -> float | None:
-    """Peak dense bf16 TFLOP/s of a device from its name, or None when unknown (e.g. a CPU)."""
+def device_peak_tflops(device_name: str | None, precision: str = "bf16") -> float | None:
+    """Peak dense TFLOP/s of a device from its name, or None when unknown (e.g. a CPU)."""
     if not device_name:
         return None
     name = device_name.lower()
-    for key, peak in PEAK_TFLOPS_BF16.items():
+    for key, peaks in PEAK_TFLOPS.items():
         if key in name:
-            return peak
+            return peaks.get(precision)
     return None
 
 

@@ -28,7 +28,7 @@ def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nn
            node_rank: int = 0, rdzv_endpoint: str | None = None, max_restarts: int = 0,
            prepare_data: bool = True, measuring: bool = False) -> int:
     """Start `python -m loom.cli COMMAND... --OVERRIDES` on nproc x nnodes workers."""
-    from loom.parallel.dims import validate_layout
+    from loom.rules import check_layout
 
     if nproc < 1 or nnodes < 1:
         raise UserError(f"--nproc={nproc} and --nnodes={nnodes} must be >= 1")
@@ -36,7 +36,7 @@ def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nn
         raise UserError(f"--node-rank={node_rank} must be in 0..{nnodes - 1}")
     if nnodes > 1 and not rdzv_endpoint:
         raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the address of node 0, reachable by all)")
-    validate_layout(cfg, nproc * nnodes, measuring)
+    check_layout(cfg, nproc * nnodes, measuring)
     if prepare_data:  # build shared caches once, in this process, before the workers start
         from loom.data.loader import build_datasets, load_tokenizer
 

@@ -175,7 +175,7 @@ def test_two_nodes_on_localhost_match_four_local_processes(tmp_path):
 @pytest.mark.parametrize(
     "base, nproc, extra, fragments",
     [
-        (MODEL, 4, ["parallel.tp=2"], ["multiply to 2", "4 processes"]),
+        (MODEL, 4, ["parallel.tp=2", "parallel.dp_shard=4"], ["multiply to 8", "4 processes"]),
         (MODEL, 3, ["parallel.tp=3"], ["parallel.tp=3", "valid tp sizes for this model: 1, 2, 4"]),
         (MODEL, 8, ["parallel.tp=8"], ["model.kv_heads=4", "valid tp sizes"]),
         (MODEL, 4, ["parallel.dp_shard=4", "train.global_batch=12"], ["global_batch=12", "valid global batches: 8, 16"]),

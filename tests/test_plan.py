@@ -250,7 +250,7 @@ def test_cli_json_contract_and_layout():
 @pytest.mark.parametrize("args, needle", [
     (["--model", "gpt3-175b", "--gpus", "64", "--gpu", "b300"], "neither a preset"),
     (["--model", "gpt3-175b", "--gpus", "64", "--layout", "tp=8,pp=4,dp=1"], "must equal the GPU count"),
-    (["--model", "gpt3-175b", "--gpus", "60", "--global-batch", "60", "--layout", "tp=5,pp=1"], "tp=5 must divide heads"),
+    (["--model", "gpt3-175b", "--gpus", "60", "--global-batch", "60", "--layout", "tp=5,pp=1"], "tp=5: it does not divide model.heads=96"),
     (["--model", "gpt3-175b", "--gpus", "64", "--layout", "tp=8,zz=1"], "unknown"),
     (["--model", "gpt3-175b", "--gpus", "8", "--gpu", "a100-40gb", "--global-batch", "8"], "no layout"),
     (["--model", "gpt3-175b", "--gpus", "8", "--precision", "fp8", "--gpu", "a100-80gb"], "not supported by a100"),

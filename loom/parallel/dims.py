@@ -10,75 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loom.config import Config, _divisors
-from loom.errors import UserError
-
-
-def valid_tp_sizes(cfg: Config) -> list[int]:
-    m, t = cfg.model, cfg.train
-    sizes = []
-    for d in _divisors(m.heads):
-        if m.kv_heads % d or m.vocab_size % d or m.ffn_hidden % d:
-            continue
-        if cfg.parallel.sp and t.seq_len % d:
-            continue
-        sizes.append(d)
-    return sizes
+from loom.config import Config
+from loom.rules import check_layout
 
 
 def validate_layout(cfg: Config, world_size: int | None = None, measuring: bool = False) -> None:
-    """Raise UserError naming the field, value and valid choices for a layout that cannot work.
-
-    `measuring` (loom memory) allows dropout under tensor parallelism: its masks are measured, never
-    trained with.
-    """
-    p, m, t = cfg.parallel, cfg.model, cfg.train
-    for name in ("cp", "ep"):
-        if getattr(p, name) != 1:
-            raise UserError(f"parallel.{name}={getattr(p, name)} is not supported yet; valid: 1")
-    if p.sp and p.tp == 1:
-        raise UserError("parallel.sp=true shards the sequence across the tensor-parallel group, so it needs "
-                        "parallel.tp > 1; set parallel.sp=false or raise parallel.tp")
-    if p.tp > 1:
-        reasons = []
-        if m.heads % p.tp:
-            reasons.append(f"it does not divide model.heads={m.heads}")
-        if m.kv_heads % p.tp:
-            reasons.append(f"it does not divide model.kv_heads={m.kv_heads} (key/value heads are split, not replicated)")
-        if m.vocab_size % p.tp:
-            reasons.append(f"it does not divide model.vocab_size={m.vocab_size} (the embedding and head are split by vocabulary)")
-        if m.ffn_hidden % p.tp:
-            reasons.append(f"it does not divide model.ffn_hidden={m.ffn_hidden}")
-        if p.sp and t.seq_len % p.tp:
-            reasons.append(f"with parallel.sp=true it must divide train.seq_len={t.seq_len}")
-        if reasons:
-            raise UserError(
-                f"parallel.tp={p.tp} is not possible: {'; '.join(reasons)}; valid tp sizes for this model: "
-                f"{', '.join(map(str, valid_tp_sizes(cfg)))}"
-            )
-    if (m.dropout > 0 or m.attn_dropout > 0) and not measuring:
-        if p.tp > 1:
-            raise UserError(
-                "dropout with parallel.tp > 1 needs per-rank random streams, which this build does not have yet; "
-                "set model.dropout=0 and model.attn_dropout=0, or parallel.tp=1"
-            )
-    per_step = p.dp * t.micro_batch
-    if t.global_batch % per_step:
-        valid = [b for b in range(per_step, 8 * per_step + 1, per_step)]
-        raise UserError(
-            f"train.global_batch={t.global_batch} is not divisible by data-parallel size {p.dp} "
-            f"(dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard}) x train.micro_batch={t.micro_batch} = {per_step}; "
-            f"valid global batches: {', '.join(map(str, valid))}, ..."
-        )
-    from loom.parallel.pipeline import validate_pipeline
-
-    validate_pipeline(cfg)
-    if world_size is not None and p.world_size != world_size:
-        raise UserError(
-            f"the parallel sizes multiply to {p.world_size} (tp={p.tp} x dp_replicate={p.dp_replicate} x "
-            f"dp_shard={p.dp_shard} x pp={p.pp}) but {world_size} processes were started; make the product "
-            f"equal the process count (e.g. --nproc {p.world_size}) or change the sizes"
-        )
+    """The rule book's check (loom/rules.py), for callers that hold a mesh-level view."""
+    check_layout(cfg, world_size, measuring)
 
 
 @dataclass

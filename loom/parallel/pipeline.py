@@ -18,16 +18,7 @@ import torch
 from torch import nn
 
 from loom.config import Config
-from loom.errors import UserError
-from loom.parallel.split import (chunk_owner, micro_batches_needed, rank_chunks, schedule_problem,
-                                 split_layers)
-
-
-def chunk_layer_counts(cfg: Config) -> list[int]:
-    """Layers in each of the pp*vpp chunks, first to last; raise UserError for impossible splits."""
-    p = cfg.parallel
-    return split_layers(cfg.model.layers, p.pp * p.vpp, p.first_stage_layers, p.last_stage_layers,
-                        what=f"parallel.pp={p.pp} x parallel.vpp={p.vpp}")
+from loom.rules import chunk_layer_counts, chunk_owner, rank_chunks
 
 
 def stage_ids(cfg: Config, pp_rank: int) -> list[int]:
@@ -72,37 +63,6 @@ def forward_through_stages(chunks, ids, cfg: Config, pp_group, x: torch.Tensor):
             dist.send(meta, dst=peer(stage + 1))
             dist.send(h, dst=peer(stage + 1))
     return h if (num_stages - 1) in mine else None
-
-
-def validate_pipeline(cfg: Config) -> None:
-    p, t = cfg.parallel, cfg.train
-    problem = schedule_problem(p.pp, p.vpp, p.schedule)
-    if p.pp == 1:
-        if problem:
-            raise UserError(problem)
-        return
-    chunk_layer_counts(cfg)
-    if t.compile:
-        raise UserError("train.compile=true is not applied to pipeline stages yet; set train.compile=false with "
-                        "parallel.pp > 1")
-    if cfg.recompute.mode == "budget":
-        raise UserError("recompute.mode=budget plans one rank's layers without pipeline stages; with "
-                        "parallel.pp > 1 use recompute.mode=selective or full")
-    if cfg.model.tie_embeddings:
-        raise UserError(
-            "model.tie_embeddings=true with parallel.pp > 1 is not supported yet (the embedding and the LM head "
-            "live on different stages); set model.tie_embeddings=false or parallel.pp=1"
-        )
-    if problem:
-        raise UserError(problem)
-    micro = t.global_batch // (p.dp * t.micro_batch)
-    need = micro_batches_needed(p.pp, p.vpp, p.schedule, micro)
-    if need:
-        raise UserError(
-            f"parallel.schedule={p.schedule} needs the micro-batch count to be {need}, but train.global_batch="
-            f"{t.global_batch} / (data parallel {p.dp} x train.micro_batch={t.micro_batch}) = {micro}; "
-            f"raise train.global_batch (e.g. {p.dp * t.micro_batch * p.pp * p.vpp}) or lower train.micro_batch"
-        )
 
 
 def split_stages(model: nn.Module, cfg: Config, pp_rank: int) -> tuple[list[nn.Module], list[int]]:

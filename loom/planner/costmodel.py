@@ -29,7 +29,7 @@ from functools import lru_cache
 
 from loom.config import ModelConfig
 from loom.flops import layer_activation_bytes, train_flops_per_token
-from loom.parallel.split import rank_chunks, valid_split
+from loom.rules import rank_chunks, valid_split
 from loom.planner.hardware import GPU
 
 GIB = 2**30

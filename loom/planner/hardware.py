@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from loom.errors import UserError
+from loom.flops import PEAK_TFLOPS
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,9 @@ class GPU:
         return asdict(self)
 
 
-_AMPERE = dict(peak_tflops={"bf16": 312.0, "fp16": 312.0}, matmul_efficiency={"bf16": 0.80, "fp16": 0.80},
+_AMPERE = dict(peak_tflops=dict(PEAK_TFLOPS["a100"]), matmul_efficiency={"bf16": 0.80, "fp16": 0.80},
                nvlink_gbps=300.0, internode_gbps=25.0, sms=108, attention_efficiency=0.5)
-_HOPPER = dict(peak_tflops={"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0},
+_HOPPER = dict(peak_tflops=dict(PEAK_TFLOPS["h100"]),
                matmul_efficiency={"bf16": 0.78, "fp16": 0.78, "fp8": 0.62},
                nvlink_gbps=450.0, internode_gbps=50.0, sms=132, attention_efficiency=0.45)
 

@@ -67,29 +67,19 @@ def format_terms(e: Estimate, capacity_gib: float) -> str:
     return "\n".join(lines)
 
 
-def loom_runnable(e: Estimate, w: Workload) -> str | None:
-    """Why loom cannot run this layout today, or None when it can."""
-    lay = e.layout
-    if lay.cp > 1:
-        return "context parallelism (cp > 1) is not implemented in loom yet"
-    if lay.tp > 1 and (w.model.dropout > 0 or w.model.attn_dropout > 0):
-        return "dropout under tensor parallelism needs per-rank RNG streams, which loom does not have yet"
-    if lay.pp > 1 and w.model.tie_embeddings:
-        return "tied embeddings with pipeline parallelism are not supported by loom yet"
-    if lay.dp_style == "distopt" and lay.dp > 1:
-        return "loom has no separate distributed optimizer (its fsdp style shards weights and optimizer state)"
-    if w.precision == "fp8":
-        return "loom trains in bf16 (fp8 linear layers are not implemented yet)"
-    return None
-
-
-def write_config(e: Estimate, w: Workload, base_name: str | None, path: Path) -> str:
-    """Write the layout as a loom config; returns a note about what was mapped."""
+def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
+    """The loom config that runs this layout: the one documented conversion from the planner's Layout
+    (dp, dp_style) to loom's ParallelConfig (dp_replicate, dp_shard) and train/recompute settings.
+    UserError for what loom has no setting for (a separate distributed optimizer, fp8)."""
     from loom.config import Config, load_config
 
+    lay = e.layout
+    if lay.dp_style == "distopt" and lay.dp > 1:
+        raise UserError("loom has no separate distributed optimizer (its fsdp style shards weights and optimizer state)")
+    if w.precision == "fp8":
+        raise UserError("loom trains in bf16 (fp8 linear layers are not implemented yet)")
     cfg = load_config(base_name, measuring=True) if base_name else Config()
     cfg.model = w.model
-    lay = e.layout
     p = cfg.parallel
     p.tp, p.sp, p.pp, p.vpp, p.cp, p.ep = lay.tp, lay.sp, lay.pp, lay.vpp, lay.cp, lay.ep
     p.schedule = lay.schedule
@@ -106,12 +96,34 @@ def write_config(e: Estimate, w: Workload, base_name: str | None, path: Path) ->
     else:
         r.method, r.num_layers = "uniform", 0
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, w.seq_len)
+    return cfg
+
+
+def loom_runnable(e: Estimate, w: Workload) -> str | None:
+    """Why loom cannot run this layout today, or None when it can: the rule book's verdict on the
+    layout's loom config (loom.rules.check_layout, the check `loom train` runs)."""
+    from loom.rules import layout_problem
+
+    try:
+        cfg = to_loom_config(e, w)
+    except UserError as exc:
+        return str(exc)
+    return layout_problem(cfg, e.layout.world)
+
+
+def write_config(e: Estimate, w: Workload, base_name: str | None, path: Path) -> str:
+    """Write the layout as a loom config (only one the rule book accepts); returns a note about what was mapped."""
+    from loom.rules import layout_problem
+
+    cfg = to_loom_config(e, w, base_name)
+    problem = layout_problem(cfg, e.layout.world)
+    if problem:
+        raise UserError(f"--config: loom cannot run {layout_name(e)} ({problem}); nothing written")
+    lay = e.layout
     note = ""
     header = (f"# Written by `loom plan`: predicted {e.step_time_s:.3f} s/step, {e.tokens_per_s_per_gpu:.0f} tokens/s/GPU, "
               f"{e.memory['total'] / GIB:.1f} GiB/GPU on {w.gpus} x {w.gpu.name}.\n"
               f"# Launch with {lay.world} processes, e.g. `loom train --config {path} --nproc 8 --nnodes {max(1, lay.world // 8)} ...`.\n")
-    if note:
-        header += f"# Note: {note}.\n"
     tmp = path.with_name(path.name + ".tmp")
     try:
         tmp.write_text(header + cfg.to_toml())

@@ -7,7 +7,8 @@ from functools import lru_cache
 
 from loom.config import ModelConfig
 from loom.errors import UserError
-from loom.parallel.split import micro_batches_needed, schedule_problem, split_layers
+from loom.rules import divisors as _divisors
+from loom.rules import micro_batches_needed, schedule_problem, split_layers, tp_problems
 from loom.planner.costmodel import (GIB, Estimate, Layout, Workload, evaluate, head_times, layer_times,
                                     max_chunk_layers, memory, pipeline_ranks)
 
@@ -15,14 +16,12 @@ DP_STYLES = ("replicate", "distopt", "fsdp")
 RECOMPUTE = ("none", "selective", "full")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def tp_options(cfg: ModelConfig, gpus: int, node_size: int, cross_node_tp: bool) -> list[int]:
+    """Tensor-parallel sizes the rule book allows for this model (sequence parallelism is checked per
+    candidate, with the sequence length)."""
     out = []
     for t in _divisors(gpus):
-        if cfg.heads % t or cfg.kv_heads % t or cfg.ffn_hidden % t or cfg.vocab_size % t:
+        if tp_problems(t, cfg, 0, sp=False):
             continue
         if t > node_size and not cross_node_tp:
             continue
@@ -35,7 +34,7 @@ SCHEDULES = ("1f1b", "interleaved", "zero_bubble")
 
 def pipeline_options(cfg: ModelConfig, pp: int, m: int, schedules=SCHEDULES) -> list[tuple[str, int]]:
     """(schedule, vpp) pairs loom's pipeline accepts for `pp` stages and `m` micro-batches (splits are
-    chosen later): the rules are loom.parallel.split's, the ones `loom train` checks."""
+    chosen later): the rule book's (loom.rules), the ones `loom train` checks."""
     if pp == 1:
         return [("1f1b", 1)]
     options = [("1f1b", 1)] + [("interleaved", v) for v in range(2, 9)] + [("zero_bubble", 2)]  # ZB-V
@@ -137,7 +136,7 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                     m = w.global_batch // (dp * mbs)
                     for schedule, vpp in pipeline_options(cfg, pp, m, schedules):
                         for first, last in split_options(cfg.layers, pp, vpp, schedule, head):
-                            for sp in ((False, True) if tp > 1 else (False,)):
+                            for sp in ((False, True) if tp > 1 and w.seq_len % tp == 0 else (False,)):
                                 for style in (dp_styles if dp > 1 else ("replicate",)):
                                     for rec in recompute_modes:
                                         yield Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, micro_batch=mbs, sp=sp,
@@ -239,8 +238,7 @@ def evaluate_layout(w: Workload, fields: dict) -> Estimate:
     cfg = w.model
     lay = Layout(**fields)
     problems = []
-    if cfg.heads % lay.tp or cfg.kv_heads % lay.tp:
-        problems.append(f"tp={lay.tp} must divide heads={cfg.heads} and kv_heads={cfg.kv_heads}")
+    problems += [f"tp={lay.tp}: {reason}" for reason in tp_problems(lay.tp, cfg, w.seq_len, lay.sp)]
     if lay.pp == 1 and (lay.first_stage_layers or lay.last_stage_layers):
         problems.append("first and last (an uneven pipeline split) need pp > 1")
     elif lay.pp > 1:

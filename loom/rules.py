@@ -1,0 +1,258 @@
+"""The rule book: which parallel layouts loom runs, in one place, without torch.
+
+Every part that needs a layout fact asks here: config validation (`Config.validate`), the launcher
+(before any worker exists), the trainer and `loom memory` (through `parallel.dims.build_layout`), the
+pipeline runtime (chunk splits, which rank holds which chunk) and the planner (which tensor-parallel
+sizes, schedules and splits to search, and whether loom can run a candidate). So `loom plan` never
+proposes what `loom train` refuses, and a refusal names the field, its value and what would be valid.
+
+The functions take plain values or any object with the config's attributes (`cfg.model`,
+`cfg.parallel`, `cfg.train`, `cfg.recompute`); this module imports nothing from loom but its errors.
+"""
+
+from __future__ import annotations
+
+from loom.errors import UserError
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# --- tensor parallelism ---------------------------------------------------------------------------
+
+
+def tp_problems(tp: int, model, seq_len: int, sp: bool) -> list[str]:
+    """Why `tp` cannot split this model (empty when it can): heads and key/value heads are split (not
+    replicated), the embedding and head by vocabulary, the MLP by its hidden size, and under sequence
+    parallelism the sequence."""
+    reasons = []
+    if model.heads % tp:
+        reasons.append(f"it does not divide model.heads={model.heads}")
+    if model.kv_heads % tp:
+        reasons.append(f"it does not divide model.kv_heads={model.kv_heads} (key/value heads are split, not replicated)")
+    if model.vocab_size % tp:
+        reasons.append(f"it does not divide model.vocab_size={model.vocab_size} (the embedding and head are split by "
+                       "vocabulary)")
+    if model.ffn_hidden % tp:
+        reasons.append(f"it does not divide model.ffn_hidden={model.ffn_hidden}")
+    if sp and seq_len % tp:
+        reasons.append(f"with parallel.sp=true it must divide train.seq_len={seq_len}")
+    return reasons
+
+
+def valid_tp_sizes(model, seq_len: int, sp: bool) -> list[int]:
+    return [d for d in divisors(model.heads) if not tp_problems(d, model, seq_len, sp)]
+
+
+# --- pipeline splits and schedules ----------------------------------------------------------------
+#
+# A model of L layers runs as pp x vpp chunks. An even split gives every chunk L / (pp*vpp) layers. An
+# uneven split names the first and/or last chunk's layer count (`parallel.first_stage_layers`,
+# `parallel.last_stage_layers`, as Megatron-Core's decoder_first/last_pipeline_num_layers); the other
+# chunks split the rest evenly. The usual reason: the last chunk also runs the LM head and loss, and the
+# first holds the most activations in flight, so giving them fewer layers balances the pipeline.
+
+SCHEDULES = ("1f1b", "interleaved", "zero_bubble")
+
+
+def split_layers(layers: int, chunks: int, first: int = 0, last: int = 0, what: str | None = None) -> list[int]:
+    """Layers in each chunk, first to last; UserError naming what is wrong for an impossible split."""
+    what = what or f"{chunks} pipeline chunks"
+    if chunks > layers:
+        raise UserError(f"{what} = {chunks} pipeline stages but model.layers={layers}; every stage needs at least "
+                        f"one layer: valid pp x vpp <= {layers}")
+    if chunks == 1:
+        return [layers]
+    rest = layers - first - last
+    middle = chunks - (first > 0) - (last > 0)
+    if first < 0 or last < 0 or rest < 0 or (middle == 0 and rest) or (middle and rest % middle) or (middle and rest < middle):
+        if not first and not last:
+            raise UserError(
+                f"model.layers={layers} does not split evenly into pp x vpp = {chunks} stages; valid stage "
+                f"counts: {', '.join(map(str, divisors(layers)))}, or set parallel.first_stage_layers / "
+                "parallel.last_stage_layers for an uneven split"
+            )
+        raise UserError(
+            f"parallel.first_stage_layers={first} and parallel.last_stage_layers={last} leave {rest} of "
+            f"model.layers={layers} for {middle} middle stages, which must split evenly with at least one each"
+        )
+    counts = [rest // middle if middle else 0] * chunks
+    if first:
+        counts[0] = first
+    if last:
+        counts[-1] = last
+    return counts
+
+
+def valid_split(layers: int, chunks: int, first: int = 0, last: int = 0) -> list[int] | None:
+    """split_layers, or None when the split is impossible (for searches)."""
+    try:
+        return split_layers(layers, chunks, first, last)
+    except UserError:
+        return None
+
+
+def rank_chunks(pp: int, vpp: int, schedule: str, rank: int) -> list[int]:
+    """The chunk ids pipeline rank `rank` runs: round-robin, or the V shape of ZB-V (schedule
+    zero_bubble with vpp=2: rank r holds chunks r and 2pp-1-r, so rank 0 has the first and the last)."""
+    if schedule == "zero_bubble" and vpp == 2:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + v * pp for v in range(vpp)]
+
+
+def chunk_owner(pp: int, vpp: int, schedule: str, chunk: int) -> int:
+    """The pipeline rank holding `chunk`."""
+    if schedule == "zero_bubble" and vpp == 2:
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
+    return chunk % pp
+
+
+def schedule_problem(pp: int, vpp: int, schedule: str) -> str | None:
+    """Why loom's pipeline cannot run `schedule` with this vpp, or None."""
+    if pp == 1:
+        return None if vpp == 1 else f"parallel.vpp={vpp} needs pipeline parallelism (parallel.pp > 1); valid: 1"
+    if schedule == "1f1b" and vpp != 1:
+        return (f"parallel.schedule=1f1b runs one stage per rank; with parallel.vpp={vpp} use "
+                "parallel.schedule=interleaved (or zero_bubble)")
+    if schedule == "zero_bubble" and vpp > 2:
+        return f"parallel.schedule=zero_bubble supports parallel.vpp 1 or 2 (ZB-V), not {vpp}"
+    return None
+
+
+def micro_batches_needed(pp: int, vpp: int, schedule: str, micro_batches: int) -> str | None:
+    """What micro-batch count the schedule needs, when `micro_batches` does not satisfy it; else None."""
+    if pp == 1:
+        return None
+    if schedule == "zero_bubble" and vpp == 2:
+        ok, need = micro_batches >= pp * vpp, f"at least pp x vpp = {pp * vpp}"
+    elif schedule == "1f1b":
+        ok, need = micro_batches >= pp, f"at least pp={pp}"
+    else:
+        ok, need = micro_batches >= pp and micro_batches % pp == 0, f"a multiple of pp={pp}"
+    return None if ok else need
+
+
+def chunk_layer_counts(cfg) -> list[int]:
+    """Layers in each of the pp*vpp chunks of `cfg`, first to last; UserError for impossible splits."""
+    p = cfg.parallel
+    return split_layers(cfg.model.layers, p.pp * p.vpp, p.first_stage_layers, p.last_stage_layers,
+                        what=f"parallel.pp={p.pp} x parallel.vpp={p.vpp}")
+
+
+# --- the whole layout -----------------------------------------------------------------------------
+
+
+def data_parallel_size(p) -> int:
+    return p.dp_replicate * p.dp_shard
+
+
+def world_size(p) -> int:
+    """Processes a layout needs: tp x cp x pp x dp_replicate x dp_shard (ep is carved from dp x cp)."""
+    return p.tp * p.cp * p.pp * p.dp_replicate * p.dp_shard
+
+
+def check_layout(cfg, world: int | None = None, measuring: bool = False) -> None:
+    """Raise UserError naming the field, value and valid choices for a layout loom cannot run.
+
+    `world`: the processes started (None: not checked). `measuring` (loom memory) allows dropout under
+    tensor parallelism: its masks are measured, never trained with.
+    """
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    for name in ("cp", "ep"):
+        if getattr(p, name) != 1:
+            raise UserError(f"parallel.{name}={getattr(p, name)} is not supported yet; valid: 1")
+    if p.sp and p.tp == 1:
+        raise UserError("parallel.sp=true shards the sequence across the tensor-parallel group, so it needs "
+                        "parallel.tp > 1; set parallel.sp=false or raise parallel.tp")
+    if p.tp > 1:
+        reasons = tp_problems(p.tp, m, t.seq_len, p.sp)
+        if reasons:
+            raise UserError(
+                f"parallel.tp={p.tp} is not possible: {'; '.join(reasons)}; valid tp sizes for this model: "
+                f"{', '.join(map(str, valid_tp_sizes(m, t.seq_len, p.sp)))}"
+            )
+    if (m.dropout > 0 or m.attn_dropout > 0) and not measuring and p.tp > 1:
+        raise UserError(
+            "dropout with parallel.tp > 1 needs per-rank random streams, which this build does not have yet; "
+            "set model.dropout=0 and model.attn_dropout=0, or parallel.tp=1"
+        )
+    dp = data_parallel_size(p)
+    per_step = dp * t.micro_batch
+    if t.global_batch % per_step:
+        valid = [b for b in range(per_step, 8 * per_step + 1, per_step)]
+        raise UserError(
+            f"train.global_batch={t.global_batch} is not divisible by data-parallel size {dp} "
+            f"(dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard}) x train.micro_batch={t.micro_batch} = {per_step}; "
+            f"valid global batches: {', '.join(map(str, valid))}, ..."
+        )
+    _check_pipeline(cfg)
+    if world is not None and world_size(p) != world:
+        raise UserError(
+            f"the parallel sizes multiply to {world_size(p)} (tp={p.tp} x dp_replicate={p.dp_replicate} x "
+            f"dp_shard={p.dp_shard} x pp={p.pp}) but {world} processes were started; make the product "
+            f"equal the process count (e.g. --nproc {world_size(p)}) or change the sizes"
+        )
+
+
+def _check_pipeline(cfg) -> None:
+    p, t = cfg.parallel, cfg.train
+    problem = schedule_problem(p.pp, p.vpp, p.schedule)
+    if p.pp == 1:
+        if problem:
+            raise UserError(problem)
+        if p.first_stage_layers or p.last_stage_layers:
+            raise UserError(f"parallel.first_stage_layers={p.first_stage_layers} / parallel.last_stage_layers="
+                            f"{p.last_stage_layers} split pipeline stages, so they need parallel.pp > 1; valid: 0")
+        return
+    chunk_layer_counts(cfg)
+    if t.compile:
+        raise UserError("train.compile=true is not applied to pipeline stages yet; set train.compile=false with "
+                        "parallel.pp > 1")
+    if cfg.recompute.mode == "budget":
+        raise UserError("recompute.mode=budget plans one rank's layers without pipeline stages; with "
+                        "parallel.pp > 1 use recompute.mode=selective or full")
+    if cfg.model.tie_embeddings:
+        raise UserError(
+            "model.tie_embeddings=true with parallel.pp > 1 is not supported yet (the embedding and the LM head "
+            "live on different stages); set model.tie_embeddings=false or parallel.pp=1"
+        )
+    if problem:
+        raise UserError(problem)
+    dp = data_parallel_size(p)
+    micro = t.global_batch // (dp * t.micro_batch)
+    need = micro_batches_needed(p.pp, p.vpp, p.schedule, micro)
+    if need:
+        raise UserError(
+            f"parallel.schedule={p.schedule} needs the micro-batch count to be {need}, but train.global_batch="
+            f"{t.global_batch} / (data parallel {dp} x train.micro_batch={t.micro_batch}) = {micro}; "
+            f"raise train.global_batch (e.g. {dp * t.micro_batch * p.pp * p.vpp}) or lower train.micro_batch"
+        )
+
+
+def layout_problem(cfg, world: int | None = None) -> str | None:
+    """check_layout's refusal as text, or None when loom runs the layout (for the planner)."""
+    try:
+        check_layout(cfg, world)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def infer_dp_shard(p, nproc: int) -> tuple[int, str] | None:
+    """With `--nproc N` and no data-parallel size given (both 1), the fully sharded data-parallel size
+    that makes the layout fill N processes, and a line saying so (as Megatron infers its data-parallel
+    size); None when nothing is to be inferred. UserError when the other sizes do not divide N."""
+    if p.dp_replicate != 1 or p.dp_shard != 1:
+        return None
+    rest = p.tp * p.cp * p.pp
+    if rest == nproc:
+        return None
+    if nproc % rest:
+        raise UserError(
+            f"--nproc {nproc} is not a multiple of tp={p.tp} x cp={p.cp} x pp={p.pp} = {rest}, so no data-parallel "
+            f"size fills it; valid --nproc: {', '.join(str(rest * k) for k in range(1, 5))}, ..."
+        )
+    dp = nproc // rest
+    return dp, (f"parallel.dp_shard={dp} inferred from --nproc {nproc} / (tp={p.tp} x cp={p.cp} x pp={p.pp}); "
+                "set parallel.dp_shard or parallel.dp_replicate to choose otherwise")
