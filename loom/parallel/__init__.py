@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from loom.config import Config
-from loom.parallel.dims import Layout, build_layout, validate_layout
+from loom.parallel.dims import MeshPlace, build_layout, validate_layout
 
 
-def parallelize(model: nn.Module, layout: Layout, cfg: Config, compute_dtype: torch.dtype | None,
+def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype: torch.dtype | None,
                 layer_plan: dict[str, str] | None = None) -> nn.Module:
     """TP(+SP) over the `tp` mesh dimension, then activation recomputation, then data parallelism over
     `(dp_replicate, dp_shard)` — torchtitan's order. `model` is the whole model or one pipeline stage.
@@ -33,4 +33,4 @@ def parallelize(model: nn.Module, layout: Layout, cfg: Config, compute_dtype: to
     return model
 
 
-__all__ = ["Layout", "build_layout", "parallelize", "validate_layout"]
+__all__ = ["MeshPlace", "build_layout", "parallelize", "validate_layout"]

@@ -20,8 +20,12 @@ def validate_layout(cfg: Config, world_size: int | None = None, measuring: bool 
 
 
 @dataclass
-class Layout:
-    """The running process's place in the mesh (everything 0/1 when not distributed)."""
+class MeshPlace:
+    """Where the running process sits in the device mesh (everything 0/1 when not distributed).
+
+    Not a layout description: the layout is `loom.config.ParallelConfig` (the sizes), checked by the
+    rule book `loom/rules.py`; the planner's `planner.costmodel.Layout` adds the knobs it searches and
+    converts to a loom config in exactly one place, `planner.report.to_loom_config`."""
 
     mesh: object | None  # torch.distributed.device_mesh.DeviceMesh
     rank: int = 0
@@ -44,13 +48,13 @@ class Layout:
         return self.mesh[names if len(names) > 1 else names[0]]
 
 
-def build_layout(cfg: Config, device_type: str, measuring: bool = False) -> Layout:
+def build_layout(cfg: Config, device_type: str, measuring: bool = False) -> MeshPlace:
     """Create the mesh for an initialised process group (or a trivial layout on one process)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         validate_layout(cfg, 1, measuring)
-        return Layout(mesh=None)
+        return MeshPlace(mesh=None)
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
@@ -62,7 +66,7 @@ def build_layout(cfg: Config, device_type: str, measuring: bool = False) -> Layo
     mesh = init_device_mesh(device_type, (p.pp, p.dp_replicate, p.dp_shard, p.tp), mesh_dim_names=names,
                             backend_override={n: options for n in names})
     dp_rank = mesh["dp_replicate"].get_local_rank() * p.dp_shard + mesh["dp_shard"].get_local_rank()
-    return Layout(mesh=mesh, rank=dist.get_rank(), world_size=world, dp_rank=dp_rank, dp_size=p.dp, tp=p.tp,
+    return MeshPlace(mesh=mesh, rank=dist.get_rank(), world_size=world, dp_rank=dp_rank, dp_size=p.dp, tp=p.tp,
                   pp=p.pp, pp_rank=mesh["pp"].get_local_rank())
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from loom.config import Config
 from loom.data.loader import batch as sample_rows
 from loom.models.losses import Batch, Loss
-from loom.parallel import Layout, parallelize
+from loom.parallel import MeshPlace, parallelize
 from loom.parallel.data import set_gradient_sync
 from loom.parallel.distributed import all_reduce_sum, local
 from loom.parallel.tensor import loss_context
@@ -51,7 +51,7 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 class _Runner:
     grad_norm_group = None
 
-    def __init__(self, cfg: Config, layout: Layout, loss: Loss, device: torch.device,
+    def __init__(self, cfg: Config, layout: MeshPlace, loss: Loss, device: torch.device,
                  autocast_dtype: torch.dtype | None):
         self.cfg, self.layout, self.loss, self.device = cfg, layout, loss, device
         self.autocast_dtype = autocast_dtype
@@ -72,7 +72,7 @@ class SPMDRunner(_Runner):
     """Every rank runs the whole (tensor/data-parallel) model: micro-batches one after another, with the
     data-parallel gradient reduction only after the last."""
 
-    def __init__(self, model: nn.Module, cfg: Config, layout: Layout, loss: Loss, device: torch.device,
+    def __init__(self, model: nn.Module, cfg: Config, layout: MeshPlace, loss: Loss, device: torch.device,
                  compute_dtype: torch.dtype | None, layer_plan: dict | None = None):
         # bf16 compute: FSDP2 casts parameters per block when data-parallel, else autocast does it.
         super().__init__(cfg, layout, loss, device, compute_dtype if layout.dp_size == 1 else None)
@@ -126,7 +126,7 @@ class PipelineRunner(_Runner):
     """This rank's pipeline stages, run by a torch.distributed.pipelining schedule (1F1B, interleaved,
     zero-bubble), which cuts the rank's batch into micro-batches itself."""
 
-    def __init__(self, model: nn.Module, cfg: Config, layout: Layout, loss: Loss, device: torch.device,
+    def __init__(self, model: nn.Module, cfg: Config, layout: MeshPlace, loss: Loss, device: torch.device,
                  compute_dtype: torch.dtype | None, layer_plan: dict | None = None):
         from loom.parallel.pipeline import RankView, build_schedule, split_stages
 
@@ -184,7 +184,7 @@ class PipelineRunner(_Runner):
         return {"pipeline_bubble": self.bubble}
 
 
-def build_runner(model: nn.Module, cfg: Config, layout: Layout, loss: Loss, device: torch.device,
+def build_runner(model: nn.Module, cfg: Config, layout: MeshPlace, loss: Loss, device: torch.device,
                  compute_dtype: torch.dtype | None, layer_plan: dict | None = None) -> _Runner:
     kind = PipelineRunner if layout.pp > 1 else SPMDRunner
     return kind(model, cfg, layout, loss, device, compute_dtype, layer_plan)
