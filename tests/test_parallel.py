@@ -10,6 +10,7 @@ import torch
 
 from conftest import ROOT
 from loom.cli import main
+from loom.config import load_config
 
 # Several layers, GQA (8 query heads sharing 4 key/value heads), sizes divisible by tp=4.
 MODEL = [
@@ -117,13 +118,35 @@ PIPE_LAYOUTS = {
 }
 
 
+def least_bubble(layout: list[str]) -> float:
+    """The smallest mean `pipeline_bubble` (wait over compute, mean over ranks) a working measurement
+    can report for a layout of PIPE.
+
+    1F1B and interleaved: theory is (p-1)/(v*m) idle per unit of compute; transfers and uneven stages only
+    add waiting, but time a rank spends in TP/FSDP collectives, or sharing 2 cores with up to 7 other
+    processes, counts as compute and lowers the ratio (tp2-pp2-dp_shard2 measured 0.25 at theory 0.25),
+    so half of theory. Zero-bubble fills the steady state, but the last stage still waits for the first
+    micro-batch's forward through the p-1 stages before it: p-1 chunk forwards against the v*m chunk
+    forwards and backwards (3 forwards' worth) it computes, averaged over p ranks; halved again for a
+    backward costing more than two forwards.
+    """
+    cfg = load_config("tiny", PIPE + layout)
+    p, v = cfg.parallel.pp, cfg.parallel.vpp
+    m = cfg.train.global_batch // (cfg.parallel.dp * cfg.train.micro_batch)
+    if cfg.parallel.schedule == "zero_bubble":
+        return (p - 1) / (6 * p * v * m)
+    return (p - 1) / (v * m) / 2
+
+
 @pytest.mark.parametrize("name", list(PIPE_LAYOUTS))
 def test_pipeline_layout_matches_single_process(name, pipe_reference, tmp_path):
     nproc, layout = PIPE_LAYOUTS[name]
     launch(tmp_path / "run", nproc, *layout, base=PIPE)
     assert_same_run(tmp_path / "run", pipe_reference)
     steps, _ = metrics(tmp_path / "run")
-    assert all(0 <= r["pipeline_bubble"] < 50 for r in steps)
+    bubbles = [r["pipeline_bubble"] for r in steps]
+    # Measured on 2 cores: 0.2-0.3 for pp=2 (theory 0.125), about 1 for pp=4 (0.375) and for the uneven split.
+    assert sum(bubbles) / len(bubbles) > least_bubble(layout), bubbles
 
 
 def test_tp4_without_sp_and_gpt_architecture(tmp_path):
