@@ -43,9 +43,14 @@ def test_async_checkpoints_equal_sync_ones_and_resume_exactly(tmp_path):
     assert main([*ARGS, "--run-dir", str(sync), "--checkpoint.interval=1"]) == 0
     assert main([*ARGS, "--run-dir", str(async_), "--checkpoint.interval=1", "--checkpoint.async=true"]) == 0
     assert losses(async_) == losses(sync)
-    # Every step saved and reported how long the loop was blocked.
-    blocked = [r["checkpoint_blocking_s"] for r in rows(async_) if "loss" in r]
-    assert len(blocked) == 6 and all(b > 0 for b in blocked)
+    # Every step saved and reported how long the loop was blocked: for a synchronous save the whole write
+    # (0.07-0.09 s measured), for an asynchronous one only the copy to memory (0.015-0.02 s). An async save
+    # that must first wait for the previous one's write (steps here are shorter than a write) blocks longer,
+    # and a busy machine only adds time, so compare the least of each.
+    sync_blocked = [r["checkpoint_blocking_s"] for r in rows(sync) if "loss" in r]
+    async_blocked = [r["checkpoint_blocking_s"] for r in rows(async_) if "loss" in r]
+    assert len(sync_blocked) == len(async_blocked) == 6
+    assert min(async_blocked) < 0.5 * min(sync_blocked), (async_blocked, sync_blocked)
     assert (async_ / "checkpoints" / "latest").read_text().strip() == "step-6"
     for step in range(1, 7):  # the state copied at step k, though written while training went on, is step k's
         a, b = weights(sync / "checkpoints" / f"step-{step}"), weights(async_ / "checkpoints" / f"step-{step}")

@@ -1,6 +1,9 @@
+import collections
+import contextlib
 import json
 import math
 import shutil
+import time
 
 import pytest
 import torch
@@ -25,17 +28,43 @@ def train(run_dir, *overrides, quiet=True):
     return trainer
 
 
+def measured_train_flops_per_token(*overrides) -> float:
+    """FLOPs of one forward + backward per token, counted by torch's FlopCounterMode on a fresh model.
+
+    The model is built with explicit-softmax attention, whose score and value matmuls the counter sees
+    (it does not count CPU SDPA); loom counts both kinds as the same full s x s matmuls."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from loom.models import build_model
+
+    cfg = small_config(*overrides, "model.attention=math")
+    model = build_model(cfg.model, seed=0)
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.train.seq_len))
+    with FlopCounterMode(display=False) as counter:
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    return counter.get_total_flops() / x.numel()
+
+
 def test_metrics_rows_follow_the_contract(tmp_path):
+    t0 = time.perf_counter()
     trainer = train(tmp_path / "run")
+    wall = time.perf_counter() - t0
     steps, evals = rows(tmp_path / "run")
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    flops_per_token = measured_train_flops_per_token()
+    # by hand: 3 x (2 layers x (16384 qkv with GQA + 8192 scores and values + 8192 out + 61440 SwiGLU)
+    # + 65536 head)
+    assert flops_per_token == 3 * (2 * (16384 + 8192 + 8192 + 61440) + 65536)
     for r in steps:
         assert CONTRACT_KEYS <= set(r)
         assert r["mfu"] is None  # no known peak on a CPU
         assert r["tokens"] == r["step"] * 8 * 32
-        assert r["tokens_per_s"] > 0 and r["memory_gib"] > 0
-        expected = r["tokens_per_s"] * trainer.flops_per_token / 1e12
-        assert math.isclose(r["tflops_per_device"], expected, rel_tol=1e-9)
+        assert r["memory_gib"] > 0
+        # Throughput is the step's tokens (global batch 8 x 32) over the step's own time...
+        assert math.isclose(r["tokens_per_s"] * r["step_time_s"], 8 * 32, rel_tol=1e-9)
+        # ...and TFLOP/s is that times the FLOPs torch counts for a training step, per token.
+        assert math.isclose(r["tflops_per_device"], r["tokens_per_s"] * flops_per_token / 1e12, rel_tol=1e-9)
+    assert 0 < sum(r["step_time_s"] for r in steps) < wall  # each step timed inside the run, not around it
     assert len(evals) == 1 and evals[0]["step"] == 6
     ev = evals[0]
     # bits per byte is the mean token loss rescaled by tokens / bytes of the same held-out text
@@ -57,17 +86,21 @@ def test_loss_is_mean_over_global_batch_independent_of_micro_batch(tmp_path):
 
 
 def test_first_loss_equals_manual_cross_entropy(tmp_path):
-    """Step 1's reported loss is the plain cross-entropy of the initial model on the first batch."""
-    cfg = small_config("train.steps=1")
-    trainer = Trainer(cfg, tmp_path / "r", quiet=True)
-    from loom.data.loader import batch
+    """Step 1's reported loss is the plain cross-entropy of the initial model on the first global batch,
+    computed here apart from the trainer: a fresh model from the same seed, in float64."""
+    from loom.data.loader import batch, build_datasets, load_tokenizer
+    from loom.models import build_model
 
-    x, y = batch(trainer.train_data, 0, cfg.train.global_batch)
-    with torch.no_grad():
-        want = torch.nn.functional.cross_entropy(trainer.model(x).flatten(0, 1), y.flatten()).item()
-    trainer.fit()
+    cfg = small_config("train.steps=1")
+    train(tmp_path / "r", "train.steps=1")
     got = rows(tmp_path / "r")[0][0]["loss"]
-    assert math.isclose(got, want, rel_tol=1e-5)
+
+    train_data, _ = build_datasets(cfg, load_tokenizer(cfg))
+    x, y = batch(train_data, 0, cfg.train.global_batch)
+    model = build_model(cfg.model, dtype=torch.float64, seed=cfg.train.seed)
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+    assert math.isclose(got, want, rel_tol=1e-6), (got, want)
 
 
 def test_resume_reproduces_uninterrupted_run_exactly(tmp_path):
@@ -95,13 +128,39 @@ def test_model_learns(tmp_path):
     assert last < first - 1.0, (first, last)
 
 
+@contextlib.contextmanager
+def linear_output_dtypes():
+    """Count the dtypes of every nn.Linear output computed inside the block (all modules, any owner)."""
+    seen = collections.Counter()
+
+    def hook(module, args, output):
+        if isinstance(module, torch.nn.Linear):
+            seen[output.dtype] += 1
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
 def test_bf16_autocast_tracks_fp32(tmp_path):
-    train(tmp_path / "a")
-    train(tmp_path / "b", "train.dtype=bfloat16")
+    with linear_output_dtypes() as fp32_dtypes:
+        train(tmp_path / "a")
+    with linear_output_dtypes() as bf16_dtypes:
+        train(tmp_path / "b", "train.dtype=bfloat16")
+    # The matmuls really ran in bf16, and not in the fp32 run: 6 steps x 2 micro-batches x 15 Linear
+    # layers (2 layers x 7, and the head), plus evaluation.
+    assert set(fp32_dtypes) == {torch.float32} and set(bf16_dtypes) == {torch.bfloat16}
+    assert bf16_dtypes.total() == fp32_dtypes.total() >= 6 * 2 * 15
     a, _ = rows(tmp_path / "a")
     b, _ = rows(tmp_path / "b")
     for ra, rb in zip(a, b):
         assert abs(ra["loss"] - rb["loss"]) / ra["loss"] < 0.02
+    # ...and it shows: gradient norms move by more than the 1e-4 that reordered fp32 sums give (the
+    # micro-batch test above); bf16 measured 3e-3 here.
+    worst = max(abs(ra["grad_norm"] - rb["grad_norm"]) / ra["grad_norm"] for ra, rb in zip(a, b))
+    assert 3e-4 < worst < 0.05, worst
 
 
 def test_lr_schedule():
