@@ -40,6 +40,9 @@ def cmd_train(args, extra) -> int:
 
     overrides = split_overrides(extra)
     cfg = load_config(args.config, overrides)
+    if args.print_config:
+        print(cfg.to_toml(), end="")
+        return 0
     if args.nproc < 1 or args.nnodes < 1:
         raise UserError(f"--nproc={args.nproc} and --nnodes={args.nnodes} must be >= 1")
     if (args.nproc > 1 or args.nnodes > 1) and not in_worker():
@@ -131,8 +134,14 @@ def cmd_generate(args, extra) -> int:
                         "tokens, so the prompt must be shorter")
     out = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                    eos_id=tok.eod_id, seed=args.seed)
-    new = [i for i in out[0, len(ids):].tolist() if i != tok.eod_id]
+    generated = out[0, len(ids):].tolist()
+    new = [i for i in generated if i != tok.eod_id]
     print(args.prompt + tok.decode(new))
+    room = model.cfg.max_seq_len - len(ids)
+    if len(generated) == room < args.max_new_tokens and (tok.eod_id is None or generated[-1] != tok.eod_id):
+        print(f"loom generate: stopped after {room} new tokens at the model's context length "
+              f"(max_seq_len={model.cfg.max_seq_len}, prompt {len(ids)} tokens), before --max-new-tokens="
+              f"{args.max_new_tokens}", file=sys.stderr)
     return 0
 
 
@@ -173,14 +182,19 @@ def cmd_preprocess(args, extra) -> int:
         from loom.data.loader import load_tokenizer
 
         tok = load_tokenizer(load_config(spec))
-    stats = preprocess(args.input, args.output_prefix, tok, json_key=args.json_key, workers=args.workers,
-                       append_eod=args.append_eod, progress=sys.stderr.isatty())
+    if args.eod_token:
+        tok.set_eod(args.eod_token)
+    stats = preprocess(args.input, str(args.output_prefix), tok, json_key=args.json_key, workers=args.workers,
+                       append_eod=args.append_eod, progress=sys.stderr.isatty(), overwrite=args.overwrite)
     print(f"wrote {args.output_prefix}.bin/.idx: " + ", ".join(f"{k} {v}" for k, v in stats.items()))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from loom import __version__
+
     parser = argparse.ArgumentParser(prog="loom", description="Train large language models on one CPU or many GPUs.")
+    parser.add_argument("--version", action="version", version=f"loom {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model", description="Train a model. Any config key can be "
@@ -192,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (node 0), for --nnodes > 1")
     p.add_argument("--max-restarts", type=int, default=0, help="restart the workers this many times on failure")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the merged config (defaults, file, overrides) as TOML and exit")
     p.set_defaults(func=cmd_train)
 
     from loom.planner.command import add_arguments as add_plan_arguments
@@ -214,25 +230,38 @@ def build_parser() -> argparse.ArgumentParser:
                    "softmax (math); default: the config's model.attention")
     p.set_defaults(func=cmd_memory)
 
-    p = sub.add_parser("generate", help="continue a prompt with a trained model")
-    p.add_argument("--checkpoint", required=True, help="run dir, checkpoint dir, loom or Hugging Face model dir")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("generate", help="continue a prompt with a trained model",
+                       description="Continue --prompt with a trained model: greedy at --temperature 0, else sampled "
+                       "with top-k / top-p. Stops at --max-new-tokens, at the end-of-document token when the "
+                       "tokenizer has one, or at the model's context length (and says so). Example: loom generate "
+                       "--checkpoint runs/t1 --prompt 'def ' --max-new-tokens 64")
+    p.add_argument("--checkpoint", required=True,
+                   help="a run directory (its latest checkpoint), a checkpoint step-N directory, a loom model "
+                   "directory or a Hugging Face model directory")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this much probability")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("convert", help="convert between Hugging Face Llama and loom checkpoints")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--to", required=True, choices=["loom", "hf"])
+    p = sub.add_parser("convert", help="convert between Hugging Face Llama and loom checkpoints",
+                       description="Convert a model between Hugging Face (config.json + safetensors) and loom "
+                       "(model.safetensors + config.toml + tokenizer.json). Example: loom convert runs/t1 "
+                       "exported/t1-hf --to hf")
+    p.add_argument("src", help="a Hugging Face model directory, or a loom run / checkpoint / model directory")
+    p.add_argument("dst", help="the directory to write (new, or an empty directory)")
+    p.add_argument("--to", required=True, choices=["loom", "hf"], help="the format to write")
     p.set_defaults(func=cmd_convert)
 
     from loom.data.preprocess import add_arguments
 
-    p = sub.add_parser("preprocess", help="tokenize text into a Megatron-style .bin/.idx dataset")
+    p = sub.add_parser("preprocess", help="tokenize text into a Megatron-style .bin/.idx dataset",
+                       description="Tokenize .jsonl/.json/.txt files (or a directory of them) into PREFIX.bin/.idx "
+                       "(Megatron's indexed format) plus PREFIX.stats.json (document and token counts, the largest "
+                       "token id). Refuses to replace an existing dataset without --overwrite. Example: loom "
+                       "preprocess --input docs.jsonl --output-prefix data/docs --tokenizer tiny --append-eod")
     add_arguments(p)
     p.set_defaults(func=cmd_preprocess)
     return parser

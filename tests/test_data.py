@@ -80,7 +80,7 @@ def test_indexed_round_trip(tmp_path, dtype, code):
     assert list(idx["pointers"]) == list(np.cumsum([0] + [len(d) * item for d in docs[:-1]]))
     assert list(idx["doc_index"]) == list(range(len(docs) + 1))
     assert pathlib.Path(str(prefix) + ".bin").read_bytes() == b"".join(d.tobytes() for d in docs)
-    assert sorted(p.name for p in prefix.parent.iterdir()) == ["ds.bin", "ds.idx"]
+    assert sorted(p.name for p in prefix.parent.iterdir()) == ["ds.bin", "ds.idx", "ds.stats.json"]  # no temporaries
 
 
 def test_indexed_errors(tmp_path):
@@ -184,8 +184,10 @@ def test_foreign_tokenizer_file(tmp_path):
 
     hf_no_eos = HFTokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
     hf_no_eos.save(str(tmp_path / "noeos.json"))
+    no_eos = Tokenizer.from_file(tmp_path / "noeos.json")  # loads: an EOD token is required only where used
+    assert no_eos.eod_id is None
     with pytest.raises(UserError, match="end-of-document"):
-        Tokenizer.from_file(tmp_path / "noeos.json")
+        no_eos.require_eod("--append-eod", "name one with --eod-token TOKEN")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(UserError, match="bad.json"):
         Tokenizer.from_file(tmp_path / "bad.json")

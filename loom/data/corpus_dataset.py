@@ -27,5 +27,7 @@ def corpus_prefix(tokenizer: Tokenizer, split: str, max_bytes: int = 0) -> str:
 
 
 def _add(builder: IndexedDatasetBuilder, tokenizer: Tokenizer, texts: list[str]) -> None:
+    eod = tokenizer.require_eod("the embedded corpus (its documents are separated by it)",
+                                "use data.tokenizer=bpe or a tokenizer that has one")
     for ids in tokenizer.encode_batch(texts) if texts else []:
-        builder.add_document(ids + [tokenizer.eod_id])
+        builder.add_document(ids + [eod])

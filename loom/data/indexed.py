@@ -8,6 +8,7 @@ Here every document is one sequence. Files written by Megatron's preprocess_data
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import struct
@@ -46,6 +47,25 @@ def _paths(prefix: str | os.PathLike) -> tuple[pathlib.Path, pathlib.Path]:
     return pathlib.Path(p + ".bin"), pathlib.Path(p + ".idx")
 
 
+def stats_path(prefix: str | os.PathLike) -> pathlib.Path:
+    """PREFIX.stats.json: what the builder knew when it wrote the dataset (documents, tokens, largest
+    token id), so readers need not scan the .bin; Megatron's readers ignore it."""
+    return pathlib.Path(str(prefix) + ".stats.json")
+
+
+def fingerprint(prefix: str | os.PathLike) -> dict:
+    """What identifies a dataset's contents cheaply: the .bin's size and the sha256 of its (small) .idx,
+    which holds every document's length. Never hashes the .bin."""
+    import hashlib
+
+    bin_path, idx_path = _paths(prefix)
+    h = hashlib.sha256()
+    with open(idx_path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return {"bin_bytes": bin_path.stat().st_size, "idx_sha256": h.hexdigest()}
+
+
 class IndexedDatasetBuilder:
     """Writes an indexed dataset, one document at a time; nothing appears at `prefix` until finalize().
 
@@ -63,6 +83,7 @@ class IndexedDatasetBuilder:
         self._idx_tmp = self.idx_path.with_name(self.idx_path.name + tag)
         self._bin = open(self._bin_tmp, "wb")
         self._sizes = array("q")
+        self._max_id = -1
         self._done = False
         if self.dtype.kind in "iu":
             info = np.iinfo(self.dtype)
@@ -77,6 +98,7 @@ class IndexedDatasetBuilder:
             raise ValueError(f"a document must be 1-D, got shape {arr.shape}")
         if arr.size and self._range is not None:
             lo, hi = int(arr.min()), int(arr.max())
+            self._max_id = max(self._max_id, hi)
             if lo < self._range[0] or hi > self._range[1]:
                 raise UserError(
                     f"token id {hi if hi > self._range[1] else lo} does not fit dtype {self.dtype.name} "
@@ -104,7 +126,12 @@ class IndexedDatasetBuilder:
             f.write(sizes.astype("<i4").tobytes())
             f.write(pointers.astype("<i8").tobytes())
             f.write(doc_index.astype("<i8").tobytes())
+        stats = stats_path(str(self.bin_path)[:-4])
+        stats_tmp = stats.with_name(stats.name + ".tmp")
+        stats_tmp.write_text(json.dumps({"documents": len(sizes), "tokens": int(sizes.sum()),
+                                         "max_token_id": self._max_id}) + "\n")
         os.replace(self._bin_tmp, self.bin_path)  # .idx last: its presence means both are complete
+        os.replace(stats_tmp, stats)
         os.replace(self._idx_tmp, self.idx_path)
         self._done = True
 
@@ -202,3 +229,59 @@ class IndexedDataset:
 
     def __repr__(self) -> str:
         return f"IndexedDataset({self.prefix!r}, documents={len(self)}, tokens={self.num_tokens}, dtype={self.dtype})"
+
+    def max_token_id(self) -> int:
+        """The largest token id: from PREFIX.stats.json when the builder wrote one for this index, else
+        one numpy pass over the .bin (datasets made by older tools), -1 when empty."""
+        stats = stats_path(self.prefix)
+        if stats.is_file() and stats.stat().st_mtime_ns <= self.idx_path.stat().st_mtime_ns:
+            try:
+                data = json.loads(stats.read_text())
+                if data.get("documents") == len(self) and data.get("tokens") == self.num_tokens:
+                    return int(data["max_token_id"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # unreadable: scan instead
+        if not len(self) or not self.num_tokens:
+            return -1
+        flat = np.frombuffer(self._bin, dtype=self.dtype, count=self.num_tokens, offset=int(self.pointers[0]))
+        return int(max(int(flat[lo:lo + (1 << 24)].max()) for lo in range(0, flat.size, 1 << 24)))
+
+    def first_token_at_least(self, limit: int) -> tuple[int, int] | None:
+        """(document, token id) of the first token >= `limit`, or None: one vectorised pass over the .bin."""
+        if not len(self) or not self.num_tokens:
+            return None
+        start = int(self.pointers[0])
+        flat = np.frombuffer(self._bin, dtype=self.dtype, count=self.num_tokens, offset=start)
+        chunk = 1 << 24
+        for lo in range(0, flat.size, chunk):  # bounded memory for the comparison mask
+            hits = np.flatnonzero(flat[lo:lo + chunk] >= limit)
+            if hits.size:
+                pos = lo + int(hits[0])
+                ends = np.cumsum(self.sizes.astype(np.int64))
+                return int(np.searchsorted(ends, pos, side="right")), int(flat[pos])
+        return None
+
+
+class DocumentRange:
+    """Documents [lo, hi) of an indexed dataset, with the reader's interface (a train/valid/test split)."""
+
+    def __init__(self, dataset: IndexedDataset, lo: int, hi: int) -> None:
+        self.base, self.lo, self.hi = dataset, lo, hi
+        self.prefix, self.idx_path, self.bin_path, self.dtype = dataset.prefix, dataset.idx_path, dataset.bin_path, dataset.dtype
+        self.sizes = dataset.sizes[lo:hi]
+        self.subset_key = f"docs{lo}-{hi}"
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sizes.sum(dtype=np.int64))
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        if not 0 <= i < len(self):
+            raise IndexError(f"document {i} out of range for {len(self)} documents")
+        return self.base.get(self.lo + i, offset, length)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)

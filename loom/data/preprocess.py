@@ -150,14 +150,20 @@ def preprocess(
     workers: int = 1,
     append_eod: bool = False,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict:
     """Tokenize `inputs` into `output_prefix.bin/.idx`; returns {"documents", "tokens", "files"}."""
     if workers < 1:
         raise UserError(f"--workers must be >= 1, got {workers}")
+    existing = [p for p in (pathlib.Path(output_prefix + s) for s in (".bin", ".idx")) if p.exists()]
+    if existing and not overwrite:
+        raise UserError(f"{', '.join(map(str, existing))} already exist{'s' if len(existing) == 1 else ''}; a run that "
+                        "trains on them would change data without notice. Pass --overwrite to replace them, or "
+                        "choose another --output-prefix (nothing was changed)")
+    eod = [tokenizer.require_eod("--append-eod", "name one with --eod-token TOKEN")] if append_eod else []
     files = input_files(inputs)
     total_bytes = sum(p.stat().st_size for p in files)
     chunks = _chunks(iter_texts(files, json_key), CHUNK_DOCS)
-    eod = [tokenizer.eod_id] if append_eod else []
     documents = tokens = 0
     with (
         IndexedDatasetBuilder(output_prefix, dtype=best_dtype(tokenizer.vocab_size)) as builder,
@@ -185,3 +191,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-key", default="text", help="the JSON field holding the text (default: text)")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
     parser.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
+    parser.add_argument("--eod-token", default=None,
+                        help="the end-of-document token for --append-eod (default: the tokenizer's <|endoftext|>, "
+                        "</s>, <|end_of_text|> or <eos>)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.bin/.idx")

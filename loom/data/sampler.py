@@ -117,7 +117,9 @@ class SampleDataset:
     def cache_key(self) -> str:
         """Hash of the dataset's index file and the sampling parameters."""
         idx = self.dataset.idx_path
-        params = f"{INDEX_VERSION}|{idx.stat().st_size}|{_file_digest(idx)}|{self.seq_len}|{self.num_samples}|{self.seed}"
+        subset = getattr(self.dataset, "subset_key", "")
+        params = (f"{INDEX_VERSION}|{idx.stat().st_size}|{_file_digest(idx)}|{self.seq_len}|{self.num_samples}|"
+                  f"{self.seed}{'|' + subset if subset else ''}")
         return hashlib.sha256(params.encode()).hexdigest()[:20]
 
     def _load_or_build(self, cache_dir: pathlib.Path, name: str) -> None:

@@ -20,6 +20,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from loom.data.corpus import iter_documents
 from loom.errors import UserError
+from loom.files import honour_umask
 
 EOD_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
@@ -60,20 +61,40 @@ class Tokenizer:
         self.tok = tok
         self.path: pathlib.Path | None = pathlib.Path(path) if path is not None else None
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
-        self.eod_id: int = self._find_eod()
+        self.eod_id: int | None = self._find_eod()  # None: the tokenizer has no end-of-document token
         self._json = tok.to_str(pretty=False)
         self._bytes_table: list[bytes] | None = self._build_bytes_table()
 
-    def _find_eod(self) -> int:
+    def _find_eod(self) -> int | None:
         for name in (EOD_TOKEN, *EOS_CANDIDATES):
             idx = self.tok.token_to_id(name)
             if idx is not None:
                 return idx
-        where = f" in {self.path}" if self.path else ""
-        raise UserError(
-            f"tokenizer{where} has no end-of-document token; loom needs one of: "
-            f"{', '.join(dict.fromkeys((EOD_TOKEN, *EOS_CANDIDATES)))}"
-        )
+        return None
+
+    def special_tokens(self) -> list[str]:
+        return [t.content for _, t in sorted(self.tok.get_added_tokens_decoder().items()) if t.special]
+
+    def set_eod(self, token: str) -> None:
+        """Use `token` as the end-of-document token."""
+        idx = self.tok.token_to_id(token)
+        if idx is None:
+            where = f" {self.path}" if self.path else ""
+            raise UserError(f"the tokenizer{where} has no token {token!r}; its special tokens are: "
+                            f"{', '.join(self.special_tokens()) or 'none'}")
+        self.eod_id = idx
+
+    def require_eod(self, purpose: str, how: str) -> int:
+        """The end-of-document id, or a UserError saying why it is needed, what the tokenizer has and how
+        to name one (`how`)."""
+        if self.eod_id is None:
+            where = f" {self.path}" if self.path else ""
+            raise UserError(
+                f"{purpose} needs an end-of-document token, but the tokenizer{where} has none of "
+                f"{', '.join(dict.fromkeys((EOD_TOKEN, *EOS_CANDIDATES)))}; its special tokens are: "
+                f"{', '.join(self.special_tokens()) or 'none'}; {how}"
+            )
+        return self.eod_id
 
     def _build_bytes_table(self) -> list[bytes] | None:
         """id -> exact bytes for byte-level BPE; None for other tokenizers (decode is used instead)."""
@@ -122,6 +143,7 @@ class Tokenizer:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(self.tok.to_str(pretty=True))
+            honour_umask(tmp)
             os.replace(tmp, path)
         except BaseException:
             pathlib.Path(tmp).unlink(missing_ok=True)

@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from loom.config import Config, ModelConfig
 from loom.errors import UserError
+from loom.files import honour_umask
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
@@ -391,11 +392,13 @@ def export_hf(model: torch.nn.Module, cfg: Config, out_dir: str | Path, tokenize
         metadata = {"format": "pt", "producer": "loom"}
         if len(shards) == 1:
             save_file(shards[0], str(tmp / HF_WEIGHTS), metadata=metadata)
+            honour_umask(tmp / HF_WEIGHTS)
         else:
             weight_map = {}
             for i, shard in enumerate(shards, 1):
                 fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
                 save_file(shard, str(tmp / fname), metadata=metadata)
+                honour_umask(tmp / fname)
                 weight_map.update({name: fname for name in shard})
             total = sum(t.numel() * t.element_size() for t in state.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}

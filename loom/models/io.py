@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from loom.config import Config, config_from_dict
 from loom.errors import UserError
+from loom.files import honour_umask
 from loom.models.llama import Transformer, build_model
 
 WEIGHTS = "model.safetensors"
@@ -42,6 +43,7 @@ def save_model_dir(model: Transformer | dict, cfg: Config, path: Path, tokenizer
     if cfg.model.tie_embeddings:
         state.pop("output.weight", None)
     save_file(state, str(path / WEIGHTS), metadata={"format": "pt", "producer": "loom"})
+    honour_umask(path / WEIGHTS)
     (path / CONFIG).write_text(cfg.to_toml())
     if tokenizer_path is not None and Path(tokenizer_path).is_file():
         (path / TOKENIZER).write_bytes(Path(tokenizer_path).read_bytes())

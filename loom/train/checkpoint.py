@@ -124,8 +124,10 @@ def _fsync_dir(path: Path) -> None:
 class Checkpointer:
     """Saves and loads one run's checkpoints. `save`, `load` are collectives (every rank calls them)."""
 
-    def __init__(self, root: Path, model, optimizer, cfg: Config, tokenizer_path: Path | None, group=None):
+    def __init__(self, root: Path, model, optimizer, cfg: Config, tokenizer_path: Path | None, group=None,
+                 data_fingerprints: dict | None = None):
         self.root, self.model, self.optimizer, self.cfg = root, model, optimizer, cfg
+        self.data_fingerprints = data_fingerprints or {}  # dataset prefix -> loom.data.indexed.fingerprint
         self.tokenizer_path, self.group = tokenizer_path, group
         dist = _dist()
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
@@ -154,7 +156,7 @@ class Checkpointer:
         if self.rank == 0:
             (tmp / CONFIG).write_text(self.cfg.to_toml())
             write_json(tmp / STATE, {"step": state.step, "consumed_samples": state.consumed_samples,
-                                     "world_size": self.world})
+                                     "world_size": self.world, "data": self.data_fingerprints})
             own += [CONFIG, STATE]
             if self.tokenizer_path is not None and Path(self.tokenizer_path).is_file():
                 shutil.copyfile(self.tokenizer_path, tmp / TOKENIZER)
@@ -211,6 +213,7 @@ class Checkpointer:
         """
         verify_everywhere(path)
         check_compatible(path, self.cfg)
+        check_same_data(path, self.data_fingerprints)
         state = self._state()  # this layout's tensors, filled in place from whatever layout saved them
         check_state_matches(path, state)  # bad input (exit 2) is decided here, before loading anything
         # Anything that fails from here on (I/O, memory, a collective) is not a mismatch: it keeps its
@@ -272,6 +275,25 @@ def check_compatible(path: Path, cfg: Config) -> None:
         raise UserError(
             f"checkpoint {path} was trained with a different model ({'; '.join(diffs)}); resume with the same "
             "model settings or use another --run-dir"
+        )
+
+
+def check_same_data(path: Path, now: dict) -> None:
+    """UserError naming each dataset whose contents changed since the checkpoint was written (a dataset
+    rebuilt in place, e.g. by `loom preprocess --overwrite`): resuming would train on other data."""
+    saved = json.loads((path / STATE).read_text()).get("data", {})
+    changed = []
+    for prefix, old in saved.items():
+        new = now.get(prefix)
+        if new is not None and new != old:
+            what = (f".bin {old['bin_bytes']} -> {new['bin_bytes']} bytes" if old["bin_bytes"] != new["bin_bytes"]
+                    else "its .idx (document lengths) differs")
+            changed.append(f"{prefix} ({what})")
+    if changed:
+        raise UserError(
+            f"the data changed since checkpoint {path} was written: {'; '.join(changed)}; the run's data position "
+            "would point into other documents. Restore the datasets the run trained on, or start a new run "
+            "(another --run-dir)"
         )
 
 

@@ -28,6 +28,7 @@ import torch
 
 from loom import flops
 from loom.config import Config
+from loom.data.indexed import fingerprint
 from loom.data.loader import build_datasets, load_tokenizer
 from loom.errors import TrainingDiverged, UserError
 from loom.models.io import atomic_write_text
@@ -131,7 +132,9 @@ class Trainer:
             from datetime import timedelta
 
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=t.collective_timeout_s))
-        self.checkpointer = Checkpointer(self.ckpt_root, self.model, self.optimizer, cfg, self.tokenizer_path, group)
+        data = {p: fingerprint(p) for p in dict.fromkeys(cfg.data.paths + cfg.data.valid_paths)}
+        self.checkpointer = Checkpointer(self.ckpt_root, self.model, self.optimizer, cfg, self.tokenizer_path, group,
+                                         data)
         if resume_from is not None:  # checked and loaded before anything in the run directory changes
             self.beacon.mark("checkpoint load")
             self.state, resume_from = resume(self.checkpointer, resume_from, self.ckpt_root, cfg.checkpoint.fallback,
