@@ -2,7 +2,7 @@
 
 Same shape (the `tiny` config), same fp32 dtype, same batches from the embedded corpus, same loss
 (mean token cross-entropy), same clipping. The two are run side by side in one invocation, in
-alternating rounds so that drift in the machine's speed hits both equally; each figure is total
+alternating rounds (loom first, then transformers first) so that drift in the machine's speed hits both equally; each figure is total
 tokens over total time of its timed steps (warm-up steps excluded).
 
     .venv/bin/python bench/cpu_vs_hf.py [--rounds 4] [--steps 5] [--out bench/results/cpu_vs_hf.json]
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -65,6 +66,20 @@ class HFLoop:
         return loss.item()
 
 
+def top_ops(runner, steps: int = 3, top: int = 8) -> dict:
+    """Self CPU time per operator over `steps` steps: where a step's time goes, operator by operator."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            runner.train_step()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    return {"self_cpu_s_total": round(sum(e.self_cpu_time_total for e in rows) / 1e6, 3),
+            "operator_calls": sum(e.count for e in rows if e.key.startswith("aten::")),
+            "top": [{"op": e.key, "self_cpu_s": round(e.self_cpu_time_total / 1e6, 3), "calls": e.count}
+                    for e in rows[:top]]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="tiny")
@@ -72,10 +87,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per round per framework")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="loom with train.compile=true (transformers stays eager)")
+    ap.add_argument("--profile-ops", action="store_true",
+                    help="also record each framework's top operators over 3 steps (torch.profiler, self CPU time)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_vs_hf.json"))
     args = ap.parse_args()
 
-    total_steps = args.warmup + args.rounds * args.steps
+    total_steps = args.warmup + args.rounds * args.steps + (3 if args.profile_ops else 0)
     cfg = load_config(args.config, [f"train.steps={total_steps}", "train.dtype=float32", "log.progress=none",
                                     "log.tensorboard=false", "train.device=cpu",
                                     f"train.compile={str(args.compile).lower()}"])
@@ -86,12 +103,19 @@ def main() -> int:
             loom.train_step()
             hf.train_step()
         times = {"loom": 0.0, "transformers": 0.0}
-        for _ in range(args.rounds):
-            for name, runner in (("loom", loom), ("transformers", hf)):
+        rounds = []
+        load_before = os.getloadavg()
+        for r in range(args.rounds):
+            order = (("loom", loom), ("transformers", hf))
+            for name, runner in order if r % 2 == 0 else order[::-1]:  # both orders, alternately
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     runner.train_step()
-                times[name] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                times[name] += dt
+                rounds.append({"round": r, "framework": name, "seconds": round(dt, 3)})
+        load_after = os.getloadavg()
+        ops = {name: top_ops(runner) for name, runner in (("loom", loom), ("transformers", hf))} if args.profile_ops else None
     tokens = args.rounds * args.steps * cfg.train.global_batch * cfg.train.seq_len
     loom_tps, hf_tps = tokens / times["loom"], tokens / times["transformers"]
     import transformers
@@ -107,6 +131,12 @@ def main() -> int:
         "loom_tokens_per_s": round(loom_tps, 1),
         "transformers_tokens_per_s": round(hf_tps, 1),
         "ratio": round(loom_tps / hf_tps, 3),
+        "round_ratios": [round(next(x["seconds"] for x in rounds if x["round"] == r and x["framework"] == "transformers")
+                               / next(x["seconds"] for x in rounds if x["round"] == r and x["framework"] == "loom"), 3)
+                         for r in range(args.rounds)],
+        "rounds": rounds,
+        "load_average_1min_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
+        **({"profile_3_steps": ops} if ops else {}),
         "transformers": transformers.__version__,
         **stamp("python bench/cpu_vs_hf.py " + " ".join(sys.argv[1:])),
     }
