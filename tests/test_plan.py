@@ -224,10 +224,11 @@ def test_full_recompute_layers_count_per_chunk_as_loom_applies_them():
 
 def test_cli_json_contract_and_layout():
     r = run_cli("plan", "--model", "gpt3-175b", "--gpus", "64", "--gpu", "a100-80gb", "--global-batch", "64",
-                "--json", "--top", "3")
+                "--json", "--top", "3", "--runtime", "any")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["candidates"]) == 3
+    assert any(c["loom_refuses"] for c in out["candidates"])  # GPT-3's dropout under TP, distopt: marked
     keys = {"tp", "pp", "vpp", "dp", "cp", "ep", "micro_batch", "sp", "recompute", "step_time_s",
             "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "memory_gib", "fits"}
     for c in out["candidates"]:
@@ -263,6 +264,16 @@ def test_bad_input_exits_2(args, needle):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_default_search_offers_only_what_loom_runs():
+    r = run_cli("plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch", "64", "--json", "--top", "50")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["candidates"]) == 50 and not any(c["loom_refuses"] for c in out["candidates"])
+    assert {c["dp_style"] for c in out["candidates"]} <= {"replicate", "fsdp"}
+    r = run_cli("plan", "--model", "gpt3-175b", "--gpus", "64", "--gpu", "a100-80gb", "--global-batch", "64")
+    assert r.returncode == 2 or "loom cannot run" not in r.stdout, r.stdout
 
 
 def test_config_written_for_the_winner_trains(tmp_path):

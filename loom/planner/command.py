@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--top", type=int, default=10, help="candidates to show (default 10)")
     s.add_argument("--cross-node-tp", action="store_true", help="allow tensor parallel groups larger than a node")
     s.add_argument("--max-micro-batch", type=int, default=16)
+    s.add_argument("--runtime", choices=["loom", "any"], default="loom",
+                   help="loom (default): only layouts loom's rule book accepts, i.e. what `loom train` runs; any: also "
+                   "layouts other runtimes run (Megatron's distributed optimizer, fp8, context parallelism), marked *")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help='print {"candidates": [...]} (best first)')
     o.add_argument("--plot", type=Path, default=None, help="draw the top candidates' time and memory terms (PNG)")
@@ -135,6 +138,13 @@ def run(args) -> int:
         info = {"considered": 1, "fit": int(estimates[0].fits)}
     else:
         estimates, info = search(w, top=0, cross_node_tp=args.cross_node_tp, max_micro_batch=args.max_micro_batch)
+        if estimates and args.runtime == "loom":  # never offer what `loom train` refuses
+            runnable = [e for e in estimates if report.loom_runnable(e, w) is None]
+            if not runnable:
+                raise UserError(f"no layout loom can run fits ({report.loom_runnable(estimates[0], w)}); "
+                                "--runtime any shows the layouts other runtimes run")
+            info["fit_and_loom_runs"] = len(runnable)
+            estimates = runnable
         if not estimates:
             need = f"; the smallest layout needs {info['smallest_gib']:.1f} GiB" if info.get("smallest_gib") else ""
             raise UserError(f"no layout of this model fits {w.gpus} x {w.gpu.name} ({w.gpu.memory_gib:.1f} GiB each) at "
@@ -151,7 +161,7 @@ def run(args) -> int:
     if args.plot:
         report.plot(shown, args.plot, w.gpu.memory_gib)
     if args.json:
-        out = {"candidates": [e.to_json() for e in shown],
+        out = {"candidates": [{**e.to_json(), "loom_refuses": report.loom_runnable(e, w)} for e in shown],
                "model": {"params": _params(w), "seq_len": w.seq_len, "global_batch": w.global_batch},
                "cluster": {"gpus": w.gpus, "gpu": w.gpu.name, "precision": w.precision},
                "search": {**info, "seconds": round(elapsed, 3)},
@@ -163,9 +173,16 @@ def run(args) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(f"{w.gpus} x {w.gpu.name}, {w.precision}, model {_params(w) / 1e9:.2f}B params, seq {w.seq_len}, "
-          f"global batch {w.global_batch}: {info['considered']} layouts considered, {info['fit']} fit "
-          f"({elapsed:.1f} s)")
+          f"global batch {w.global_batch}: {info['considered']} layouts considered, {info['fit']} fit"
+          + (f", {info['fit_and_loom_runs']} of them loom runs" if "fit_and_loom_runs" in info else "")
+          + f" ({elapsed:.1f} s)")
     print(report.format_table(shown, w, args.tokens))
+    refused: dict[str, list[int]] = {}
+    for i, e in enumerate(shown, 1):
+        if reason := report.loom_runnable(e, w):
+            refused.setdefault(reason, []).append(i)
+    for reason, rows in refused.items():  # only with --runtime any, or a --layout loom refuses
+        print(f"loom cannot run #{', #'.join(map(str, rows))} yet: {reason}")
     print()
     print(report.format_terms(shown[0], w.gpu.memory_gib))
     if args.layout and not shown[0].fits:
