@@ -46,15 +46,7 @@ def cmd_train(args, extra) -> int:
     if args.nproc < 1 or args.nnodes < 1:
         raise UserError(f"--nproc={args.nproc} and --nnodes={args.nnodes} must be >= 1")
     if (args.nproc > 1 or args.nnodes > 1) and not in_worker():
-        from loom.rules import infer_dp_shard
         from loom.train.trainer import default_run_dir
-
-        inferred = infer_dp_shard(cfg.parallel, args.nproc * args.nnodes)
-        if inferred:
-            cfg.parallel.dp_shard = inferred[0]
-            overrides.append(f"parallel.dp_shard={inferred[0]}")
-            cfg.validate()
-            print(inferred[1], file=sys.stderr)
 
         if args.nnodes > 1 and not args.run_dir:
             raise UserError("--nnodes > 1 needs an explicit --run-dir on storage every node shares")

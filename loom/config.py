@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loom.errors import UserError, closest
-from loom.rules import check_layout, data_parallel_size, world_size
+from loom.rules import check_layout, check_sizes, data_parallel_size, world_size
 from loom.rules import divisors as _divisors
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -99,8 +99,7 @@ class ParallelConfig:
         return data_parallel_size(self)
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "vpp", "dp_replicate", "dp_shard", "cp", "ep"):
-            _positive(f"parallel.{name}", getattr(self, name))
+        check_sizes(self)  # the rest of the layout rules run in Config.validate (loom/rules.py)
 
 
 @dataclass

@@ -27,8 +27,12 @@ def in_worker() -> bool:
 def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nnodes: int = 1,
            node_rank: int = 0, rdzv_endpoint: str | None = None, max_restarts: int = 0,
            prepare_data: bool = True, measuring: bool = False) -> int:
-    """Start `python -m loom.cli COMMAND... --OVERRIDES` on nproc x nnodes workers."""
-    from loom.rules import check_layout
+    """Start `python -m loom.cli COMMAND... --OVERRIDES` on nproc x nnodes workers.
+
+    Without a data-parallel size in the config (dp_replicate = dp_shard = 1), `parallel.dp_shard` is
+    inferred from the process count, as Megatron infers its data-parallel size, and passed on to the
+    workers as an override."""
+    from loom.rules import check_layout, infer_dp_shard
 
     if nproc < 1 or nnodes < 1:
         raise UserError(f"--nproc={nproc} and --nnodes={nnodes} must be >= 1")
@@ -36,6 +40,11 @@ def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nn
         raise UserError(f"--node-rank={node_rank} must be in 0..{nnodes - 1}")
     if nnodes > 1 and not rdzv_endpoint:
         raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the address of node 0, reachable by all)")
+    inferred = infer_dp_shard(cfg.parallel, nproc * nnodes)
+    if inferred:
+        cfg.parallel.dp_shard = inferred[0]
+        overrides = [*overrides, f"parallel.dp_shard={inferred[0]}"]
+        print(f"loom {command[0]}: {inferred[1]}", file=sys.stderr, flush=True)
     check_layout(cfg, nproc * nnodes, measuring)
     if prepare_data:  # build shared caches once, in this process, before the workers start
         from loom.data.loader import build_datasets, load_tokenizer

@@ -19,6 +19,16 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+SIZES = ("tp", "pp", "vpp", "dp_replicate", "dp_shard", "cp", "ep")
+
+
+def check_sizes(p) -> None:
+    """Every parallel size is a positive integer."""
+    for name in SIZES:
+        if getattr(p, name) <= 0:
+            raise UserError(f"parallel.{name}={getattr(p, name)} must be a positive integer")
+
+
 # --- tensor parallelism ---------------------------------------------------------------------------
 
 
@@ -43,6 +53,27 @@ def tp_problems(tp: int, model, seq_len: int, sp: bool) -> list[str]:
 
 def valid_tp_sizes(model, seq_len: int, sp: bool) -> list[int]:
     return [d for d in divisors(model.heads) if not tp_problems(d, model, seq_len, sp)]
+
+
+def sp_problem(tp: int, sp: bool) -> str | None:
+    """Sequence parallelism shards the sequence over the tensor-parallel group, so it needs one."""
+    if sp and tp == 1:
+        return ("parallel.sp=true shards the sequence across the tensor-parallel group, so it needs "
+                "parallel.tp > 1; set parallel.sp=false or raise parallel.tp")
+    return None
+
+
+# --- batch ------------------------------------------------------------------------------------------
+
+
+def batch_problem(global_batch: int, micro_batch: int, dp: int, dp_detail: str = "") -> str | None:
+    """Every data-parallel rank runs whole micro-batches: dp x micro_batch divides the global batch."""
+    per_step = dp * micro_batch
+    if global_batch % per_step == 0:
+        return None
+    valid = [b for b in range(per_step, 8 * per_step + 1, per_step)]
+    return (f"train.global_batch={global_batch} is not divisible by data-parallel size {dp}{dp_detail} x "
+            f"train.micro_batch={micro_batch} = {per_step}; valid global batches: {', '.join(map(str, valid))}, ...")
 
 
 # --- pipeline splits and schedules ----------------------------------------------------------------
@@ -93,6 +124,20 @@ def valid_split(layers: int, chunks: int, first: int = 0, last: int = 0) -> list
         return None
 
 
+def split_problem(layers: int, pp: int, vpp: int, first: int = 0, last: int = 0) -> str | None:
+    """Why these pipeline sizes cannot split the model's layers, or None."""
+    if pp == 1:
+        if first or last:
+            return (f"parallel.first_stage_layers={first} / parallel.last_stage_layers={last} split pipeline "
+                    "stages, so they need parallel.pp > 1; valid: 0")
+        return None
+    try:
+        split_layers(layers, pp * vpp, first, last, what=f"parallel.pp={pp} x parallel.vpp={vpp}")
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
 def rank_chunks(pp: int, vpp: int, schedule: str, rank: int) -> list[int]:
     """The chunk ids pipeline rank `rank` runs: round-robin, or the V shape of ZB-V (schedule
     zero_bubble with vpp=2: rank r holds chunks r and 2pp-1-r, so rank 0 has the first and the last)."""
@@ -133,6 +178,18 @@ def micro_batches_needed(pp: int, vpp: int, schedule: str, micro_batches: int) -
     return None if ok else need
 
 
+def micro_batch_count_problem(pp: int, vpp: int, schedule: str, global_batch: int, dp: int,
+                              micro_batch: int) -> str | None:
+    """The schedule's need on the micro-batch count global_batch / (dp x micro_batch), as a refusal."""
+    micro = global_batch // (dp * micro_batch)
+    need = micro_batches_needed(pp, vpp, schedule, micro)
+    if not need:
+        return None
+    return (f"parallel.schedule={schedule} needs the micro-batch count to be {need}, but train.global_batch="
+            f"{global_batch} / (data parallel {dp} x train.micro_batch={micro_batch}) = {micro}; "
+            f"raise train.global_batch (e.g. {dp * micro_batch * pp * vpp}) or lower train.micro_batch")
+
+
 def chunk_layer_counts(cfg) -> list[int]:
     """Layers in each of the pp*vpp chunks of `cfg`, first to last; UserError for impossible splits."""
     p = cfg.parallel
@@ -159,12 +216,12 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False) -> None
     tensor parallelism: its masks are measured, never trained with.
     """
     p, m, t = cfg.parallel, cfg.model, cfg.train
+    check_sizes(p)
     for name in ("cp", "ep"):
         if getattr(p, name) != 1:
             raise UserError(f"parallel.{name}={getattr(p, name)} is not supported yet; valid: 1")
-    if p.sp and p.tp == 1:
-        raise UserError("parallel.sp=true shards the sequence across the tensor-parallel group, so it needs "
-                        "parallel.tp > 1; set parallel.sp=false or raise parallel.tp")
+    if problem := sp_problem(p.tp, p.sp):
+        raise UserError(problem)
     if p.tp > 1:
         reasons = tp_problems(p.tp, m, t.seq_len, p.sp)
         if reasons:
@@ -178,19 +235,14 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False) -> None
             "set model.dropout=0 and model.attn_dropout=0, or parallel.tp=1"
         )
     dp = data_parallel_size(p)
-    per_step = dp * t.micro_batch
-    if t.global_batch % per_step:
-        valid = [b for b in range(per_step, 8 * per_step + 1, per_step)]
-        raise UserError(
-            f"train.global_batch={t.global_batch} is not divisible by data-parallel size {dp} "
-            f"(dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard}) x train.micro_batch={t.micro_batch} = {per_step}; "
-            f"valid global batches: {', '.join(map(str, valid))}, ..."
-        )
+    detail = f" (dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard})"
+    if problem := batch_problem(t.global_batch, t.micro_batch, dp, detail):
+        raise UserError(problem)
     _check_pipeline(cfg)
     if world is not None and world_size(p) != world:
         raise UserError(
-            f"the parallel sizes multiply to {world_size(p)} (tp={p.tp} x dp_replicate={p.dp_replicate} x "
-            f"dp_shard={p.dp_shard} x pp={p.pp}) but {world} processes were started; make the product "
+            f"the parallel sizes multiply to {world_size(p)} (tp={p.tp} x cp={p.cp} x pp={p.pp} x dp_replicate="
+            f"{p.dp_replicate} x dp_shard={p.dp_shard}) but {world} processes were started; make the product "
             f"equal the process count (e.g. --nproc {world_size(p)}) or change the sizes"
         )
 
@@ -198,14 +250,13 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False) -> None
 def _check_pipeline(cfg) -> None:
     p, t = cfg.parallel, cfg.train
     problem = schedule_problem(p.pp, p.vpp, p.schedule)
+    split = split_problem(cfg.model.layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers)
     if p.pp == 1:
-        if problem:
-            raise UserError(problem)
-        if p.first_stage_layers or p.last_stage_layers:
-            raise UserError(f"parallel.first_stage_layers={p.first_stage_layers} / parallel.last_stage_layers="
-                            f"{p.last_stage_layers} split pipeline stages, so they need parallel.pp > 1; valid: 0")
+        if problem or split:
+            raise UserError(problem or split)
         return
-    chunk_layer_counts(cfg)
+    if split:
+        raise UserError(split)
     if t.compile:
         raise UserError("train.compile=true is not applied to pipeline stages yet; set train.compile=false with "
                         "parallel.pp > 1")
@@ -219,15 +270,9 @@ def _check_pipeline(cfg) -> None:
         )
     if problem:
         raise UserError(problem)
-    dp = data_parallel_size(p)
-    micro = t.global_batch // (dp * t.micro_batch)
-    need = micro_batches_needed(p.pp, p.vpp, p.schedule, micro)
-    if need:
-        raise UserError(
-            f"parallel.schedule={p.schedule} needs the micro-batch count to be {need}, but train.global_batch="
-            f"{t.global_batch} / (data parallel {dp} x train.micro_batch={t.micro_batch}) = {micro}; "
-            f"raise train.global_batch (e.g. {dp * t.micro_batch * p.pp * p.vpp}) or lower train.micro_batch"
-        )
+    if problem := micro_batch_count_problem(p.pp, p.vpp, p.schedule, t.global_batch, data_parallel_size(p),
+                                            t.micro_batch):
+        raise UserError(problem)
 
 
 def layout_problem(cfg, world: int | None = None) -> str | None:

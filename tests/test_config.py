@@ -61,6 +61,8 @@ def test_overrides_later_wins_and_types():
         (["model.tie_embeddings=maybe"], ["tie_embeddings", "true or false"]),
         (["parallel.tp=3"], ["parallel.tp=3", "valid tp sizes for this model: 1, 2, 4"]),
         (["parallel.pp=3"], ["pp x vpp = 3", "model.layers=4"]),
+        (["parallel.dp_shard=0"], ["parallel.dp_shard=0", "positive integer"]),
+        (["parallel.tp=2", "parallel.sp=true", "train.seq_len=255"], ["parallel.tp=2", "must divide train.seq_len=255"]),
         (["train.seq_len=100000"], ["seq_len=100000", "max_seq_len"]),
     ],
 )

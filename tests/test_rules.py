@@ -101,6 +101,59 @@ def test_nproc_infers_the_data_parallel_size():
         infer_dp_shard(cfg.parallel, 3)
 
 
+@pytest.fixture
+def fake_torchrun(monkeypatch):
+    """torchrun replaced by a recorder (and the data preparation by nothing): the launcher's decisions are
+    checked without starting a worker."""
+    import torch.distributed.run
+
+    import loom.data.loader
+
+    calls = []
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: calls.append(args))
+    monkeypatch.setattr(loom.data.loader, "load_tokenizer", lambda cfg: None)
+    monkeypatch.setattr(loom.data.loader, "build_datasets", lambda cfg, tok: None)
+    return calls
+
+
+def test_nproc_inference_reaches_the_workers(fake_torchrun, capsys, tmp_path):
+    """`loom train --nproc 4 --parallel.tp=2` (no data-parallel size) launches 4 workers with
+    parallel.dp_shard=2 and says so; before, it was refused ("multiply to 2 ... 4 processes")."""
+    from loom.cli import main
+
+    assert main(["train", "--config", "tiny", "--run-dir", str(tmp_path / "r"), "--nproc", "4",
+                 "--parallel.tp=2", "--train.micro_batch=4"]) == 0
+    (args,) = fake_torchrun
+    assert args.nproc_per_node == "4" and args.training_script == "loom.cli"
+    assert args.training_script_args[0] == "train"
+    assert "--parallel.tp=2" in args.training_script_args and "--parallel.dp_shard=2" in args.training_script_args
+    err = capsys.readouterr().err
+    assert "loom train: parallel.dp_shard=2 inferred from --nproc 4 / (tp=2 x cp=1 x pp=1)" in err, err
+    # A data-parallel size the user gave is kept, and checked against the process count.
+    fake_torchrun.clear()
+    assert main(["train", "--config", "tiny", "--run-dir", str(tmp_path / "r"), "--nproc", "4",
+                 "--parallel.tp=2", "--parallel.dp_replicate=2", "--train.micro_batch=4"]) == 0
+    (args,) = fake_torchrun
+    assert not any(a.startswith("--parallel.dp_shard") for a in args.training_script_args)
+    assert "inferred" not in capsys.readouterr().err
+    # loom memory launches through the same launcher.
+    fake_torchrun.clear()
+    assert main(["memory", "--config", "tiny", "--nproc", "4", "--parallel.tp=2", "--train.micro_batch=4"]) == 0
+    (args,) = fake_torchrun
+    assert "--parallel.dp_shard=2" in args.training_script_args
+
+
+def test_an_inferred_size_is_checked_like_a_given_one(fake_torchrun, capsys):
+    """dp_shard=8 inferred from --nproc 8 does not divide the global batch of 16 sequences of 4: refused
+    before launch, after the line that says where 8 came from."""
+    from loom.cli import main
+
+    assert main(["train", "--config", "tiny", "--nproc", "8", "--train.micro_batch=4"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.dp_shard=8 inferred from --nproc 8" in err and "train.global_batch=16" in err, err
+    assert not fake_torchrun
+
+
 def test_nproc_without_a_fitting_layout_is_refused_before_launch(capsys):
     from loom.cli import main
 
@@ -111,3 +164,25 @@ def test_nproc_without_a_fitting_layout_is_refused_before_launch(capsys):
 def test_uneven_split_fields_need_pipeline_parallelism():
     with pytest.raises(UserError, match="need parallel.pp > 1"):
         load_config("tiny", ["parallel.first_stage_layers=1"])
+
+
+def test_search_offers_sequence_parallelism_only_where_tp_divides_the_sequence():
+    """The search paired sp=true with every tp > 1, also tp sizes that do not divide the sequence, which
+    loom refuses (and `--config` would then write): 2050 tokens split over 2 ranks, not over 4 or 8."""
+    from loom.planner.search import candidates
+
+    w = Workload(_workload().model, 2050, 64, 16, PRESETS["h100"])
+    seen = {}
+    for lay in candidates(w, recompute_modes=("none",), dp_styles=("fsdp",)):
+        seen.setdefault(lay.tp, set()).add(lay.sp)
+        assert not tp_problems(lay.tp, w.model, w.seq_len, lay.sp), lay
+    assert seen == {1: {False}, 2: {False, True}, 4: {False}, 8: {False}}
+
+
+def test_config_schedules_are_the_rule_books():
+    import typing
+
+    from loom.config import ParallelConfig
+    from loom.rules import SCHEDULES
+
+    assert typing.get_args(typing.get_type_hints(ParallelConfig)["schedule"]) == SCHEDULES

@@ -7,8 +7,9 @@ from functools import lru_cache
 
 from loom.config import ModelConfig
 from loom.errors import UserError
+from loom.rules import SCHEDULES, batch_problem, micro_batch_count_problem, micro_batches_needed
 from loom.rules import divisors as _divisors
-from loom.rules import micro_batches_needed, schedule_problem, split_layers, tp_problems
+from loom.rules import schedule_problem, sp_problem, split_problem, tp_problems
 from loom.planner.costmodel import (GIB, Estimate, Layout, Workload, evaluate, head_times, layer_times,
                                     max_chunk_layers, memory, pipeline_ranks)
 
@@ -29,9 +30,6 @@ def tp_options(cfg: ModelConfig, gpus: int, node_size: int, cross_node_tp: bool)
     return out
 
 
-SCHEDULES = ("1f1b", "interleaved", "zero_bubble")
-
-
 def pipeline_options(cfg: ModelConfig, pp: int, m: int, schedules=SCHEDULES) -> list[tuple[str, int]]:
     """(schedule, vpp) pairs loom's pipeline accepts for `pp` stages and `m` micro-batches (splits are
     chosen later): the rule book's (loom.rules), the ones `loom train` checks."""
@@ -39,7 +37,8 @@ def pipeline_options(cfg: ModelConfig, pp: int, m: int, schedules=SCHEDULES) -> 
         return [("1f1b", 1)]
     options = [("1f1b", 1)] + [("interleaved", v) for v in range(2, 9)] + [("zero_bubble", 2)]  # ZB-V
     return [(sched, v) for sched, v in options
-            if sched in schedules and pp * v <= cfg.layers and micro_batches_needed(pp, v, sched, m) is None]
+            if sched in schedules and pp * v <= cfg.layers and schedule_problem(pp, v, sched) is None
+            and micro_batches_needed(pp, v, sched, m) is None]
 
 
 def _bottleneck(layers: int, pp: int, vpp: int, schedule: str, first: int, last: int, head: float):
@@ -87,12 +86,18 @@ def head_weight(w: Workload, tp: int, cp: int) -> float:
     return round(sum(head_times(w, tp, cp, 1)) / (sum(lt.fwd.values()) + sum(lt.bwd.values())), 1)
 
 
+def cp_problem(w: Workload, cp: int) -> str | None:
+    """Why the cost model cannot price context parallelism of size `cp` (loom itself runs only cp=1)."""
+    if cp > 1 and (w.model.attention == "math" or w.seq_len % (2 * cp)):
+        return f"cp={cp} needs fused attention and a sequence length divisible by {2 * cp}"
+    return None
+
+
 def cp_options(w: Workload, cp_max: int) -> list[int]:
+    """1, and the powers of two that leave every rank at least 1024 tokens of the sequence."""
     out = [1]
-    if w.model.attention == "math":
-        return out  # context parallelism needs fused (ring) attention
     c = 2
-    while c <= cp_max and w.seq_len % (2 * c) == 0 and w.seq_len // c >= 1024:
+    while c <= cp_max and cp_problem(w, c) is None and w.seq_len // c >= 1024:
         out.append(c)
         c *= 2
     return out
@@ -122,6 +127,7 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
     """Yield every valid layout (fitting or not is decided by the caller)."""
     cfg, gpus = w.model, w.gpus
     for tp in tp_options(cfg, gpus, w.gpu.node_size, cross_node_tp):
+        sp_options = [sp for sp in (False, True) if not sp_problem(tp, sp) and not tp_problems(tp, cfg, w.seq_len, sp)]
         for cp in cp_options(w, cp_max):
             head = head_weight(w, tp, cp)
             for pp in range(1, cfg.layers + 1):
@@ -136,7 +142,7 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                     m = w.global_batch // (dp * mbs)
                     for schedule, vpp in pipeline_options(cfg, pp, m, schedules):
                         for first, last in split_options(cfg.layers, pp, vpp, schedule, head):
-                            for sp in ((False, True) if tp > 1 and w.seq_len % tp == 0 else (False,)):
+                            for sp in sp_options:
                                 for style in (dp_styles if dp > 1 else ("replicate",)):
                                     for rec in recompute_modes:
                                         yield Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, micro_batch=mbs, sp=sp,
@@ -205,8 +211,8 @@ def parse_layout(text: str, gpus: int) -> dict:
                 raise UserError(f"--layout dp_style={value!r}; valid: {', '.join(DP_STYLES)}")
             out[field] = value
         elif field == "schedule":
-            if value not in ("1f1b", "interleaved", "zero_bubble"):
-                raise UserError(f"--layout schedule={value!r}; valid: 1f1b, interleaved, zero_bubble")
+            if value not in SCHEDULES:
+                raise UserError(f"--layout schedule={value!r}; valid: {', '.join(SCHEDULES)}")
             out[field] = value
         else:
             try:
@@ -239,30 +245,18 @@ def evaluate_layout(w: Workload, fields: dict) -> Estimate:
     lay = Layout(**fields)
     problems = []
     problems += [f"tp={lay.tp}: {reason}" for reason in tp_problems(lay.tp, cfg, w.seq_len, lay.sp)]
-    if lay.pp == 1 and (lay.first_stage_layers or lay.last_stage_layers):
-        problems.append("first and last (an uneven pipeline split) need pp > 1")
-    elif lay.pp > 1:
-        try:
-            split_layers(cfg.layers, lay.pp * lay.vpp, lay.first_stage_layers, lay.last_stage_layers,
-                         what=f"pp={lay.pp} x vpp={lay.vpp}")
-        except UserError as exc:
-            problems.append(str(exc).replace("parallel.first_stage_layers", "first").replace(
-                "parallel.last_stage_layers", "last"))
+    split = split_problem(cfg.layers, lay.pp, lay.vpp, lay.first_stage_layers, lay.last_stage_layers)
+    if split:  # in --layout's names
+        problems.append(split.replace("parallel.first_stage_layers", "first").replace(
+            "parallel.last_stage_layers", "last").replace("parallel.", ""))
     problem = schedule_problem(lay.pp, lay.vpp, lay.schedule)
     if problem:
         problems.append(problem.replace("parallel.", ""))
-    if w.global_batch % (lay.dp * lay.micro_batch):
-        problems.append(f"dp x mbs = {lay.dp * lay.micro_batch} must divide --global-batch {w.global_batch}")
-    else:
-        m = w.global_batch // (lay.dp * lay.micro_batch)
-        need = micro_batches_needed(lay.pp, lay.vpp, lay.schedule, m)
-        if need:
-            problems.append(f"schedule={lay.schedule} needs the micro-batch count to be {need}, but --global-batch "
-                            f"{w.global_batch} / (dp {lay.dp} x mbs {lay.micro_batch}) = {m}")
-    if lay.sp and lay.tp == 1:
-        problems.append("sp=true needs tp > 1")
-    if lay.cp > 1 and (cfg.attention == "math" or w.seq_len % (2 * lay.cp)):
-        problems.append(f"cp={lay.cp} needs fused attention and a sequence length divisible by {2 * lay.cp}")
+    problem = batch_problem(w.global_batch, lay.micro_batch, lay.dp)
+    if problem is None:
+        problem = micro_batch_count_problem(lay.pp, lay.vpp, lay.schedule, w.global_batch, lay.dp, lay.micro_batch)
+    problems += [problem, sp_problem(lay.tp, lay.sp), cp_problem(w, lay.cp)]
+    problems = [p for p in problems if p]
     if problems:
         raise UserError("--layout is not valid for this model and batch: " + "; ".join(problems))
     return evaluate(w, lay)
