@@ -44,18 +44,26 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [max_len, head_dim], computed in float64 then stored as float32."""
+    """cos and signed sin of shape [max_len, head_dim], computed in float64 then stored as float32.
+
+    The sine's first half is negated: rotating half (x1, x2) -> (-x2, x1) then becomes swapping the
+    halves and multiplying by this table, see `apply_rope`.
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
+    sin = angles.sin()
+    return torch.cat([angles, angles], dim=-1).cos().float(), torch.cat([-sin, sin], dim=-1).float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; cos/signed_sin: [seq, head_dim] from `rope_tables`.
+
+    x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1), computed as swap(x) * signed_sin:
+    the same products (negation is exact), one copy instead of slices, a negation and a concatenation
+    (whose backward zero-fills two full-size buffers).
+    """
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return (x * cos + swapped * signed_sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -81,8 +89,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         if rope is not None:  # full tables; this module's positions are start_pos..start_pos+seqlen-1
-            cos, sin = (t[start_pos : start_pos + seqlen] for t in rope)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            cos, signed_sin = (t[start_pos : start_pos + seqlen] for t in rope)
+            q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
         if cache is not None:
             k, v = cache.update(layer_id, k, v, start_pos)
         out = self.core(q, k, v, self.kind, self.attn_dropout if self.training else 0.0, start_pos)
