@@ -1,18 +1,24 @@
 """Single-process CPU training throughput: loom's trainer vs a plain transformers + AdamW loop.
 
 Same shape (the `tiny` config), same fp32 dtype, same batches from the embedded corpus, same loss
-(mean token cross-entropy), same clipping. The two are run side by side in one invocation, in
-alternating rounds (loom first, then transformers first) so that drift in the machine's speed hits both equally; each figure is total
-tokens over total time of its timed steps (warm-up steps excluded).
+(mean token cross-entropy), same clipping. Each framework trains in its own process, as a user runs it
+(loom's trainer tunes the C library's malloc for CPU training, which is process-wide; with --same-process
+both share one process and that setting). They take turns in rounds whose order flips every round (loom
+first, then transformers first), so that drift in the machine's speed and any first-runner effect hit both
+equally. Each figure is total tokens over total time of its timed steps (warm-up steps excluded); the JSON
+also keeps every round's ratio, their median, the fastest step of each, and the load average before and
+after (the ratio is only as good as the machine was quiet).
 
-    .venv/bin/python bench/cpu_vs_hf.py [--rounds 4] [--steps 5] [--out bench/results/cpu_vs_hf.json]
+    .venv/bin/python bench/cpu_vs_hf.py [--rounds 8] [--steps 3] [--same-process] [--profile-ops]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -25,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from loom.config import load_config  # noqa: E402
-from loom.data.loader import batch  # noqa: E402
+from loom.data.loader import batch, build_datasets, load_tokenizer  # noqa: E402
 from loom.provenance import stamp  # noqa: E402
 from loom.train.trainer import Trainer  # noqa: E402
 
@@ -80,13 +86,79 @@ def top_ops(runner, steps: int = 3, top: int = 8) -> dict:
                     for e in rows[:top]]}
 
 
+def _make_runner(name: str, cfg, tmp: str):
+    if name == "loom":
+        return Trainer(cfg, Path(tmp) / "run", quiet=True)
+    return HFLoop(cfg, build_datasets(cfg, load_tokenizer(cfg))[0])
+
+
+def _timed_steps(runner, n: int) -> list[float]:
+    took = []
+    for _ in range(n):
+        t = time.perf_counter()
+        runner.train_step()
+        took.append(time.perf_counter() - t)
+    return took
+
+
+def _worker(name: str, cfg, conn) -> None:
+    """One framework in its own process: runs the steps it is asked for and answers their seconds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        runner = _make_runner(name, cfg, tmp)
+        conn.send("ready")
+        while (request := conn.recv()) is not None:
+            conn.send(top_ops(runner) if request == "profile" else _timed_steps(runner, request))
+
+
+class _Remote:
+    def __init__(self, name: str, cfg):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(name, cfg, child), daemon=True)
+        self.proc.start()
+
+    def ready(self) -> None:
+        assert self.conn.recv() == "ready"
+
+    def steps(self, n: int) -> list[float]:
+        self.conn.send(n)
+        return self.conn.recv()
+
+    def profile(self) -> dict:
+        self.conn.send("profile")
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join()
+
+
+class _Local:
+    def __init__(self, runner):
+        self.runner = runner
+
+    def ready(self) -> None:
+        pass
+
+    def steps(self, n: int) -> list[float]:
+        return _timed_steps(self.runner, n)
+
+    def profile(self) -> dict:
+        return top_ops(self.runner)
+
+    def close(self) -> None:
+        pass
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="tiny")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per round per framework")
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=8, help="rounds; odd rounds run transformers first")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per round per framework")
+    ap.add_argument("--warmup", type=int, default=6, help="untimed steps first (loom's heap settles in ~5)")
     ap.add_argument("--compile", action="store_true", help="loom with train.compile=true (transformers stays eager)")
+    ap.add_argument("--same-process", action="store_true",
+                    help="both in this process (loom's host-memory setting then applies to transformers too)")
     ap.add_argument("--profile-ops", action="store_true",
                     help="also record each framework's top operators over 3 steps (torch.profiler, self CPU time)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_vs_hf.json"))
@@ -96,28 +168,34 @@ def main() -> int:
     cfg = load_config(args.config, [f"train.steps={total_steps}", "train.dtype=float32", "log.progress=none",
                                     "log.tensorboard=false", "train.device=cpu",
                                     f"train.compile={str(args.compile).lower()}"])
+    names = ("loom", "transformers")
     with tempfile.TemporaryDirectory() as tmp:
-        loom = Trainer(cfg, Path(tmp) / "run", quiet=True)
-        hf = HFLoop(cfg, loom.train_data)
-        for _ in range(args.warmup):
-            loom.train_step()
-            hf.train_step()
-        times = {"loom": 0.0, "transformers": 0.0}
-        rounds = []
+        if args.same_process:
+            runners = {name: _Local(_make_runner(name, cfg, tmp)) for name in names}
+        else:
+            runners = {name: _Remote(name, cfg) for name in names}
+        for runner in runners.values():
+            runner.ready()
+        for runner in runners.values():
+            runner.steps(args.warmup)
         load_before = os.getloadavg()
+        rounds = []  # seconds per framework, one dict per round
+        steps = {name: [] for name in names}  # every timed step's seconds
         for r in range(args.rounds):
-            order = (("loom", loom), ("transformers", hf))
-            for name, runner in order if r % 2 == 0 else order[::-1]:  # both orders, alternately
+            took = {}
+            for name in names if r % 2 == 0 else names[::-1]:  # both orders, alternately
                 t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    runner.train_step()
-                dt = time.perf_counter() - t0
-                times[name] += dt
-                rounds.append({"round": r, "framework": name, "seconds": round(dt, 3)})
+                steps[name] += runners[name].steps(args.steps)
+                took[name] = time.perf_counter() - t0
+            rounds.append(took)
         load_after = os.getloadavg()
-        ops = {name: top_ops(runner) for name, runner in (("loom", loom), ("transformers", hf))} if args.profile_ops else None
+        ops = {name: runner.profile() for name, runner in runners.items()} if args.profile_ops else None
+        for runner in runners.values():
+            runner.close()
     tokens = args.rounds * args.steps * cfg.train.global_batch * cfg.train.seq_len
-    loom_tps, hf_tps = tokens / times["loom"], tokens / times["transformers"]
+    loom_tps = tokens / sum(r["loom"] for r in rounds)
+    hf_tps = tokens / sum(r["transformers"] for r in rounds)
+    round_ratios = [round(r["transformers"] / r["loom"], 3) for r in rounds]
     import transformers
 
     result = {
@@ -127,14 +205,16 @@ def main() -> int:
         "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch, "seq_len": cfg.train.seq_len,
         "dtype": "float32",
         "loom_compiled": args.compile,
+        "processes": "one" if args.same_process else "one per framework",
         "timed_tokens_each": tokens,
         "loom_tokens_per_s": round(loom_tps, 1),
         "transformers_tokens_per_s": round(hf_tps, 1),
         "ratio": round(loom_tps / hf_tps, 3),
-        "round_ratios": [round(next(x["seconds"] for x in rounds if x["round"] == r and x["framework"] == "transformers")
-                               / next(x["seconds"] for x in rounds if x["round"] == r and x["framework"] == "loom"), 3)
-                         for r in range(args.rounds)],
-        "rounds": rounds,
+        "round_ratios": round_ratios,
+        "median_round_ratio": round(statistics.median(round_ratios), 3),
+        # The fastest step of each: the estimate least disturbed by other work on the machine.
+        "best_step_ratio": round(min(steps["transformers"]) / min(steps["loom"]), 3),
+        "step_seconds": {k: [round(x, 4) for x in v] for k, v in steps.items()},
         "load_average_1min_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
         **({"profile_3_steps": ops} if ops else {}),
         "transformers": transformers.__version__,
