@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from cpu_vs_hf import HFLoop, _make_runner  # noqa: E402
 
 from loom.config import load_config  # noqa: E402
+from loom.provenance import stamp  # noqa: E402
 
 
 def main() -> int:
@@ -79,6 +80,7 @@ def main() -> int:
         "minor_faults_per_step": sorted(faults)[len(faults) // 2],
         "op_ms_sum_of_call_minima": round(sum(v[0] for v in ops.values()), 1),
         "top_ops": [{"op": k, "ms": round(v[0], 2), "calls": v[1]} for k, v in top[:25]],
+        **stamp("python bench/cpu_profile.py " + " ".join(sys.argv[1:])),
     }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "top_ops"}))
