@@ -89,6 +89,11 @@ class ParallelConfig:
     dp_shard: int = 1
     cp: int = 1
     ep: int = 1
+    # Gradient accumulation over the micro-batches of a step under FSDP (dp_shard > 1): "sharded"
+    # reduce-scatters every micro-batch's gradients, so a rank never holds more than its shard of them;
+    # "unsharded" keeps full fp32 gradients until the last micro-batch and reduces once (fewer
+    # collectives, the whole model's gradients in memory). Pipeline schedules always reduce once.
+    grad_accum: Literal["sharded", "unsharded"] = "sharded"
 
     @property
     def world_size(self) -> int:

@@ -21,6 +21,7 @@ import torch
 from loom.config import Config
 from loom.ledger import SavedTensorLedger
 from loom.models.losses import token_loss_sum
+from loom.rules import grads_stay_sharded
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -136,7 +137,13 @@ def state_bytes(cfg: Config, layout=None) -> dict:
     p = cfg.parallel
     per_rank = total / (p.tp * p.pp * p.dp_shard)
     moment_bytes = 4 if cfg.optim.state_dtype == "bfloat16" else 8
-    return {"params_total": total, "params_bytes": per_rank * 4, "grads_bytes": per_rank * 4,
+    # Gradients between a step's micro-batches: this rank's shard, or the whole stage's (rules.py).
+    micro_batches = cfg.train.global_batch // (p.dp * cfg.train.micro_batch)
+    sharded = grads_stay_sharded(p.grad_accum, p.pp, micro_batches)
+    return {"params_total": total, "params_bytes": per_rank * 4,
+            "grads_bytes": per_rank * 4 * (1 if sharded else p.dp_shard),
+            "grad_accum": ("whole: dp_shard=1" if p.dp_shard == 1 else
+                           "sharded every micro-batch" if sharded else "whole until the last micro-batch"),
             "optimizer_bytes": per_rank * moment_bytes}
 
 
@@ -245,7 +252,7 @@ def format_table(r: dict) -> str:
         "",
         "state per rank (fp32 master weights and gradients):",
         f"  parameters                   {gib(r['params_bytes'])}  ({r['params_total']:,} parameters in the model)",
-        f"  gradients                    {gib(r['grads_bytes'])}",
+        f"  gradients                    {gib(r['grads_bytes'])}  ({r['grad_accum']})",
         f"  optimizer                    {gib(r['optimizer_bytes'])}",
         "",
         "matmul FLOPs per optimizer step, all ranks:",

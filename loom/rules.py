@@ -200,6 +200,16 @@ def chunk_layer_counts(cfg) -> list[int]:
 # --- the whole layout -----------------------------------------------------------------------------
 
 
+def grads_stay_sharded(grad_accum: str, pp: int, micro_batches: int) -> bool:
+    """Whether FSDP gradients stay sharded over a step's micro-batches, as loom runs it.
+
+    "sharded" reduce-scatters every micro-batch; torch.distributed.pipelining reduces only after a
+    stage's last micro-batch, so under pp > 1 gradients accumulate unsharded whatever the setting.
+    One micro-batch is reduced at once in either case.
+    """
+    return micro_batches == 1 or (grad_accum == "sharded" and pp == 1)
+
+
 def data_parallel_size(p) -> int:
     return p.dp_replicate * p.dp_shard
 

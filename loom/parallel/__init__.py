@@ -29,7 +29,8 @@ def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype:
         names = [n for n, size in (("dp_replicate", p.dp_replicate), ("dp_shard", p.dp_shard)) if size > 1]
         if names == ["dp_replicate"]:
             names = ["dp_replicate", "dp_shard"]  # FSDP2 replicates over a 2-D mesh with a shard group of 1
-        apply_data_parallel(model, layout.submesh(*names), compute_dtype)
+        # Pipeline stages keep their gathered parameters through the step (see loom/parallel/data.py).
+        apply_data_parallel(model, layout.submesh(*names), compute_dtype, reshard_after_forward=layout.pp == 1)
     return model
 
 

@@ -10,6 +10,17 @@ One mechanism covers the three styles:
   DDP's communication pattern;
 - hybrid (both > 1): sharded within a group, replicated across groups (HSDP).
 
+Gradients over a step's micro-batches (`parallel.grad_accum`): "sharded" (default) reduce-scatters
+every micro-batch's gradients into the rank's shard, so no rank ever holds the whole model's
+gradients; under HSDP the all-reduce across replicas still runs once, after the last micro-batch.
+"unsharded" keeps full gradients until the last micro-batch and reduces once. Replicated data
+parallelism always reduces once (its gradients are whole anyway).
+
+Parameters: each block is resharded after its forward (gathered again for backward), except under
+pipeline parallelism, where a stage's blocks keep their gathered parameters from the first forward to
+the end of the step (torchtitan's policy: the schedule interleaves many micro-batches' forwards and
+backwards, and re-gathering for each would multiply the all-gathers).
+
 Mixed precision: with `train.dtype=bfloat16` blocks compute in bf16 from bf16 copies of fp32 master
 weights, and gradients are reduced in fp32. The optimizer always updates fp32 parameters.
 """
@@ -21,16 +32,23 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
-def apply_data_parallel(model: nn.Module, dp_mesh, compute_dtype: torch.dtype | None) -> None:
+def apply_data_parallel(model: nn.Module, dp_mesh, compute_dtype: torch.dtype | None,
+                        reshard_after_forward: bool = True) -> None:
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Skip the gradient reduction on all but the last micro-batch of a step."""
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(enabled)
+def set_gradient_sync(model: nn.Module, last_micro_batch: bool, sharded: bool) -> None:
+    """Before a micro-batch's backward: reduce its gradients now (`sharded` accumulation under FSDP, or the
+    last micro-batch), or keep them whole until the last one. The replica all-reduce of HSDP and of
+    replicated data parallelism runs on the last micro-batch only."""
+    if not hasattr(model, "set_requires_gradient_sync"):
+        return
+    model.set_requires_gradient_sync(last_micro_batch or sharded)
+    if sharded:
+        model.set_requires_all_reduce(last_micro_batch)

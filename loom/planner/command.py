@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the config's)")
     c.add_argument("--precision", choices=PRECISIONS, default="bf16", help="matmul precision (fp8: linear layers)")
     c.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32", help="AdamW moment dtype")
+    c.add_argument("--grad-accum", choices=["sharded", "unsharded"], default="sharded",
+                   help="FSDP gradients between micro-batches, as loom's parallel.grad_accum (default sharded)")
     c.add_argument("--tokens", type=float, default=None, help="training tokens, to report days to train")
     c.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="gradients reduced after backward, not during it (Megatron-LM before 2023)")
@@ -101,7 +103,8 @@ def build_workload(args):
     gpu = load_gpu(args.gpu)
     gpu.peak(args.precision)  # a clear error when the GPU lacks the precision
     return Workload(model=model, seq_len=seq, global_batch=batch, gpus=args.gpus, gpu=gpu, precision=args.precision,
-                    state_dtype=args.state_dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce), args.model
+                    state_dtype=args.state_dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce,
+                    grad_accum=args.grad_accum), args.model
 
 
 def run(args) -> int:

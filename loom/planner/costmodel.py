@@ -29,7 +29,7 @@ from functools import lru_cache
 
 from loom.config import ModelConfig
 from loom.flops import layer_activation_bytes, train_flops_per_token
-from loom.rules import rank_chunks, valid_split
+from loom.rules import grads_stay_sharded, rank_chunks, valid_split
 from loom.planner.hardware import GPU
 
 GIB = 2**30
@@ -50,6 +50,9 @@ class Workload:
     # Gradient reduction overlapped with backward (loom's FSDP2, Megatron-Core's --overlap-grad-reduce).
     # Megatron-LM before 2023 reduced after the last backward; validation of those runs turns it off.
     overlap_grad_reduce: bool = True
+    # FSDP gradients over a step's micro-batches (loom's parallel.grad_accum): "sharded" reduce-scatters
+    # every micro-batch, "unsharded" holds them whole until the last; pipelines always reduce once.
+    grad_accum: str = "sharded"
 
 
 @dataclass(frozen=True)
@@ -409,8 +412,11 @@ def memory(w: Workload, lay: Layout) -> dict:
             params, grads, optim = 4 * local, 4 * local, moment_bytes * local
         elif lay.dp_style == "distopt":  # Megatron: 16-bit weights + fp32 grads replicated; master + moments split
             params, grads, optim = 2 * local, 4 * local, (4 + moment_bytes) * local / dp
-        else:  # fsdp (loom dp_shard): everything split; gradients are accumulated unsharded across micro-batches
-            params, grads, optim = 4 * local / dp, (4 * local if m > 1 else 4 * local / dp), moment_bytes * local / dp
+        else:  # fsdp (loom dp_shard): everything split; gradients sharded or whole between micro-batches
+            sharded = grads_stay_sharded(w.grad_accum, lay.pp, m)
+            params, grads, optim = 4 * local / dp, 4 * local / (dp if sharded else 1), moment_bytes * local / dp
+            if lay.pp > 1:  # a stage keeps its gathered compute-dtype weights through the step (no reshard)
+                params += act_bytes * local
         activations = shape.held_layers * per_layer
         if lay.recompute == "full":  # k layers of every chunk keep only their input
             activations -= sum(held * _recomputed(lay, c) for c, held in zip(shape.chunks, shape.held)) * (per_layer - full)
@@ -482,12 +488,20 @@ def step_time(w: Workload, lay: Layout) -> dict:
             hidden_grad = max(grad - bwd_mb, grad / n_layers) if w.overlap_grad_reduce else grad
             dp_comm = hidden_grad + max(gather - fwd_mb, gather / n_layers)
         else:
-            # fsdp: 16-bit weights gathered before each layer's forward and backward of every
-            # micro-batch (prefetched, overlapping the previous layer), gradients reduce-scattered once.
             gather = collective_time(gpu, "all_gather", 2 * local, lay.dp, intra)
-            hidden = max(gather - fwd_mb, gather / n_layers) + max(gather - bwd_mb, gather / n_layers)
             grad = collective_time(gpu, "reduce_scatter", 4 * local, lay.dp, intra)
-            dp_comm = m * hidden + max(grad - bwd_mb, grad / n_layers)
+            hidden_gather = max(gather - fwd_mb, gather / n_layers)
+            hidden_grad = max(grad - bwd_mb, grad / n_layers)
+            if lay.pp > 1:
+                # Pipeline stages gather their weights once per step and keep them; the schedule reduces
+                # gradients after the stage's last backward, with no backward left to hide behind.
+                dp_comm = hidden_gather + grad
+            else:
+                # 16-bit weights gathered before each layer's forward and backward of every micro-batch
+                # (prefetched, overlapping the previous layer); gradients reduce-scattered every
+                # micro-batch (sharded accumulation) or after the last one.
+                sharded = grads_stay_sharded(w.grad_accum, lay.pp, m)
+                dp_comm = m * (hidden_gather + max(gather - bwd_mb, gather / n_layers)) + (m if sharded else 1) * hidden_grad
     step["dp_comm"] = dp_comm
     # AdamW: read param, grad, two moments; write param, moments (and a 16-bit copy); over the local shard.
     shard = local / (1 if lay.dp_style == "replicate" else lay.dp)

@@ -89,6 +89,7 @@ def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
     t.micro_batch, t.global_batch, t.seq_len = lay.micro_batch, w.global_batch, w.seq_len
     t.dtype = "bfloat16"
     cfg.optim.state_dtype = w.state_dtype
+    cfg.parallel.grad_accum = w.grad_accum
     r = cfg.recompute
     r.mode = lay.recompute
     if lay.recompute == "full" and lay.recompute_layers:

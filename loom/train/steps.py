@@ -30,6 +30,7 @@ from loom.parallel import MeshPlace, parallelize
 from loom.parallel.data import set_gradient_sync
 from loom.parallel.distributed import all_reduce_sum, local
 from loom.parallel.tensor import loss_context
+from loom.rules import grads_stay_sharded
 
 
 def read_batch(dataset, start: int, count: int) -> Batch:
@@ -88,9 +89,12 @@ class SPMDRunner(_Runner):
     def forward_backward(self, batch: Batch, scale: float) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
         micro = micro_batches(batch, self.cfg.train.micro_batch)
+        # Sharded accumulation: every micro-batch's gradients are reduce-scattered into this rank's shard.
+        p = self.cfg.parallel
+        sharded = self.layout.dp_size > 1 and p.dp_shard > 1 and grads_stay_sharded(p.grad_accum, 1, len(micro))
         for m, mb in enumerate(micro):
             mb = to_device(mb, self.device)
-            set_gradient_sync(self.model, m == len(micro) - 1)
+            set_gradient_sync(self.model, m == len(micro) - 1, sharded)
             with loss_context(self.layout.tp):
                 micro_loss = self.loss_sum(mb)
                 (micro_loss * scale).backward()
