@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import ModelConfig
+from loom.models.init import canonical_name, fill, to_empty_keeping_ties
 
 
 class RMSNorm(nn.Module):
@@ -195,23 +196,33 @@ class Transformer(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
-        self.init_weights()
+        if self.tok_embeddings.weight.device.type != "meta":  # built on meta: initialised once materialised
+            self.init_weights(int(torch.randint(0, 2**62, ()).item()))
+
+    def init_spec(self, name: str) -> tuple[str, float]:
+        """How parameter `name` starts: ("normal", std) weights, output projections of each block scaled by
+        1/sqrt(2L) (GPT-2); ("ones", 0) norm weights; ("zeros", 0) biases."""
+        if name.endswith("bias"):
+            return "zeros", 0.0
+        if "norm" in name.rsplit(".", 2)[-2]:
+            return "ones", 0.0
+        if name.endswith(("wo.weight", "w2.weight")):
+            return "normal", self.cfg.init_std / math.sqrt(2 * self.cfg.layers)
+        return "normal", self.cfg.init_std
 
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, init_std) weights; output projections of each block scaled by 1/sqrt(2L) (GPT-2)."""
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.layers)
+    def init_weights(self, seed: int) -> None:
+        """Every parameter from `seed` and its name alone (loom/models/init.py): the same weights whatever
+        the layout; `loom.parallel.materialize` fills a rank's shards with exactly these values."""
         for name, p in self.named_parameters():
-            if p.dim() == 1:  # norms and biases
-                if name.endswith("bias"):
-                    p.zero_()
-                else:
-                    p.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                p.normal_(0.0, out_std, generator=generator)
-            else:
-                p.normal_(0.0, std, generator=generator)
+            name = canonical_name(name)
+            fill(p, tuple(p.shape), (0,) * p.dim(), seed, name, *self.init_spec(name))
+
+    def reset_buffers(self) -> None:
+        """Recompute the rotary tables (non-persistent buffers) on their device, in fp32."""
+        if self.rope_cos is not None:
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+            self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
 
     def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0) -> torch.Tensor:
         """tokens [batch, seq] (int) -> logits [batch, seq, vocab].
@@ -253,14 +264,14 @@ class Transformer(nn.Module):
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 seed: int | None = None) -> Transformer:
-    """Build and initialise a model. With `seed` the init is reproducible independent of global RNG."""
-    with torch.device(device):
+    """Build and initialise a model once. With `seed` the weights depend on the seed alone (not on the global
+    RNG, the device or the layout); on the meta device only the structure is built."""
+    with torch.device("meta"):
         model = Transformer(cfg)
-    if seed is not None:
-        gen = torch.Generator(device=device).manual_seed(seed)
-        model.init_weights(gen)
+    if str(device) == "meta":
+        return model.to(dtype=dtype)
+    to_empty_keeping_ties(model, device)
+    model.init_weights(int(torch.randint(0, 2**62, ()).item()) if seed is None else seed)
     model = model.to(dtype=dtype)
-    if model.rope_cos is not None:  # rotary tables stay fp32 whatever the parameter dtype: rebuild them
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model.reset_buffers()  # rotary tables stay fp32 whatever the parameter dtype
     return model

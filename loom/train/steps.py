@@ -78,6 +78,7 @@ class SPMDRunner(_Runner):
         # bf16 compute: FSDP2 casts parameters per block when data-parallel, else autocast does it.
         super().__init__(cfg, layout, loss, device, compute_dtype if layout.dp_size == 1 else None)
         self.model = parallelize(model, layout, cfg, compute_dtype, layer_plan)
+        self.parts = [self.model]  # the modules that hold this rank's weights (materialised by the trainer)
         # Forward and loss as one function, so that compilation can fuse the loss into the head.
         self.loss_sum = torch.compile(self._loss_sum) if cfg.train.compile else self._loss_sum
 
@@ -139,6 +140,7 @@ class PipelineRunner(_Runner):
         for chunk in self.chunks:
             parallelize(chunk, layout, cfg, compute_dtype, layer_plan)
         self.model = RankView(self.chunks)
+        self.parts = self.chunks
         self.model.pp_size = layout.pp
         num_stages = cfg.parallel.pp * cfg.parallel.vpp
         self.has_first, self.has_last = 0 in self.stage_ids, num_stages - 1 in self.stage_ids

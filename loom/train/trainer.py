@@ -36,6 +36,7 @@ from loom.models.llama import build_model
 from loom.models.losses import Loss, TokenCrossEntropy
 from loom.parallel import build_layout
 from loom.parallel.distributed import all_reduce_sum, clip_grad_norm, init_distributed, pick_device
+from loom.parallel.materialize import materialize
 from loom.train.banner import banner, epoch_steps
 from loom.train.checkpoint import Checkpointer, TrainState, latest_checkpoint
 from loom.train.control import STOP_RECORD, RunControl, is_finite, resume
@@ -111,8 +112,10 @@ class Trainer:
         self.train_data, self.val_data = build_datasets(cfg, self.tokenizer)
 
         torch.manual_seed(t.seed)
-        # Every rank builds the same full model from the seed; parallelize keeps each rank's shards.
-        model = build_model(cfg.model, device=self.device, seed=t.seed)
+        # The model's structure on meta: no rank ever allocates the whole model. The runner applies the
+        # layout (pipeline stages, TP, FSDP) on meta; then each rank allocates and initialises only its
+        # shards, with the values one process would hold there (loom/models/init.py).
+        model = build_model(cfg.model, device="meta")
         model.train()
         self.num_params = model.num_params()
         layer_plan = None
@@ -122,6 +125,7 @@ class Trainer:
             measure_on = self.device if self.layout.tp > 1 else "meta"
             layer_plan = plan_budget(cfg, self.layout, measure_on)["plan"]
         self.runner = build_runner(model, cfg, self.layout, self.loss, self.device, compute_dtype, layer_plan)
+        materialize(self.runner.parts, self.device, t.seed)
         self.model = self.runner.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.evaluator = Evaluator(self.runner, self.val_data, self.tokenizer, t.micro_batch)
