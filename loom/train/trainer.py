@@ -42,7 +42,7 @@ from loom.train.checkpoint import Checkpointer, TrainState, latest_checkpoint
 from loom.train.control import STOP_RECORD, RunControl, is_finite, resume
 from loom.train.evaluate import Evaluator
 from loom.train.hang import Beacon
-from loom.train.host_memory import keep_freed_memory
+from loom.train.host_memory import keep_freed_memory, return_freed_memory
 from loom.train.metrics import MetricsWriter, Progress, Reporter
 from loom.train.optim import build_optimizer
 from loom.train.schedule import lr_at
@@ -76,8 +76,11 @@ class Trainer:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.device = pick_device(cfg.train.device)
-        if self.device.type == "cpu":  # no page faults for every step's large buffers (host_memory.py)
-            keep_freed_memory()
+        if self.device.type == "cpu":  # the C library's malloc, tuned for the run (host_memory.py):
+            if cfg.parallel.dp_shard > 1:  # sharded weights: gathered blocks go back to the kernel
+                return_freed_memory()
+            else:  # no page faults for every step's large buffers
+                keep_freed_memory()
         init_distributed(self.device, cfg.train.collective_timeout_s)
         self.beacon = Beacon(cfg.train.collective_timeout_s)
         # From here on every rank takes part in collectives (mesh groups, loading a checkpoint): one that
