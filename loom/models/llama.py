@@ -213,11 +213,13 @@ class Transformer(nn.Module):
             else:
                 p.normal_(0.0, std, generator=generator)
 
-    def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0,
+                return_hidden: bool = False) -> torch.Tensor:
         """tokens [batch, seq] (int) -> logits [batch, seq, vocab].
 
         A pipeline stage without the embedding takes hidden states [batch, seq, hidden] instead, and a
-        stage without the head returns hidden states.
+        stage without the head returns hidden states. `return_hidden=True` stops before the LM head
+        (after the final norm): a loss that applies the head itself, chunk by chunk, takes it from there.
         """
         seqlen = tokens.shape[1]
         positions = slice(start_pos, start_pos + seqlen)
@@ -235,7 +237,7 @@ class Transformer(nn.Module):
             h = layer(h, rope, cache, start_pos)
         if self.norm is not None:
             h = self.norm(h)
-        if self.output is not None:
+        if self.output is not None and not return_hidden:
             h = self.output(h)
         return h
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from loom.config import Config
 from loom.data.loader import batch as sample_rows
-from loom.models.losses import Batch, Loss
+from loom.models.losses import Batch, HeadInput, Loss
 from loom.parallel import MeshPlace, parallelize
 from loom.parallel.data import set_gradient_sync
 from loom.parallel.distributed import all_reduce_sum, local
@@ -76,12 +76,14 @@ class SPMDRunner(_Runner):
                  compute_dtype: torch.dtype | None, layer_plan: dict | None = None):
         # bf16 compute: FSDP2 casts parameters per block when data-parallel, else autocast does it.
         super().__init__(cfg, layout, loss, device, compute_dtype if layout.dp_size == 1 else None)
+        # train.compile compiles each transformer block inside parallelize (TP, recompute, compile, FSDP).
         self.model = parallelize(model, layout, cfg, compute_dtype, layer_plan)
-        # Forward and loss as one function, so that compilation can fuse the loss into the head.
-        self.loss_sum = torch.compile(self._loss_sum) if cfg.train.compile else self._loss_sum
 
-    def _loss_sum(self, batch: Batch) -> torch.Tensor:
+    def loss_sum(self, batch: Batch) -> torch.Tensor:
         with self.autocast():
+            if getattr(self.loss, "wants_hidden", False):  # the loss applies the head itself (chunked)
+                hidden = self.model(batch["input_ids"], return_hidden=True)
+                return self.loss(HeadInput(hidden, self.model.output), batch)
             output = self.model(batch["input_ids"])
         return self.loss(output, batch)
 

@@ -71,7 +71,7 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.quiet = quiet
-        self.loss = loss or TokenCrossEntropy()
+        self.loss = loss or TokenCrossEntropy(cfg.train.loss_chunk)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.device = pick_device(cfg.train.device)
