@@ -77,7 +77,7 @@ class Trainer:
         self.device = pick_device(cfg.train.device)
         if self.device.type == "cpu":  # no page faults for every step's large buffers (host_memory.py)
             keep_freed_memory()
-        init_distributed(self.device, cfg.train.collective_timeout_s)
+        init_distributed(self.device, cfg.train.collective_timeout_s, self.run_dir / "nccl-trace")
         self.beacon = Beacon(cfg.train.collective_timeout_s)
         # From here on every rank takes part in collectives (mesh groups, loading a checkpoint): one that
         # hangs becomes an error naming the rank that did not arrive, as in training.
