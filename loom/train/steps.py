@@ -173,8 +173,10 @@ class PipelineRunner(_Runner):
         self.scale = scale
         batch = to_device(batch, self.device)
         losses: list = []
-        args = (batch["input_ids"],) if self.has_first else ()
-        kwargs = {"target": batch["labels"], "losses": losses} if self.has_last else {}
+        # Contiguous: torch 2.11's pipelining checks input strides against the stage's (a [b, s] slice of the
+        # [b, s+1] sample rows has stride s+1).
+        args = (batch["input_ids"].contiguous(),) if self.has_first else ()
+        kwargs = {"target": batch["labels"].contiguous(), "losses": losses} if self.has_last else {}
         WaitTimer.reset()
         cuda = self.device.type == "cuda"  # time on the device's stream: NCCL waits do not block the host
         if cuda:
