@@ -120,7 +120,9 @@ class TrainConfig:
     eval_interval: int = 0  # 0: evaluate only at the end
     eval_samples: int = 32  # held-out sequences per evaluation
     log_interval: int = 1
-    compile: bool = False
+    compile: bool = False  # torch.compile each transformer block (composes with FSDP and recompute; not TP yet)
+    loss_chunk: int = 0  # >0: LM head + cross-entropy this many tokens at a time, logits recomputed in backward
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"  # fp8 linear layers through torchao (CUDA, sm89+)
     threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
     max_skipped_consecutive: int = 5  # non-finite loss/grad steps skipped in a row before stopping (exit 3)
     collective_timeout_s: float = 600.0  # a collective waiting longer fails, naming the rank(s) behind
@@ -128,7 +130,7 @@ class TrainConfig:
     def validate(self) -> None:
         for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_samples", "log_interval"):
             _positive(f"train.{name}", getattr(self, name))
-        for name in ("eval_interval", "threads", "max_skipped_consecutive"):
+        for name in ("eval_interval", "threads", "max_skipped_consecutive", "loss_chunk"):
             if getattr(self, name) < 0:
                 raise UserError(f"train.{name}={getattr(self, name)} must be >= 0")
         if self.global_batch % self.micro_batch:

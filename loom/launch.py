@@ -80,6 +80,11 @@ def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nn
         codes = {f.exitcode for f in exc.failures.values()}
         print(f"loom {command[0]}: {len(exc.failures)} worker(s) failed (exit codes {sorted(codes)}); see their output above",
               file=sys.stderr)
+        if "--run-dir" in command:  # an NCCL watchdog kill leaves flight-recorder dumps (parallel/distributed.py)
+            from loom.parallel.distributed import nccl_trace_hint
+
+            if hint := nccl_trace_hint(os.path.join(command[command.index("--run-dir") + 1], "nccl-trace")):
+                print(f"loom {command[0]}: {hint}", file=sys.stderr)
         # Workers the launcher itself stopped (killed by a signal: negative codes) do not count: when the
         # rest failed on bad input (2), so did the job.
         return 2 if {c for c in codes if c >= 0} == {2} else 1

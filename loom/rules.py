@@ -244,6 +244,8 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False) -> None
             "dropout with parallel.tp > 1 needs per-rank random streams, which this build does not have yet; "
             "set model.dropout=0 and model.attn_dropout=0, or parallel.tp=1"
         )
+    if problem := gpu_path_problem(p.tp, p.pp, t.loss_chunk, t.fp8, t.compile):
+        raise UserError(problem)
     dp = data_parallel_size(p)
     detail = f" (dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard})"
     if problem := batch_problem(t.global_batch, t.micro_batch, dp, detail):
@@ -255,6 +257,26 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False) -> None
             f"{p.dp_replicate} x dp_shard={p.dp_shard}) but {world} processes were started; make the product "
             f"equal the process count (e.g. --nproc {world_size(p)}) or change the sizes"
         )
+
+
+def gpu_path_problem(tp: int, pp: int, loss_chunk: int, fp8: str, compile: bool = False) -> str | None:
+    """Which layouts per-block compilation, the chunked cross-entropy and fp8 linears compose with (None:
+    this one)."""
+    if compile and tp > 1:
+        return (f"train.compile=true with parallel.tp={tp} is not supported yet (the compiled blocks' backward "
+                "breaks on loom's tensor-parallel hooks in torch 2.11-2.13); set train.compile=false, or "
+                "parallel.tp=1 (compile composes with dp_shard, dp_replicate and recompute)")
+    if loss_chunk and tp > 1:
+        return (f"train.loss_chunk={loss_chunk} with parallel.tp={tp} is not supported: under tensor parallelism "
+                "the LM head is split by vocabulary and the vocabulary-parallel loss already keeps only 1/tp of "
+                "the logits per rank; set train.loss_chunk=0, or parallel.tp=1")
+    if loss_chunk and pp > 1:
+        return (f"train.loss_chunk={loss_chunk} with parallel.pp={pp} is not supported yet (the pipeline's last "
+                "stage returns logits to the schedule's loss); set train.loss_chunk=0, or parallel.pp=1")
+    if fp8 != "off" and tp > 1:
+        return (f"train.fp8={fp8} with parallel.tp={tp} is not supported yet (fp8 tensor-parallel styles are not "
+                "wired in); set train.fp8=off, or parallel.tp=1 (fp8 composes with dp_shard/dp_replicate)")
+    return None
 
 
 def _check_pipeline(cfg) -> None:

@@ -108,6 +108,7 @@ def fake_torchrun(monkeypatch):
     import torch.distributed.run
 
     import loom.data.loader
+    import loom.train.trainer  # noqa: F401  imported before the patch, so it keeps the real functions
 
     calls = []
     monkeypatch.setattr(torch.distributed.run, "run", lambda args: calls.append(args))

@@ -224,11 +224,13 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
             self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
 
-    def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0,
+                return_hidden: bool = False) -> torch.Tensor:
         """tokens [batch, seq] (int) -> logits [batch, seq, vocab].
 
         A pipeline stage without the embedding takes hidden states [batch, seq, hidden] instead, and a
-        stage without the head returns hidden states.
+        stage without the head returns hidden states. `return_hidden=True` stops before the LM head
+        (after the final norm): a loss that applies the head itself, chunk by chunk, takes it from there.
         """
         seqlen = tokens.shape[1]
         positions = slice(start_pos, start_pos + seqlen)
@@ -246,7 +248,7 @@ class Transformer(nn.Module):
             h = layer(h, rope, cache, start_pos)
         if self.norm is not None:
             h = self.norm(h)
-        if self.output is not None:
+        if self.output is not None and not return_hidden:
             h = self.output(h)
         return h
 

@@ -1,6 +1,9 @@
-"""Parallelism applied to a plain model: `parallelize` runs tensor/sequence parallel, then FSDP2."""
+"""Parallelism applied to a plain model: `parallelize` runs fp8 conversion, tensor/sequence parallel,
+recomputation, per-block compilation, then FSDP2."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -11,17 +14,24 @@ from loom.parallel.dims import MeshPlace, build_layout, validate_layout
 
 def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype: torch.dtype | None,
                 layer_plan: dict[str, str] | None = None) -> nn.Module:
-    """TP(+SP) over the `tp` mesh dimension, then activation recomputation, then data parallelism over
+    """fp8 linear layers (`train.fp8`), TP(+SP) over the `tp` mesh dimension, activation recomputation,
+    `torch.compile` of each transformer block (`train.compile`), then data parallelism over
     `(dp_replicate, dp_shard)` — torchtitan's order. `model` is the whole model or one pipeline stage.
     `layer_plan` ({layer: none|selective|full}) overrides `cfg.recompute` (the budget planner's output).
     """
     from loom.parallel.recompute import apply_recompute
 
+    if cfg.train.fp8 != "off":
+        from loom.parallel.float8 import apply_float8
+
+        apply_float8(model, cfg.train.fp8)
     if layout.tp > 1:
         from loom.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, layout.submesh("tp"), cfg.parallel.sp)
     apply_recompute(model, cfg, layer_plan)
+    if cfg.train.compile:
+        compile_blocks(model)
     if layout.dp_size > 1:
         from loom.parallel.data import apply_data_parallel
 
@@ -32,6 +42,17 @@ def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype:
         # Pipeline stages keep their gathered parameters through the step (see loom/parallel/data.py).
         apply_data_parallel(model, layout.submesh(*names), compute_dtype, reshard_after_forward=layout.pp == 1)
     return model
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """Compile every transformer block in place (`nn.Module.compile`: names, state dicts and the hooks
+    FSDP registers later are unchanged). After TP and recomputation, so the compiled graph contains the
+    DTensor ops and the checkpoint regions; before FSDP, whose all-gathers stay outside the graphs.
+    `LOOM_COMPILE_BACKEND` picks another torch.compile backend (tests use `aot_eager`: the same graph
+    capture and autograd tracing, without code generation)."""
+    backend = os.environ.get("LOOM_COMPILE_BACKEND", "inductor")
+    for block in model.layers.values():
+        block.compile(backend=backend)
 
 
 __all__ = ["MeshPlace", "build_layout", "parallelize", "validate_layout"]

@@ -40,7 +40,7 @@ def apply_data_parallel(model: nn.Module, dp_mesh, compute_dtype: torch.dtype | 
         # The last block's parameters are needed again at once by backward: keep them gathered.
         fully_shard(block, mesh=dp_mesh, mp_policy=policy,
                     reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)  # the root keeps its weights from forward to backward
 
 
 def set_gradient_sync(model: nn.Module, last_micro_batch: bool, sharded: bool) -> None:

@@ -19,16 +19,33 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def init_distributed(device: torch.device, timeout_s: float | None = None) -> None:
+def init_distributed(device: torch.device, timeout_s: float | None = None, trace_dir=None) -> None:
     """Join the process group when started by the launcher (torchrun sets WORLD_SIZE etc.).
 
-    A collective that waits longer than `timeout_s` raises instead of hanging.
+    A collective that waits longer than `timeout_s` raises instead of hanging (gloo). NCCL's watchdog
+    instead tears the process down before Python sees an error, so on CUDA the NCCL flight recorder is
+    switched on (unless the environment already says otherwise): on a timeout every rank dumps its last
+    collectives to `trace_dir/nccl_trace_rank_N`, which `nccl_trace_hint` tells how to read.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            if trace_dir is not None:
+                os.makedirs(trace_dir, exist_ok=True)
+                os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+                os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+                os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(str(trace_dir), "nccl_trace_rank_"))
         timeout = timedelta(seconds=timeout_s) if timeout_s else None
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+
+
+def nccl_trace_hint(trace_dir) -> str | None:
+    """What to run on the flight-recorder dumps of a run whose NCCL watchdog fired, or None if none."""
+    if not trace_dir or not os.path.isdir(trace_dir) or not any(
+            name.startswith("nccl_trace_rank_") for name in os.listdir(trace_dir)):
+        return None
+    return (f"NCCL flight-recorder dumps are in {trace_dir}; the rank(s) that did not reach the hung collective "
+            f"are named by: python -m torch.distributed.flight_recorder.fr_trace {trace_dir} -p nccl_trace_rank_")
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:

@@ -114,19 +114,35 @@ class WaitTimer:
     torch.distributed.pipelining waits for every batch of sends/receives through one module-level
     function; `install` wraps it with a clock. The bubble of a step is that waiting time over the
     time the rank computed: theory says (p - 1) / (v * m) for 1F1B (v = 1) and interleaved schedules.
+
+    On CPU (gloo) the wait blocks the host, so a host clock measures it. On CUDA (NCCL) `work.wait()` only
+    makes the compute stream wait and returns at once (a host clock reads ~0): the wait is bracketed by CUDA
+    events on the current stream instead, whose elapsed time is how long the stream stood still; `collect`
+    adds them up after the step (one synchronisation per step).
     """
 
     seconds = 0.0
+    use_cuda_events = False
+    pending: list = []  # (start, end) CUDA events of the current step
 
     @classmethod
-    def install(cls) -> None:
+    def install(cls, device: torch.device | None = None) -> None:
         from torch.distributed.pipelining import schedules
 
+        cls.use_cuda_events = device is not None and device.type == "cuda"
         original = schedules._wait_batch_p2p
         if getattr(original, "loom_timed", False):
             return
 
         def timed(work):
+            if cls.use_cuda_events:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                try:
+                    return original(work)
+                finally:
+                    end.record()
+                    cls.pending.append((start, end))
             t0 = time.perf_counter()
             try:
                 return original(work)
@@ -135,6 +151,19 @@ class WaitTimer:
 
         timed.loom_timed = True
         schedules._wait_batch_p2p = timed
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.seconds, cls.pending = 0.0, []
+
+    @classmethod
+    def collect(cls) -> float:
+        """This step's waiting seconds (synchronises with the device when CUDA events were recorded)."""
+        if cls.pending:
+            cls.pending[-1][1].synchronize()
+            cls.seconds += sum(a.elapsed_time(b) for a, b in cls.pending) / 1e3
+            cls.pending = []
+        return cls.seconds
 
 
 def build_schedule(chunks, ids, cfg: Config, pp_group, device: torch.device, n_micro: int, loss_fn):
@@ -146,7 +175,7 @@ def build_schedule(chunks, ids, cfg: Config, pp_group, device: torch.device, n_m
         ScheduleZBVZeroBubble,
     )
 
-    WaitTimer.install()
+    WaitTimer.install(device)
     num_stages = cfg.parallel.pp * cfg.parallel.vpp
     stages = [PipelineStage(chunk, sid, num_stages, device, group=pp_group) for chunk, sid in zip(chunks, ids)]
     kind = cfg.parallel.schedule

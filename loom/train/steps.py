@@ -25,7 +25,7 @@ from torch import nn
 
 from loom.config import Config
 from loom.data.loader import batch as sample_rows
-from loom.models.losses import Batch, Loss
+from loom.models.losses import Batch, HeadInput, Loss
 from loom.parallel import MeshPlace, parallelize
 from loom.parallel.data import set_gradient_sync
 from loom.parallel.distributed import all_reduce_sum, local
@@ -49,6 +49,20 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def attention_kernels(device: torch.device):
+    """On CUDA, SDPA restricted to fused kernels in a fixed order of preference — cuDNN first on Hopper
+    and newer (the fastest there), flash first before — with memory-efficient attention as the fallback
+    and never the math path that materialises the scores. Nothing changes on CPU."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    if torch.cuda.get_device_capability(device)[0] >= 9:
+        fused.reverse()
+    return sdpa_kernel([*fused, SDPBackend.EFFICIENT_ATTENTION], set_priority=True)
+
+
 class _Runner:
     grad_norm_group = None
 
@@ -58,9 +72,12 @@ class _Runner:
         self.autocast_dtype = autocast_dtype
 
     def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        """Autocast (bf16 without FSDP) and, on CUDA, the fused attention kernels chosen explicitly."""
+        stack = contextlib.ExitStack()
+        if self.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
+        stack.enter_context(attention_kernels(self.device))
+        return stack
 
     def metrics(self) -> dict:
         return {}
@@ -77,13 +94,15 @@ class SPMDRunner(_Runner):
                  compute_dtype: torch.dtype | None, layer_plan: dict | None = None):
         # bf16 compute: FSDP2 casts parameters per block when data-parallel, else autocast does it.
         super().__init__(cfg, layout, loss, device, compute_dtype if layout.dp_size == 1 else None)
+        # train.compile compiles each transformer block inside parallelize (TP, recompute, compile, FSDP).
         self.model = parallelize(model, layout, cfg, compute_dtype, layer_plan)
         self.parts = [self.model]  # the modules that hold this rank's weights (materialised by the trainer)
-        # Forward and loss as one function, so that compilation can fuse the loss into the head.
-        self.loss_sum = torch.compile(self._loss_sum) if cfg.train.compile else self._loss_sum
 
-    def _loss_sum(self, batch: Batch) -> torch.Tensor:
+    def loss_sum(self, batch: Batch) -> torch.Tensor:
         with self.autocast():
+            if getattr(self.loss, "wants_hidden", False):  # the loss applies the head itself (chunked)
+                hidden = self.model(batch["input_ids"], return_hidden=True)
+                return self.loss(HeadInput(hidden, self.model.output), batch)
             output = self.model(batch["input_ids"])
         return self.loss(output, batch)
 
@@ -160,15 +179,27 @@ class PipelineRunner(_Runner):
         self.scale = scale
         batch = to_device(batch, self.device)
         losses: list = []
-        args = (batch["input_ids"],) if self.has_first else ()
-        kwargs = {"target": batch["labels"], "losses": losses} if self.has_last else {}
-        WaitTimer.seconds = 0.0
+        # Contiguous: torch 2.11's pipelining checks input strides against the stage's (a [b, s] slice of the
+        # [b, s+1] sample rows has stride s+1).
+        args = (batch["input_ids"].contiguous(),) if self.has_first else ()
+        kwargs = {"target": batch["labels"].contiguous(), "losses": losses} if self.has_last else {}
+        WaitTimer.reset()
+        cuda = self.device.type == "cuda"  # time on the device's stream: NCCL waits do not block the host
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         t0 = time.perf_counter()
         with loss_context(self.layout.tp), self.autocast():
             self.schedule.step(*args, **kwargs)
-        elapsed = time.perf_counter() - t0
+        if cuda:
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end) / 1e3
+        else:
+            elapsed = time.perf_counter() - t0
+        waited = WaitTimer.collect()
         # Bubble: time blocked on pipeline transfers over time computing, averaged over ranks.
-        bubble = torch.tensor(WaitTimer.seconds / max(elapsed - WaitTimer.seconds, 1e-9), device=self.device)
+        bubble = torch.tensor(waited / max(elapsed - waited, 1e-9), device=self.device)
         self.bubble = (all_reduce_sum(bubble) / self.layout.world_size).item()
         if not losses:
             return torch.zeros((), device=self.device)

@@ -72,7 +72,7 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.quiet = quiet
-        self.loss = loss or TokenCrossEntropy()
+        self.loss = loss or TokenCrossEntropy(cfg.train.loss_chunk)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.device = pick_device(cfg.train.device)
@@ -81,7 +81,7 @@ class Trainer:
                 return_freed_memory()
             else:  # no page faults for every step's large buffers
                 keep_freed_memory()
-        init_distributed(self.device, cfg.train.collective_timeout_s)
+        init_distributed(self.device, cfg.train.collective_timeout_s, self.run_dir / "nccl-trace")
         self.beacon = Beacon(cfg.train.collective_timeout_s)
         # From here on every rank takes part in collectives (mesh groups, loading a checkpoint): one that
         # hangs becomes an error naming the rank that did not arrive, as in training.
@@ -181,16 +181,19 @@ class Trainer:
         # Data-parallel reduction averages gradients over ranks; scale so the result is the sum / total.
         loss_sum = self.runner.forward_backward(batch, layout.dp_size / total)
         grad_norm = clip_grad_norm(self.model.parameters(), t.grad_clip, self.runner.grad_norm_group)
-        # Every rank of a TP group holds the same loss: sum over all ranks, divide by tp.
-        loss = (all_reduce_sum(loss_sum) / layout.tp / total).item()
-        finite = is_finite(loss, grad_norm.item())  # same verdict on every rank
+        # Every rank of a TP group holds the same loss: sum over all ranks, divide by tp. Loss and gradient
+        # norm reach the host in one transfer: the step's only host synchronisation (skipping a non-finite
+        # step needs the verdict before the update).
+        loss_t = all_reduce_sum(loss_sum) / layout.tp / total
+        loss, grad_norm_value = torch.stack([loss_t.float(), grad_norm.float()]).tolist()
+        finite = is_finite(loss, grad_norm_value)  # same verdict on every rank
         if finite:
             self.optimizer.step()
         self.control.count_step(finite)
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.consumed_samples += t.global_batch
-        return {"loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
+        return {"loss": loss, "grad_norm": grad_norm_value, "lr": lr,
                 "skipped_steps": self.control.skipped_steps, **self.runner.metrics()}
 
     def evaluate(self) -> dict:

@@ -1,0 +1,255 @@
+"""The GPU path, as far as it runs on a CPU: chunked cross-entropy, per-block compilation composing with
+TP / FSDP / recomputation, the fp8 switch, and the rules that refuse what does not compose."""
+
+import os
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from distributed import run_ranks
+from loom.config import ModelConfig, load_config
+from loom.errors import UserError
+from loom.models.llama import build_model
+from loom.models.losses import HeadInput, TokenCrossEntropy, chunked_token_loss_sum, token_loss_sum
+
+SMALL = ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=1024, max_seq_len=64)
+
+
+class PeakBytes(TorchDispatchMode):
+    """Peak bytes of tensor storages created while active and still alive (no tracemalloc, no CUDA): every
+    op output's storage is counted once until it is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.seen = 0, 0, set()
+
+    def _free(self, key, n):
+        self.live -= n
+        self.seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key not in self.seen and st.nbytes():
+                    self.seen.add(key)
+                    self.live += st.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    # the Python storage object is recreated per access: follow the tensor that owns it
+                    weakref.finalize(t, self._free, key, st.nbytes())
+        return out
+
+
+def _loss_and_grads(chunk, dtype=None, tokens=(2, 48)):
+    torch.manual_seed(0)
+    model = build_model(SMALL, seed=1)
+    ids = torch.randint(0, SMALL.vocab_size, tokens)
+    batch = {"input_ids": ids, "labels": torch.randint(0, SMALL.vocab_size, tokens)}
+    loss_fn = TokenCrossEntropy(chunk)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        if loss_fn.wants_hidden:
+            loss = loss_fn(HeadInput(model(ids, return_hidden=True), model.output), batch)
+        else:
+            loss = loss_fn(model(ids), batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("chunk", [7, 32, 96, 1000])
+def test_chunked_loss_and_gradients_equal_the_plain_loss(chunk):
+    want, want_g = _loss_and_grads(0)
+    got, got_g = _loss_and_grads(chunk)
+    assert torch.allclose(got, want, rtol=1e-6, atol=0), (got, want)
+    for name, g in want_g.items():
+        assert (got_g[name] - g).abs().max() <= 1e-5 * g.abs().max(), name  # fp32 rounding of the sums
+    # an independent reference: float64 logits from the same hidden states
+    torch.manual_seed(0)
+    model = build_model(SMALL, seed=1, dtype=torch.float64)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 48))
+    labels = torch.randint(0, SMALL.vocab_size, (2, 48))
+    ref = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), labels.flatten(), reduction="sum")
+    assert abs(got.double() - ref).item() < 1e-4 * ref.item()
+
+
+def test_chunked_loss_under_bf16_autocast_tracks_the_plain_loss():
+    want, _ = _loss_and_grads(0, torch.bfloat16)
+    got, got_g = _loss_and_grads(16, torch.bfloat16)
+    fp32, _ = _loss_and_grads(0)
+    assert abs(got - want) < 1e-2 * want
+    assert got != fp32  # bf16 actually ran (the head matmul is autocast inside each chunk)
+    assert all(torch.isfinite(g).all() for g in got_g.values())
+
+
+def test_chunked_loss_never_holds_the_whole_logits():
+    """Peak live bytes of head + loss, forward and backward: the plain loss holds fp32 logits for every
+    token (and their gradient); the chunked one at most a chunk's."""
+    n, hidden, vocab, chunk = 2048, 64, 2048, 64
+    torch.manual_seed(0)
+    h0 = torch.randn(1, n, hidden)
+    w0 = torch.randn(vocab, hidden) * 0.05
+    y = torch.randint(0, vocab, (1, n))
+    peaks, grads = {}, {}
+    for c in (0, chunk):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with PeakBytes() as mem:
+            loss = (chunked_token_loss_sum(h, w, y, c) if c else
+                    token_loss_sum(torch.nn.functional.linear(h, w), y))
+            loss.backward()
+        peaks[c], grads[c] = mem.peak, (h.grad, w.grad)
+    logits_bytes = n * vocab * 4
+    assert peaks[0] >= logits_bytes  # the tracker sees the plain loss's logits
+    assert peaks[chunk] < logits_bytes / 4, peaks  # never the whole batch's logits
+    assert peaks[chunk] < peaks[0] / 10, peaks
+    # what is left: a few chunk-sized buffers (logits, softmax, their gradients) and the weight's gradient
+    chunk_logits, weight_and_hidden = chunk * vocab * 4, (vocab + n) * hidden * 4 * 2
+    assert peaks[chunk] < 6 * chunk_logits + weight_and_hidden, peaks
+    for a, b in zip(grads[0], grads[chunk]):
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+
+
+def _runner_step(overrides, backend=None):
+    """One forward/backward + gradient norm through loom's SPMD runner (in a rank of run_ranks, or alone)."""
+    import torch.distributed as dist
+
+    from loom.parallel import build_layout
+    from loom.parallel.distributed import all_reduce_sum, clip_grad_norm, local
+    from loom.parallel.tensor import loss_context  # noqa: F401
+    from loom.train.steps import SPMDRunner
+
+    if backend:
+        os.environ["LOOM_COMPILE_BACKEND"] = backend
+    torch._dynamo.reset()
+    torch.set_num_threads(1)
+    base = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=128",
+            "model.vocab_size=512", "model.max_seq_len=64", "train.seq_len=32", "train.micro_batch=2",
+            "train.global_batch=4"]
+    cfg = load_config("tiny", base + overrides)
+    layout = build_layout(cfg, "cpu")
+    model = build_model(cfg.model, seed=3)
+    loss = TokenCrossEntropy(cfg.train.loss_chunk)
+    compute_dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else None
+    runner = SPMDRunner(model, cfg, layout, loss, torch.device("cpu"), compute_dtype)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 512, (4, 33), generator=g)
+    per = 4 // layout.dp_size
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    batch = {k: v[layout.dp_rank * per:(layout.dp_rank + 1) * per] for k, v in batch.items()}
+    total = 4 * 32
+    loss_sum = runner.forward_backward(batch, layout.dp_size / total)
+    norm = clip_grad_norm(runner.model.parameters(), 0.0)
+    loss_sum = all_reduce_sum(loss_sum) / layout.tp if dist.is_initialized() else loss_sum
+    compiled = [getattr(b, "_compiled_call_impl", None) is not None for b in runner.model.layers.values()]
+    return float(loss_sum / total), float(local(norm)), compiled
+
+
+@pytest.fixture(scope="module")
+def plain_step():
+    return _runner_step([])
+
+
+def test_chunked_loss_with_fully_sharded_data_parallel_matches_one_process(plain_step):
+    one = _runner_step(["train.loss_chunk=24"])
+    assert one[0] == pytest.approx(plain_step[0], rel=1e-6) and one[1] == pytest.approx(plain_step[1], rel=1e-5)
+    ranks = run_ranks(2, _runner_step, ["train.loss_chunk=24", "parallel.dp_shard=2"])
+    for loss, norm, _ in ranks:
+        assert loss == pytest.approx(plain_step[0], rel=1e-5)
+        assert norm == pytest.approx(plain_step[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("extra", [[], ["recompute.mode=selective"], ["recompute.mode=full"]])
+def test_per_block_compile_matches_eager(plain_step, extra):
+    eager = _runner_step(extra) if extra else plain_step
+    loss, norm, compiled = _runner_step(["train.compile=true", *extra], backend="aot_eager")
+    assert compiled == [True, True]  # each transformer block compiled, in place
+    assert loss == pytest.approx(eager[0], rel=1e-5) and norm == pytest.approx(eager[1], rel=1e-5)
+
+
+def test_per_block_compile_composes_with_fsdp_and_recompute(plain_step):
+    ranks = run_ranks(2, _runner_step, ["train.compile=true", "recompute.mode=selective", "parallel.dp_shard=2"],
+                      "aot_eager")
+    for loss, norm, compiled in ranks:
+        assert compiled == [True, True]
+        assert loss == pytest.approx(plain_step[0], rel=1e-5) and norm == pytest.approx(plain_step[1], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_per_block_compile_with_inductor_matches_eager(plain_step):
+    loss, norm, compiled = _runner_step(["train.compile=true"], backend="inductor")
+    assert compiled == [True, True]
+    assert loss == pytest.approx(plain_step[0], rel=1e-4) and norm == pytest.approx(plain_step[1], rel=1e-4)
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    (["parallel.tp=2", "train.loss_chunk=1024"], ["train.loss_chunk=1024", "parallel.tp=2", "loss_chunk=0"]),
+    (["parallel.pp=2", "train.loss_chunk=1024", "model.tie_embeddings=false"], ["train.loss_chunk=1024", "parallel.pp=2"]),
+    (["parallel.tp=2", "train.fp8=rowwise"], ["train.fp8=rowwise", "parallel.tp=2", "fp8=off"]),
+    (["parallel.tp=2", "train.compile=true"], ["train.compile=true", "parallel.tp=2", "compile=false"]),
+    (["train.fp8=fp4"], ["train.fp8", "tensorwise", "rowwise"]),
+    (["train.loss_chunk=-1"], ["train.loss_chunk=-1"]),
+])
+def test_gpu_path_settings_refused_with_the_field_named(overrides, fragments):
+    with pytest.raises(UserError) as err:
+        load_config("tiny", overrides)
+    for fragment in fragments:
+        assert fragment in str(err.value), str(err.value)
+
+
+fp8_reason = None
+try:
+    from loom.parallel.float8 import float8_unavailable as _why
+    fp8_reason = _why("cpu")
+except Exception as exc:  # pragma: no cover
+    fp8_reason = str(exc)
+needs_fp8 = pytest.mark.skipif(fp8_reason is not None, reason=f"fp8 linears cannot run here: {fp8_reason}")
+
+
+@pytest.mark.skipif(fp8_reason is None, reason="fp8 runs here; the refusal is for machines where it cannot")
+def test_fp8_refused_where_it_cannot_run():
+    from loom.parallel.float8 import apply_float8
+
+    with pytest.raises(UserError) as err:
+        apply_float8(build_model(SMALL, seed=1), "rowwise")
+    assert "train.fp8=rowwise" in str(err.value) and fp8_reason in str(err.value)
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_linears_track_high_precision(recipe):
+    """fp8 matmuls actually run (the loss differs from bf16) and stay close to it; the LM head stays high
+    precision; gradients flow to every parameter."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from loom.parallel.float8 import apply_float8
+
+    cfg = ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512, max_seq_len=64)
+    ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for fp8 in (False, True):
+        model = build_model(cfg, seed=1)
+        if fp8:
+            apply_float8(model, recipe)
+            assert isinstance(model.layers["0"].attention.wq, Float8Linear)
+            assert isinstance(model.layers["1"].feed_forward.w2, Float8Linear)
+            assert not isinstance(model.output, Float8Linear)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids[:, :-1])
+        loss = token_loss_sum(logits, ids[:, 1:]) / ids[:, 1:].numel()
+        loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+        losses[fp8] = loss.item()
+    assert losses[True] != losses[False]  # fp8 actually ran
+    assert abs(losses[True] - losses[False]) < 0.02 * losses[False], losses
+
+
+@needs_fp8
+def test_fp8_with_fully_sharded_data_parallel_matches_one_process():
+    one = _runner_step(["train.fp8=tensorwise", "train.dtype=bfloat16"])
+    plain = _runner_step(["train.dtype=bfloat16"])
+    assert one[0] != plain[0]  # fp8 ran
+    ranks = run_ranks(2, _runner_step, ["train.fp8=tensorwise", "train.dtype=bfloat16", "parallel.dp_shard=2"])
+    for loss, norm, _ in ranks:
+        assert loss == pytest.approx(one[0], rel=2e-3) and norm == pytest.approx(one[1], rel=2e-2)
