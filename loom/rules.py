@@ -295,11 +295,6 @@ def _check_pipeline(cfg) -> None:
     if cfg.recompute.mode == "budget":
         raise UserError("recompute.mode=budget plans one rank's layers without pipeline stages; with "
                         "parallel.pp > 1 use recompute.mode=selective or full")
-    if cfg.model.tie_embeddings:
-        raise UserError(
-            "model.tie_embeddings=true with parallel.pp > 1 is not supported yet (the embedding and the LM head "
-            "live on different stages); set model.tie_embeddings=false or parallel.pp=1"
-        )
     if problem:
         raise UserError(problem)
     if problem := micro_batch_count_problem(p.pp, p.vpp, p.schedule, t.global_batch, data_parallel_size(p),

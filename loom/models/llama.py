@@ -210,12 +210,18 @@ class Transformer(nn.Module):
             return "normal", self.cfg.init_std / math.sqrt(2 * self.cfg.layers)
         return "normal", self.cfg.init_std
 
+    def init_name(self, name: str) -> str:
+        """The name that seeds parameter `name`: a tied LM head is the embedding (a pipeline's last stage
+        holds its own copy of it, which must start equal)."""
+        name = canonical_name(name)
+        return "tok_embeddings.weight" if self.cfg.tie_embeddings and name == "output.weight" else name
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Every parameter from `seed` and its name alone (loom/models/init.py): the same weights whatever
         the layout; `loom.parallel.materialize` fills a rank's shards with exactly these values."""
         for name, p in self.named_parameters():
-            name = canonical_name(name)
+            name = self.init_name(name)
             fill(p, tuple(p.shape), (0,) * p.dim(), seed, name, *self.init_spec(name))
 
     def reset_buffers(self) -> None:

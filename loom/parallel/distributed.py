@@ -60,7 +60,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def clip_grad_norm(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, pp_group=None, also_clip=()) -> torch.Tensor:
     """Global gradient norm over every shard of every parameter; clip to max_norm (0: no clipping).
 
     With pipeline parallelism each rank holds some stages: squared norms are summed over `pp_group`.
@@ -78,4 +78,6 @@ def clip_grad_norm(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     if max_norm > 0:
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+        if also_clip:  # copies of a shared weight (a pipeline's tied head): clipped, not counted twice
+            torch.nn.utils.clip_grads_with_norm_(list(also_clip), max_norm, norm)
     return norm

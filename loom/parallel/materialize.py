@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loom.models.init import canonical_name, fill, to_empty_keeping_ties
+from loom.models.init import fill, to_empty_keeping_ties
 
 
 def local_slice(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -29,7 +29,7 @@ def materialize(modules: list[nn.Module], device: torch.device, seed: int) -> No
     for module in modules:
         to_empty_keeping_ties(module, device)
         for name, p in module.named_parameters():
-            name = canonical_name(name)
+            name = module.init_name(name)
             local, offset = local_slice(p)
             fill(local, tuple(p.shape), offset, seed, name, *module.init_spec(name))
         module.reset_buffers()

@@ -15,6 +15,7 @@ import copy
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from loom.config import Config
@@ -186,3 +187,61 @@ def build_schedule(chunks, ids, cfg: Config, pp_group, device: torch.device, n_m
     if cfg.parallel.vpp == 2:
         return ScheduleZBVZeroBubble(stages, n_micro, loss_fn=loss_fn, scale_grads=False), stages
     return ScheduleInterleavedZeroBubble(stages, n_micro, loss_fn=loss_fn, scale_grads=False), stages
+
+
+class TiedEmbedding:
+    """A tied embedding and LM head under pipeline parallelism (Megatron's approach): the first stage holds
+    the embedding, the last stage its own copy as the head weight. Both start equal (the same init name),
+    their gradients are summed over the two ranks after backward (the gradient one process computes for
+    the shared weight), so identical optimizer updates keep them equal. The head copy is left out of the
+    gradient norm, which counts the shared weight once."""
+
+    def __init__(self, chunks: list[nn.Module], cfg: Config, pp_group):
+        p = cfg.parallel
+        last = p.pp * p.vpp - 1
+        self.chunks = chunks
+        ranks = dist.get_process_group_ranks(pp_group)
+        self.embedding_rank = ranks[chunk_owner(p.pp, p.vpp, p.schedule, 0)]
+        self.head_rank = ranks[chunk_owner(p.pp, p.vpp, p.schedule, last)]
+
+    # Looked up when used: materialising the stages (meta -> device) replaces the parameter objects.
+    @property
+    def embedding(self):
+        return next((c.tok_embeddings.weight for c in self.chunks if c.tok_embeddings is not None), None)
+
+    @property
+    def head(self):
+        return next((c.output.weight for c in self.chunks if c.output is not None), None)
+
+    @staticmethod
+    def _local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    @torch.no_grad()
+    def sum_gradients(self) -> None:
+        embedding, head = self.embedding, self.head
+        if embedding is not None and head is not None:  # both stages on this rank (V schedules)
+            total = embedding.grad + head.grad
+            embedding.grad.copy_(total)
+            head.grad.copy_(total)
+            return
+        mine = embedding if embedding is not None else head
+        if mine is None:
+            return
+        peer = self.head_rank if embedding is not None else self.embedding_rank
+        grad = self._local(mine.grad)
+        theirs = torch.empty_like(grad)
+        ops = [dist.P2POp(dist.isend, grad, peer), dist.P2POp(dist.irecv, theirs, peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if embedding is not None:  # the same order of addition on both ranks: bit-identical sums
+            grad.add_(theirs)
+        else:
+            grad.copy_(theirs + grad)
+
+    def counted_once(self, params) -> tuple[list, list]:
+        """(parameters whose gradients enter the norm, the head copy that is clipped but not counted)."""
+        params, head = list(params), self.head
+        if head is None:
+            return params, []
+        return [q for q in params if q is not head], [head]

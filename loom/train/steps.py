@@ -9,6 +9,7 @@ DPO and RL recipes) never asks which style it runs:
 - `eval_loss_sum(batch)`: the summed loss of a held-out batch, without gradients (every rank gets it);
 - `grad_norm_group`: the group over which squared gradient norms add up (pipeline stages), or None;
 - `metrics()`: extra per-step numbers (the pipeline bubble);
+- `norm_parameters()`: the parameters that make up the gradient norm, and shared copies clipped with them;
 - `first_non_finite(batch)`: the first module whose output is non-finite, for divergence reports.
 
 The loss is a `loom.models.losses.Loss`: a function of the model's output and the batch, so a new loss
@@ -82,6 +83,10 @@ class _Runner:
     def metrics(self) -> dict:
         return {}
 
+    def norm_parameters(self) -> tuple[list, list]:
+        """(parameters whose gradients make up the norm, copies of shared weights clipped but not counted)."""
+        return list(self.model.parameters()), []
+
     def first_non_finite(self, batch: Batch) -> str | None:
         return None
 
@@ -152,7 +157,7 @@ class PipelineRunner(_Runner):
 
     def __init__(self, model: nn.Module, cfg: Config, layout: MeshPlace, loss: Loss, device: torch.device,
                  compute_dtype: torch.dtype | None, layer_plan: dict | None = None):
-        from loom.parallel.pipeline import RankView, build_schedule, split_stages
+        from loom.parallel.pipeline import RankView, TiedEmbedding, build_schedule, split_stages
 
         super().__init__(cfg, layout, loss, device, compute_dtype if layout.dp_size == 1 else None)
         self.chunks, self.stage_ids = split_stages(model, cfg, layout.pp_rank)
@@ -169,6 +174,12 @@ class PipelineRunner(_Runner):
         self.bubble = 0.0
         self.schedule, self.stages = build_schedule(self.chunks, self.stage_ids, cfg, self.grad_norm_group, device,
                                                     n_micro, self._stage_loss)
+        self.tied = TiedEmbedding(self.chunks, cfg, self.grad_norm_group) if cfg.model.tie_embeddings else None
+
+    def norm_parameters(self) -> tuple[list, list]:
+        if self.tied is None:
+            return super().norm_parameters()
+        return self.tied.counted_once(self.model.parameters())
 
     def _stage_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss(output, {"labels": labels}) * self.scale
@@ -197,6 +208,8 @@ class PipelineRunner(_Runner):
             elapsed = start.elapsed_time(end) / 1e3
         else:
             elapsed = time.perf_counter() - t0
+        if self.tied is not None:
+            self.tied.sum_gradients()
         waited = WaitTimer.collect()
         # Bubble: time blocked on pipeline transfers over time computing, averaged over ranks.
         bubble = torch.tensor(waited / max(elapsed - waited, 1e-9), device=self.device)

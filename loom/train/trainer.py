@@ -180,7 +180,8 @@ class Trainer:
             total = count * layout.dp_size
         # Data-parallel reduction averages gradients over ranks; scale so the result is the sum / total.
         loss_sum = self.runner.forward_backward(batch, layout.dp_size / total)
-        grad_norm = clip_grad_norm(self.model.parameters(), t.grad_clip, self.runner.grad_norm_group)
+        counted, shared = self.runner.norm_parameters()
+        grad_norm = clip_grad_norm(counted, t.grad_clip, self.runner.grad_norm_group, shared)
         # Every rank of a TP group holds the same loss: sum over all ranks, divide by tp. Loss and gradient
         # norm reach the host in one transfer: the step's only host synchronisation (skipping a non-finite
         # step needs the verdict before the update).
