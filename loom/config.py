@@ -188,6 +188,7 @@ class DataConfig:
     split: str = "969,30,1"
     tokenizer: str = "bpe"  # "bpe": byte-level BPE trained on the corpus; else a tokenizer.json path
     corpus_max_bytes: int = 0  # use only the first N bytes of the embedded corpus (0: all)
+    prefetch: bool = True  # read the next step's batch in a background thread during the current step
 
     def validate(self) -> None:
         if self.weights and len(self.weights) != len(self.paths):

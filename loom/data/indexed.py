@@ -53,17 +53,31 @@ def stats_path(prefix: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(str(prefix) + ".stats.json")
 
 
-def fingerprint(prefix: str | os.PathLike) -> dict:
-    """What identifies a dataset's contents cheaply: the .bin's size and the sha256 of its (small) .idx,
-    which holds every document's length. Never hashes the .bin."""
+def _sha256(path: pathlib.Path) -> str:
     import hashlib
 
-    bin_path, idx_path = _paths(prefix)
     h = hashlib.sha256()
-    with open(idx_path, "rb") as f:
+    with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    return {"bin_bytes": bin_path.stat().st_size, "idx_sha256": h.hexdigest()}
+    return h.hexdigest()
+
+
+def fingerprint(prefix: str | os.PathLike) -> dict:
+    """What identifies a dataset's contents: the .bin's size and the sha256 of its .idx (every document's
+    length). The hash is recorded in PREFIX.stats.json when the dataset is written, so a start reads two
+    file sizes and a small JSON file; only a dataset without that record (written by an older loom or
+    another tool), or whose files no longer have the recorded sizes, has its .idx hashed here. The .bin
+    is never read."""
+    bin_path, idx_path = _paths(prefix)
+    bin_bytes, idx_bytes = bin_path.stat().st_size, idx_path.stat().st_size
+    try:
+        recorded = json.loads(stats_path(prefix).read_text())
+        if recorded.get("idx_sha256") and (recorded.get("bin_bytes"), recorded.get("idx_bytes")) == (bin_bytes, idx_bytes):
+            return {"bin_bytes": bin_bytes, "idx_sha256": recorded["idx_sha256"]}
+    except (OSError, ValueError, AttributeError):
+        pass
+    return {"bin_bytes": bin_bytes, "idx_sha256": _sha256(idx_path)}
 
 
 class IndexedDatasetBuilder:
@@ -129,7 +143,9 @@ class IndexedDatasetBuilder:
         stats = stats_path(str(self.bin_path)[:-4])
         stats_tmp = stats.with_name(stats.name + ".tmp")
         stats_tmp.write_text(json.dumps({"documents": len(sizes), "tokens": int(sizes.sum()),
-                                         "max_token_id": self._max_id}) + "\n")
+                                         "max_token_id": self._max_id, "idx_bytes": self._idx_tmp.stat().st_size,
+                                         "bin_bytes": self._bin_tmp.stat().st_size,
+                                         "idx_sha256": _sha256(self._idx_tmp)}) + "\n")
         os.replace(self._bin_tmp, self.bin_path)  # .idx last: its presence means both are complete
         os.replace(stats_tmp, stats)
         os.replace(self._idx_tmp, self.idx_path)

@@ -40,6 +40,42 @@ def read_batch(dataset, start: int, count: int) -> Batch:
     return {"input_ids": x, "labels": y}
 
 
+class BatchPrefetcher:
+    """Reads the next step's batch in a background thread while the current step computes (pinned on
+    CUDA, for asynchronous copies), so a step waits for its data only when reading is slower than
+    computing. The batch a step gets is exactly `read(start)`, prefetched or not: the data position is
+    the step's `consumed_samples` alone."""
+
+    def __init__(self, read, pin: bool, background: bool):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.read, self.pin = read, pin
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="loom-data") if background else None
+        self.pending = None  # (start, future)
+
+    def _load(self, start: int) -> Batch:
+        batch = self.read(start)
+        return {k: v.pin_memory() for k, v in batch.items()} if self.pin else batch
+
+    def get(self, start: int, next_start: int | None) -> tuple[Batch, float]:
+        """The batch at `start` and the seconds this call waited for it; starts reading `next_start`."""
+        t0 = time.perf_counter()
+        if self.pending is not None and self.pending[0] == start:
+            batch = self.pending[1].result()
+        else:
+            batch = self._load(start)
+        waited = time.perf_counter() - t0
+        self.pending = None
+        if self.pool is not None and next_start is not None:
+            self.pending = (next_start, self.pool.submit(self._load, next_start))
+        return batch, waited
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pending = None
+
+
 def micro_batches(batch: Batch, size: int) -> list[Batch]:
     """`batch` cut along the sample dimension into micro-batches of `size` samples."""
     n = next(iter(batch.values())).shape[0]

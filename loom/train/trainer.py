@@ -46,7 +46,7 @@ from loom.train.host_memory import keep_freed_memory, return_freed_memory
 from loom.train.metrics import MetricsWriter, Progress, Reporter
 from loom.train.optim import build_optimizer
 from loom.train.schedule import lr_at
-from loom.train.steps import build_runner, read_batch
+from loom.train.steps import BatchPrefetcher, build_runner, read_batch
 
 
 def valid_source(cfg: Config, val_data) -> str:
@@ -132,6 +132,7 @@ class Trainer:
         self.model = self.runner.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.evaluator = Evaluator(self.runner, self.val_data, self.tokenizer, t.micro_batch)
+        self.batches = BatchPrefetcher(self.rank_batch, pin=self.device.type == "cuda", background=cfg.data.prefetch)
         self.control = RunControl(cfg, self.layout, self.device)
 
         self.state = TrainState()
@@ -172,7 +173,8 @@ class Trainer:
         lr = lr_at(self.state.step, self.cfg.optim, t.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batch = self.rank_batch(self.state.consumed_samples)
+        following = self.state.consumed_samples + t.global_batch if self.state.step + 1 < t.steps else None
+        batch, data_wait = self.batches.get(self.state.consumed_samples, following)
         count = self.loss.count(batch)
         if self.loss.count_varies:  # every rank of a tensor/pipeline group holds the same data
             total = all_reduce_sum(torch.as_tensor(count, device=self.device)).item() / (layout.tp * layout.pp)
@@ -195,7 +197,7 @@ class Trainer:
         self.state.step += 1
         self.state.consumed_samples += t.global_batch
         return {"loss": loss, "grad_norm": grad_norm_value, "lr": lr,
-                "skipped_steps": self.control.skipped_steps, **self.runner.metrics()}
+                "skipped_steps": self.control.skipped_steps, "data_wait_s": data_wait, **self.runner.metrics()}
 
     def evaluate(self) -> dict:
         return self.evaluator.evaluate()
@@ -265,6 +267,7 @@ class Trainer:
                         break
                 self.checkpointer.wait()  # the last checkpoint is complete before the run ends
         finally:
+            self.batches.close()
             report.close()
         return last_eval
 
