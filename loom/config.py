@@ -39,6 +39,13 @@ class ModelConfig:
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     position: Literal["rope", "learned"] = "rope"
     rope_theta: float = 10000.0
+    # Llama 3.1+ long-context RoPE ("llama3": low frequencies divided by rope_factor, high ones kept, a
+    # smooth ramp between, around the original context rope_original_max_len); "none": plain RoPE.
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     tie_embeddings: bool = False
     bias: bool = False  # biases in linear layers (GPT-3 style)
     attention: Literal["sdpa", "math"] = "sdpa"
@@ -69,6 +76,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise UserError(f"model.{name}={value} must be in [0, 1)")
+        if self.rope_scaling == "llama3" and not (self.rope_high_freq_factor > self.rope_low_freq_factor > 0
+                                                  and self.rope_factor >= 1 and self.rope_original_max_len > 0):
+            raise UserError(
+                f"model.rope_scaling=llama3 needs rope_high_freq_factor > rope_low_freq_factor > 0, rope_factor >= 1 "
+                f"and rope_original_max_len > 0; got {self.rope_high_freq_factor}, {self.rope_low_freq_factor}, "
+                f"{self.rope_factor}, {self.rope_original_max_len} (Llama 3.1: 4.0, 1.0, 8.0, 8192)")
         for name in ("norm_eps", "rope_theta", "init_std"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise UserError(f"model.{name}={getattr(self, name)} must be a finite number > 0")

@@ -189,7 +189,9 @@ def test_refuses_unsupported_configs():
     assert model_config_from_hf(base) == ModelConfig(hidden=64, heads=4, kv_heads=2, init_std=0.02)
     cases = {
         "rope_scaling": ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
-                         "llama3' is unsupported"),
+                         "rope_type 'llama3' needs 'low_freq_factor'"),
+        "yarn": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5}},
+                 "yarn' is unsupported"),
         "legacy_rope_scaling": ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
                                 "linear' is unsupported"),
         "act": ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
@@ -236,3 +238,33 @@ def test_strict_weights_and_no_overwrite(tmp_path):
     with pytest.raises(UserError, match="not an empty directory"):
         export_hf(build_model(cfg.model), cfg, busy)
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
+
+
+def test_llama31_rope_scaling_matches_transformers_through_convert_and_back(tmp_path):
+    """Llama 3.1 / 3.2 checkpoints scale RoPE ("llama3"): low frequencies slowed by `factor`, high ones
+    kept, a ramp between. A sequence past the original context exercises every band."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=160, vocab_size=300,
+                                      max_position_embeddings=128, rope_theta=10000.0, rope_scaling=scaling)
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(config).float().eval()
+    src = tmp_path / "hf"
+    hf_model.save_pretrained(src)
+    save_tokenizer(src)
+    ids = random_ids(seq=100)
+    want = hf_logits(hf_model, ids)
+    model = loom.load_model(src)
+    assert (model.cfg.rope_scaling, model.cfg.rope_factor, model.cfg.rope_original_max_len) == ("llama3", 8.0, 32)
+    assert (loom_logits(model, ids) - want).abs().max().item() < TOL
+    # The scaling matters here: plain RoPE with the same weights is far off.
+    plain = loom.load_model(src)
+    plain.cfg.rope_scaling = "none"
+    plain.reset_buffers()
+    assert (loom_logits(plain, ids) - want).abs().max().item() > 10 * TOL
+    loom_dir = convert(src, tmp_path / "loom", to="loom")
+    assert (loom_logits(loom.load_model(loom_dir), ids) - want).abs().max().item() < TOL
+    back = convert(loom_dir, tmp_path / "hf2", to="hf")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).float().eval()
+    assert (hf_logits(reloaded, ids) - want).abs().max().item() < TOL

@@ -119,8 +119,9 @@ def read_hf_config(path: str | Path) -> dict:
     return data
 
 
-def _rope(hf: dict, where: str) -> float:
-    """rope_theta from a config.json (transformers 4: top level + rope_scaling; 5: rope_parameters)."""
+def _rope(hf: dict, where: str) -> dict:
+    """loom's RoPE fields from a config.json (transformers 4: top level + rope_scaling; 5: rope_parameters):
+    rope_theta, and Llama 3.1's "llama3" frequency scaling."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     for d in (params, scaling):
@@ -128,11 +129,23 @@ def _rope(hf: dict, where: str) -> float:
             raise UserError(f"{where}: rope_parameters/rope_scaling must be an object, got {d!r}")
     rope_type = (params.get("rope_type") or params.get("type") or scaling.get("rope_type")
                  or scaling.get("type") or "default")
-    if rope_type != "default":
-        raise UserError(f"{where}: RoPE scaling of type {rope_type!r} is unsupported by loom; valid: plain "
-                        "RoPE (rope_type 'default' or no rope_scaling), e.g. Llama 2 or Llama 3 (not 3.1+)")
-    theta = params.get("rope_theta", scaling.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    return float(theta)
+    theta = float(params.get("rope_theta", scaling.get("rope_theta", hf.get("rope_theta", 10000.0))))
+    if rope_type == "default":
+        return {"rope_theta": theta}
+    if rope_type != "llama3":
+        raise UserError(f"{where}: RoPE scaling of type {rope_type!r} is unsupported by loom; valid: plain RoPE "
+                        "(rope_type 'default' or no rope_scaling) or 'llama3' (Llama 3.1 / 3.2)")
+    source = {**scaling, **params}
+
+    def need(key):
+        if key not in source:
+            raise UserError(f"{where}: rope_type 'llama3' needs {key!r} in rope_scaling / rope_parameters")
+        return source[key]
+
+    return {"rope_theta": theta, "rope_scaling": "llama3", "rope_factor": float(need("factor")),
+            "rope_low_freq_factor": float(need("low_freq_factor")),
+            "rope_high_freq_factor": float(need("high_freq_factor")),
+            "rope_original_max_len": int(need("original_max_position_embeddings"))}
 
 
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -178,7 +191,7 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         mlp="swiglu",
         position="rope",
-        rope_theta=_rope(hf, where),
+        **_rope(hf, where),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bias=attn_bias,
         attn_dropout=float(hf.get("attention_dropout", 0.0)),
@@ -189,6 +202,14 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     except UserError as exc:
         raise UserError(f"{where}: {exc}") from None
     return cfg
+
+
+def _rope_scaling(cfg: ModelConfig) -> dict | None:
+    if cfg.rope_scaling != "llama3":
+        return None
+    return {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_len}
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
@@ -218,8 +239,8 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -
         "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,  # transformers 4.x
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # transformers 5
+        "rope_scaling": _rope_scaling(cfg),
+        "rope_parameters": {"rope_theta": cfg.rope_theta, **(_rope_scaling(cfg) or {"rope_type": "default"})},  # 5.x
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": cfg.bias,
         "mlp_bias": cfg.bias,

@@ -44,16 +44,31 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, max_len: int, theta: float, scaling: ModelConfig | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin of shape [max_len, head_dim], computed in float64 then stored as float32.
 
     The sine's first half is negated: rotating half (x1, x2) -> (-x2, x1) then becomes swapping the
-    halves and multiplying by this table, see `apply_rope`.
+    halves and multiplying by this table, see `apply_rope`. `scaling`: a model config whose
+    `rope_scaling` is "llama3" rescales the frequencies as Llama 3.1 does.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None and scaling.rope_scaling == "llama3":
+        inv_freq = llama3_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
     sin = angles.sin()
     return torch.cat([angles, angles], dim=-1).cos().float(), torch.cat([-sin, sin], dim=-1).float()
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1's long-context RoPE: wavelengths longer than original_len / low_freq_factor are slowed by
+    `rope_factor`, those shorter than original_len / high_freq_factor kept, and the band between blended
+    linearly in original_len / wavelength."""
+    low, high, factor = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
+    wavelen = 2 * math.pi / inv_freq
+    ratio = cfg.rope_original_max_len / wavelen
+    smooth = ((ratio - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -191,7 +206,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if cfg.position == "rope":
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         else:
@@ -227,7 +242,7 @@ class Transformer(nn.Module):
     def reset_buffers(self) -> None:
         """Recompute the rotary tables (non-persistent buffers) on their device, in fp32."""
         if self.rope_cos is not None:
-            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg)
             self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
 
     def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0,
