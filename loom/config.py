@@ -48,6 +48,7 @@ class ModelConfig:
     rope_original_max_len: int = 8192
     tie_embeddings: bool = False
     bias: bool = False  # biases in linear layers (GPT-3 style)
+    qkv_bias: bool = False  # biases on the query/key/value projections only (Qwen2 / Qwen2.5)
     attention: Literal["sdpa", "math"] = "sdpa"
     dropout: float = 0.0  # after embeddings and after both sub-blocks
     attn_dropout: float = 0.0  # on attention probabilities

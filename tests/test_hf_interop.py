@@ -268,3 +268,49 @@ def test_llama31_rope_scaling_matches_transformers_through_convert_and_back(tmp_
     back = convert(loom_dir, tmp_path / "hf2", to="hf")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).float().eval()
     assert (hf_logits(reloaded, ids) - want).abs().max().item() < TOL
+
+
+def test_qwen2_matches_transformers_converts_both_ways_and_generates(tmp_path):
+    """Qwen2 / Qwen2.5 (the most common fine-tuning base): biases on the query/key/value projections only,
+    tied embeddings in the small sizes, rope_theta 1e6."""
+    config = transformers.Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=160, vocab_size=300,
+                                      max_position_embeddings=128, rope_theta=1e6, tie_word_embeddings=True,
+                                      use_sliding_window=False)
+    torch.manual_seed(0)
+    hf_model = transformers.Qwen2ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)  # large enough that dropping a bias would show
+    src = tmp_path / "qwen"
+    hf_model.save_pretrained(src)
+    save_tokenizer(src)
+    ids = random_ids(seq=40)
+    want = hf_logits(hf_model, ids)
+    model = loom.load_model(src)
+    assert model.cfg.qkv_bias and not model.cfg.bias and model.cfg.tie_embeddings
+    assert model.layers["0"].attention.wq.bias is not None and model.layers["0"].attention.wo.bias is None
+    assert (loom_logits(model, ids) - want).abs().max().item() < TOL
+    loom_dir = convert(src, tmp_path / "loom", to="loom")
+    back = convert(loom_dir, tmp_path / "hf2", to="hf")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).float().eval()
+    assert type(reloaded).__name__ == "Qwen2ForCausalLM"
+    assert (hf_logits(reloaded, ids) - want).abs().max().item() < TOL
+    # loom generate on the converted model: greedy, so each token is transformers' argmax so far
+    import contextlib
+    import io
+
+    from tokenizers import Tokenizer
+
+    from loom.cli import main
+
+    seq = torch.tensor([[5, 6, 7]])
+    for _ in range(5):
+        seq = torch.cat([seq, hf_logits(hf_model, seq)[:, -1:].argmax(-1)], dim=1)
+    expected = Tokenizer.from_file(str(src / "tokenizer.json")).decode(seq[0, 3:].tolist())
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["generate", "--checkpoint", str(loom_dir), "--prompt", "w5 w6 w7", "--max-new-tokens", "5",
+                     "--temperature", "0"]) == 0
+    assert expected and expected in printed.getvalue(), (expected, printed.getvalue())

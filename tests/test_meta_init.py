@@ -44,6 +44,7 @@ from loom.parallel import build_layout, parallelize
 from loom.parallel.pipeline import split_stages
 from loom.planner.costmodel import total_params
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # torch and loom imported
 cfg = load_config("llama3-70b", ["parallel.tp=8", "parallel.pp=2", "parallel.dp_shard=4", "parallel.sp=true",
                                  "train.global_batch=64", "train.micro_batch=1"])
 layout = build_layout(cfg, "cpu")
@@ -55,7 +56,7 @@ params = [p for c in chunks for p in c.parameters()]
 print(json.dumps({"total": model.num_params(), "formula": total_params(cfg.model),
                   "stage": sum(p.numel() for p in params), "local": sum(p.to_local().numel() for p in params),
                   "meta": all(p.is_meta for p in params),
-                  "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "before_mib": before}))
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -64,7 +65,8 @@ print(json.dumps({"total": model.num_params(), "formula": total_params(cfg.model
     assert r["meta"]
     assert r["stage"] == pytest.approx(r["total"] / 2, rel=0.02)  # half the layers (and embedding or head)
     assert r["local"] == pytest.approx(r["stage"] / 32, rel=0.01)  # tp 8 x dp_shard 4
-    assert r["rss_mib"] < 600, r  # 282 GB in fp32 if materialised
+    # 282 GB in fp32 if materialised; the interpreter with torch imported is 300-800 MB depending on the build
+    assert r["rss_mib"] - r["before_mib"] < 300, r
 
 
 SMALL = ["model.layers=4", "model.hidden=256", "model.heads=8", "model.kv_heads=4", "model.ffn_hidden=768",

@@ -234,7 +234,7 @@ def test_two_nodes_on_localhost_match_four_local_processes(tmp_path):
         (MODEL, 3, ["parallel.tp=3"], ["parallel.tp=3", "valid tp sizes for this model: 1, 2, 4"]),
         (MODEL, 8, ["parallel.tp=8"], ["model.kv_heads=4", "valid tp sizes"]),
         (MODEL, 4, ["parallel.dp_shard=4", "train.global_batch=12"], ["global_batch=12", "valid global batches: 8, 16"]),
-        (PIPE, 2, ["parallel.pp=2", "model.tie_embeddings=true"], ["tie_embeddings"]),
+        (PIPE, 2, ["parallel.pp=2", "train.loss_chunk=64"], ["train.loss_chunk=64", "parallel.pp=2"]),
         (PIPE, 4, ["parallel.pp=4", "parallel.vpp=2"], ["= 8 pipeline stages", "model.layers=4"]),
         (PIPE, 2, ["parallel.pp=2", "model.layers=5"], ["does not split evenly", "first_stage_layers"]),
         (PIPE, 2, ["parallel.pp=2", "train.global_batch=2"], ["micro-batch count", "= 1"]),

@@ -151,9 +151,12 @@ def _rope(hf: dict, where: str) -> dict:
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     """A loom ModelConfig from a Hugging Face Llama `config.json` dict."""
     model_type = hf.get("model_type")
-    if model_type not in ("llama", "mistral"):
-        raise UserError(f"{where}: model_type {model_type!r} is not supported; valid: 'llama' "
-                        "(or 'mistral' without sliding window)")
+    if model_type not in ("llama", "mistral", "qwen2"):
+        raise UserError(f"{where}: model_type {model_type!r} is not supported; valid: 'llama', 'qwen2' "
+                        "(Qwen2 / Qwen2.5) or 'mistral' without sliding window")
+    if model_type == "qwen2" and hf.get("use_sliding_window"):
+        raise UserError(f"{where}: use_sliding_window=true is unsupported by loom; valid: false (as every "
+                        "released Qwen2.5 checkpoint)")
 
     def need(key):
         if key not in hf:
@@ -194,6 +197,7 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         **_rope(hf, where),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bias=attn_bias,
+        qkv_bias=model_type == "qwen2",  # Qwen2 always has query/key/value biases and no others
         attn_dropout=float(hf.get("attention_dropout", 0.0)),
         init_std=float(hf.get("initializer_range", 0.02)),
     )
@@ -225,9 +229,14 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -
         raise UserError("only Llama-shaped models export to Hugging Face; this model has "
                         + ", ".join(unsupported))
     dtype_name = DTYPE_NAMES.get(dtype, "float32")
+    qwen2 = cfg.qkv_bias and not cfg.bias
+    if qwen2 and cfg.rope_scaling != "none":
+        raise UserError("a model with query/key/value biases (Qwen2) and model.rope_scaling="
+                        f"{cfg.rope_scaling!r} has no Hugging Face equivalent; valid: rope_scaling='none'")
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen2 else "llama",
+        "use_sliding_window": False,
         "hidden_size": cfg.hidden,
         "num_hidden_layers": cfg.layers,
         "num_attention_heads": cfg.heads,

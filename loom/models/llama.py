@@ -90,9 +90,10 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.kind = cfg.attention
         self.attn_dropout = cfg.attn_dropout
-        self.wq = nn.Linear(cfg.hidden, cfg.heads * self.head_dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=cfg.bias)
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.hidden, bias=cfg.bias)
         # The attention core (scores, softmax, dropout, weighted values) as a replaceable callable, so
         # that recomputation can wrap exactly this part from outside the model.

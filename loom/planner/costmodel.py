@@ -123,6 +123,7 @@ def layer_params(cfg: ModelConfig) -> int:
     mlp = (3 if cfg.mlp == "swiglu" else 2) * h * f
     norms = 2 * _norm_params(cfg)
     bias = ((a + 2 * g) * d + h + (2 * f if cfg.mlp == "swiglu" else f) + h) if cfg.bias else 0
+    bias += (a + 2 * g) * d if cfg.qkv_bias and not cfg.bias else 0
     return attn + mlp + norms + bias
 
 
