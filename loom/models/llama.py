@@ -43,16 +43,41 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, max_len: int, theta: float,
+                scaling: tuple[float, float, float, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin of shape [max_len, head_dim], computed in float64 then stored as float32.
 
     The sine's first half is negated: rotating half (x1, x2) -> (-x2, x1) then becomes swapping the
-    halves and multiplying by this table, see `apply_rope`.
+    halves and multiplying by this table, see `apply_rope`. `scaling` = (factor, low_freq_factor,
+    high_freq_factor, original_max_len) applies Llama 3.1's frequency scaling (`llama3_inv_freq`).
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, *scaling)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
     sin = angles.sin()
     return torch.cat([angles, angles], dim=-1).cos().float(), torch.cat([-sin, sin], dim=-1).float()
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_len: int) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling: frequencies whose wavelength exceeds original_max_len / low_freq_factor
+    are divided by `factor`, those below original_max_len / high_freq_factor are kept, and those between
+    are interpolated linearly in original_max_len / wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original_max_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > original_max_len / low_freq_factor, inv_freq / factor, inv_freq)
+    medium = (wavelen >= original_max_len / high_freq_factor) & (wavelen <= original_max_len / low_freq_factor)
+    return torch.where(medium, smoothed, out)
+
+
+def rope_tables_for(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables of a model config (head size, length, theta and scaling)."""
+    scaling = None
+    if cfg.rope_scaling == "llama3":
+        scaling = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len)
+    return rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -74,10 +99,14 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.kind = cfg.attention
         self.attn_dropout = cfg.attn_dropout
-        self.wq = nn.Linear(cfg.hidden, cfg.heads * self.head_dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=cfg.bias)
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.hidden, bias=cfg.bias)
+        # Qwen3: RMSNorm over each head's query and key, right after the projection (before RoPE).
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         # The attention core (scores, softmax, dropout, weighted values) as a replaceable callable, so
         # that recomputation can wrap exactly this part from outside the model.
         self.core = attention_core
@@ -85,8 +114,11 @@ class Attention(nn.Module):
     def forward(self, x, rope, cache=None, layer_id: int = 0, start_pos: int = 0):
         bsz, seqlen, _ = x.shape
         # Head counts come from the weights so a tensor-parallel shard (fewer local heads) works as is.
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         if rope is not None:  # full tables; this module's positions are start_pos..start_pos+seqlen-1
             cos, signed_sin = (t[start_pos : start_pos + seqlen] for t in rope)
@@ -190,7 +222,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if cfg.position == "rope":
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            cos, sin = rope_tables_for(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         else:
@@ -261,6 +293,6 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: tor
         model.init_weights(gen)
     model = model.to(dtype=dtype)
     if model.rope_cos is not None:  # rotary tables stay fp32 whatever the parameter dtype: rebuild them
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables_for(cfg)
         model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model
