@@ -39,7 +39,13 @@ def cmd_train(args, extra) -> int:
     from loom.launch import in_worker, launch
 
     overrides = split_overrides(extra)
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, validate=False)
+    if cfg.train.init_from:  # the architecture and tokenizer come from the pretrained weights (validates)
+        from loom.interop.pretrained import resolve_init_from
+
+        cfg = resolve_init_from(cfg, overrides)
+    else:
+        cfg.validate()
     if args.print_config:
         print(cfg.to_toml(), end="")
         return 0

@@ -370,8 +370,11 @@ def resolve_config_path(name_or_path: str) -> Path:
 
 
 def load_config(name_or_path: str | None = None, overrides: list[str] | dict | None = None,
-                measuring: bool = False) -> Config:
-    """Defaults, then the TOML file, then overrides (`section.key=value` strings or a nested dict)."""
+                measuring: bool = False, validate: bool = True) -> Config:
+    """Defaults, then the TOML file, then overrides (`section.key=value` strings or a nested dict).
+
+    `validate=False` leaves the cross-field checks to the caller (train.init_from replaces the model first).
+    """
     cfg = Config()
     if name_or_path:
         path = resolve_config_path(name_or_path)
@@ -389,7 +392,7 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | dict | N
             if not sep:
                 raise UserError(f"override {item!r} must look like section.key=value, e.g. train.steps=100")
             set_value(cfg, key.strip().removeprefix("--"), value, parse_text=True)
-    return cfg.validate(measuring)
+    return cfg.validate(measuring) if validate else cfg
 
 
 def config_from_dict(data: dict) -> Config:

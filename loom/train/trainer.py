@@ -123,6 +123,12 @@ class Trainer:
             layer_plan = plan_budget(cfg, self.layout, measure_on)["plan"]
         self.runner = build_runner(model, cfg, self.layout, self.loss, self.device, compute_dtype, layer_plan)
         self.model = self.runner.model
+        if t.init_from and resume_from is None:  # pretrained weights replace the initialisation, slice by slice
+            from loom.interop.pretrained import check_matches_source, load_pretrained
+
+            self.beacon.mark(f"train.init_from load ({t.init_from})")
+            check_matches_source(cfg)
+            load_pretrained(self.model, t.init_from)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.evaluator = Evaluator(self.runner, self.val_data, self.tokenizer, t.micro_batch)
         self.control = RunControl(cfg, self.layout, self.device)
