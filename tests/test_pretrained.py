@@ -84,7 +84,7 @@ def first_batch(overrides):
     from loom.data.loader import build_datasets, load_tokenizer
     from loom.train.steps import read_batch
 
-    cfg = resolve_init_from(load_config("tiny", overrides), overrides)
+    cfg = resolve_init_from(load_config("tiny", overrides, validate=False), overrides)
     train, _ = build_datasets(cfg, load_tokenizer(cfg))
     return read_batch(train, 0, cfg.train.global_batch)
 
