@@ -233,13 +233,24 @@ def test_init_from_loom_checkpoint_and_model_dir(tmp_path, hf_dirs):
     assert math.isclose(step1_loss(run_dir), want, rel_tol=LOSS_RTOL)
 
 
-def test_load_pretrained_reads_only_local_slices(hf_dirs):
-    """One process: the whole model is read. (Sharded ranks read less: see the DTensor test below.)"""
+def test_load_pretrained_one_process_reads_everything(hf_dirs):
     src, _ = hf_dirs["qwen2"]
-    cfg = describe_source(src).model
-    model = build_model(cfg, seed=1)
-    info = load_pretrained(model, src)
-    assert info == {"kind": "hf", "elements_read": model.num_params()}
+    model = build_model(describe_source(src).model, seed=1)
+    assert load_pretrained(model, src) == {"kind": "hf", "elements_read": model.num_params()}
+
+
+@pytest.mark.slow  # four processes on a small machine
+def test_load_pretrained_reads_only_local_slices_tp2_dp_shard2(hf_dirs):
+    """tp=2 x dp_shard=2 (2-D DTensors, FSDP sharding TP shards): every weight is exact, and each rank
+    read exactly its local elements, a fraction of the model."""
+    from distributed import run_ranks
+    from pretrained_ranks import load_on_rank
+
+    src, _ = hf_dirs["qwen3"]
+    overrides = RUN + [f"train.init_from={src}", "parallel.tp=2", "parallel.dp_shard=2"]
+    results = run_ranks(4, load_on_rank, str(src), overrides)
+    for read, local, total in results:
+        assert read == local and read < total / 2, (read, local, total)
 
 
 def test_refusals(tmp_path, hf_dirs, tokenizer_file, capsys):
