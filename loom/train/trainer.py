@@ -273,6 +273,8 @@ class Trainer:
                                 self.resumed_from, valid_source(self.cfg, self.val_data)))
         if resumed:
             progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
+        elif t.init_from:
+            progress.message(f"weights from train.init_from={t.init_from}")
         return Reporter(metrics, progress, self.ckpt_root, self.cfg.checkpoint.async_save,
                         epoch_steps(self.train_data, t.global_batch))
 
