@@ -177,6 +177,7 @@ def test_init_from_hf_step1_loss_matches_transformers(tmp_path, hf_dirs, kind):
     assert main(["train", "--config", "tiny", "--run-dir", str(run_dir), *[f"--{o}" for o in overrides]]) == 0
     want = reference_loss(lambda ids: hf_model(input_ids=ids).logits, first_batch(overrides))
     got = step1_loss(run_dir)
+    print(f"step-1 loss {got!r} vs transformers {want!r}: relative difference {abs(got - want) / want:.1e}")
     assert math.isclose(got, want, rel_tol=LOSS_RTOL), (got, want)
     saved = load_config(str(run_dir / "config.toml"))
     assert saved.model == describe_source(src).model and saved.data.tokenizer == str(src / "tokenizer.json")
@@ -202,6 +203,7 @@ def test_init_from_hf_parallel_step1_loss(tmp_path, hf_dirs, extra, kind):
     assert proc.returncode == 0, proc.stderr[-4000:]
     want = reference_loss(lambda ids: hf_model(input_ids=ids).logits, first_batch(overrides))
     got = step1_loss(run_dir)
+    print(f"step-1 loss {got!r} vs transformers {want!r}: relative difference {abs(got - want) / want:.1e}")
     assert math.isclose(got, want, rel_tol=LOSS_RTOL), (got, want)
 
 
