@@ -6,7 +6,8 @@ __version__ = "0.1.0"
 
 
 def load_model(path, dtype=None, device="cpu"):
-    """A model in eval mode from a Hugging Face Llama directory or any loom directory.
+    """A model in eval mode from a Hugging Face directory (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3
+    dense) or any loom directory.
 
     `path` may be a Hugging Face directory (config.json + safetensors weights), a loom run directory,
     its checkpoints/ directory, a checkpoint step directory or a converted model directory.
@@ -25,7 +26,7 @@ def load_model(path, dtype=None, device="cpu"):
     p = Path(path)
     if not p.is_dir():
         raise UserError(f"model path {str(path)!r} does not exist or is not a directory; give a Hugging "
-                        "Face Llama directory (config.json + model.safetensors) or a loom run, checkpoint "
+                        "Face Llama/Qwen directory (config.json + model.safetensors) or a loom run, checkpoint "
                         "or model directory")
     loom_like = (p / CONFIG).is_file() or (p / "checkpoints").is_dir() or (p / "latest").is_file()
     if is_hf_dir(p) and not loom_like:

@@ -39,7 +39,13 @@ def cmd_train(args, extra) -> int:
     from loom.launch import in_worker, launch
 
     overrides = split_overrides(extra)
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, validate=False)
+    if cfg.train.init_from:  # the architecture and tokenizer come from the pretrained weights (validates)
+        from loom.interop.pretrained import resolve_init_from
+
+        cfg = resolve_init_from(cfg, overrides)
+    else:
+        cfg.validate()
     if args.print_config:
         print(cfg.to_toml(), end="")
         return 0
@@ -238,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("convert", help="convert between Hugging Face Llama and loom checkpoints",
+    p = sub.add_parser("convert", help="convert between Hugging Face (Llama, Qwen2.5, Qwen3) and loom checkpoints",
                        description="Convert a model between Hugging Face (config.json + safetensors) and loom "
                        "(model.safetensors + config.toml + tokenizer.json). Example: loom convert runs/t1 "
                        "exported/t1-hf --to hf")

@@ -49,6 +49,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     bias: bool = False  # biases in linear layers (GPT-3 style)
     qkv_bias: bool = False  # biases on the query/key/value projections only (Qwen2 / Qwen2.5)
+    qk_norm: bool = False  # RMSNorm over each query/key head after projection, before RoPE (Qwen3)
+    # `model.head_dim`: size of one attention head; 0 means hidden / heads (Qwen3 decouples them).
+    explicit_head_dim: int = field(default=0, metadata={"key": "head_dim"})
     attention: Literal["sdpa", "math"] = "sdpa"
     dropout: float = 0.0  # after embeddings and after both sub-blocks
     attn_dropout: float = 0.0  # on attention probabilities
@@ -56,12 +59,14 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.explicit_head_dim or self.hidden // self.heads
 
     def validate(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
             _positive(f"model.{name}", getattr(self, name))
-        if self.hidden % self.heads:
+        if self.explicit_head_dim < 0:
+            raise UserError(f"model.head_dim={self.explicit_head_dim} must be >= 0 (0: model.hidden / model.heads)")
+        if self.hidden % self.heads and not self.explicit_head_dim:
             raise UserError(
                 f"model.hidden={self.hidden} is not divisible by model.heads={self.heads}; "
                 f"valid head counts: {', '.join(map(str, _divisors(self.hidden)))}"
@@ -72,7 +77,19 @@ class ModelConfig:
                 f"valid: {', '.join(map(str, _divisors(self.heads)))}"
             )
         if self.position == "rope" and self.head_dim % 2:
-            raise UserError(f"RoPE needs an even head dimension; model.hidden/model.heads = {self.head_dim}")
+            raise UserError(f"RoPE needs an even head dimension; model.head_dim (default model.hidden/model.heads) "
+                            f"= {self.head_dim}")
+        if self.rope_scaling == "llama3":
+            for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+                if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                    raise UserError(f"model.{name}={getattr(self, name)} must be a finite number > 0")
+            if not self.rope_high_freq_factor > self.rope_low_freq_factor:
+                raise UserError(f"model.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                                f"model.rope_low_freq_factor={self.rope_low_freq_factor} (Llama 3.1: 4.0 and 1.0)")
+            _positive("model.rope_original_max_len", self.rope_original_max_len)
+        if self.bias and self.qkv_bias:
+            raise UserError("model.qkv_bias=true with model.bias=true: model.bias already puts biases on every "
+                            "linear layer; set one of them (qkv_bias: query/key/value only, as Qwen2)")
         for name in ("dropout", "attn_dropout"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
@@ -140,6 +157,11 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
     max_skipped_consecutive: int = 5  # non-finite loss/grad steps skipped in a row before stopping (exit 3)
     collective_timeout_s: float = 600.0  # a collective waiting longer fails, naming the rank(s) behind
+    # Start from pretrained weights: a Hugging Face model directory, a loom model directory or a loom
+    # checkpoint (run, checkpoints/ or step-N directory). The architecture (model.*) and, unless
+    # data.tokenizer names one with the same vocabulary, the tokenizer come from it; optimizer and step
+    # start fresh. Empty: random initialisation from train.seed.
+    init_from: str = ""
 
     def validate(self) -> None:
         for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_samples", "log_interval"):
@@ -362,8 +384,11 @@ def resolve_config_path(name_or_path: str) -> Path:
 
 
 def load_config(name_or_path: str | None = None, overrides: list[str] | dict | None = None,
-                measuring: bool = False) -> Config:
-    """Defaults, then the TOML file, then overrides (`section.key=value` strings or a nested dict)."""
+                measuring: bool = False, validate: bool = True) -> Config:
+    """Defaults, then the TOML file, then overrides (`section.key=value` strings or a nested dict).
+
+    `validate=False` leaves the cross-field checks to the caller (train.init_from replaces the model first).
+    """
     cfg = Config()
     if name_or_path:
         path = resolve_config_path(name_or_path)
@@ -381,7 +406,7 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | dict | N
             if not sep:
                 raise UserError(f"override {item!r} must look like section.key=value, e.g. train.steps=100")
             set_value(cfg, key.strip().removeprefix("--"), value, parse_text=True)
-    return cfg.validate(measuring)
+    return cfg.validate(measuring) if validate else cfg
 
 
 def config_from_dict(data: dict) -> Config:

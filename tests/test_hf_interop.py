@@ -188,14 +188,15 @@ def test_refuses_unsupported_configs():
     base = hf_config_from_model(ModelConfig(hidden=64, heads=4, kv_heads=2))
     assert model_config_from_hf(base) == ModelConfig(hidden=64, heads=4, kv_heads=2, init_std=0.02)
     cases = {
-        "rope_scaling": ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
-                         "rope_type 'llama3' needs 'low_freq_factor'"),
-        "yarn": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5}},
-                 "yarn' is unsupported"),
+        "rope_scaling": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5}},
+                         "yarn' is unsupported"),
+        "llama3_incomplete": ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
+                              "llama3' needs numeric factor"),
         "legacy_rope_scaling": ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
                                 "linear' is unsupported"),
         "act": ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        "head_dim": ({"head_dim": 32}, "head_dim=32"),
+        "qwen_window": ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=true"),
+        "qwen3_bias": ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=true is unsupported for qwen3"),
         "mlp_bias": ({"mlp_bias": True}, "mlp_bias=true"),
         "mistral_window": ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16"),
         "kv_heads": ({"num_key_value_heads": 3}, "kv_heads=3"),
@@ -207,13 +208,18 @@ def test_refuses_unsupported_configs():
     legacy = {k: v for k, v in base.items() if k != "rope_parameters"}
     assert model_config_from_hf({**legacy, "rope_theta": 1234.0}).rope_theta == 1234.0
     assert model_config_from_hf({**base, "model_type": "mistral", "sliding_window": None}).kv_heads == 2
+    # Llama 3.1 scaling (legacy rope_scaling spelling too) and a decoupled head size are accepted.
+    llama31 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    got = model_config_from_hf({**legacy, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **llama31}})
+    assert (got.rope_scaling, got.rope_factor, got.rope_original_max_len, got.rope_theta) == ("llama3", 8.0, 8192, 5e5)
+    assert model_config_from_hf({**base, "head_dim": 32}).head_dim == 32
 
 
 @pytest.mark.parametrize("change", [{"mlp": "gelu"}, {"norm": "layernorm"}, {"position": "learned"}])
 def test_export_refuses_non_llama_models(tmp_path, change):
     cfg = Config(model=ModelConfig(hidden=32, heads=2, kv_heads=2, ffn_hidden=64, vocab_size=50, **change))
     model = build_model(cfg.model)
-    with pytest.raises(UserError, match="only Llama-shaped models export"):
+    with pytest.raises(UserError, match="only Llama-, Qwen2- and Qwen3-shaped models export"):
         export_hf(model, cfg, tmp_path / "out")
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
 

@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoints <-> loom models.
+"""Hugging Face Llama / Qwen2 / Qwen3 checkpoints <-> loom models.
 
 A Hugging Face directory holds `config.json`, the weights as `model.safetensors` (or shards listed in
 `model.safetensors.index.json`) and usually `tokenizer.json`. loom's Transformer uses the same
@@ -12,8 +12,12 @@ rotate-half RoPE layout as Hugging Face Llama, so conversion is a renaming of te
     model.norm.weight                              norm.weight
     lm_head.weight                                 output.weight (absent when embeddings are tied)
 
-Only what loom can compute exactly is accepted: a Llama (or Mistral without sliding window) with SiLU
-gated MLP, RMSNorm, plain RoPE and head_dim = hidden/heads. Anything else is refused with a UserError
+Qwen2/2.5 (biases on q/k/v: `model.qkv_bias`) and Qwen3 dense (per-head q/k RMSNorm, `self_attn.q_norm`
+and `k_norm` <-> `attention.q_norm`/`k_norm`: `model.qk_norm`; a head size decoupled from hidden/heads:
+`model.head_dim`) map the same way.
+
+Only what loom can compute exactly is accepted: a Llama (or Mistral without sliding window), Qwen2/2.5 or
+Qwen3 with SiLU gated MLP, RMSNorm, RoPE plain or with Llama 3.1's scaling (`rope_type` 'llama3'). Anything else is refused with a UserError
 naming the field, its value and what would be valid. Writes go to a temporary directory that is
 renamed into place at the end, so a failure never leaves a half-written model behind.
 """
@@ -57,6 +61,8 @@ _LAYER_NAMES = [
     ("mlp.down_proj", "feed_forward.w2"),
     ("input_layernorm", "attention_norm"),
     ("post_attention_layernorm", "ffn_norm"),
+    ("self_attn.q_norm", "attention.q_norm"),
+    ("self_attn.k_norm", "attention.k_norm"),
 ]
 _HF_TO_LOOM_LAYER = dict(_LAYER_NAMES)
 _LOOM_TO_HF_LAYER = {loom: hf for hf, loom in _LAYER_NAMES}
@@ -97,7 +103,7 @@ def loom_to_hf_name(name: str) -> str:
     m = _LOOM_LAYER_RE.fullmatch(name)
     if m and m.group(2) in _LOOM_TO_HF_LAYER:
         return f"model.layers.{m.group(1)}.{_LOOM_TO_HF_LAYER[m.group(2)]}.{m.group(3)}"
-    raise UserError(f"tensor {name!r} has no Hugging Face Llama equivalent; only Llama-shaped models export")
+    raise UserError(f"tensor {name!r} has no Hugging Face equivalent; only Llama/Qwen-shaped models export")
 
 
 # --- configs -------------------------------------------------------------------------------------
@@ -119,44 +125,42 @@ def read_hf_config(path: str | Path) -> dict:
     return data
 
 
+ROPE_TYPES = ("default", "llama3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def _rope(hf: dict, where: str) -> dict:
-    """loom's RoPE fields from a config.json (transformers 4: top level + rope_scaling; 5: rope_parameters):
-    rope_theta, and Llama 3.1's "llama3" frequency scaling."""
+    """RoPE settings (ModelConfig fields) from a config.json: transformers 4 keeps rope_theta at the top
+    level and scaling in rope_scaling; transformers 5 puts both in rope_parameters."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     for d in (params, scaling):
         if not isinstance(d, dict):
             raise UserError(f"{where}: rope_parameters/rope_scaling must be an object, got {d!r}")
-    rope_type = (params.get("rope_type") or params.get("type") or scaling.get("rope_type")
-                 or scaling.get("type") or "default")
-    theta = float(params.get("rope_theta", scaling.get("rope_theta", hf.get("rope_theta", 10000.0))))
-    if rope_type == "default":
-        return {"rope_theta": theta}
-    if rope_type != "llama3":
-        raise UserError(f"{where}: RoPE scaling of type {rope_type!r} is unsupported by loom; valid: plain RoPE "
-                        "(rope_type 'default' or no rope_scaling) or 'llama3' (Llama 3.1 / 3.2)")
-    source = {**scaling, **params}
-
-    def need(key):
-        if key not in source:
-            raise UserError(f"{where}: rope_type 'llama3' needs {key!r} in rope_scaling / rope_parameters")
-        return source[key]
-
-    return {"rope_theta": theta, "rope_scaling": "llama3", "rope_factor": float(need("factor")),
-            "rope_low_freq_factor": float(need("low_freq_factor")),
-            "rope_high_freq_factor": float(need("high_freq_factor")),
-            "rope_original_max_len": int(need("original_max_position_embeddings"))}
+    merged = {**scaling, **params}
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise UserError(f"{where}: RoPE scaling of type {rope_type!r} is unsupported by loom; valid: "
+                        f"{', '.join(map(repr, ROPE_TYPES))} (plain RoPE, or Llama 3.1/3.2's scaling)")
+    out = {"rope_theta": float(merged.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if rope_type == "llama3":
+        try:
+            out.update(rope_scaling="llama3", rope_factor=float(merged["factor"]),
+                       rope_low_freq_factor=float(merged["low_freq_factor"]),
+                       rope_high_freq_factor=float(merged["high_freq_factor"]),
+                       rope_original_max_len=int(merged["original_max_position_embeddings"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"{where}: rope scaling 'llama3' needs numeric factor, low_freq_factor, high_freq_factor "
+                            f"and original_max_position_embeddings ({exc!r})") from None
+    return out
 
 
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
-    """A loom ModelConfig from a Hugging Face Llama `config.json` dict."""
+    """A loom ModelConfig from a Hugging Face Llama, Mistral, Qwen2/2.5 or Qwen3 (dense) `config.json`."""
     model_type = hf.get("model_type")
-    if model_type not in ("llama", "mistral", "qwen2"):
-        raise UserError(f"{where}: model_type {model_type!r} is not supported; valid: 'llama', 'qwen2' "
-                        "(Qwen2 / Qwen2.5) or 'mistral' without sliding window")
-    if model_type == "qwen2" and hf.get("use_sliding_window"):
-        raise UserError(f"{where}: use_sliding_window=true is unsupported by loom; valid: false (as every "
-                        "released Qwen2.5 checkpoint)")
+    if model_type not in MODEL_TYPES:
+        raise UserError(f"{where}: model_type {model_type!r} is not supported; valid: 'llama' "
+                        "(or 'mistral' without sliding window), 'qwen2' (Qwen2 / Qwen2.5), 'qwen3' (dense)")
 
     def need(key):
         if key not in hf:
@@ -170,14 +174,24 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         if window is not None and int(window) < max_pos:
             raise UserError(f"{where}: sliding_window={window} is unsupported by loom; valid: null (or >= "
                             f"max_position_embeddings={max_pos})")
+    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        raise UserError(f"{where}: use_sliding_window=true is unsupported by loom; valid: false (every Qwen2.5 "
+                        "and Qwen3 release)")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise UserError(f"{where}: hidden_act={act!r} is unsupported; valid: 'silu' (SwiGLU MLP)")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and heads and int(head_dim) * heads != hidden:
-        raise UserError(f"{where}: head_dim={head_dim} must equal hidden_size/num_attention_heads = "
-                        f"{hidden}/{heads}; loom does not support a decoupled head dimension")
+    head_dim = int(hf.get("head_dim") or 0)
+    if heads and head_dim * heads == hidden:
+        head_dim = 0  # the default: hidden / heads
     attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    qkv_bias = qk_norm = False
+    if model_type == "qwen2":  # biases on q, k, v (always), none on o and the MLP
+        attn_bias, mlp_bias, qkv_bias = False, False, True
+    elif model_type == "qwen3":
+        if attn_bias:
+            raise UserError(f"{where}: attention_bias=true is unsupported for qwen3 (biases on q, k, v and o but "
+                            "not the MLP); valid: false, as every Qwen3 release")
+        qk_norm = True
     if attn_bias != mlp_bias:
         raise UserError(f"{where}: attention_bias={str(attn_bias).lower()} with mlp_bias="
                         f"{str(mlp_bias).lower()} is unsupported; loom's bias option covers attention and MLP "
@@ -194,12 +208,14 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         mlp="swiglu",
         position="rope",
-        **_rope(hf, where),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bias=attn_bias,
-        qkv_bias=model_type == "qwen2",  # Qwen2 always has query/key/value biases and no others
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        explicit_head_dim=head_dim,
         attn_dropout=float(hf.get("attention_dropout", 0.0)),
         init_std=float(hf.get("initializer_range", 0.02)),
+        **_rope(hf, where),
     )
     try:
         cfg.validate()
@@ -208,16 +224,8 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     return cfg
 
 
-def _rope_scaling(cfg: ModelConfig) -> dict | None:
-    if cfg.rope_scaling != "llama3":
-        return None
-    return {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
-            "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_len}
-
-
 def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """A `config.json` dict that transformers' LlamaForCausalLM loads."""
+    """A `config.json` dict that transformers loads: Qwen3 (q/k norm), Qwen2 (q/k/v biases) or Llama."""
     unsupported = []
     if cfg.norm != "rmsnorm":
         unsupported.append(f"model.norm={cfg.norm!r} (valid: 'rmsnorm')")
@@ -225,18 +233,25 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -
         unsupported.append(f"model.mlp={cfg.mlp!r} (valid: 'swiglu')")
     if cfg.position != "rope":
         unsupported.append(f"model.position={cfg.position!r} (valid: 'rope')")
+    if cfg.qk_norm and (cfg.bias or cfg.qkv_bias):
+        unsupported.append("model.qk_norm=true with biases (valid: Qwen3, without biases)")
     if unsupported:
-        raise UserError("only Llama-shaped models export to Hugging Face; this model has "
+        raise UserError("only Llama-, Qwen2- and Qwen3-shaped models export to Hugging Face; this model has "
                         + ", ".join(unsupported))
     dtype_name = DTYPE_NAMES.get(dtype, "float32")
-    qwen2 = cfg.qkv_bias and not cfg.bias
-    if qwen2 and cfg.rope_scaling != "none":
-        raise UserError("a model with query/key/value biases (Qwen2) and model.rope_scaling="
-                        f"{cfg.rope_scaling!r} has no Hugging Face equivalent; valid: rope_scaling='none'")
-    return {
-        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen2 else "llama",
-        "use_sliding_window": False,
+    model_type, arch = "llama", "LlamaForCausalLM"
+    if cfg.qk_norm:
+        model_type, arch = "qwen3", "Qwen3ForCausalLM"
+    elif cfg.qkv_bias and not cfg.bias:  # with every bias on it is a Llama with attention_bias
+        model_type, arch = "qwen2", "Qwen2ForCausalLM"
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
+                "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_len}
+    out = {
+        "architectures": [arch],
+        "model_type": model_type,
         "hidden_size": cfg.hidden,
         "num_hidden_layers": cfg.layers,
         "num_attention_heads": cfg.heads,
@@ -248,8 +263,8 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -
         "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,  # transformers 4.x
-        "rope_scaling": _rope_scaling(cfg),
-        "rope_parameters": {"rope_theta": cfg.rope_theta, **(_rope_scaling(cfg) or {"rope_type": "default"})},  # 5.x
+        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling != "none" else None,
+        "rope_parameters": rope,  # transformers 5
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": cfg.bias,
         "mlp_bias": cfg.bias,
@@ -259,6 +274,12 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -
         "torch_dtype": dtype_name,
         "use_cache": True,
     }
+    if model_type != "llama":
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.layers)
+        del out["attention_bias"], out["mlp_bias"]
+        if model_type == "qwen3":
+            out["attention_bias"] = False
+    return out
 
 
 # --- weights -------------------------------------------------------------------------------------

@@ -95,6 +95,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=qkv_bias)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.hidden, bias=cfg.bias)
+        # Qwen3: RMSNorm over each head's query and key, right after the projection (before RoPE).
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         # The attention core (scores, softmax, dropout, weighted values) as a replaceable callable, so
         # that recomputation can wrap exactly this part from outside the model.
         self.core = attention_core
@@ -102,8 +105,11 @@ class Attention(nn.Module):
     def forward(self, x, rope, cache=None, layer_id: int = 0, start_pos: int = 0):
         bsz, seqlen, _ = x.shape
         # Head counts come from the weights so a tensor-parallel shard (fewer local heads) works as is.
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         if rope is not None:  # full tables; this module's positions are start_pos..start_pos+seqlen-1
             cos, signed_sin = (t[start_pos : start_pos + seqlen] for t in rope)

@@ -49,9 +49,10 @@ class Replicated(ParallelStyle):
     DTensor or, with `use_local_output`, as this rank's local tensor.
     """
 
-    def __init__(self, output_layout=Replicate(), use_local_output: bool = False):
+    def __init__(self, output_layout=Replicate(), use_local_output: bool = False, input_layout=Replicate()):
         super().__init__()
         self.output_layout, self.use_local_output = output_layout, use_local_output
+        self.input_layout = input_layout
 
     def _apply(self, module: nn.Module, mesh) -> nn.Module:
         def partition(name, mod, mesh):
@@ -60,7 +61,7 @@ class Replicated(ParallelStyle):
 
         def prepare_input(mod, inputs, mesh):
             return tuple(
-                DTensor.from_local(x, mesh, [Replicate()], run_check=False) if isinstance(x, torch.Tensor)
+                DTensor.from_local(x, mesh, [self.input_layout], run_check=False) if isinstance(x, torch.Tensor)
                 and not isinstance(x, DTensor) else x for x in inputs
             )
 
@@ -202,6 +203,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
         }
         if block.feed_forward.w3 is not None:
             plan["feed_forward.w3"] = ColwiseParallel()
+        if block.attention.q_norm is not None:
+            # Per-head norms on this rank's heads ([b, s, heads, d] sharded by heads): a replicated weight
+            # whose gradient, partial per rank, is summed over the group.
+            for name in ("attention.q_norm", "attention.k_norm"):
+                plan[name] = Replicated(Shard(2), use_local_output=True, input_layout=Shard(2))
         plan["attention_norm"] = SequenceParallel() if sp else Replicated()
         plan["ffn_norm"] = SequenceParallel() if sp else Replicated()
         parallelize_module(block, tp_mesh, plan)

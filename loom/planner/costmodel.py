@@ -123,8 +123,9 @@ def layer_params(cfg: ModelConfig) -> int:
     mlp = (3 if cfg.mlp == "swiglu" else 2) * h * f
     norms = 2 * _norm_params(cfg)
     bias = ((a + 2 * g) * d + h + (2 * f if cfg.mlp == "swiglu" else f) + h) if cfg.bias else 0
-    bias += (a + 2 * g) * d if cfg.qkv_bias and not cfg.bias else 0
-    return attn + mlp + norms + bias
+    bias += (a + 2 * g) * d if cfg.qkv_bias and not cfg.bias else 0  # Qwen2: q/k/v biases only
+    qk_norm = 2 * d if cfg.qk_norm else 0  # Qwen3: one weight of head size for queries, one for keys
+    return attn + mlp + norms + bias + qk_norm
 
 
 def embedding_params(cfg: ModelConfig) -> int:

@@ -130,6 +130,12 @@ class Trainer:
         self.runner = build_runner(model, cfg, self.layout, self.loss, self.device, compute_dtype, layer_plan)
         materialize(self.runner.parts, self.device, t.seed)
         self.model = self.runner.model
+        if t.init_from and resume_from is None:  # pretrained weights replace the initialisation, slice by slice
+            from loom.interop.pretrained import check_matches_source, load_pretrained
+
+            self.beacon.mark(f"train.init_from load ({t.init_from})")
+            check_matches_source(cfg)
+            load_pretrained(self.model, t.init_from)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.evaluator = Evaluator(self.runner, self.val_data, self.tokenizer, t.micro_batch)
         self.batches = BatchPrefetcher(self.rank_batch, pin=self.device.type == "cuda", background=cfg.data.prefetch)
@@ -281,6 +287,8 @@ class Trainer:
                                 self.resumed_from, valid_source(self.cfg, self.val_data)))
         if resumed:
             progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
+        elif t.init_from:
+            progress.message(f"weights from train.init_from={t.init_from}")
         return Reporter(metrics, progress, self.ckpt_root, self.cfg.checkpoint.async_save,
                         epoch_steps(self.train_data, t.global_batch))
 

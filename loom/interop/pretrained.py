@@ -1,0 +1,294 @@
+"""Training from pretrained weights (`train.init_from=PATH`).
+
+PATH is a Hugging Face model directory (config.json + safetensors), a loom model directory (config.toml +
+model.safetensors, e.g. from `loom convert`) or a loom checkpoint (a run, its checkpoints/ directory or
+a step-N directory: `torch.distributed.checkpoint` shards). Two steps:
+
+- `resolve_init_from(cfg, overrides)` (before launch, in every process): the architecture (`model.*`)
+  comes from PATH. A `model.*` override on the command line that contradicts it is refused; the keys
+  that do not change the weights (`max_seq_len`, `attention`, `dropout`, `attn_dropout`, `init_std`) may be
+  overridden. The tokenizer comes from PATH too, unless `data.tokenizer` names one with the same
+  vocabulary (token -> id map).
+- `load_pretrained(model, PATH)` (after the model is parallelised, in place of the weight initialisation):
+  fills every parameter of this rank — a plain tensor, or a DTensor sharded by TP and/or FSDP — with
+  exactly its slice of the source: safetensors files are read with `get_slice` at the shard's global
+  offsets, loom checkpoints with a DCP load of the model entries only. No rank reads the whole model.
+  Names and global shapes are checked against the config first (UserError naming the tensor).
+
+Hugging Face and loom share the rotate-half RoPE layout, so no tensor is permuted: a slice of a Hugging
+Face tensor is the same slice of the loom tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loom.config import Config, ModelConfig, key_of
+from loom.errors import UserError
+from loom.interop.hf import HF_CONFIG, HF_INDEX, HF_WEIGHTS, TOKENIZER, hf_to_loom_name, model_config_from_hf, read_hf_config
+from loom.models.io import CONFIG, DCP_METADATA, WEIGHTS, read_config, resolve_model_dir
+
+# Model keys that do not change the weights' names or shapes: an explicit override is kept.
+FREE_KEYS = ("max_seq_len", "attention", "dropout", "attn_dropout", "init_std")
+
+
+@dataclass
+class Source:
+    path: Path  # the directory holding the weights
+    kind: str  # "hf", "loom" (model.safetensors with loom names) or "dcp" (a sharded loom checkpoint)
+    model: ModelConfig
+    tokenizer: Path | None
+
+
+def describe_source(path: str | Path) -> Source:
+    """What `train.init_from=path` points at: kind, architecture and tokenizer (reads only configs)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"train.init_from={str(path)!r} does not exist or is not a directory; give a Hugging Face "
+                        "model directory (config.json + *.safetensors), a loom model directory (config.toml + "
+                        "model.safetensors) or a loom run / checkpoint directory")
+    loom_like = (p / CONFIG).is_file() or (p / "checkpoints").is_dir() or (p / "latest").is_file()
+    if (p / HF_CONFIG).is_file() and not loom_like:
+        model = model_config_from_hf(read_hf_config(p), where=str(p / HF_CONFIG))
+        kind, directory = "hf", p
+    else:
+        try:
+            directory = resolve_model_dir(p)
+        except UserError as exc:
+            raise UserError(f"train.init_from={str(path)!r}: {exc}") from None
+        model = read_config(directory).model
+        kind = "dcp" if (directory / DCP_METADATA).is_file() else "loom"
+    tok = directory / TOKENIZER
+    return Source(directory, kind, model, tok if tok.is_file() else None)
+
+
+def _override_keys(overrides) -> set[str]:
+    if isinstance(overrides, dict):
+        return {f"model.{k}" for k in (overrides.get("model") or {})}
+    return {item.partition("=")[0].strip().removeprefix("--") for item in overrides or []}
+
+
+def resolve_init_from(cfg: Config, overrides=None) -> Config:
+    """`cfg` with the architecture and tokenizer of `cfg.train.init_from` (unchanged when it is empty).
+
+    `overrides` are the command line's `section.key=value` strings (or a nested dict): the `model.*` keys
+    among them are the user's explicit choices, checked against PATH. Model values from a config file are
+    replaced by PATH's (a config file is a template; PATH defines the network).
+    """
+    if not cfg.train.init_from:
+        return cfg
+    src = describe_source(cfg.train.init_from)
+    explicit = _override_keys(overrides)
+    model = dataclasses.replace(src.model)
+    for f in dataclasses.fields(ModelConfig):
+        key = f"model.{key_of(f)}"
+        if key not in explicit:
+            continue
+        mine, theirs = getattr(cfg.model, f.name), getattr(src.model, f.name)
+        if f.name in FREE_KEYS:
+            setattr(model, f.name, mine)
+        elif mine != theirs:
+            raise UserError(
+                f"{key}={mine!r} contradicts train.init_from={cfg.train.init_from}, whose model has {key_of(f)}="
+                f"{theirs!r}; the architecture comes from the pretrained weights, so drop --{key} (only "
+                f"{', '.join('model.' + k for k in FREE_KEYS)} may be changed)")
+    cfg.model = model
+    _resolve_tokenizer(cfg, src)
+    return cfg.validate()
+
+
+def _vocab(spec: str | Path) -> dict[str, int]:
+    from loom.data.tokenizer import Tokenizer
+
+    return Tokenizer.from_file(spec).tok.get_vocab(with_added_tokens=True)
+
+
+def _resolve_tokenizer(cfg: Config, src: Source) -> None:
+    spec = cfg.data.tokenizer
+    if spec == "bpe":  # the default: PATH's own tokenizer
+        if src.tokenizer is None:
+            raise UserError(
+                f"train.init_from={cfg.train.init_from} has no {TOKENIZER}, and data.tokenizer=bpe would train a new "
+                "vocabulary the pretrained embeddings know nothing of; set data.tokenizer to the tokenizer.json the "
+                "model was trained with")
+        cfg.data.tokenizer = str(src.tokenizer)
+        return
+    if src.tokenizer is None or Path(spec).resolve() == src.tokenizer.resolve():
+        return
+    mine, theirs = _vocab(spec), _vocab(src.tokenizer)
+    if mine != theirs:
+        diff = sorted(set(mine.items()) ^ set(theirs.items()))
+        token = diff[0][0]
+        raise UserError(
+            f"data.tokenizer={spec} has another vocabulary than train.init_from's {src.tokenizer} ({len(mine)} vs "
+            f"{len(theirs)} tokens; e.g. {token!r} is id {mine.get(token)} vs {theirs.get(token)}), so token ids "
+            "would index the wrong embeddings; drop data.tokenizer (PATH's tokenizer is used) or give a tokenizer "
+            "with the same vocabulary")
+
+
+def check_matches_source(cfg: Config) -> None:
+    """UserError when `cfg.model` is not the architecture of `cfg.train.init_from` (a config built without
+    `resolve_init_from`)."""
+    src = describe_source(cfg.train.init_from)
+    fixed = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in FREE_KEYS]
+    diffs = [f"model.{n}: {getattr(cfg.model, n)!r} here, {getattr(src.model, n)!r} in {src.path}"
+             for n in fixed if getattr(cfg.model, n) != getattr(src.model, n)]
+    if diffs:
+        raise UserError(f"the model does not match train.init_from={cfg.train.init_from} ({'; '.join(diffs[:4])}); "
+                        "take the architecture from it (loom train does: leave model.* unset)")
+
+
+# --- weights ------------------------------------------------------------------------------------
+
+
+def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Global name -> shape of every weight the source must hold (a tied head is the embedding)."""
+    from loom.models.llama import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        shapes.pop("output.weight", None)
+    return shapes
+
+
+def _safetensors_index(src: Source) -> dict[str, tuple[Path, str]]:
+    """loom name -> (file, name in the file) for a Hugging Face or loom safetensors directory."""
+    if (src.path / (WEIGHTS if src.kind == "loom" else HF_WEIGHTS)).is_file():
+        files = {(WEIGHTS if src.kind == "loom" else HF_WEIGHTS): None}
+    elif src.kind == "hf" and (src.path / HF_INDEX).is_file():
+        try:
+            weight_map = json.loads((src.path / HF_INDEX).read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            raise UserError(f"{src.path / HF_INDEX} is not a valid safetensors index ({exc!r})") from None
+        files = dict.fromkeys(sorted(set(weight_map.values())))
+    else:
+        raise UserError(f"{src.path}: no weights found; expected {HF_WEIGHTS} or {HF_INDEX}")
+    from safetensors import SafetensorError, safe_open
+
+    out = {}
+    for fname in files:
+        file = src.path / fname
+        if not file.is_file():
+            raise UserError(f"{src.path}: shard {fname} listed in {HF_INDEX} is missing")
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names = list(f.keys())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise UserError(f"{file} is corrupt or unreadable ({exc})") from None
+        for name in names:
+            loom_name = hf_to_loom_name(name) if src.kind == "hf" else name
+            if loom_name is not None:
+                out[loom_name] = (file, name)
+    return out
+
+
+def _check_safetensors(index: dict[str, tuple[Path, str]], cfg: ModelConfig, where: Path, kind: str) -> None:
+    from safetensors import safe_open
+
+    from loom.interop.hf import loom_to_hf_name
+
+    def spelled(name: str) -> str:  # a name as the source spells it
+        try:
+            return loom_to_hf_name(name) if kind == "hf" else name
+        except UserError:
+            return name
+
+    expected = _expected(cfg)
+    if cfg.tie_embeddings:
+        index.pop("output.weight", None)  # a tied head stored anyway is the embedding
+    missing = sorted(set(expected) - set(index))
+    unexpected = sorted(set(index) - set(expected))
+    if missing or unexpected:
+        raise UserError(f"{where}: weights do not match its config: missing {[spelled(n) for n in missing[:5]]}, "
+                        f"unexpected {[index.get(n, (None, n))[1] for n in unexpected[:5]]}")
+    by_file: dict[Path, list[str]] = {}
+    for name, (file, _) in index.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                shape = tuple(f.get_slice(index[name][1]).get_shape())
+                if shape != expected[name]:
+                    raise UserError(f"{where}: {index[name][1]} has shape {shape}, its config needs {expected[name]}")
+
+
+def local_slice(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """(this rank's local tensor of `param`, the global index of that tensor in the full weight)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        local = param.to_local()
+        assert tuple(local.shape) == tuple(shape), (tuple(local.shape), shape)
+        return local, tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return param, tuple(slice(0, s) for s in param.shape)
+
+
+@torch.no_grad()
+def load_pretrained(model: torch.nn.Module, path: str | Path) -> dict:
+    """Fill `model` — whole, or a pipeline rank's view, already parallelised (plain tensors or DTensors
+    with TP/FSDP placements) — with the weights at `path`, each rank reading only its slices.
+
+    Every rank must call it (the DCP load of a loom checkpoint is a collective). `model.cfg` must be the
+    source's architecture. Returns {"kind", "elements_read"} (this rank's count, for tests and logs).
+    """
+    src = describe_source(path)
+    cfg: ModelConfig = model.cfg
+    if src.kind == "dcp":
+        return {"kind": "dcp", "elements_read": _load_dcp(model, src)}
+    index = _safetensors_index(src)
+    _check_safetensors(index, cfg, src.path, src.kind)
+    from safetensors import safe_open
+
+    params: dict[Path, list[tuple[str, torch.Tensor]]] = {}
+    for name, param in model.named_parameters():
+        key = "tok_embeddings.weight" if cfg.tie_embeddings and name == "output.weight" else name
+        if key not in index:
+            raise UserError(f"{src.path}: no weight for {name}")
+        params.setdefault(index[key][0], []).append((key, param))
+    read = 0
+    for file, items in params.items():
+        with safe_open(str(file), framework="pt") as f:
+            for key, param in items:
+                local, where = local_slice(param)
+                if local.numel() == 0:
+                    continue
+                piece = f.get_slice(index[key][1])[where] if where else f.get_tensor(index[key][1])
+                local.copy_(piece)
+                read += piece.numel()
+    return {"kind": src.kind, "elements_read": read}
+
+
+def _load_dcp(model: torch.nn.Module, src: Source) -> int:
+    """Model entries of a sharded loom checkpoint into this layout (DCP reads this rank's slices)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = get_model_state_dict(model)
+    saved = FileSystemReader(str(src.path)).read_metadata().state_dict_metadata
+    for name, tensor in state.items():
+        meta = saved.get(f"model.{name}")
+        if not isinstance(meta, TensorStorageMetadata):
+            raise UserError(f"{src.path}: the checkpoint has no weight {name}; it does not match its config.toml")
+        if tuple(meta.size) != tuple(tensor.shape):
+            raise UserError(f"{src.path}: {name} has shape {tuple(meta.size)} in the checkpoint, its config needs "
+                            f"{tuple(tensor.shape)}")
+    distributed = dist.is_available() and dist.is_initialized()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": state}, checkpoint_id=src.path, no_dist=not distributed)
+    set_model_state_dict(model, state)
+    return sum(local_slice(t)[0].numel() for t in state.values())
