@@ -9,7 +9,7 @@ import pytest
 from conftest import run_cli
 
 from loom.config import load_config
-from loom.planner.costmodel import GIB, Layout, Workload, evaluate, memory, total_params
+from loom.planner.costmodel import GIB, Layout, Workload, evaluate, layer_params, memory, total_params
 from loom.planner.hardware import PRESETS
 from loom.planner.search import search
 from loom.planner.validation import predict as predict_run
@@ -330,6 +330,32 @@ def test_inference_pareto_front_and_decode_physics():
                 "--output-len", "256", "--batch", "64", "--json")
     assert r.returncode == 0, r.stderr
     assert all(c["pareto"] for c in json.loads(r.stdout)["candidates"])
+
+
+def test_inference_memory_counts_every_weight_once_and_the_last_logits(tmp_path):
+    from loom.planner.inference import evaluate_inference
+
+    m = load_config("llama3-8b").model  # untied 128k head: 8.03e9 parameters
+    w = Workload(m, 8192, 1, 8, PRESETS["h100"])
+    one = evaluate_inference(w, 1, 1, 1, 1024, 256)
+    assert one.weights_gib * GIB == 2 * total_params(m)  # 14.96 GiB of bf16, the LM head included
+    assert one.weights_gib == pytest.approx(14.96, abs=0.01)
+    two = evaluate_inference(w, 1, 2, 1, 1024, 256)  # the fuller of the two stages: 16 layers + the head
+    assert two.weights_gib * GIB == 2 * (16 * layer_params(m) + m.vocab_size * m.hidden + m.hidden)
+    tied = load_config("llama3-8b", ["model.tie_embeddings=true"]).model
+    assert evaluate_inference(Workload(tied, 8192, 1, 8, PRESETS["h100"]), 1, 1, 1, 1024, 256).weights_gib * GIB \
+        == 2 * total_params(tied)
+    # Prefill holds fp32 logits for the last position only: a longer prompt adds no vocab-sized terms.
+    short, long_ = (evaluate_inference(w, 1, 1, 8, n, 256) for n in (1024, 2048))
+    per_token_kv = 2 * m.layers * m.kv_heads * m.head_dim * 2
+    per_token_act = (m.hidden * 6 + 3 * m.ffn_hidden) * 2
+    grow = (long_.total_gib - short.total_gib) * GIB
+    assert grow == pytest.approx(8 * 1024 * (per_token_kv + per_token_act))
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "inference.png"
+    r = run_cli("plan", "--model", "llama2-7b", "--gpus", "8", "--inference", "--batch", "16", "--plot", str(out))
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {out}" in r.stdout and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_profile_hardware_round_trip(tmp_path):

@@ -204,7 +204,7 @@ def _params(w) -> int:
 
 
 def _run_inference(args, w) -> int:
-    from loom.planner.inference import format_inference, search_inference
+    from loom.planner.inference import format_inference, plot_inference, search_inference
 
     for name in ("input_len", "output_len", "batch"):
         if getattr(args, name) < 1:
@@ -212,11 +212,15 @@ def _run_inference(args, w) -> int:
     results = search_inference(w, args.input_len, args.output_len, args.batch)
     if not results:
         raise UserError(f"no inference layout fits {w.gpus} x {w.gpu.name}; add GPUs or lower --batch/--input-len")
+    title = f"inference, {w.gpus} x {w.gpu.name}, {w.precision}, input {args.input_len}, output {args.output_len}"
+    if args.plot:
+        plot_inference(results, args.plot, title)
     if args.json:
         print(json.dumps({"candidates": [e.to_json() for e in results if e.pareto],
                           "all": len(results)}, indent=1))
         return 0
-    print(f"inference, {w.gpus} x {w.gpu.name}, {w.precision}, input {args.input_len}, output {args.output_len}: "
-          f"{len(results)} layouts fit; the latency / throughput Pareto front:")
+    print(f"{title}: {len(results)} layouts fit; the latency / throughput Pareto front:")
     print(format_inference(results))
+    if args.plot:
+        print(f"wrote {args.plot}")
     return 0

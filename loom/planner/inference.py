@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from loom.planner.costmodel import (GIB, CONTEXT_GIB, Workload, collective_time, embedding_params, layer_params,
-                                    layer_times, p2p_time, stage_layers)
+from loom.planner.costmodel import (GIB, CONTEXT_GIB, Workload, collective_time, embedding_params, head_params,
+                                    layer_params, layer_times, p2p_time, stage_layers)
 from loom.planner.search import tp_options
 
 
@@ -48,13 +48,19 @@ def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int
     cfg, gpu = w.model, w.gpu
     weight_bytes = 1 if w.precision == "fp8" else 2
     n_layers = stage_layers(cfg, pp)
-    stage_params = (n_layers * layer_params(cfg) + embedding_params(cfg)) / tp
+    # The fullest stage: the embedding on the first, the final norm and LM head on the last (a tied head is
+    # the embedding itself when both are on one stage, its own copy otherwise).
+    head = head_params(cfg) - (cfg.vocab_size * cfg.hidden if cfg.tie_embeddings and pp == 1 else 0)
+    ends = embedding_params(cfg) + head if pp == 1 else max(embedding_params(cfg), head)
+    stage_params = (n_layers * layer_params(cfg) + ends) / tp
     weights = stage_params * weight_bytes
     kv_heads_local = max(1, cfg.kv_heads // tp)  # heads are replicated when tp exceeds them
     kv_per_token_layer = 2 * kv_heads_local * cfg.head_dim * 2  # K and V, 16-bit
     context = input_len + output_len
     kv_cache = batch * context * n_layers * kv_per_token_layer
-    prefill_act = batch * input_len * (cfg.hidden * 6 + 3 * cfg.ffn_hidden / tp) * 2 + batch * input_len * cfg.vocab_size / tp * 4
+    # One layer's working set at a time, and fp32 logits for the last position only (all a prompt needs
+    # to start decoding; the time model computes the head for that position alone too).
+    prefill_act = batch * input_len * (cfg.hidden * 6 + 3 * cfg.ffn_hidden / tp) * 2 + batch * cfg.vocab_size / tp * 4
     total = weights + kv_cache + prefill_act + CONTEXT_GIB * GIB
     # Prefill: the forward of every stage, one after another, plus the LM head on the last stage's last token.
     pw = replace(w, seq_len=input_len)
@@ -101,6 +107,37 @@ def search_inference(w: Workload, input_len: int, output_len: int, max_batch: in
             est.pareto = True
             best_throughput = est.tokens_per_s_per_gpu
     return out
+
+
+def plot_inference(estimates: list[InferenceEstimate], path, title: str) -> None:
+    """Request latency against output tokens/s per GPU for every fitting layout, the Pareto front joined
+    and labelled tp/pp/batch."""
+    from loom.planner.report import pyplot
+    from loom.config import UserError
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 6))
+    ax.scatter([e.request_latency_s for e in estimates], [e.tokens_per_s_per_gpu for e in estimates], s=10,
+               color="0.7", label="fits")
+    front = sorted((e for e in estimates if e.pareto), key=lambda e: e.request_latency_s)
+    ax.plot([e.request_latency_s for e in front], [e.tokens_per_s_per_gpu for e in front], "o-", color="C0",
+            label="Pareto front")
+    for e in front:
+        ax.annotate(f"tp{e.tp} pp{e.pp} b{e.batch}", (e.request_latency_s, e.tokens_per_s_per_gpu), fontsize=7,
+                    xytext=(4, -10), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("request latency (s)")
+    ax.set_ylabel("output tokens/s per GPU")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:
+        raise UserError(f"--plot {path}: cannot write ({exc})") from None
+    finally:
+        plt.close(fig)
 
 
 def format_inference(estimates: list[InferenceEstimate], pareto_only: bool = True) -> str:

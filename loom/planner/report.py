@@ -134,7 +134,8 @@ def write_config(e: Estimate, w: Workload, base_name: str | None, path: Path) ->
     return note
 
 
-def plot(estimates: list[Estimate], path: Path, capacity_gib: float) -> None:
+def pyplot():
+    """matplotlib's pyplot on the file-only backend, or a clear message when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -142,6 +143,11 @@ def plot(estimates: list[Estimate], path: Path, capacity_gib: float) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'loom[plot]' (or pip install matplotlib)") from None
+    return plt
+
+
+def plot(estimates: list[Estimate], path: Path, capacity_gib: float) -> None:
+    plt = pyplot()
     names = [f"#{i}" for i in range(1, len(estimates) + 1)]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.45 * len(estimates) + 4.0))
     keys = [k for k in TERM_LABELS if any(e.time_terms.get(k, 0) > 0 for e in estimates)]
