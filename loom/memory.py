@@ -135,14 +135,15 @@ def state_bytes(cfg: Config, layout=None) -> dict:
     model = _build(cfg, "meta", None)
     total = model.num_params()
     p = cfg.parallel
-    per_rank = total / (p.tp * p.pp * p.dp_shard)
+    shard = p.dp_shard * p.cp  # FSDP shards over the data-parallel shards and their cp ranks
+    per_rank = total / (p.tp * p.pp * shard)
     moment_bytes = 4 if cfg.optim.state_dtype == "bfloat16" else 8
     # Gradients between a step's micro-batches: this rank's shard, or the whole stage's (rules.py).
     micro_batches = cfg.train.global_batch // (p.dp * cfg.train.micro_batch)
     sharded = grads_stay_sharded(p.grad_accum, p.pp, micro_batches)
     return {"params_total": total, "params_bytes": per_rank * 4,
-            "grads_bytes": per_rank * 4 * (1 if sharded else p.dp_shard),
-            "grad_accum": ("whole: dp_shard=1" if p.dp_shard == 1 else
+            "grads_bytes": per_rank * 4 * (1 if sharded else shard),
+            "grad_accum": ("whole: dp_shard=1" if shard == 1 else
                            "sharded every micro-batch" if sharded else "whole until the last micro-batch"),
             "optimizer_bytes": per_rank * moment_bytes}
 

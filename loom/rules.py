@@ -63,6 +63,46 @@ def sp_problem(tp: int, sp: bool) -> str | None:
     return None
 
 
+# --- context parallelism ----------------------------------------------------------------------------
+#
+# cp ranks split every sequence into 2 x cp chunks, rank i holding chunks i and 2 x cp - 1 - i (load-balanced
+# causal sharding); attention all-gathers keys/values over the cp group (loom/parallel/context.py). The cp
+# ranks of a data-parallel rank read the same samples and join FSDP's shard group (`dp_shard x cp`).
+
+
+def cp_problem(cp: int, seq_len: int, tp: int = 1, sp: bool = False) -> str | None:
+    """Why `cp` cannot split sequences of `seq_len` tokens (None when it can): 2 x cp equal chunks, and under
+    sequence parallelism a rank's seq_len / cp tokens split again over the tensor-parallel group."""
+    if cp == 1:
+        return None
+    ok = [c for c in divisors(seq_len) if c > 1 and seq_len % (2 * c) == 0 and not (sp and (seq_len // c) % tp)]
+    valid = ", ".join(map(str, [1, *ok[:8]])) + (", ..." if len(ok) > 8 else "")
+    if seq_len % (2 * cp):
+        return (f"parallel.cp={cp} cuts every sequence into 2 x cp = {2 * cp} equal chunks, but train.seq_len="
+                f"{seq_len} is not divisible by {2 * cp}; valid cp sizes for this seq_len: {valid}")
+    if sp and (seq_len // cp) % tp:
+        return (f"parallel.cp={cp} with parallel.tp={tp} and parallel.sp=true splits each rank's train.seq_len / cp "
+                f"= {seq_len // cp} tokens over the tensor-parallel group, which needs train.seq_len divisible by "
+                f"cp x tp = {cp * tp}; valid cp sizes for this seq_len: {valid}")
+    return None
+
+
+def cp_feature_problem(cp: int, dropout: float, compile: bool, recompute_mode: str) -> str | None:
+    """What context parallelism does not compose with yet (None: nothing in this config)."""
+    if cp == 1:
+        return None
+    if dropout > 0:
+        return (f"parallel.cp={cp} with dropout needs per-rank random streams, which this build does not have yet; "
+                "set model.dropout=0 and model.attn_dropout=0, or parallel.cp=1")
+    if compile:
+        return (f"train.compile=true is not applied with parallel.cp={cp} yet (the key/value all-gather is a Python "
+                "autograd function); set train.compile=false or parallel.cp=1")
+    if recompute_mode == "budget":
+        return (f"recompute.mode=budget plans one rank's layers without context parallelism; with parallel.cp={cp} "
+                "use recompute.mode=none, selective or full")
+    return None
+
+
 # --- batch ------------------------------------------------------------------------------------------
 
 
@@ -227,10 +267,12 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False) -> None
     """
     p, m, t = cfg.parallel, cfg.model, cfg.train
     check_sizes(p)
-    for name in ("cp", "ep"):
-        if getattr(p, name) != 1:
-            raise UserError(f"parallel.{name}={getattr(p, name)} is not supported yet; valid: 1")
+    if p.ep != 1:
+        raise UserError(f"parallel.ep={p.ep} is not supported yet; valid: 1")
     if problem := sp_problem(p.tp, p.sp):
+        raise UserError(problem)
+    if problem := cp_problem(p.cp, t.seq_len, p.tp, p.sp) or cp_feature_problem(
+            p.cp, max(m.dropout, m.attn_dropout), t.compile, cfg.recompute.mode):
         raise UserError(problem)
     if p.tp > 1:
         reasons = tp_problems(p.tp, m, t.seq_len, p.sp)

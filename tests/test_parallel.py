@@ -94,6 +94,10 @@ LAYOUTS = {
     "hsdp2x2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
     "tp2-sp-dp_shard2": (4, ["parallel.tp=2", "parallel.sp=true", "parallel.dp_shard=2"]),
     "tp2-dp_replicate2": (4, ["parallel.tp=2", "parallel.dp_replicate=2"]),
+    # Context parallelism: each rank holds 2 of the 4 (cp=2) chunks of every sequence.
+    "cp2": (2, ["parallel.cp=2", "recompute.mode=selective"]),  # only the local attention is recomputed
+    "cp2-tp2-sp": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
+    "cp2-dp_shard2": (4, ["parallel.cp=2", "parallel.dp_shard=2"]),
 }
 
 
@@ -114,6 +118,7 @@ PIPE_LAYOUTS = {
     "pp2-vpp2-zbv": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zero_bubble"]),
     "pp2-tp2-sp": (4, ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true"]),
     "pp2-dp_shard2": (4, ["parallel.pp=2", "parallel.dp_shard=2"]),
+    "pp2-cp2": (4, ["parallel.pp=2", "parallel.cp=2"]),
     "tp2-pp2-dp_shard2": (8, ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2", "parallel.dp_shard=2"]),
 }
 

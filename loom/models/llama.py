@@ -101,6 +101,9 @@ class Attention(nn.Module):
         # The attention core (scores, softmax, dropout, weighted values) as a replaceable callable, so
         # that recomputation can wrap exactly this part from outside the model.
         self.core = attention_core
+        # Each token's position when the sequence is not start_pos..start_pos+seq-1 (a context-parallel
+        # rank holds two separate chunks of every sequence: loom/parallel/context.py).
+        self.positions: torch.Tensor | None = None
 
     def forward(self, x, rope, cache=None, layer_id: int = 0, start_pos: int = 0):
         bsz, seqlen, _ = x.shape
@@ -112,12 +115,18 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         if rope is not None:  # full tables; this module's positions are start_pos..start_pos+seqlen-1
-            cos, signed_sin = (t[start_pos : start_pos + seqlen] for t in rope)
+            where = slice(start_pos, start_pos + seqlen) if self.positions is None else self._positions(x.device)
+            cos, signed_sin = (t[where] for t in rope)
             q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
         if cache is not None:
             k, v = cache.update(layer_id, k, v, start_pos)
         out = self.core(q, k, v, self.kind, self.attn_dropout if self.training else 0.0, start_pos)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def _positions(self, device) -> torch.Tensor:
+        if self.positions.device != device:  # set on the CPU; moved once
+            self.positions = self.positions.to(device)
+        return self.positions
 
 
 def attention_core(q, k, v, kind: str, dropout: float, start_pos: int = 0) -> torch.Tensor:
@@ -218,6 +227,7 @@ class Transformer(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
+        self.positions: torch.Tensor | None = None  # a context-parallel rank's token positions (see Attention)
         if self.tok_embeddings.weight.device.type != "meta":  # built on meta: initialised once materialised
             self.init_weights(int(torch.randint(0, 2**62, ()).item()))
 
@@ -261,11 +271,12 @@ class Transformer(nn.Module):
         (after the final norm): a loss that applies the head itself, chunk by chunk, takes it from there.
         """
         seqlen = tokens.shape[1]
-        positions = slice(start_pos, start_pos + seqlen)
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
-            if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(torch.arange(positions.start, positions.stop, device=h.device))
+            if self.pos_embeddings is not None:  # `positions`: a context-parallel rank's tokens (see Attention)
+                pos = (torch.arange(start_pos, start_pos + seqlen, device=h.device) if self.positions is None
+                       else self.positions.to(h.device))
+                h = h + self.pos_embeddings(pos)
             h = self.embed_dropout(h)
         else:
             h = tokens

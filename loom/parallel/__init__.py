@@ -14,9 +14,10 @@ from loom.parallel.dims import MeshPlace, build_layout, validate_layout
 
 def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype: torch.dtype | None,
                 layer_plan: dict[str, str] | None = None) -> nn.Module:
-    """fp8 linear layers (`train.fp8`), TP(+SP) over the `tp` mesh dimension, activation recomputation,
-    `torch.compile` of each transformer block (`train.compile`), then data parallelism over
-    `(dp_replicate, dp_shard)` — torchtitan's order. `model` is the whole model or one pipeline stage.
+    """fp8 linear layers (`train.fp8`), TP(+SP) over the `tp` mesh dimension, context parallelism over
+    `cp`, activation recomputation, `torch.compile` of each transformer block (`train.compile`), then data
+    parallelism over `(dp_replicate, dp_shard)` (with cp > 1 `(dp_replicate, dp_shard_cp)`) — torchtitan's
+    order. `model` is the whole model or one pipeline stage.
     `layer_plan` ({layer: none|selective|full}) overrides `cfg.recompute` (the budget planner's output).
     """
     from loom.parallel.recompute import apply_recompute
@@ -29,14 +30,19 @@ def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype:
         from loom.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, layout.submesh("tp"), cfg.parallel.sp)
+    if layout.cp > 1:
+        from loom.parallel.context import apply_context_parallel
+
+        apply_context_parallel(model, layout.submesh("cp"), cfg.train.seq_len)
     apply_recompute(model, cfg, layer_plan)
     if cfg.train.compile:
         compile_blocks(model)
-    if layout.dp_size > 1:
+    if layout.grad_ranks > 1:
         from loom.parallel.data import apply_data_parallel
 
         p = cfg.parallel
-        names = [n for n, size in (("dp_replicate", p.dp_replicate), ("dp_shard", p.dp_shard)) if size > 1]
+        shard = ("dp_shard_cp", p.dp_shard * p.cp) if p.cp > 1 else ("dp_shard", p.dp_shard)
+        names = [n for n, size in (("dp_replicate", p.dp_replicate), shard) if size > 1]
         if names == ["dp_replicate"]:
             names = ["dp_replicate", "dp_shard"]  # FSDP2 replicates over a 2-D mesh with a shard group of 1
         # Pipeline stages keep their gathered parameters through the step (see loom/parallel/data.py).

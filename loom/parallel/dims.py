@@ -1,9 +1,11 @@
 """Parallel sizes: validation before any process exists, and the device mesh.
 
-The mesh is `(pp, dp_replicate, dp_shard, tp)` with tensor parallelism innermost, so a tensor-parallel
-group is made of consecutive ranks (the same node when `tp` fits in one). Data-parallel rank
-`r = replicate_rank * dp_shard + shard_rank` reads slice `r` of every global batch; the ranks of one
-tensor-parallel group share a data-parallel rank and so see identical data.
+The mesh is `(pp, dp_replicate, dp_shard, cp, tp)` (torchtitan's order) with tensor parallelism innermost,
+so a tensor-parallel group is made of consecutive ranks (the same node when `tp` fits in one), and context
+parallelism next to it. Data-parallel rank `r = replicate_rank * dp_shard + shard_rank` reads slice `r` of
+every global batch; the ranks of one tensor- or context-parallel group share a data-parallel rank and so
+read identical data (a cp rank then keeps its chunks of every sequence). With cp > 1 the cp ranks also
+join FSDP's shard group, the flattened `dp_shard_cp` dimension (as Megatron-Core and torchtitan do).
 """
 
 from __future__ import annotations
@@ -35,10 +37,18 @@ class MeshPlace:
     tp: int = 1
     pp: int = 1
     pp_rank: int = 0
+    cp: int = 1
+    cp_rank: int = 0
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks over which FSDP averages gradients: the data-parallel ranks and, with cp > 1, their cp ranks
+        (each holds the gradient of its chunks of the same samples)."""
+        return self.dp_size * self.cp
 
     @property
     def is_main(self) -> bool:
@@ -60,14 +70,16 @@ def build_layout(cfg: Config, device_type: str, measuring: bool = False) -> Mesh
     world = dist.get_world_size()
     validate_layout(cfg, world, measuring)
     p = cfg.parallel
-    names = ("pp", "dp_replicate", "dp_shard", "tp")
+    names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     # The mesh's groups get train.collective_timeout_s too (new groups otherwise take PyTorch's default).
     options = _group_options(dist.get_backend(), cfg.train.collective_timeout_s)
-    mesh = init_device_mesh(device_type, (p.pp, p.dp_replicate, p.dp_shard, p.tp), mesh_dim_names=names,
+    mesh = init_device_mesh(device_type, (p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp), mesh_dim_names=names,
                             backend_override={n: options for n in names} if options is not None else None)
+    if p.cp > 1:  # FSDP's shard group: the data-parallel shards and their cp ranks together
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     dp_rank = mesh["dp_replicate"].get_local_rank() * p.dp_shard + mesh["dp_shard"].get_local_rank()
     return MeshPlace(mesh=mesh, rank=dist.get_rank(), world_size=world, dp_rank=dp_rank, dp_size=p.dp, tp=p.tp,
-                  pp=p.pp, pp_rank=mesh["pp"].get_local_rank())
+                     pp=p.pp, pp_rank=mesh["pp"].get_local_rank(), cp=p.cp, cp_rank=mesh["cp"].get_local_rank())
 
 
 def _group_options(backend: str, timeout_s: float):

@@ -46,8 +46,11 @@ def _checkpointed(fn):
 
 def recompute_attention_core(block) -> None:
     attn = block.attention
-    if not getattr(attn.core, "loom_recompute", False):
-        attn.core = _checkpointed(attn.core)
+    # A core that exchanges data first (context parallelism's key/value all-gather) exposes its local
+    # computation as `inner`: only that is recomputed, the exchange is not repeated in backward.
+    owner, name = (attn.core, "inner") if hasattr(attn.core, "inner") else (attn, "core")
+    if not getattr(getattr(owner, name), "loom_recompute", False):
+        setattr(owner, name, _checkpointed(getattr(owner, name)))
 
 
 def recompute_layer(block) -> None:

@@ -28,6 +28,7 @@ from loom.config import Config
 from loom.data.loader import batch as sample_rows
 from loom.models.losses import Batch, HeadInput, Loss
 from loom.parallel import MeshPlace, parallelize
+from loom.parallel.context import shard_batch
 from loom.parallel.data import set_gradient_sync
 from loom.parallel.distributed import all_reduce_sum, local
 from loom.parallel.tensor import loss_context
@@ -108,6 +109,14 @@ class _Runner:
         self.cfg, self.layout, self.loss, self.device = cfg, layout, loss, device
         self.autocast_dtype = autocast_dtype
 
+    def cp_shard(self, batch: Batch) -> Batch:
+        """This context-parallel rank's chunks of every sequence (the whole batch when cp = 1)."""
+        return shard_batch(batch, self.cfg.train.seq_len, self.layout.cp, self.layout.cp_rank)
+
+    def cp_sum(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss summed over this rank's tokens -> over whole sequences (summed over the cp group)."""
+        return all_reduce_sum(loss, self.layout.submesh("cp").get_group()) if self.layout.cp > 1 else loss
+
     def autocast(self):
         """Autocast (bf16 without FSDP) and, on CUDA, the fused attention kernels chosen explicitly."""
         stack = contextlib.ExitStack()
@@ -134,7 +143,7 @@ class SPMDRunner(_Runner):
     def __init__(self, model: nn.Module, cfg: Config, layout: MeshPlace, loss: Loss, device: torch.device,
                  compute_dtype: torch.dtype | None, layer_plan: dict | None = None):
         # bf16 compute: FSDP2 casts parameters per block when data-parallel, else autocast does it.
-        super().__init__(cfg, layout, loss, device, compute_dtype if layout.dp_size == 1 else None)
+        super().__init__(cfg, layout, loss, device, compute_dtype if layout.grad_ranks == 1 else None)
         # train.compile compiles each transformer block inside parallelize (TP, recompute, compile, FSDP).
         self.model = parallelize(model, layout, cfg, compute_dtype, layer_plan)
         self.parts = [self.model]  # the modules that hold this rank's weights (materialised by the trainer)
@@ -149,10 +158,10 @@ class SPMDRunner(_Runner):
 
     def forward_backward(self, batch: Batch, scale: float) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
-        micro = micro_batches(batch, self.cfg.train.micro_batch)
+        micro = micro_batches(self.cp_shard(batch), self.cfg.train.micro_batch)
         # Sharded accumulation: every micro-batch's gradients are reduce-scattered into this rank's shard.
         p = self.cfg.parallel
-        sharded = self.layout.dp_size > 1 and p.dp_shard > 1 and grads_stay_sharded(p.grad_accum, 1, len(micro))
+        sharded = p.dp_shard * p.cp > 1 and grads_stay_sharded(p.grad_accum, 1, len(micro))
         for m, mb in enumerate(micro):
             mb = to_device(mb, self.device)
             set_gradient_sync(self.model, m == len(micro) - 1, sharded)
@@ -164,7 +173,8 @@ class SPMDRunner(_Runner):
 
     def eval_loss_sum(self, batch: Batch) -> torch.Tensor:
         with loss_context(self.layout.tp):
-            return local(self.loss_sum(to_device(batch, self.device))).detach()
+            loss = local(self.loss_sum(to_device(self.cp_shard(batch), self.device))).detach()
+        return self.cp_sum(loss)
 
     def first_non_finite(self, batch: Batch) -> str | None:
         first = None
@@ -180,7 +190,7 @@ class SPMDRunner(_Runner):
         hooks = [m.register_forward_hook(check(n)) for n, m in self.model.named_modules() if n]
         try:
             with torch.no_grad(), self.autocast():
-                self.model(batch["input_ids"].to(self.device))
+                self.model(self.cp_shard(batch)["input_ids"].to(self.device))
         finally:
             for h in hooks:
                 h.remove()
@@ -195,7 +205,7 @@ class PipelineRunner(_Runner):
                  compute_dtype: torch.dtype | None, layer_plan: dict | None = None):
         from loom.parallel.pipeline import RankView, TiedEmbedding, build_schedule, split_stages
 
-        super().__init__(cfg, layout, loss, device, compute_dtype if layout.dp_size == 1 else None)
+        super().__init__(cfg, layout, loss, device, compute_dtype if layout.grad_ranks == 1 else None)
         self.chunks, self.stage_ids = split_stages(model, cfg, layout.pp_rank)
         for chunk in self.chunks:
             parallelize(chunk, layout, cfg, compute_dtype, layer_plan)
@@ -224,7 +234,7 @@ class PipelineRunner(_Runner):
         from loom.parallel.pipeline import WaitTimer
 
         self.scale = scale
-        batch = to_device(batch, self.device)
+        batch = to_device(self.cp_shard(batch), self.device)
         losses: list = []
         # Contiguous: torch 2.11's pipelining checks input strides against the stage's (a [b, s] slice of the
         # [b, s+1] sample rows has stride s+1).
@@ -257,14 +267,14 @@ class PipelineRunner(_Runner):
     def eval_loss_sum(self, batch: Batch) -> torch.Tensor:
         from loom.parallel.pipeline import forward_through_stages
 
-        batch = to_device(batch, self.device)
+        batch = to_device(self.cp_shard(batch), self.device)
         with loss_context(self.layout.tp):
             with self.autocast():
                 output = forward_through_stages(self.chunks, self.stage_ids, self.cfg, self.grad_norm_group,
                                                 batch["input_ids"])
             loss = (local(self.loss(output, batch)).detach() if output is not None
                     else torch.zeros((), device=self.device))
-        return all_reduce_sum(loss, self.grad_norm_group)  # only the last stage has it
+        return self.cp_sum(all_reduce_sum(loss, self.grad_norm_group))  # only the last stage has it
 
     def metrics(self) -> dict:
         return {"pipeline_bubble": self.bubble}

@@ -77,7 +77,7 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         self.device = pick_device(cfg.train.device)
         if self.device.type == "cpu":  # the C library's malloc, tuned for the run (host_memory.py):
-            if cfg.parallel.dp_shard > 1:  # sharded weights: gathered blocks go back to the kernel
+            if cfg.parallel.dp_shard * cfg.parallel.cp > 1:  # sharded weights: gathered blocks go back to the kernel
                 return_freed_memory()
             else:  # no page faults for every step's large buffers
                 keep_freed_memory()
@@ -182,15 +182,17 @@ class Trainer:
         following = self.state.consumed_samples + t.global_batch if self.state.step + 1 < t.steps else None
         batch, data_wait = self.batches.get(self.state.consumed_samples, following)
         count = self.loss.count(batch)
-        if self.loss.count_varies:  # every rank of a tensor/pipeline group holds the same data
-            total = all_reduce_sum(torch.as_tensor(count, device=self.device)).item() / (layout.tp * layout.pp)
+        if self.loss.count_varies:  # every rank of a tensor/pipeline/context group holds the same data
+            total = all_reduce_sum(torch.as_tensor(count, device=self.device)).item() / (layout.tp * layout.pp
+                                                                                          * layout.cp)
         else:
             total = count * layout.dp_size
-        # Data-parallel reduction averages gradients over ranks; scale so the result is the sum / total.
-        loss_sum = self.runner.forward_backward(batch, layout.dp_size / total)
+        # Data-parallel reduction averages gradients over ranks (with cp > 1 over the dp x cp ranks, each
+        # holding its chunks' part); scale so the result is the sum / total.
+        loss_sum = self.runner.forward_backward(batch, layout.grad_ranks / total)
         counted, shared = self.runner.norm_parameters()
         grad_norm = clip_grad_norm(counted, t.grad_clip, self.runner.grad_norm_group, shared)
-        # Every rank of a TP group holds the same loss: sum over all ranks, divide by tp. Loss and gradient
+        # Every rank of a TP group holds the same loss (a cp rank its chunks'): sum over all ranks, divide by tp. Loss and gradient
         # norm reach the host in one transfer: the step's only host synchronisation (skipping a non-finite
         # step needs the verdict before the update).
         loss_t = all_reduce_sum(loss_sum) / layout.tp / total

@@ -1,0 +1,117 @@
+"""Context parallelism: every sequence split across the `cp` ranks, attention over all-gathered keys/values.
+
+Load-balanced causal sharding: a sequence of S tokens is cut into 2·cp chunks of c = S / (2·cp) tokens and
+cp rank i holds chunks i and 2·cp−1−i. Under a causal mask an early chunk attends to few keys and a late
+one to many; pairing them gives every rank the same attention work (Megatron-Core and torchtitan do the
+same). Inputs and labels are sliced alike (`shard_batch`), so each token's loss is computed on exactly one
+cp rank and the loss sums over the cp group.
+
+Attention (Llama 3's choice, Dubey et al. 2024 §3.3.2): each rank all-gathers the keys and values of its
+cp group, only the key/value heads (GQA shrinks the exchange), and attends its two query chunks to them;
+backward reduce-scatters the key/value gradients to their owners (`_GatherKV`). Chunk i needs keys
+0..(i+1)·c−1 and chunk 2·cp−1−i keys 0..(2·cp−i)·c−1: two causal attention calls on key prefixes, so no
+rank computes blocks above the diagonal beyond its own chunks.
+
+Why all-gather rather than a ring: one collective per layer and direction instead of cp−1 dependent
+point-to-point rounds; any attention kernel works unchanged (fused SDPA on GPU, the math path with its
+measured activations on CPU); with GQA the keys/values are a fraction of the activations (Llama 3 ran it at
+128K tokens). A ring overlaps its exchange with compute and never holds the whole K/V, which matters only
+when S x kv_heads x head_dim per layer no longer fits beside the rest — see README "Context parallelism"
+and bench/cp_comm.py for the numbers.
+
+Positions: a rank's tokens are not contiguous, so rotary (and learned) positions come from a per-token
+index set once on the model (`positions` attributes) instead of start_pos..start_pos+seq−1; the model has
+no process-group code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.models.llama import attention_core
+
+
+def rank_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The positions (of 0..seq_len-1) of the tokens cp rank `rank` holds: chunks rank and 2·cp−1−rank."""
+    c = seq_len // (2 * cp)
+    first, second = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+
+
+def shard_batch(batch: dict, seq_len: int, cp: int, rank: int) -> dict:
+    """This cp rank's tokens of every sequence: each [batch, seq_len, ...] tensor sliced along dim 1."""
+    if cp == 1:
+        return batch
+    idx = rank_positions(seq_len, cp, rank)
+    out = {}
+    for k, v in batch.items():
+        if v.dim() >= 2 and v.shape[1] == seq_len:
+            v = v.index_select(1, idx.to(v.device))
+        out[k] = v
+    return out
+
+
+class _GatherKV(torch.autograd.Function):
+    """[b, h, L, d] on each of the cp ranks -> [cp, b, h, L, d] on every rank; backward reduce-scatters."""
+
+    traffic = {"gathered_bytes": 0, "scattered_bytes": 0}  # this process's, read by tests and bench/cp_comm.py
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        x = x.contiguous()
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # ranks along dim 0 (gloo wants it flat)
+        dist.all_gather_into_tensor(out, x, group=group)
+        _GatherKV.traffic["gathered_bytes"] += x.numel() * x.element_size() * (size - 1)
+        return out.view(size, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_tensor(out, grad.flatten(0, 1), group=ctx.group)
+        _GatherKV.traffic["scattered_bytes"] += out.numel() * out.element_size() * (ctx.size - 1)
+        return out, None, None
+
+
+def gather_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """The cp group's [b, h, 2c, d] shards (chunks r and 2·cp−1−r on rank r) as [b, h, S, d] in order."""
+    parts = _GatherKV.apply(x, group, cp)
+    c = x.shape[2] // 2
+    first = [parts[r, :, :, :c] for r in range(cp)]
+    second = [parts[r, :, :, c:] for r in reversed(range(cp))]
+    return torch.cat(first + second, dim=2)
+
+
+class ContextParallelCore:
+    """The attention core of one cp rank: its two query chunks against the gathered keys/values. `inner`
+    is the local attention (what selective recomputation wraps; the all-gather is not recomputed)."""
+
+    def __init__(self, group, cp: int, rank: int):
+        self.group, self.cp, self.rank = group, cp, rank
+        self.inner = attention_core
+
+    def __call__(self, q, k, v, kind: str, dropout: float, start_pos: int = 0) -> torch.Tensor:
+        if start_pos:
+            raise RuntimeError("context parallelism runs whole sequences (start_pos 0), not cached decoding")
+        k, v = gather_sequence(k, self.group, self.cp), gather_sequence(v, self.group, self.cp)
+        c = q.shape[2] // 2
+        a, b = self.rank, 2 * self.cp - 1 - self.rank
+        # Chunk a attends keys [0, (a+1)c), chunk b keys [0, (b+1)c): causal, aligned bottom-right.
+        out_a = self.inner(q[:, :, :c], k[:, :, :(a + 1) * c], v[:, :, :(a + 1) * c], kind, dropout, a * c)
+        out_b = self.inner(q[:, :, c:], k[:, :, :(b + 1) * c], v[:, :, :(b + 1) * c], kind, dropout, b * c)
+        return torch.cat([out_a, out_b], dim=2)
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh, seq_len: int) -> None:
+    """Make `model` (the whole model or one pipeline stage) run on this cp rank's chunks of every sequence:
+    the cp attention core in every block and the rank's token positions on the model and its attention
+    modules. The caller feeds it `shard_batch` inputs."""
+    group, cp, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
+    positions = rank_positions(seq_len, cp, rank)
+    model.positions = positions
+    for block in model.layers.values():
+        block.attention.core = ContextParallelCore(group, cp, rank)
+        block.attention.positions = positions

@@ -1,0 +1,108 @@
+"""Context parallelism (loom/parallel/context.py): the sharding, the attention over gathered keys/values,
+positions, and what each rank holds. Whole-run equivalence with one process (cp2, cp2 x tp2 x sp,
+cp2 x dp_shard2, pp2 x cp2) is in tests/test_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from loom.config import load_config
+from loom.errors import UserError
+from loom.parallel.context import rank_positions, shard_batch
+from loom.rules import cp_problem
+
+
+def test_load_balanced_chunks_cover_every_position_once():
+    seq, cp = 48, 3  # 6 chunks of 8: rank 0 holds 0 and 5, rank 1 holds 1 and 4, rank 2 holds 2 and 3
+    held = [rank_positions(seq, cp, r) for r in range(cp)]
+    assert held[0].tolist() == [*range(0, 8), *range(40, 48)]
+    assert held[2].tolist() == [*range(16, 24), *range(24, 32)]
+    assert sorted(torch.cat(held).tolist()) == list(range(seq))
+    # Causal work per rank (keys each query sees) is equal: the point of pairing chunk i with 2cp-1-i.
+    assert len({int((p + 1).sum()) for p in held}) == 1
+    batch = {"input_ids": torch.arange(2 * seq).view(2, seq), "labels": torch.arange(2 * seq).view(2, seq) + 1}
+    part = shard_batch(batch, seq, cp, 1)
+    assert part["input_ids"].shape == (2, 16)
+    assert torch.equal(part["labels"][1], batch["labels"][1, held[1]])
+
+
+def _attention_rank(seq, cp, kind):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from loom.models.llama import attention_core
+    from loom.parallel.context import ContextParallelCore, _GatherKV
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, seq, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 2, seq, 8, generator=gen, dtype=torch.float64)  # GQA: 2 key/value heads for 4 queries
+    v = torch.randn(2, 2, seq, 8, generator=gen, dtype=torch.float64)
+    out_grad = torch.randn(2, 4, seq, 8, generator=gen, dtype=torch.float64)
+    # Reference: the whole sequence in this process.
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = attention_core(*leaves, kind, 0.0)
+    ref.backward(out_grad)
+    # This rank's chunks.
+    mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    idx = rank_positions(seq, cp, rank)
+    local = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
+    _GatherKV.traffic.update(gathered_bytes=0, scattered_bytes=0)
+    out = ContextParallelCore(mesh.get_group(), cp, rank)(*local, kind, 0.0)
+    out.backward(out_grad[:, :, idx])
+    errors = [(out - ref[:, :, idx]).abs().max().item()]
+    errors += [(a.grad - b.grad[:, :, idx]).abs().max().item() for a, b in zip(local, leaves)]
+    return {"errors": errors, "local_len": out.shape[2], "traffic": dict(_GatherKV.traffic)}
+
+
+@pytest.mark.parametrize("kind", ["sdpa", "math"])
+def test_attention_over_gathered_keys_equals_whole_sequence(kind):
+    seq, cp = 24, 3
+    for r in run_ranks(cp, _attention_rank, seq, cp, kind):
+        assert r["local_len"] == seq // cp
+        assert max(r["errors"]) < 1e-12, r["errors"]  # output and the gradients of q, k and v (float64)
+        # K and V of the other two ranks gathered (forward), their gradients scattered back (backward).
+        kv_bytes = 2 * 2 * (seq // cp) * 8 * 8  # batch x kv heads x local tokens x head size x float64
+        assert r["traffic"] == {"gathered_bytes": 2 * kv_bytes * (cp - 1), "scattered_bytes": 2 * kv_bytes * (cp - 1)}
+
+
+def test_positions_follow_the_rank_not_the_local_index():
+    """A model given a cp rank's tokens and positions computes the whole sequence's hidden states at
+    those positions, for RoPE and for learned positions (no attention exchange: one layer attends to
+    itself only through the core, so compare embeddings + one projection)."""
+    from loom.models.llama import build_model
+
+    for position in ("rope", "learned"):
+        cfg = load_config("tiny", ["model.layers=1", f"model.position={position}"]).model
+        model = build_model(cfg, seed=0)
+        seq = 32
+        tokens = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1))
+        captured = {}
+        model.layers["0"].attention.core = lambda q, k, v, *a, **kw: captured.setdefault("q", q) * 0 + q
+        model(tokens)
+        whole = captured.pop("q")
+        idx = rank_positions(seq, 2, 1)
+        model.positions = model.layers["0"].attention.positions = idx
+        model(tokens[:, idx])
+        assert torch.allclose(captured["q"], whole[:, :, idx], atol=1e-6), position
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    (["parallel.cp=3", "train.seq_len=32"], ["2 x cp = 6", "valid cp sizes for this seq_len: 1, 2, 4, 8, 16"]),
+    (["parallel.cp=2", "parallel.tp=4", "parallel.sp=true", "train.seq_len=36", "model.max_seq_len=64"],
+     ["cp x tp = 8", "valid cp sizes"]),
+    (["parallel.cp=2", "model.dropout=0.1"], ["parallel.cp=2 with dropout"]),
+    (["parallel.cp=2", "recompute.mode=budget", "recompute.budget_gib=1"], ["recompute.mode=budget"]),
+])
+def test_bad_context_parallel_configs_are_refused(overrides, fragments):
+    with pytest.raises(UserError) as err:
+        load_config("tiny", overrides)
+    for fragment in fragments:
+        assert fragment in str(err.value), str(err.value)
+
+
+def test_cp_problem_accepts_what_runs():
+    assert cp_problem(2, 32) is None and cp_problem(4, 4096, tp=8, sp=True) is None
+    assert cp_problem(3, 32) is not None
