@@ -67,23 +67,28 @@ def test_fsdp_gradient_accumulation_policy(policy, single, tmp_path):
 
 
 @pytest.mark.parametrize("policy", ["sharded", "unsharded"])
-@pytest.mark.parametrize("tp,dp,style", [(1, 4, "fsdp"), (2, 2, "fsdp"), (2, 4, "replicate"), (1, 1, "fsdp")])
-def test_loom_memory_and_the_planner_agree_on_state(policy, tp, dp, style):
+@pytest.mark.parametrize("tp,dp,cp,style", [(1, 4, 1, "fsdp"), (2, 2, 1, "fsdp"), (2, 4, 1, "replicate"),
+                                            (1, 1, 1, "fsdp"), (1, 2, 2, "fsdp"), (2, 1, 2, "replicate")])
+def test_loom_memory_and_the_planner_agree_on_state(policy, tp, dp, cp, style):
     """params, gradients and optimizer state per rank: `loom memory` (counted on the model built on meta)
-    and the planner (formula), for the same layout and accumulation policy."""
+    and the planner (formula), for the same layout and accumulation policy; cp ranks join the shard group."""
     from loom.memory import state_bytes
     from loom.planner.costmodel import Estimate, Layout, Workload, memory
     from loom.planner.hardware import load_gpu
     from loom.planner.report import to_loom_config
 
     model = load_config("tiny").model
-    w = Workload(model=model, seq_len=256, global_batch=32, gpus=tp * dp, gpu=load_gpu("h100"), grad_accum=policy)
-    lay = Layout(tp=tp, dp=dp, dp_style=style, micro_batch=2)  # 16 / dp micro-batches per rank
+    w = Workload(model=model, seq_len=256, global_batch=32, gpus=tp * dp * cp, gpu=load_gpu("h100"),
+                 grad_accum=policy)
+    lay = Layout(tp=tp, dp=dp, cp=cp, dp_style=style, micro_batch=2)  # 16 / dp micro-batches per rank
     cfg = to_loom_config(Estimate(lay, 0.0, {}, {}, True, 0.0, 0.0, 0.0), w, "tiny")
+    assert cfg.parallel.cp == cp
     counted, priced = state_bytes(cfg), memory(w, lay)
     for ours, theirs in (("params_bytes", "params"), ("grads_bytes", "grads"), ("optimizer_bytes", "optimizer")):
         # tp replicates the norms (a few hundred parameters); everything else divides exactly
         assert counted[ours] == pytest.approx(priced[theirs], rel=2e-3), (ours, counted[ours], priced[theirs])
     whole = 4 * counted["params_total"] / tp
-    expect_grads = whole if (policy == "unsharded" and style == "fsdp" and dp > 1) or style == "replicate" else whole / dp
+    shard = dp * cp if style == "fsdp" else cp  # replicated data parallelism still shards over cp (HSDP)
+    assert counted["optimizer_bytes"] == pytest.approx(2 * whole / shard, rel=2e-3)
+    expect_grads = whole if (policy == "unsharded" and shard > 1) else whole / shard
     assert counted["grads_bytes"] == pytest.approx(expect_grads, rel=2e-3)

@@ -291,6 +291,38 @@ def test_config_written_for_the_winner_trains(tmp_path):
     assert len([json.loads(x) for x in lines if '"loss"' in x]) >= 2
 
 
+def test_context_parallelism_priced_as_loom_runs_it_and_written_as_a_config(tmp_path):
+    from loom.flops import layer_activation_bytes
+    from loom.planner.costmodel import collective_time, layer_times
+
+    m = load_config("llama3-8b").model
+    gpu = PRESETS["h100"]
+    w = Workload(m, 8192, 32, 8, gpu)
+    one, two = layer_times(w, 1, 1, 1, False, "none"), layer_times(w, 1, 2, 1, False, "none")
+    # K and V of the whole sequence all-gathered forward, reduce-scattered backward, both exposed.
+    kv = 2 * 8192 * m.kv_heads * m.head_dim * 2
+    assert two.fwd["cp_comm"] == collective_time(gpu, "all_gather", kv, 2, True) == two.bwd["cp_comm"] > 0
+    assert one.fwd["cp_comm"] == 0
+    # Half the queries: half the linear-layer work and half the (balanced) causal attention.
+    assert two.fwd["gemm"] == pytest.approx(one.fwd["gemm"] / 2, rel=0.05)
+    assert two.fwd["attention"] == pytest.approx(one.fwd["attention"] / 2, rel=1e-9)
+    # Memory: the rank's half of the activations plus the gathered keys/values of the other half,
+    # and weights, gradients and optimizer state sharded over dp x cp.
+    lay1, lay2 = Layout(dp=8, micro_batch=1, dp_style="fsdp"), Layout(dp=4, cp=2, micro_batch=1, dp_style="fsdp")
+    mem1, mem2 = memory(w, lay1), memory(Workload(m, 8192, 32, 8, gpu), lay2)
+    half = layer_activation_bytes(m, 4096, 1, 1, False, "none", 2) + 2 * 4096 * m.kv_heads * m.head_dim * 2
+    assert mem2["activations"] == pytest.approx(m.layers * half)
+    assert mem2["optimizer"] == pytest.approx(mem1["optimizer"])
+    # The layout written as a config is one loom accepts (and runs: tests/test_parallel.py cp cases).
+    out = tmp_path / "cp.toml"
+    r = run_cli("plan", "--model", "llama3-8b", "--gpus", "8", "--seq", "8192", "--global-batch", "32",
+                "--layout", "tp=1,pp=1,cp=2,dp=4,mbs=1", "--config", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "CP K/V gather" in r.stdout
+    cfg = load_config(str(out))
+    assert (cfg.parallel.cp, cfg.parallel.dp_shard * cfg.parallel.dp_replicate, cfg.train.seq_len) == (2, 4, 8192)
+
+
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "plan.png"

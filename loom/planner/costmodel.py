@@ -220,10 +220,13 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool) -> tuple[d
     heads = a // tp
     core: dict = {}
     if cfg.attention == "math":
-        # Scores and context as batched GEMMs over all s keys, then scale+mask+softmax (+ dropout).
-        score = gemm_time(gpu, "bf16" if prec == "fp8" else prec, s, w.seq_len, d, mbs * heads)
-        ctx = gemm_time(gpu, "bf16" if prec == "fp8" else prec, s, d, w.seq_len, mbs * heads)
-        elems = mbs * heads * s * w.seq_len
+        # Scores and context as batched GEMMs over the keys, then scale+mask+softmax (+ dropout). One rank
+        # computes the whole square; a cp rank its two chunks of c = S/(2cp) queries against their key
+        # prefixes ((i+1)c and (2cp-i)c keys: on average c(2cp+1)/2 per query, the same on every rank).
+        keys = w.seq_len if cp == 1 else w.seq_len * (2 * cp + 1) // (4 * cp)
+        score = gemm_time(gpu, "bf16" if prec == "fp8" else prec, s, keys, d, mbs * heads)
+        ctx = gemm_time(gpu, "bf16" if prec == "fp8" else prec, s, d, keys, mbs * heads)
+        elems = mbs * heads * s * keys
         traffic = elems * 2 * half + (elems * (2 * half + 1) if cfg.attn_dropout > 0 else 0)
         core = {"attention": score + ctx, "elementwise": _bytes_time(gpu, traffic)}
     else:
@@ -256,9 +259,15 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool) -> tuple[d
                            + collective_time(gpu, "reduce_scatter", act, tp, intra))
         else:
             tp_comm = 2 * collective_time(gpu, "all_reduce", act, tp, intra)
-    kernels = 14 + (4 if cfg.attention == "math" else 1) + (2 if cfg.dropout > 0 else 0)
+    # Context parallelism as loom runs it: the keys and values of the whole sequence all-gathered over the cp
+    # group before attention (their gradients reduce-scattered in backward), not overlapped with compute.
+    cp_comm = 0.0
+    if cp > 1:
+        kv = 2 * mbs * w.seq_len * (g // tp if g >= tp else 1) * d * half
+        cp_comm = collective_time(gpu, "all_gather", kv, cp, cp * tp <= gpu.node_size)
+    kernels = 14 + (4 if cfg.attention == "math" else 1) + (2 if cfg.dropout > 0 else 0) + (6 if cp > 1 else 0)
     fwd = {"gemm": gemm, "attention": core["attention"], "elementwise": elementwise + core["elementwise"],
-           "tp_comm": tp_comm, "overhead": kernels * gpu.kernel_overhead_us * 1e-6}
+           "tp_comm": tp_comm, "cp_comm": cp_comm, "overhead": kernels * gpu.kernel_overhead_us * 1e-6}
     return fwd, core
 
 
@@ -270,19 +279,13 @@ def layer_times(w: Workload, tp: int, cp: int, mbs: int, sp: bool, recompute: st
     # the same TP collectives (SP also re-gathers the saved input shards, overlapped with compute).
     attn_bwd = (2.5 if w.model.attention != "math" else 2.0) * fwd["attention"]
     bwd = {"gemm": 2 * fwd["gemm"], "attention": attn_bwd, "elementwise": 2 * fwd["elementwise"],
-           "tp_comm": fwd["tp_comm"], "overhead": 2 * fwd["overhead"]}
+           "tp_comm": fwd["tp_comm"], "cp_comm": fwd["cp_comm"], "overhead": 2 * fwd["overhead"]}
     if recompute == "full":
         for key in bwd:
             bwd[key] += fwd[key]
     elif recompute == "selective":
         bwd["attention"] += core["attention"]
         bwd["elementwise"] += core["elementwise"]
-    if w.model.attention != "math" and cp > 1:
-        # Ring attention passes K and V around the cp ranks, overlapped with the attention blocks.
-        kv = 2 * mbs * (w.seq_len // cp) * w.model.kv_heads * w.model.head_dim * 2
-        ring = (cp - 1) * p2p_time(w.gpu, kv, cp * tp <= w.gpu.node_size)
-        fwd["attention"] = max(fwd["attention"], ring)
-        bwd["attention"] = max(bwd["attention"], 2 * ring)
     return LayerTimes(fwd, bwd)
 
 
@@ -401,6 +404,8 @@ def memory(w: Workload, lay: Layout) -> dict:
     s = w.seq_len // lay.cp
     base = "selective" if lay.recompute == "selective" else "none"
     per_layer = layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes)
+    if lay.cp > 1:  # attention keeps the gathered keys/values of the rest of the sequence for backward
+        per_layer += 2 * lay.micro_batch * (w.seq_len - s) * max(1, cfg.kv_heads // lay.tp) * cfg.head_dim * act_bytes
     full = (layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, "full", act_bytes)
             if lay.recompute == "full" else 0)
     tokens = lay.micro_batch * s
@@ -409,9 +414,11 @@ def memory(w: Workload, lay: Layout) -> dict:
     worst = None
     for shape in _shapes(w, lay):
         local = _stage_params(cfg, lay, shape, lp) / lay.tp
-        dp = lay.dp
+        dp = lay.dp * lay.cp  # the cp ranks join the shard group (loom's dp_shard_cp, Megatron's dp x cp)
         if lay.dp_style == "replicate":  # loom: fp32 master weights, fp32 gradients, moments, all replicated
-            params, grads, optim = 4 * local, 4 * local, moment_bytes * local
+            # (with cp > 1 loom shards over the cp ranks, HSDP with dp_shard_cp = cp: gradients as FSDP's)
+            cp_grads = lay.cp if grads_stay_sharded(w.grad_accum, lay.pp, m) else 1
+            params, grads, optim = 4 * local / lay.cp, 4 * local / cp_grads, moment_bytes * local / lay.cp
         elif lay.dp_style == "distopt":  # Megatron: 16-bit weights + fp32 grads replicated; master + moments split
             params, grads, optim = 2 * local, 4 * local, (4 + moment_bytes) * local / dp
         else:  # fsdp (loom dp_shard): everything split; gradients sharded or whole between micro-batches
@@ -448,7 +455,7 @@ def step_time(w: Workload, lay: Layout) -> dict:
     shapes = _shapes(w, lay)
     terms, per_mb, n_layers = {}, -1.0, 0
     for shape in shapes:
-        t = dict.fromkeys(("gemm", "attention", "elementwise", "tp_comm", "overhead"), 0.0)
+        t = dict.fromkeys(("gemm", "attention", "elementwise", "tp_comm", "cp_comm", "overhead"), 0.0)
         full_layers = sum(_recomputed(lay, c) for c in shape.chunks) if ft else 0
         for key in t:
             t[key] = shape.layers * (lt.fwd[key] + lt.bwd[key])
@@ -477,21 +484,22 @@ def step_time(w: Workload, lay: Layout) -> dict:
     lp = layer_params(cfg)
     local = max(_stage_params(cfg, lay, shape) for shape in shapes) / lay.tp  # the largest rank's weights
     dp_comm = 0.0
-    if lay.dp > 1:
-        intra = _intra(gpu, lay.tp * lay.cp, lay.dp)
+    group = lay.dp * lay.cp  # gradients are reduced over the data-parallel ranks and their cp ranks
+    if group > 1:
+        intra = _intra(gpu, lay.tp, group)
         bwd_mb = sum(lt.bwd.values()) * n_layers
         fwd_mb = sum(lt.fwd.values()) * n_layers
         if lay.dp_style == "replicate":
-            grad = collective_time(gpu, "all_reduce", 4 * local, lay.dp, intra)
+            grad = collective_time(gpu, "all_reduce", 4 * local, group, intra)
             dp_comm = max(grad - bwd_mb, grad / n_layers) if w.overlap_grad_reduce else grad
         elif lay.dp_style == "distopt":
-            grad = collective_time(gpu, "reduce_scatter", 4 * local, lay.dp, intra)
-            gather = collective_time(gpu, "all_gather", 2 * local, lay.dp, intra)
+            grad = collective_time(gpu, "reduce_scatter", 4 * local, group, intra)
+            gather = collective_time(gpu, "all_gather", 2 * local, group, intra)
             hidden_grad = max(grad - bwd_mb, grad / n_layers) if w.overlap_grad_reduce else grad
             dp_comm = hidden_grad + max(gather - fwd_mb, gather / n_layers)
         else:
-            gather = collective_time(gpu, "all_gather", 2 * local, lay.dp, intra)
-            grad = collective_time(gpu, "reduce_scatter", 4 * local, lay.dp, intra)
+            gather = collective_time(gpu, "all_gather", 2 * local, group, intra)
+            grad = collective_time(gpu, "reduce_scatter", 4 * local, group, intra)
             hidden_gather = max(gather - fwd_mb, gather / n_layers)
             hidden_grad = max(grad - bwd_mb, grad / n_layers)
             if lay.pp > 1:
@@ -506,7 +514,7 @@ def step_time(w: Workload, lay: Layout) -> dict:
                 dp_comm = m * (hidden_gather + max(gather - bwd_mb, gather / n_layers)) + (m if sharded else 1) * hidden_grad
     step["dp_comm"] = dp_comm
     # AdamW: read param, grad, two moments; write param, moments (and a 16-bit copy); over the local shard.
-    shard = local / (1 if lay.dp_style == "replicate" else lay.dp)
+    shard = local / (lay.cp if lay.dp_style == "replicate" else group)
     moment = 2 if w.state_dtype == "bfloat16" else 4
     step["optimizer"] = _bytes_time(gpu, shard * (4 + 4 + 2 * moment + 4 + 2 * moment + 2))
     return step

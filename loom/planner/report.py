@@ -9,7 +9,7 @@ from loom.planner.costmodel import GIB, Estimate, Workload
 
 TERM_LABELS = {
     "gemm": "linear-layer matmuls", "attention": "attention core", "elementwise": "elementwise (HBM)",
-    "tp_comm": "TP collectives", "overhead": "kernel gaps", "head": "LM head + loss", "pp_p2p": "PP send/recv",
+    "tp_comm": "TP collectives", "cp_comm": "CP K/V gather", "overhead": "kernel gaps", "head": "LM head + loss", "pp_p2p": "PP send/recv",
     "pp_bubble": "pipeline bubble", "dp_comm": "DP comm (exposed)", "optimizer": "optimizer step",
 }
 

@@ -9,6 +9,7 @@ from loom.config import ModelConfig
 from loom.errors import UserError
 from loom.rules import SCHEDULES, batch_problem, micro_batch_count_problem, micro_batches_needed
 from loom.rules import divisors as _divisors
+from loom.rules import cp_problem as rules_cp_problem
 from loom.rules import schedule_problem, sp_problem, split_problem, tp_problems
 from loom.planner.costmodel import (GIB, Estimate, Layout, Workload, evaluate, head_times, layer_times,
                                     max_chunk_layers, memory, pipeline_ranks)
@@ -86,11 +87,9 @@ def head_weight(w: Workload, tp: int, cp: int) -> float:
     return round(sum(head_times(w, tp, cp, 1)) / (sum(lt.fwd.values()) + sum(lt.bwd.values())), 1)
 
 
-def cp_problem(w: Workload, cp: int) -> str | None:
-    """Why the cost model cannot price context parallelism of size `cp` (loom itself runs only cp=1)."""
-    if cp > 1 and (w.model.attention == "math" or w.seq_len % (2 * cp)):
-        return f"cp={cp} needs fused attention and a sequence length divisible by {2 * cp}"
-    return None
+def cp_problem(w: Workload, cp: int, tp: int = 1, sp: bool = False) -> str | None:
+    """Why context parallelism of size `cp` cannot split this workload's sequences (the rule book's check)."""
+    return rules_cp_problem(cp, w.seq_len, tp, sp)
 
 
 def cp_options(w: Workload, cp_max: int) -> list[int]:
@@ -129,6 +128,7 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
     for tp in tp_options(cfg, gpus, w.gpu.node_size, cross_node_tp):
         sp_options = [sp for sp in (False, True) if not sp_problem(tp, sp) and not tp_problems(tp, cfg, w.seq_len, sp)]
         for cp in cp_options(w, cp_max):
+            cp_sp = [sp for sp in sp_options if not cp_problem(w, cp, tp, sp)]
             head = head_weight(w, tp, cp)
             for pp in range(1, cfg.layers + 1):
                 if gpus % (tp * cp * pp):
@@ -142,7 +142,7 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                     m = w.global_batch // (dp * mbs)
                     for schedule, vpp in pipeline_options(cfg, pp, m, schedules):
                         for first, last in split_options(cfg.layers, pp, vpp, schedule, head):
-                            for sp in sp_options:
+                            for sp in cp_sp:
                                 for style in (dp_styles if dp > 1 else ("replicate",)):
                                     for rec in recompute_modes:
                                         yield Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, micro_batch=mbs, sp=sp,
@@ -255,7 +255,7 @@ def evaluate_layout(w: Workload, fields: dict) -> Estimate:
     problem = batch_problem(w.global_batch, lay.micro_batch, lay.dp)
     if problem is None:
         problem = micro_batch_count_problem(lay.pp, lay.vpp, lay.schedule, w.global_batch, lay.dp, lay.micro_batch)
-    problems += [problem, sp_problem(lay.tp, lay.sp), cp_problem(w, lay.cp)]
+    problems += [problem, sp_problem(lay.tp, lay.sp), cp_problem(w, lay.cp, lay.tp, lay.sp)]
     problems = [p for p in problems if p]
     if problems:
         raise UserError("--layout is not valid for this model and batch: " + "; ".join(problems))
