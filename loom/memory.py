@@ -45,6 +45,28 @@ def _fused_core(q, k, v, kind, dropout, start_pos=0):
     return _FusedAttention.apply(q, k, v)
 
 
+class _ContextParallelStandIn:
+    """A context-parallel rank's attention without the exchange (measurement only): the rank's keys and
+    values padded to the whole sequence, as the all-gather leaves them, then the two causal calls on key
+    prefixes that `loom.parallel.context.ContextParallelCore` makes. What autograd keeps matches the real
+    core's (the gathered keys/values, the rank's queries and outputs)."""
+
+    def __init__(self, cp: int, inner):
+        self.cp, self.inner = cp, inner
+
+    def __call__(self, q, k, v, kind, dropout, start_pos=0):
+        c, cp = q.shape[2] // 2, self.cp
+
+        def gathered(x):
+            return torch.cat([x, x.new_zeros((*x.shape[:2], 2 * c * (cp - 1), x.shape[3]))], dim=2)
+
+        k, v = gathered(k), gathered(v)
+        last = 2 * cp - 1  # rank 0 holds chunks 0 and 2cp-1 (every rank keeps the same bytes)
+        out_a = self.inner(q[:, :, :c], k[:, :, :c], v[:, :, :c], kind, dropout, 0)
+        out_b = self.inner(q[:, :, c:], k, v, kind, dropout, last * c)
+        return torch.cat([out_a, out_b], dim=2)
+
+
 ATTENTION_COUNTED = {
     "sdpa": "fused kernel (FlashAttention / SDPA flash): keeps q, k, v, output and log-sum-exp, no s x s term",
     "math": "materialised softmax (model.attention=math): keeps the s x s scores and probabilities",
@@ -67,6 +89,14 @@ def _build(cfg: Config, device, layout=None, layer_plan: dict[str, str] | None =
     if fused_standin and str(device) == "meta" and cfg.model.attention == "sdpa" and not cfg.model.attn_dropout:
         for block in model.layers.values():  # count what a fused kernel keeps, not the math fallback's
             block.attention.core = _fused_core
+    if cfg.parallel.cp > 1:  # one cp rank: its seq_len / cp tokens at their positions, keys/values gathered
+        from loom.parallel.context import rank_positions
+
+        positions = rank_positions(cfg.train.seq_len, cfg.parallel.cp, 0).to(device)
+        model.positions = positions
+        for block in model.layers.values():
+            block.attention.core = _ContextParallelStandIn(cfg.parallel.cp, block.attention.core)
+            block.attention.positions = positions
     if layout is not None and layout.tp > 1:
         from loom.parallel.tensor import apply_tensor_parallel
 
@@ -79,7 +109,7 @@ def _build(cfg: Config, device, layout=None, layer_plan: dict[str, str] | None =
 
 def _batch(cfg: Config, device):
     t = cfg.train
-    x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len), device=device)
+    x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len // cfg.parallel.cp), device=device)
     return x, torch.roll(x, -1, dims=1)
 
 
@@ -108,6 +138,9 @@ def count_flops(cfg: Config, layer_plan=None) -> int:
     """Matmul FLOPs of forward + backward (incl. recomputation) of one micro-batch, unsharded model."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from dataclasses import replace
+
+    cfg = replace(cfg, parallel=replace(cfg.parallel, cp=1))  # whole sequences: the sum over cp ranks
     model = _build(cfg, "meta", None, layer_plan)
     x, y = _batch(cfg, "meta")
     with FlopCounterMode(display=False) as counter:
@@ -219,7 +252,7 @@ def report(cfg: Config) -> dict | None:
         result = {
             "config": cfg.name,
             "layout": {"tp": p.tp, "sp": p.sp, "pp": p.pp, "vpp": p.vpp, "dp_replicate": p.dp_replicate,
-                       "dp_shard": p.dp_shard},
+                       "dp_shard": p.dp_shard, "cp": p.cp},
             "recompute": cfg.recompute.mode,
             "attention_counted": attention_counted(cfg.model),
             "micro_batch": t.micro_batch, "seq_len": t.seq_len, "dtype": t.dtype,

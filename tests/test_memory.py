@@ -213,3 +213,22 @@ def test_analytic_formula_in_flops_module_matches_measurement():
                                ("tp+sp+selective", True, "selective")]:
             want = layer_activation_bytes(cfg.model, cfg.train.seq_len, cfg.train.micro_batch, t, sp, mode)
             assert want == pytest.approx(paper(cfg, case, t), rel=0.01), (t, case)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_layer_matches_the_planner(cp):
+    """A cp rank keeps its seq_len / cp tokens' activations plus the gathered keys/values of the rest of
+    the sequence: the ledger's count (meta, fused attention) against the planner's per-layer term."""
+    from loom.planner.costmodel import Layout, Workload, memory
+    from loom.planner.hardware import load_gpu
+
+    cfg = load_config("tiny", LLAMA + ["model.kv_heads=2", f"parallel.cp={cp}"])
+    got = measure_activations(cfg, device="meta")["layer_activation_bytes"]
+    one = measure_activations(load_config("tiny", LLAMA + ["model.kv_heads=2"]), device="meta")["layer_activation_bytes"]
+    m, t = cfg.model, cfg.train
+    w = Workload(m, t.seq_len, 8, cp, load_gpu("h100"))
+    want = memory(w, Layout(cp=cp, micro_batch=t.micro_batch))["activations"] / m.layers
+    assert got == pytest.approx(want, rel=0.02)
+    gathered = 2 * t.micro_batch * (t.seq_len - t.seq_len // cp) * m.kv_heads * m.head_dim * 2
+    output = t.micro_batch * (t.seq_len // cp) * m.heads * m.head_dim * 2  # kept per chunk and concatenated
+    assert got == pytest.approx(one / cp + gathered + output, rel=0.02)  # fails if the rank held whole sequences

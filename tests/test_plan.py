@@ -310,7 +310,8 @@ def test_context_parallelism_priced_as_loom_runs_it_and_written_as_a_config(tmp_
     # and weights, gradients and optimizer state sharded over dp x cp.
     lay1, lay2 = Layout(dp=8, micro_batch=1, dp_style="fsdp"), Layout(dp=4, cp=2, micro_batch=1, dp_style="fsdp")
     mem1, mem2 = memory(w, lay1), memory(Workload(m, 8192, 32, 8, gpu), lay2)
-    half = layer_activation_bytes(m, 4096, 1, 1, False, "none", 2) + 2 * 4096 * m.kv_heads * m.head_dim * 2
+    half = (layer_activation_bytes(m, 4096, 1, 1, False, "none", 2) + 2 * 4096 * m.kv_heads * m.head_dim * 2
+            + 4096 * m.heads * m.head_dim * 2)
     assert mem2["activations"] == pytest.approx(m.layers * half)
     assert mem2["optimizer"] == pytest.approx(mem1["optimizer"])
     # The layout written as a config is one loom accepts (and runs: tests/test_parallel.py cp cases).

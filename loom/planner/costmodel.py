@@ -404,8 +404,10 @@ def memory(w: Workload, lay: Layout) -> dict:
     s = w.seq_len // lay.cp
     base = "selective" if lay.recompute == "selective" else "none"
     per_layer = layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes)
-    if lay.cp > 1:  # attention keeps the gathered keys/values of the rest of the sequence for backward
+    if lay.cp > 1:  # attention keeps the gathered keys/values of the rest of the sequence for backward, and
+        # its output twice (each chunk's attention output, and their concatenation for the out-projection)
         per_layer += 2 * lay.micro_batch * (w.seq_len - s) * max(1, cfg.kv_heads // lay.tp) * cfg.head_dim * act_bytes
+        per_layer += lay.micro_batch * s * cfg.heads // lay.tp * cfg.head_dim * act_bytes
     full = (layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, "full", act_bytes)
             if lay.recompute == "full" else 0)
     tokens = lay.micro_batch * s
