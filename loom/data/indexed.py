@@ -217,6 +217,7 @@ class IndexedDataset:
                 "rebuild the dataset"
             )
         self._bin = np.memmap(self.bin_path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        self._tokens = None  # the .bin as one token array, made on first use by read_spans
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -242,6 +243,22 @@ class IndexedDataset:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
+
+    def read_spans(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Tokens `offsets[k] : offsets[k] + lengths[k]` of documents `docs[k]`, concatenated, fetched from the
+        memory-mapped .bin by one vectorised gather (the caller has checked the spans lie inside documents)."""
+        docs, offsets, lengths = (np.asarray(a, dtype=np.int64) for a in (docs, offsets, lengths))
+        item = self.dtype.itemsize
+        byte_starts = self.pointers[docs]
+        if item > 1 and (byte_starts % item).any():  # unaligned documents (not written by Megatron or loom)
+            return np.concatenate([self.get(int(d), int(o), int(n)) for d, o, n in zip(docs, offsets, lengths)]
+                                  + [np.zeros(0, self.dtype)])
+        if self._tokens is None:
+            self._tokens = np.frombuffer(self._bin, dtype=self.dtype, count=len(self._bin) // item)
+        firsts = byte_starts // item + offsets
+        before = np.cumsum(lengths) - lengths  # where each span starts in the output
+        index = np.repeat(firsts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+        return self._tokens[index]
 
     def __repr__(self) -> str:
         return f"IndexedDataset({self.prefix!r}, documents={len(self)}, tokens={self.num_tokens}, dtype={self.dtype})"
@@ -301,3 +318,6 @@ class DocumentRange:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
+
+    def read_spans(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        return self.base.read_spans(np.asarray(docs, dtype=np.int64) + self.lo, offsets, lengths)
