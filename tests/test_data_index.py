@@ -86,7 +86,9 @@ def small_chunks(monkeypatch):
 
 
 @pytest.mark.parametrize("seq_len,num_samples,longest", [(16, 500, 30), (5, 900, 12), (64, 40, 200), (3, 1, 4)])
-def test_index_and_samples_equal_the_reference(tmp_path, seq_len, num_samples, longest):
+@pytest.mark.parametrize("span_copy_min", [1, 10**9])  # read_spans: slice copies / one gather
+def test_index_and_samples_equal_the_reference(tmp_path, monkeypatch, seq_len, num_samples, longest, span_copy_min):
+    monkeypatch.setattr(indexed, "SPAN_COPY_MIN", span_copy_min)
     docs = random_docs(53, longest, seed=seq_len)
     ds = write(tmp_path / "ds", docs)
     ref = ref_indices(ds.sizes, seq_len, num_samples, seed=11)

@@ -17,7 +17,8 @@ hash recorded at preprocess time: nothing is read whole) and the sampling parame
 it holds one epoch's document permutation (4 bytes per document) and the sample permutation (4 bytes per
 sample) in memory, never the concatenated epochs or per-sample Python objects, and writes each file under
 a temporary name renamed into place; a `-meta.json` written last marks the index complete. Every rank then
-memory-maps the files. Batches are read with one vectorised gather from the memory-mapped `.bin`.
+memory-maps the files. A batch's samples are located together, vectorised, and read from the memory-mapped
+`.bin` (`SampleDataset.rows`).
 """
 
 from __future__ import annotations
@@ -240,10 +241,11 @@ class SampleDataset:
         return self.num_samples
 
     def rows(self, ids) -> np.ndarray:
-        """Samples `ids` as an int64 array [len(ids), seq_len + 1], read with one vectorised gather.
+        """Samples `ids` as an int64 array [len(ids), seq_len + 1].
 
-        Each sample is cut into its document spans, all samples at once (one pass per document a sample
-        crosses), then every token is fetched from the memory-mapped `.bin` by one fancy index."""
+        Each sample is cut into its document spans, all samples at once (one vectorised pass per document a
+        sample crosses, not a Python step per sample), then the spans are read from the memory-mapped `.bin`
+        by `read_spans`."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         n, width = len(ids), self.seq_len + 1
         if n and (ids.min() < -self.num_samples or ids.max() >= self.num_samples):
@@ -265,8 +267,7 @@ class SampleDataset:
             offset = np.zeros(row.size, dtype=np.int64)
         r, col, doc, off, length = (np.concatenate(k) for k in zip(*parts)) if parts else [np.zeros(0, np.int64)] * 5
         order = np.argsort(r * width + col, kind="stable")  # spans in output order
-        tokens = self.dataset.read_spans(doc[order], off[order], length[order])
-        return tokens.astype(np.int64, copy=False).reshape(n, width)
+        return self.dataset.read_spans(doc[order], off[order], length[order], np.int64).reshape(n, width)
 
     def __getitem__(self, i: int) -> np.ndarray:
         if not -self.num_samples <= i < self.num_samples:
