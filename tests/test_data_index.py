@@ -50,6 +50,18 @@ def ref_sample(docs, indices, seq_len, i):
     return out
 
 
+def ref_blend(weights, num_samples):
+    w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    counts, which, within = [0] * len(w), [], []
+    for i in range(num_samples):
+        err = [w[d] * max(i, 1) - counts[d] for d in range(len(w))]
+        best = int(np.argmax(err))  # the first of equal errors, as Megatron's
+        which.append(best)
+        within.append(counts[best])
+        counts[best] += 1
+    return np.array(which), np.array(within)
+
+
 def write(prefix, docs, dtype=np.uint16):
     with IndexedDatasetBuilder(prefix, dtype=dtype) as b:
         for d in docs:
@@ -235,3 +247,42 @@ def test_unwritable_cache_is_bad_input(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(UserError, match="cannot create the sample-index cache .*file/idx.*LOOM_CACHE"):
         SampleDataset(ds, 8, 30, seed=0, cache_dir=tmp_path / "file" / "idx")
+
+
+def test_blend_index_built_once_and_equal_to_the_reference(tmp_path, monkeypatch):
+    ds = write(tmp_path / "ds", random_docs(60, 30, seed=8))
+    parts = [SampleDataset(ds, 8, n, seed=s, cache_dir=tmp_path / "cache") for s, n in ((1, 400), (2, 300), (3, 200))]
+    weights = [0.5, 0.3, 0.2]
+    blend = BlendedDataset(parts, weights, 700, cache_dir=tmp_path / "cache", name="train-blend")
+    assert blend.built and isinstance(blend.dataset_index, np.memmap)
+    which, within = ref_blend(weights, 700)
+    np.testing.assert_array_equal(blend.dataset_index, which)
+    np.testing.assert_array_equal(blend.sample_index, within)
+    uncached = BlendedDataset(parts, weights, 700)
+    np.testing.assert_array_equal(uncached.dataset_index, which)
+    monkeypatch.setattr(sampler, "blend_indices", lambda *a, **k: pytest.fail("blend rebuilt"))
+    again = BlendedDataset(parts, [5, 3, 2], 700, cache_dir=tmp_path / "cache", name="train-blend")
+    assert not again.built
+    want = np.stack([parts[d][j] for d, j in zip(which[100:140], within[100:140])])
+    np.testing.assert_array_equal(again.rows(np.arange(100, 140)), want)
+
+
+def test_a_run_builds_its_indices_once(tmp_path, monkeypatch):
+    """What the launcher builds before the workers start, each worker opens: the blend, its parts and the
+    held-out split all come from the cache the second time."""
+    from conftest import small_config
+    from loom.data.loader import build_datasets
+
+    monkeypatch.setenv("LOOM_CACHE", str(tmp_path / "cache"))
+    paths = [str(write(tmp_path / f"ds{k}", random_docs(300, 40, seed=k, vocab=500)).prefix) for k in (1, 2)]
+    cfg = small_config(f"data.paths={','.join(paths)}", "data.weights=0.7,0.3", "data.split=90,10,0")
+
+    def built(datasets):
+        train, val = datasets
+        return [train.built, *(p.built for p in train.datasets), *(p.built for p in val.datasets)]
+
+    first = build_datasets(cfg, None)
+    assert built(first) == [True] * 5
+    second = build_datasets(cfg, None)
+    assert built(second) == [False] * 5
+    np.testing.assert_array_equal(first[0].rows(np.arange(len(first[0]))), second[0].rows(np.arange(len(second[0]))))

@@ -39,7 +39,7 @@ def _samples(datasets: list, weights: list[float], seq_len: int, num_samples: in
                       name=f"{name}{i}")
         for i, (d, w) in enumerate(zip(datasets, weights))
     ]
-    return BlendedDataset(parts, weights, num_samples)
+    return BlendedDataset(parts, weights, num_samples, cache_dir() / "indices", name=f"{name}-blend")
 
 
 def check_token_ids(dataset: IndexedDataset, vocab_size: int) -> None:

@@ -133,6 +133,61 @@ def build_indices(sizes: np.ndarray, num_epochs: int, seq_len: int, num_samples:
     shuffle_out.write(_permutation(num_samples, np.random.RandomState((seed + 1) % 2**32)))
 
 
+def cached_arrays(cache_dir: pathlib.Path, stem: str, kinds: Sequence[str], specs: Sequence[tuple], build,
+                  meta: dict) -> tuple[list[np.ndarray], bool, list[pathlib.Path], pathlib.Path]:
+    """Memory-map the arrays `cache_dir/STEM-KIND.npy` (one per kind, of the given (dtype, shape)), building
+    them first when they are not all there: `build(writers)` streams each array into its writer.
+
+    One process builds, under an exclusive lock on `STEM.lock`; every other waits for it and then opens
+    what it wrote. Each array is written under a temporary name and renamed into place, and `STEM-meta.json`
+    (`meta`, the format version, the build time) is renamed last: an index is complete when its meta file
+    exists, so no reader ever sees part of one. Returns (arrays, whether this call built them, the array
+    paths, the meta path)."""
+    cache_dir = pathlib.Path(cache_dir)
+    paths = [cache_dir / f"{stem}-{kind}.npy" for kind in kinds]
+    meta_path = cache_dir / f"{stem}-meta.json"
+
+    def opened() -> list[np.ndarray] | None:
+        try:
+            recorded = json.loads(meta_path.read_text())
+            arrays = [np.load(p, mmap_mode="r") for p in paths]
+        except (OSError, ValueError):
+            return None
+        if recorded.get("version") != INDEX_VERSION or [a.shape for a in arrays] != [tuple(s) for _, s in specs]:
+            return None
+        return arrays
+
+    if (arrays := opened()) is not None:
+        return arrays, False, paths, meta_path
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create the sample-index cache {cache_dir} ({exc}); set LOOM_CACHE to a "
+                        "writable directory") from exc
+    with _lock(cache_dir / f"{stem}.lock") as lock:  # one process builds; the others wait, then open its files
+        if (arrays := opened()) is not None:
+            return arrays, False, paths, meta_path
+        t0 = time.perf_counter()
+        outs = [_NpyWriter(p, dtype, shape) for p, (dtype, shape) in zip(paths, specs)]
+        try:
+            build(outs)
+            for o in outs:
+                o.commit()
+        except BaseException:
+            for o in outs:
+                o.abort()
+            raise
+        record = {"version": INDEX_VERSION, **meta, "build_s": round(time.perf_counter() - t0, 3)}
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=meta_path.name + ".", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(record) + "\n")
+        os.replace(tmp, meta_path)  # last: its presence means the index is complete
+        lock.path.unlink(missing_ok=True)  # safe: whoever takes the lock (this inode or a new one) opens first
+        if (arrays := opened()) is None:
+            raise RuntimeError(f"the index just written to {cache_dir} ({stem}) does not read back")
+        return arrays, True, paths, meta_path
+
+
 class SampleDataset:
     """`num_samples` samples of `seq_len + 1` tokens (int64) drawn from `dataset`'s token stream."""
 
@@ -180,60 +235,25 @@ class SampleDataset:
     def cache_key(self) -> str:
         """Hash of the dataset's fingerprint (its .bin size and recorded .idx hash; see
         loom.data.indexed.fingerprint), the document subset and the sampling parameters."""
-        fp = fingerprint(self.dataset.prefix)
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = fingerprint(self.dataset.prefix)
+        fp = self._fingerprint
         subset = getattr(self.dataset, "subset_key", "")
         params = (f"{INDEX_VERSION}|{fp['bin_bytes']}|{fp['idx_sha256']}|{self.seq_len}|{self.num_samples}|"
                   f"{self.seed}{'|' + subset if subset else ''}")
         return hashlib.sha256(params.encode()).hexdigest()[:20]
 
-    def _open(self) -> bool:
-        """Memory-map a complete cached index; False when there is none (or it is unreadable)."""
-        try:
-            meta = json.loads(self.meta_path.read_text())
-            arrays = [np.load(p, mmap_mode="r") for p in self.cache_paths]
-        except (OSError, ValueError):
-            return False
-        if meta.get("version") != INDEX_VERSION or [a.shape for a in arrays] != [s for _, s in self._shapes()]:
-            return False
-        self.doc_index, self.sample_index, self.shuffle_index = arrays
-        return True
-
     def _load_or_build(self, cache_dir: pathlib.Path, name: str) -> None:
         stem = f"{name or pathlib.Path(self.dataset.prefix).name}-{self.cache_key()}"
-        self.cache_paths = [cache_dir / f"{stem}-{kind}.npy" for kind in ("doc", "sample", "shuffle")]
-        self.meta_path = cache_dir / f"{stem}-meta.json"
-        if self._open():
-            return
-        try:
-            cache_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"cannot create the sample-index cache {cache_dir} ({exc}); set LOOM_CACHE to a "
-                            "writable directory") from exc
-        with _lock(cache_dir / f"{stem}.lock") as lock:  # one process builds; the others wait, then open its files
-            if self._open():
-                return
-            t0 = time.perf_counter()
-            outs = [_NpyWriter(p, dtype, shape) for p, (dtype, shape) in zip(self.cache_paths, self._shapes())]
-            try:
-                build_indices(self.dataset.sizes, self.num_epochs, self.seq_len, self.num_samples, self.seed, *outs)
-                for o in outs:
-                    o.commit()
-            except BaseException:
-                for o in outs:
-                    o.abort()
-                raise
-            meta = {"version": INDEX_VERSION, "dataset": str(self.dataset.prefix),
-                    "subset": getattr(self.dataset, "subset_key", ""), "fingerprint": fingerprint(self.dataset.prefix),
-                    "seq_len": self.seq_len, "num_samples": self.num_samples, "seed": self.seed,
-                    "epochs": self.num_epochs, "documents": len(self.dataset), "build_s": round(time.perf_counter() - t0, 3)}
-            fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=self.meta_path.name + ".", suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(meta) + "\n")
-            os.replace(tmp, self.meta_path)  # last: its presence means the index is complete
-            lock.path.unlink(missing_ok=True)  # safe: whoever takes the lock (this inode or a new one) opens first
-            self.built = True
-            if not self._open():
-                raise RuntimeError(f"the sample index just written to {cache_dir} does not read back")
+        meta = {"dataset": str(self.dataset.prefix), "subset": getattr(self.dataset, "subset_key", ""),
+                "fingerprint": self._fingerprint, "seq_len": self.seq_len,
+                "num_samples": self.num_samples, "seed": self.seed, "epochs": self.num_epochs,
+                "documents": len(self.dataset)}
+        arrays, self.built, self.cache_paths, self.meta_path = cached_arrays(
+            cache_dir, stem, ("doc", "sample", "shuffle"), self._shapes(),
+            lambda outs: build_indices(self.dataset.sizes, self.num_epochs, self.seq_len, self.num_samples,
+                                       self.seed, *outs), meta)
+        self.doc_index, self.sample_index, self.shuffle_index = arrays
 
     # --- samples -------------------------------------------------------------------------------------
 
@@ -300,32 +320,46 @@ class _lock:
             os.close(self.fd)  # closing releases the lock
 
 
-def blend_indices(weights: np.ndarray, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+def blend_indices(weights: np.ndarray, num_samples: int, which_out=None, within_out=None,
+                  chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Megatron's greedy blend: each sample goes to the dataset furthest behind its target share.
 
-    Returns (dataset of each sample, index of the sample within that dataset).
-    """
+    Returns (dataset of each sample, index of the sample within that dataset); with writers, streams them
+    into the writers instead, `chunk` samples at a time."""
     w = [float(x) for x in weights]
+    if which_out is None:
+        which_out = _ArrayWriter(_blend_dtype(len(w)), (num_samples,))
+        within_out = _ArrayWriter(np.int64, (num_samples,))
+    chunk = chunk or CHUNK
     counts = [0] * len(w)
-    which = np.empty(num_samples, dtype=np.int16 if len(w) < 2**15 else np.int32)
-    within = np.empty(num_samples, dtype=np.int64)
-    for i in range(num_samples):
-        t = max(i, 1)
-        best, best_err = 0, w[0] * t - counts[0]
-        for d in range(1, len(w)):
-            err = w[d] * t - counts[d]
-            if err > best_err:
-                best, best_err = d, err
-        which[i] = best
-        within[i] = counts[best]
-        counts[best] += 1
-    return which, within
+    for lo in range(0, num_samples, chunk):
+        n = min(chunk, num_samples - lo)
+        which = np.empty(n, dtype=which_out.dtype)
+        within = np.empty(n, dtype=np.int64)
+        for k in range(n):
+            t = max(lo + k, 1)
+            best, best_err = 0, w[0] * t - counts[0]
+            for d in range(1, len(w)):
+                err = w[d] * t - counts[d]
+                if err > best_err:
+                    best, best_err = d, err
+            which[k] = best
+            within[k] = counts[best]
+            counts[best] += 1
+        which_out.write(which)
+        within_out.write(within)
+    return getattr(which_out, "array", None), getattr(within_out, "array", None)
+
+
+def _blend_dtype(num_datasets: int) -> np.dtype:
+    return np.dtype(np.int16 if num_datasets < 2**15 else np.int32)
 
 
 class BlendedDataset:
     """`num_samples` samples mixed from `datasets` in proportion to `weights`."""
 
-    def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int) -> None:
+    def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int,
+                 cache_dir: pathlib.Path | None = None, name: str = "blend") -> None:
         if not datasets or len(datasets) != len(weights):
             raise UserError(f"a blend needs one weight per dataset; got {len(datasets)} datasets and {len(weights)} weights")
         w = np.asarray(weights, dtype=np.float64)
@@ -334,7 +368,17 @@ class BlendedDataset:
         self.datasets = list(datasets)
         self.weights = w / w.sum()
         self.num_samples = num_samples
-        self.dataset_index, self.sample_index = blend_indices(self.weights, num_samples)
+        self.built = True
+        if cache_dir is None:
+            self.dataset_index, self.sample_index = blend_indices(self.weights, num_samples)
+        else:  # built once (it depends only on the weights and the count), then memory-mapped
+            key = hashlib.sha256(f"{INDEX_VERSION}|{self.weights.tolist()!r}|{num_samples}".encode()).hexdigest()[:20]
+            specs = [(_blend_dtype(len(w)), (num_samples,)), (np.int64, (num_samples,))]
+            arrays, self.built, self.cache_paths, self.meta_path = cached_arrays(
+                cache_dir, f"{name}-{key}", ("dataset", "within"), specs,
+                lambda outs: blend_indices(self.weights, num_samples, *outs),
+                {"weights": self.weights.tolist(), "num_samples": num_samples})
+            self.dataset_index, self.sample_index = arrays
         need = np.bincount(self.dataset_index, minlength=len(self.datasets))
         for d, (ds, n) in enumerate(zip(self.datasets, need)):
             if n > len(ds):
