@@ -5,7 +5,7 @@ in-memory construction (loom before this change, kept below as `reference_*`).
     .venv/bin/python bench/data_index.py [--tokens 1000000000] [--documents 1000000] [--seq-len 2048 128]
         [--dir /tmp] [--out bench/results/data_index.json]
 
-The dataset (random uint16 tokens, document sizes uniform in 1..1999 adjusted to the exact total) is
+The dataset (random uint16 tokens, document sizes uniform in 1..2*mean-1 adjusted to the exact total) is
 written straight in Megatron's .bin/.idx format with the PREFIX.stats.json record `loom preprocess` writes,
 into a temporary directory that is removed afterwards. Every measurement runs in a fresh interpreter so
 that its peak resident memory (getrusage ru_maxrss) is its own; `rss_growth_mib` is the peak minus the
@@ -153,7 +153,8 @@ def write_dataset(prefix: Path, tokens: int, documents: int, seed: int) -> dict:
     from loom.data import indexed
 
     rng = np.random.default_rng(seed)
-    sizes = rng.integers(1, 2000, size=documents).astype(np.int64)
+    mean = tokens // documents
+    sizes = rng.integers(1, 2 * mean, size=documents).astype(np.int64)  # uniform, mean about `mean`
     diff = tokens - int(sizes.sum())
     step = np.sign(diff)
     while diff:  # spread the difference over the documents, keeping every size >= 1
