@@ -113,9 +113,12 @@ def child(args) -> dict:
     elif args.child == "open":  # the index exists: what every other process pays
         sd = SampleDataset(ds, args.seq_len, num_samples, args.seed, Path(args.cache), name="bench")
         assert not sd.built
-    elif args.child == "reference":  # the original: whole-.idx hash for the cache key, then in memory
+    elif args.child == "reference":  # the original: whole-.idx hash for the cache key, in memory, np.save
         _sha256(ds.idx_path)
         indices = reference_build(np.asarray(ds.sizes), args.seq_len, num_samples, args.seed)
+        Path(args.cache).mkdir(parents=True, exist_ok=True)
+        for kind, array in zip(("doc", "sample", "shuffle"), indices):  # and saved, as it was
+            np.save(Path(args.cache) / f"reference-{kind}.npy", array)
     elif args.child == "reference_open":  # the original's open of a cached index: hash the .idx, np.load
         _sha256(ds.idx_path)
     out["seconds"] = round(time.perf_counter() - t0, 4)
