@@ -326,7 +326,8 @@ def test_sample_dataset_determinism_and_cache(tmp_path):
     cache = tmp_path / "idxcache"
     a = SampleDataset(ds, 8, 300, seed=1, cache_dir=cache, name="train")
     files = sorted(p.name for p in cache.iterdir())
-    assert len(files) == 3 and all(f.startswith("train-") and f.endswith(".npy") for f in files)
+    assert len(files) == 4 and all(f.startswith("train-") for f in files)  # doc, sample, shuffle .npy; meta.json
+    assert sum(f.endswith(".npy") for f in files) == 3 and files[1].endswith("-meta.json")
     mtimes = [p.stat().st_mtime_ns for p in sorted(cache.iterdir())]
     b = SampleDataset(ds, 8, 300, seed=1, cache_dir=cache, name="train")  # from cache
     c = SampleDataset(ds, 8, 300, seed=1)  # no cache
@@ -335,7 +336,7 @@ def test_sample_dataset_determinism_and_cache(tmp_path):
         np.testing.assert_array_equal(a[i], b[i])
         np.testing.assert_array_equal(a[i], c[i])
     d = SampleDataset(ds, 8, 300, seed=2, cache_dir=cache, name="train")
-    assert len(list(cache.iterdir())) == 6
+    assert len(list(cache.iterdir())) == 8
     n = len(ds)
     assert not np.array_equal(a.doc_index[:n], d.doc_index[:n])  # document order depends on the seed
     assert not np.array_equal(a.doc_index[:n], np.arange(n)) and not np.array_equal(a.doc_index[:n], a.doc_index[n : 2 * n])

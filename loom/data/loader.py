@@ -13,7 +13,7 @@ from loom.config import Config
 from loom.errors import UserError
 from loom.data.corpus_dataset import corpus_prefix
 from loom.data.indexed import DocumentRange, IndexedDataset
-from loom.data.sampler import BlendedDataset, SampleDataset
+from loom.data.sampler import BlendedDataset, SampleDataset, rows_of
 from loom.data.tokenizer import Tokenizer, cache_dir, get_tokenizer
 
 VAL_SEED = 0  # the held-out samples are the same for every run of a given seq_len
@@ -39,7 +39,7 @@ def _samples(datasets: list, weights: list[float], seq_len: int, num_samples: in
                       name=f"{name}{i}")
         for i, (d, w) in enumerate(zip(datasets, weights))
     ]
-    return BlendedDataset(parts, weights, num_samples)
+    return BlendedDataset(parts, weights, num_samples, cache_dir() / "indices", name=f"{name}-blend")
 
 
 def check_token_ids(dataset: IndexedDataset, vocab_size: int) -> None:
@@ -100,6 +100,6 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer):
 
 def batch(dataset, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples [start, start+count) as (inputs, targets), each [count, seq_len] int64."""
-    rows = np.stack([dataset[i] for i in range(start, start + count)])
-    tokens = torch.from_numpy(rows.astype(np.int64))
+    rows = rows_of(dataset, np.arange(start, start + count))
+    tokens = torch.from_numpy(rows.astype(np.int64, copy=False))
     return tokens[:, :-1], tokens[:, 1:]

@@ -10,27 +10,39 @@ Like Megatron's GPTDataset, three index arrays are built once and cached:
 - shuffle index: a seeded permutation of the samples.
 
 `ds[i]` is a pure function of i, so a run resumes by skipping the samples already consumed.
+
+The index is built once, by the launcher (or the first process to take the cache's lock), into `.npy`
+files under the cache directory, named by a key of the dataset's fingerprint (`.bin` size and the `.idx`
+hash recorded at preprocess time: nothing is read whole) and the sampling parameters. The build streams:
+it holds one epoch's document permutation (4 bytes per document) and the sample permutation (4 bytes per
+sample) in memory, never the concatenated epochs or per-sample Python objects, and writes each file under
+a temporary name renamed into place; a `-meta.json` written last marks the index complete. Every rank then
+memory-maps the files. A batch's samples are located together, vectorised, and read from the memory-mapped
+`.bin` (`SampleDataset.rows`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pathlib
 import tempfile
+import time
 from typing import Sequence
 
 import numpy as np
 
-from loom.data.indexed import IndexedDataset
+from loom.data.indexed import IndexedDataset, fingerprint
 from loom.errors import UserError
 
-INDEX_VERSION = "v1"  # bump when the index construction changes
+INDEX_VERSION = "v2"  # bump when the index construction or its files change (v1 hashed the whole .idx)
+CHUNK = 1 << 20  # document-index entries per step of the streaming sample-index build (~40 MiB working set)
 
 
-def _compact(a: np.ndarray) -> np.ndarray:
-    """int32 when every value fits, else int64."""
-    return a.astype(np.int32) if a.size == 0 or int(a.max()) < 2**31 else a.astype(np.int64)
+def _index_dtype(largest: int) -> np.dtype:
+    """int32 when every value (at most `largest`) fits, else int64."""
+    return np.dtype(np.int32 if largest < 2**31 else np.int64)
 
 
 def _num_epochs(tokens_per_epoch: int, seq_len: int, num_samples: int) -> int:
@@ -39,45 +51,141 @@ def _num_epochs(tokens_per_epoch: int, seq_len: int, num_samples: int) -> int:
     return max(1, -(-need // tokens_per_epoch))
 
 
-def build_document_index(num_docs: int, num_epochs: int, seed: int) -> np.ndarray:
-    """Concatenated per-epoch permutations of the documents."""
+def _permutation(n: int, rng: np.random.RandomState) -> np.ndarray:
+    """`rng.permutation(n)` in the smallest integer dtype: numpy's legacy permutation is arange then an
+    in-place Fisher-Yates shuffle whose draws do not depend on the dtype, so the values are the same."""
+    out = np.arange(n, dtype=_index_dtype(max(n - 1, 0)))
+    rng.shuffle(out)
+    return out
+
+
+class _NpyWriter:
+    """An .npy file of known shape written front to back in pieces, under a temporary name until
+    `commit()` renames it into place (a reader never sees half a file)."""
+
+    def __init__(self, path: pathlib.Path, dtype, shape: tuple[int, ...]) -> None:
+        self.path, self.dtype, self.shape = path, np.dtype(dtype), shape
+        fd, self.tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        self.f = os.fdopen(fd, "wb")
+        np.lib.format.write_array_header_1_0(
+            self.f, {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": shape})
+        self.written = 0
+
+    def write(self, array: np.ndarray) -> None:
+        self.f.write(memoryview(np.ascontiguousarray(array, dtype=self.dtype)).cast("B"))  # no copy
+        self.written += len(array)
+
+    def commit(self) -> None:
+        assert self.written == self.shape[0], (self.path, self.written, self.shape)
+        self.f.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        self.f.close()
+        pathlib.Path(self.tmp).unlink(missing_ok=True)
+
+
+class _ArrayWriter:
+    """The in-memory counterpart of _NpyWriter (no cache directory)."""
+
+    def __init__(self, dtype, shape: tuple[int, ...]) -> None:
+        self.array, self.written, self.dtype = np.empty(shape, dtype), 0, np.dtype(dtype)
+
+    def write(self, array: np.ndarray) -> None:
+        self.array[self.written : self.written + len(array)] = array
+        self.written += len(array)
+
+
+def build_indices(sizes: np.ndarray, num_epochs: int, seq_len: int, num_samples: int, seed: int,
+                  doc_out, sample_out, shuffle_out, chunk: int | None = None) -> None:
+    """Stream the document, sample and shuffle indices into the three writers (see the module docstring).
+
+    Sample i starts at stream token s = i*seq_len: its entry is the first document position whose stream
+    end lies after s (empty documents are skipped) and the offset of s within that document. Documents are
+    taken a chunk at a time in stream order, so only the samples starting inside the current chunk are
+    resolved against it."""
+    num_docs, chunk = len(sizes), chunk or CHUNK
     rng = np.random.RandomState(seed % 2**32)
-    order = [rng.permutation(num_docs) for _ in range(num_epochs)]
-    return _compact(np.concatenate(order) if order else np.zeros(0, np.int64))
+    base = 0  # stream position where the current chunk starts
+    entry = 0  # document-index position of the current chunk's first entry
+    next_sample = 0
+    for _ in range(num_epochs):
+        order = _permutation(num_docs, rng)
+        doc_out.write(order)
+        for lo in range(0, num_docs, chunk):
+            if next_sample >= num_samples:
+                break
+            lengths = sizes[order[lo : lo + chunk]].astype(np.int64)
+            ends = np.cumsum(lengths)
+            ends += base
+            end = int(ends[-1])
+            stop = min(num_samples, -(-end // seq_len))  # samples starting before `end`
+            for first in range(next_sample, stop, chunk):  # at most `chunk` samples at a time
+                starts = np.arange(first, min(first + chunk, stop), dtype=np.int64) * seq_len
+                pos = np.searchsorted(ends, starts, side="right")
+                rows = np.empty((len(starts), 2), dtype=sample_out.dtype)
+                rows[:, 0] = entry + lo + pos
+                rows[:, 1] = starts - (ends[pos] - lengths[pos])
+                sample_out.write(rows)
+            next_sample = max(next_sample, stop)
+            base = end
+        entry += num_docs
+    shuffle_out.write(_permutation(num_samples, np.random.RandomState((seed + 1) % 2**32)))
 
 
-def build_sample_index(sizes: np.ndarray, doc_index: np.ndarray, seq_len: int, num_samples: int) -> np.ndarray:
-    """(position in doc_index, token offset) of each sample's first token, shape (num_samples, 2)."""
-    ends = np.cumsum(sizes[doc_index], dtype=np.int64)  # stream position where each entry ends
-    starts = np.arange(num_samples, dtype=np.int64) * seq_len
-    pos = np.searchsorted(ends, starts, side="right")  # first entry ending after the start (skips empties)
-    offset = starts - (ends[pos] - sizes[doc_index[pos]])
-    return _compact(np.stack([pos, offset], axis=1))
+def cached_arrays(cache_dir: pathlib.Path, stem: str, kinds: Sequence[str], specs: Sequence[tuple], build,
+                  meta: dict) -> tuple[list[np.ndarray], bool, list[pathlib.Path], pathlib.Path]:
+    """Memory-map the arrays `cache_dir/STEM-KIND.npy` (one per kind, of the given (dtype, shape)), building
+    them first when they are not all there: `build(writers)` streams each array into its writer.
 
+    One process builds, under an exclusive lock on `STEM.lock`; every other waits for it and then opens
+    what it wrote. Each array is written under a temporary name and renamed into place, and `STEM-meta.json`
+    (`meta`, the format version, the build time) is renamed last: an index is complete when its meta file
+    exists, so no reader ever sees part of one. Returns (arrays, whether this call built them, the array
+    paths, the meta path)."""
+    cache_dir = pathlib.Path(cache_dir)
+    paths = [cache_dir / f"{stem}-{kind}.npy" for kind in kinds]
+    meta_path = cache_dir / f"{stem}-meta.json"
 
-def build_shuffle_index(num_samples: int, seed: int) -> np.ndarray:
-    """A seeded permutation of the samples."""
-    return _compact(np.random.RandomState((seed + 1) % 2**32).permutation(num_samples))
+    def opened() -> list[np.ndarray] | None:
+        try:
+            recorded = json.loads(meta_path.read_text())
+            arrays = [np.load(p, mmap_mode="r") for p in paths]
+        except (OSError, ValueError):
+            return None
+        if recorded.get("version") != INDEX_VERSION or [a.shape for a in arrays] != [tuple(s) for _, s in specs]:
+            return None
+        return arrays
 
-
-def _file_digest(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _save_npy(path: pathlib.Path, array: np.ndarray) -> None:
-    """np.save via a temporary file and rename, so a reader never sees half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    if (arrays := opened()) is not None:
+        return arrays, False, paths, meta_path
     try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create the sample-index cache {cache_dir} ({exc}); set LOOM_CACHE to a "
+                        "writable directory") from exc
+    with _lock(cache_dir / f"{stem}.lock") as lock:  # one process builds; the others wait, then open its files
+        if (arrays := opened()) is not None:
+            return arrays, False, paths, meta_path
+        t0 = time.perf_counter()
+        outs = [_NpyWriter(p, dtype, shape) for p, (dtype, shape) in zip(paths, specs)]
+        try:
+            build(outs)
+            for o in outs:
+                o.commit()
+        except BaseException:
+            for o in outs:
+                o.abort()
+            raise
+        record = {"version": INDEX_VERSION, **meta, "build_s": round(time.perf_counter() - t0, 3)}
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=meta_path.name + ".", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(record) + "\n")
+        os.replace(tmp, meta_path)  # last: its presence means the index is complete
+        lock.path.unlink(missing_ok=True)  # safe: whoever takes the lock (this inode or a new one) opens first
+        if (arrays := opened()) is None:
+            raise RuntimeError(f"the index just written to {cache_dir} ({stem}) does not read back")
+        return arrays, True, paths, meta_path
 
 
 class SampleDataset:
@@ -104,85 +212,154 @@ class SampleDataset:
                 f"one sample of seq_len {seq_len} needs {seq_len + 1} tokens"
             )
         self.num_epochs = _num_epochs(total, seq_len, num_samples)
+        self.built = False  # whether this object built the index (False: it opened an existing one)
         if cache_dir is None:
-            self.doc_index, self.sample_index, self.shuffle_index = self._build()
+            self.doc_index, self.sample_index, self.shuffle_index = self._build_in_memory()
+            self.built = True
         else:
             self._load_or_build(pathlib.Path(cache_dir), name)
 
-    def _build(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        doc_index = build_document_index(len(self.dataset), self.num_epochs, self.seed)
-        sample_index = build_sample_index(self.dataset.sizes, doc_index, self.seq_len, self.num_samples)
-        return doc_index, sample_index, build_shuffle_index(self.num_samples, self.seed)
+    # --- the index ----------------------------------------------------------------------------------
+
+    def _shapes(self) -> list[tuple[np.dtype, tuple[int, ...]]]:
+        entries = self.num_epochs * len(self.dataset)
+        return [(_index_dtype(max(len(self.dataset) - 1, 0)), (entries,)),
+                (_index_dtype(entries), (self.num_samples, 2)),  # offsets fit: sizes are int32
+                (_index_dtype(max(self.num_samples - 1, 0)), (self.num_samples,))]
+
+    def _build_in_memory(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        outs = [_ArrayWriter(dtype, shape) for dtype, shape in self._shapes()]
+        build_indices(self.dataset.sizes, self.num_epochs, self.seq_len, self.num_samples, self.seed, *outs)
+        return tuple(o.array for o in outs)
 
     def cache_key(self) -> str:
-        """Hash of the dataset's index file and the sampling parameters."""
-        idx = self.dataset.idx_path
+        """Hash of the dataset's fingerprint (its .bin size and recorded .idx hash; see
+        loom.data.indexed.fingerprint), the document subset and the sampling parameters."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = fingerprint(self.dataset.prefix)
+        fp = self._fingerprint
         subset = getattr(self.dataset, "subset_key", "")
-        params = (f"{INDEX_VERSION}|{idx.stat().st_size}|{_file_digest(idx)}|{self.seq_len}|{self.num_samples}|"
+        params = (f"{INDEX_VERSION}|{fp['bin_bytes']}|{fp['idx_sha256']}|{self.seq_len}|{self.num_samples}|"
                   f"{self.seed}{'|' + subset if subset else ''}")
         return hashlib.sha256(params.encode()).hexdigest()[:20]
 
     def _load_or_build(self, cache_dir: pathlib.Path, name: str) -> None:
         stem = f"{name or pathlib.Path(self.dataset.prefix).name}-{self.cache_key()}"
-        paths = [cache_dir / f"{stem}-{kind}.npy" for kind in ("doc", "sample", "shuffle")]
-        self.cache_paths = paths
-        if all(p.is_file() for p in paths):
-            try:
-                self.doc_index, self.sample_index, self.shuffle_index = (np.load(p, mmap_mode="r") for p in paths)
-                if len(self.sample_index) == len(self.shuffle_index) == self.num_samples:
-                    return
-            except (OSError, ValueError):
-                pass  # unreadable cache: rebuild it
-        arrays = self._build()
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        for path, array in zip(paths, arrays):
-            _save_npy(path, array)
+        meta = {"dataset": str(self.dataset.prefix), "subset": getattr(self.dataset, "subset_key", ""),
+                "fingerprint": self._fingerprint, "seq_len": self.seq_len,
+                "num_samples": self.num_samples, "seed": self.seed, "epochs": self.num_epochs,
+                "documents": len(self.dataset)}
+        arrays, self.built, self.cache_paths, self.meta_path = cached_arrays(
+            cache_dir, stem, ("doc", "sample", "shuffle"), self._shapes(),
+            lambda outs: build_indices(self.dataset.sizes, self.num_epochs, self.seq_len, self.num_samples,
+                                       self.seed, *outs), meta)
         self.doc_index, self.sample_index, self.shuffle_index = arrays
+
+    # --- samples -------------------------------------------------------------------------------------
 
     def __len__(self) -> int:
         return self.num_samples
 
+    def rows(self, ids) -> np.ndarray:
+        """Samples `ids` as an int64 array [len(ids), seq_len + 1].
+
+        Each sample is cut into its document spans, all samples at once (one vectorised pass per document a
+        sample crosses, not a Python step per sample), then the spans are read from the memory-mapped `.bin`
+        by `read_spans`."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        n, width = len(ids), self.seq_len + 1
+        if n and (ids.min() < -self.num_samples or ids.max() >= self.num_samples):
+            bad = int(ids[(ids < -self.num_samples) | (ids >= self.num_samples)][0])
+            raise IndexError(f"sample {bad} out of range for {self.num_samples} samples")
+        ids = ids % max(self.num_samples, 1)
+        where = np.asarray(self.sample_index[np.asarray(self.shuffle_index[ids], dtype=np.int64)], dtype=np.int64)
+        pos, offset = where[:, 0].copy(), where[:, 1].copy()
+        need = np.full(n, width, dtype=np.int64)
+        row = np.arange(n, dtype=np.int64)
+        parts = []  # (row, column, document, offset, length) of each span
+        while row.size:
+            doc = np.asarray(self.doc_index[pos], dtype=np.int64)
+            take = np.minimum(self.dataset.sizes[doc].astype(np.int64) - offset, need)
+            parts.append((row, width - need, doc, offset, take))
+            need = need - take
+            more = need > 0
+            row, pos, need = row[more], pos[more] + 1, need[more]
+            offset = np.zeros(row.size, dtype=np.int64)
+        r, col, doc, off, length = (np.concatenate(k) for k in zip(*parts)) if parts else [np.zeros(0, np.int64)] * 5
+        order = np.argsort(r * width + col, kind="stable")  # spans in output order
+        return self.dataset.read_spans(doc[order], off[order], length[order], np.int64).reshape(n, width)
+
     def __getitem__(self, i: int) -> np.ndarray:
         if not -self.num_samples <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for {self.num_samples} samples")
-        pos, offset = (int(v) for v in self.sample_index[int(self.shuffle_index[i])])
-        out = np.empty(self.seq_len + 1, dtype=np.int64)
-        filled = 0
-        while filled < len(out):
-            doc = int(self.doc_index[pos])
-            take = min(len(out) - filled, int(self.dataset.sizes[doc]) - offset)
-            out[filled : filled + take] = self.dataset.get(doc, offset, take)
-            filled += take
-            pos, offset = pos + 1, 0
-        return out
+        return self.rows([i])[0]
 
 
-def blend_indices(weights: np.ndarray, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+class _lock:
+    """An exclusive advisory lock on `path` (fcntl.flock) for the duration of a with-block. Where the file
+    system does not support locks, nothing is held: the atomic renames keep concurrent builders harmless
+    (they write the same bytes)."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path, self.fd = path, None
+
+    def __enter__(self) -> "_lock":
+        try:
+            import fcntl
+
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except (ImportError, OSError):
+            if self.fd is not None:
+                os.close(self.fd)
+            self.fd = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
+
+
+def blend_indices(weights: np.ndarray, num_samples: int, which_out=None, within_out=None,
+                  chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Megatron's greedy blend: each sample goes to the dataset furthest behind its target share.
 
-    Returns (dataset of each sample, index of the sample within that dataset).
-    """
+    Returns (dataset of each sample, index of the sample within that dataset); with writers, streams them
+    into the writers instead, `chunk` samples at a time."""
     w = [float(x) for x in weights]
+    if which_out is None:
+        which_out = _ArrayWriter(_blend_dtype(len(w)), (num_samples,))
+        within_out = _ArrayWriter(np.int64, (num_samples,))
+    chunk = chunk or CHUNK
     counts = [0] * len(w)
-    which = np.empty(num_samples, dtype=np.int16 if len(w) < 2**15 else np.int32)
-    within = np.empty(num_samples, dtype=np.int64)
-    for i in range(num_samples):
-        t = max(i, 1)
-        best, best_err = 0, w[0] * t - counts[0]
-        for d in range(1, len(w)):
-            err = w[d] * t - counts[d]
-            if err > best_err:
-                best, best_err = d, err
-        which[i] = best
-        within[i] = counts[best]
-        counts[best] += 1
-    return which, within
+    for lo in range(0, num_samples, chunk):
+        n = min(chunk, num_samples - lo)
+        which = np.empty(n, dtype=which_out.dtype)
+        within = np.empty(n, dtype=np.int64)
+        for k in range(n):
+            t = max(lo + k, 1)
+            best, best_err = 0, w[0] * t - counts[0]
+            for d in range(1, len(w)):
+                err = w[d] * t - counts[d]
+                if err > best_err:
+                    best, best_err = d, err
+            which[k] = best
+            within[k] = counts[best]
+            counts[best] += 1
+        which_out.write(which)
+        within_out.write(within)
+    return getattr(which_out, "array", None), getattr(within_out, "array", None)
+
+
+def _blend_dtype(num_datasets: int) -> np.dtype:
+    return np.dtype(np.int16 if num_datasets < 2**15 else np.int32)
 
 
 class BlendedDataset:
     """`num_samples` samples mixed from `datasets` in proportion to `weights`."""
 
-    def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int) -> None:
+    def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int,
+                 cache_dir: pathlib.Path | None = None, name: str = "blend") -> None:
         if not datasets or len(datasets) != len(weights):
             raise UserError(f"a blend needs one weight per dataset; got {len(datasets)} datasets and {len(weights)} weights")
         w = np.asarray(weights, dtype=np.float64)
@@ -191,7 +368,17 @@ class BlendedDataset:
         self.datasets = list(datasets)
         self.weights = w / w.sum()
         self.num_samples = num_samples
-        self.dataset_index, self.sample_index = blend_indices(self.weights, num_samples)
+        self.built = True
+        if cache_dir is None:
+            self.dataset_index, self.sample_index = blend_indices(self.weights, num_samples)
+        else:  # built once (it depends only on the weights and the count), then memory-mapped
+            key = hashlib.sha256(f"{INDEX_VERSION}|{self.weights.tolist()!r}|{num_samples}".encode()).hexdigest()[:20]
+            specs = [(_blend_dtype(len(w)), (num_samples,)), (np.int64, (num_samples,))]
+            arrays, self.built, self.cache_paths, self.meta_path = cached_arrays(
+                cache_dir, f"{name}-{key}", ("dataset", "within"), specs,
+                lambda outs: blend_indices(self.weights, num_samples, *outs),
+                {"weights": self.weights.tolist(), "num_samples": num_samples})
+            self.dataset_index, self.sample_index = arrays
         need = np.bincount(self.dataset_index, minlength=len(self.datasets))
         for d, (ds, n) in enumerate(zip(self.datasets, need)):
             if n > len(ds):
@@ -207,3 +394,26 @@ class BlendedDataset:
         if not -self.num_samples <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for {self.num_samples} samples")
         return self.datasets[int(self.dataset_index[i])][int(self.sample_index[i])]
+
+    def rows(self, ids) -> np.ndarray:
+        """Samples `ids` stacked, each constituent read with one `rows` call."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < -self.num_samples or ids.max() >= self.num_samples):
+            raise IndexError(f"samples {ids.min()}..{ids.max()} out of range for {self.num_samples} samples")
+        ids = ids % max(self.num_samples, 1)
+        which, within = self.dataset_index[ids], self.sample_index[ids]
+        out = None
+        for d in np.unique(which):
+            mask = which == d
+            got = rows_of(self.datasets[int(d)], within[mask])
+            if out is None:
+                out = np.empty((len(ids), *got.shape[1:]), dtype=got.dtype)
+            out[mask] = got
+        return out if out is not None else np.zeros((0, 0), dtype=np.int64)
+
+
+def rows_of(dataset, ids) -> np.ndarray:
+    """Samples `ids` of `dataset` stacked: its vectorised `rows` when it has one, else one item at a time."""
+    if hasattr(dataset, "rows"):
+        return dataset.rows(ids)
+    return np.stack([np.asarray(dataset[int(i)]) for i in ids])
