@@ -53,6 +53,11 @@ def shard_batch(batch: dict, seq_len: int, cp: int, rank: int) -> dict:
     return out
 
 
+# torch 2.13 renames the single-tensor collectives (the old names warn); 2.11 has only the old ones.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _GatherKV(torch.autograd.Function):
     """[b, h, L, d] on each of the cp ranks -> [cp, b, h, L, d] on every rank; backward reduce-scatters."""
 
@@ -63,7 +68,7 @@ class _GatherKV(torch.autograd.Function):
         ctx.group, ctx.size = group, size
         x = x.contiguous()
         out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # ranks along dim 0 (gloo wants it flat)
-        dist.all_gather_into_tensor(out, x, group=group)
+        _ALL_GATHER(out, x, group=group)
         _GatherKV.traffic["gathered_bytes"] += x.numel() * x.element_size() * (size - 1)
         return out.view(size, *x.shape)
 
@@ -71,7 +76,7 @@ class _GatherKV(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
         out = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_tensor(out, grad.flatten(0, 1), group=ctx.group)
+        _REDUCE_SCATTER(out, grad.flatten(0, 1), group=ctx.group)
         _GatherKV.traffic["scattered_bytes"] += out.numel() * out.element_size() * (ctx.size - 1)
         return out, None, None
 
