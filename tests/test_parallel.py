@@ -277,8 +277,8 @@ def test_bf16_moments_fully_sharded_match_one_process(tmp_path):
 
 
 def test_resume_across_layouts(tmp_path, pipe_reference):
-    """A sharded checkpoint saved under tp=2 x pp=2 resumes under dp_shard=4 (FSDP): the losses after the
-    resume match the undisturbed single-process run within 1e-4."""
+    """A sharded checkpoint saved under tp=2 x pp=2 resumes under cp=2 x dp_shard=2 (FSDP over the four
+    dp x cp ranks): the losses after the resume match the undisturbed single-process run within 1e-4."""
     launch(tmp_path / "run", 4, "parallel.tp=2", "parallel.pp=2", "checkpoint.interval=3", base=PIPE)
     ckpts = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in (ckpts / "step-3").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
@@ -296,7 +296,7 @@ def test_resume_across_layouts(tmp_path, pipe_reference):
 
     shutil.rmtree(ckpts / "step-6")
     (ckpts / "latest").write_text("step-3\n")
-    launch(tmp_path / "run", 4, "parallel.dp_shard=4", "checkpoint.resume=true", base=PIPE)
+    launch(tmp_path / "run", 4, "parallel.cp=2", "parallel.dp_shard=2", "checkpoint.resume=true", base=PIPE)
     assert_same_run(tmp_path / "run", pipe_reference, rtol=1e-4)
 
 
