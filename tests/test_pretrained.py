@@ -190,6 +190,7 @@ LAYOUTS = [
     pytest.param(["parallel.tp=2"], "qwen3", id="tp2-qwen3"),  # q/k norm over sharded heads, decoupled head size
     pytest.param(["parallel.pp=2"], "llama31", id="pp2-llama31"),
     pytest.param(["parallel.dp_shard=2"], "qwen2", id="dp_shard2-qwen2"),  # sharded biases, tied embeddings
+    pytest.param(["parallel.cp=2"], "llama31", id="cp2-llama31"),  # scaled RoPE at each chunk's positions
     pytest.param(["parallel.tp=2", "parallel.sp=true"], "qwen2", id="tp2-sp-qwen2", marks=pytest.mark.slow),
 ]
 
