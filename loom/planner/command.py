@@ -134,11 +134,14 @@ def run(args) -> int:
     if args.inference:
         return _run_inference(args, w)
     from loom.planner import report
-    from loom.planner.search import evaluate_layout, parse_layout, search
+    from loom.planner.search import parse_layout, search, search_layout
 
-    if args.layout:
-        estimates = [evaluate_layout(w, parse_layout(args.layout, w.gpus))]
-        info = {"considered": 1, "fit": int(estimates[0].fits)}
+    if args.layout:  # the knobs given are fixed, the rest searched
+        estimates, info = search_layout(w, parse_layout(args.layout, w.gpus), cross_node_tp=True,
+                                        max_micro_batch=args.max_micro_batch)
+        if estimates[0].fits and args.runtime == "loom":
+            runnable = [e for e in estimates if report.loom_runnable(e, w) is None]
+            estimates = runnable or estimates  # else show the best, with loom's reason below
     else:
         estimates, info = search(w, top=0, cross_node_tp=args.cross_node_tp, max_micro_batch=args.max_micro_batch)
         if estimates and args.runtime == "loom":  # never offer what `loom train` refuses
@@ -179,6 +182,9 @@ def run(args) -> int:
           f"global batch {w.global_batch}: {info['considered']} layouts considered, {info['fit']} fit"
           + (f", {info['fit_and_loom_runs']} of them loom runs" if "fit_and_loom_runs" in info else "")
           + f" ({elapsed:.1f} s)")
+    if args.layout:
+        searched = ", ".join(info.get("searched", [])) or "nothing (no completion fits: the given layout, priced)"
+        print(f"--layout {args.layout}: fixed as given; searched {searched}")
     print(report.format_table(shown, w, args.tokens))
     refused: dict[str, list[int]] = {}
     for i, e in enumerate(shown, 1):

@@ -122,16 +122,21 @@ def _min_full_layers(w: Workload, lay: Layout, capacity: float) -> int | None:
 
 
 def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max_micro_batch: int = 16,
-               dp_styles=DP_STYLES, recompute_modes=RECOMPUTE, schedules=SCHEDULES):
-    """Yield every valid layout (fitting or not is decided by the caller)."""
+               dp_styles=DP_STYLES, recompute_modes=RECOMPUTE, schedules=SCHEDULES, fixed: dict | None = None):
+    """Yield every valid layout (fitting or not is decided by the caller); `fixed` prunes tp, cp and pp early."""
     cfg, gpus = w.model, w.gpus
+    fixed = fixed or {}
     for tp in tp_options(cfg, gpus, w.gpu.node_size, cross_node_tp):
+        if fixed.get("tp", tp) != tp:
+            continue
         sp_options = [sp for sp in (False, True) if not sp_problem(tp, sp) and not tp_problems(tp, cfg, w.seq_len, sp)]
         for cp in cp_options(w, cp_max):
+            if fixed.get("cp", cp) != cp:
+                continue
             cp_sp = [sp for sp in sp_options if not cp_problem(w, cp, tp, sp)]
             head = head_weight(w, tp, cp)
             for pp in range(1, cfg.layers + 1):
-                if gpus % (tp * cp * pp):
+                if gpus % (tp * cp * pp) or fixed.get("pp", pp) != pp:
                     continue
                 dp = gpus // (tp * cp * pp)
                 if w.global_batch % dp:
@@ -161,7 +166,7 @@ def search(w: Workload, *, fixed: dict | None = None, top: int = 10, **kwargs) -
     considered = fitting = 0
     smallest = None
     results: list[Estimate] = []
-    for lay in candidates(w, **kwargs):
+    for lay in candidates(w, fixed=fixed, **kwargs):
         if not _matches(lay, {k: v for k, v in fixed.items() if k != "recompute_layers"}):
             continue
         considered += 1
@@ -237,6 +242,29 @@ def parse_layout(text: str, gpus: int) -> dict:
     if out.get("vpp", 1) > 1 and "schedule" not in out:
         out["schedule"] = "interleaved"
     return out
+
+
+def search_layout(w: Workload, fields: dict, **kwargs) -> tuple[list[Estimate], dict]:
+    """`--layout`: the knobs given are fixed and the rest searched (data-parallel style, micro-batch,
+    virtual stages, schedule, recomputation, an uneven split where the layers do not divide), fitting
+    completions best first. When none fits, the layout with defaults for the rest (and the best uneven
+    split if needed), priced to show by how much it misses."""
+    kwargs = {**kwargs, "cp_max": max(kwargs.get("cp_max", 8), fields.get("cp", 1)),
+              "max_micro_batch": max(kwargs.get("max_micro_batch", 16), fields.get("micro_batch", 1))}
+    results, info = search(w, fixed=fields, top=0, **kwargs)
+    if results:
+        return results, {**info, "searched": sorted(set(SEARCHED) - set(fields))}
+    fields = dict(fields)
+    pp, vpp = fields.get("pp", 1), fields.get("vpp", 1)
+    if "first_stage_layers" not in fields and split_problem(w.model.layers, pp, vpp, 0, 0):
+        schedule = fields.get("schedule", "1f1b")
+        options = split_options(w.model.layers, pp, vpp, schedule, head_weight(w, fields.get("tp", 1), fields.get("cp", 1)))
+        if options:
+            fields["first_stage_layers"], fields["last_stage_layers"] = options[-1]
+    return [evaluate_layout(w, fields)], {"considered": max(1, info["considered"]), "fit": 0, "searched": []}
+
+
+SEARCHED = ("dp_style", "micro_batch", "vpp", "schedule", "recompute", "first_stage_layers", "sp")
 
 
 def evaluate_layout(w: Workload, fields: dict) -> Estimate:
