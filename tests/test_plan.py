@@ -411,3 +411,21 @@ def test_profile_hardware_round_trip(tmp_path):
     assert r.returncode == 0, r.stderr
     best = json.loads(r.stdout)["candidates"][0]
     assert best["step_time_s"] > 0 and best["fits"]
+
+
+def test_memory_margin_keeps_headroom_free():
+    args = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--seq", "8192", "--global-batch", "32",
+            "--json", "--top", "200"]
+    tight = json.loads(run_cli(*args, "--memory-margin", "0").stdout)
+    default = json.loads(run_cli(*args).stdout)
+    capacity = PRESETS["h100"].memory_gib
+    margin = default["cluster"]["memory_margin_gib"]
+    assert margin == pytest.approx(0.05 * capacity, abs=0.05) and tight["cluster"]["memory_margin_gib"] == 0
+    assert max(c["memory_gib"]["total"] for c in default["candidates"]) <= capacity - margin
+    # Without the margin the best layouts fill the GPU to the last GiB: the default leaves those out.
+    assert max(c["memory_gib"]["total"] for c in tight["candidates"]) > capacity - margin
+    assert default["search"]["fit"] < tight["search"]["fit"]
+    r = run_cli(*args, "--memory-margin", "90")
+    assert r.returncode == 2 and "--memory-margin=90" in r.stderr
+    text = run_cli("plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--global-batch", "32").stdout
+    assert f"kept free" in text and f"of {capacity:.1f} GiB" in text

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32", help="AdamW moment dtype")
     c.add_argument("--grad-accum", choices=["sharded", "unsharded"], default="sharded",
                    help="FSDP gradients between micro-batches, as loom's parallel.grad_accum (default sharded)")
+    c.add_argument("--memory-margin", type=float, default=None, metavar="GIB",
+                   help="GiB per GPU kept free beyond the modelled total (allocator caching, spikes); "
+                        "default 5%% of the GPU's memory")
     c.add_argument("--tokens", type=float, default=None, help="training tokens, to report days to train")
     c.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="gradients reduced after backward, not during it (Megatron-LM before 2023)")
@@ -102,9 +105,12 @@ def build_workload(args):
     model.validate()
     gpu = load_gpu(args.gpu)
     gpu.peak(args.precision)  # a clear error when the GPU lacks the precision
+    margin = round(0.05 * gpu.memory_gib, 1) if args.memory_margin is None else args.memory_margin
+    if not 0 <= margin < gpu.memory_gib:
+        raise UserError(f"--memory-margin={margin} GiB must be >= 0 and below the GPU's {gpu.memory_gib:.1f} GiB")
     return Workload(model=model, seq_len=seq, global_batch=batch, gpus=args.gpus, gpu=gpu, precision=args.precision,
                     state_dtype=args.state_dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce,
-                    grad_accum=args.grad_accum), args.model
+                    grad_accum=args.grad_accum, memory_margin_gib=margin), args.model
 
 
 def run(args) -> int:
@@ -165,11 +171,12 @@ def run(args) -> int:
                             "nothing written")
         note = report.write_config(runnable[0], w, base_name, args.config)
     if args.plot:
-        report.plot(shown, args.plot, w.gpu.memory_gib)
+        report.plot(shown, args.plot, w.usable_bytes / 2**30)
     if args.json:
         out = {"candidates": [{**e.to_json(), "loom_refuses": report.loom_runnable(e, w)} for e in shown],
                "model": {"params": _params(w), "seq_len": w.seq_len, "global_batch": w.global_batch},
-               "cluster": {"gpus": w.gpus, "gpu": w.gpu.name, "precision": w.precision},
+               "cluster": {"gpus": w.gpus, "gpu": w.gpu.name, "precision": w.precision,
+                           "memory_gib": w.gpu.memory_gib, "memory_margin_gib": w.memory_margin_gib},
                "search": {**info, "seconds": round(elapsed, 3)},
                "convention": "tflops_per_gpu and mfu count model FLOPs (loom.flops: full s x s attention, "
                              "no recomputation); mfu is against the dense peak of --precision"}
@@ -181,7 +188,8 @@ def run(args) -> int:
     print(f"{w.gpus} x {w.gpu.name}, {w.precision}, model {_params(w) / 1e9:.2f}B params, seq {w.seq_len}, "
           f"global batch {w.global_batch}: {info['considered']} layouts considered, {info['fit']} fit"
           + (f", {info['fit_and_loom_runs']} of them loom runs" if "fit_and_loom_runs" in info else "")
-          + f" ({elapsed:.1f} s)")
+          + f" ({elapsed:.1f} s); a layout fits in {w.usable_bytes / 2**30:.1f} of {w.gpu.memory_gib:.1f} GiB "
+          f"(--memory-margin {w.memory_margin_gib:.1f} GiB kept free)")
     if args.layout:
         searched = ", ".join(info.get("searched", [])) or "nothing (no completion fits: the given layout, priced)"
         print(f"--layout {args.layout}: fixed as given; searched {searched}")
@@ -193,7 +201,7 @@ def run(args) -> int:
     for reason, rows in refused.items():  # only with --runtime any, or a --layout loom refuses
         print(f"loom cannot run #{', #'.join(map(str, rows))} yet: {reason}")
     print()
-    print(report.format_terms(shown[0], w.gpu.memory_gib))
+    print(report.format_terms(shown[0], w.gpu.memory_gib, w.memory_margin_gib))
     if args.layout and not shown[0].fits:
         print("this layout does NOT fit in memory")
     if args.config:

@@ -53,6 +53,13 @@ class Workload:
     # FSDP gradients over a step's micro-batches (loom's parallel.grad_accum): "sharded" reduce-scatters
     # every micro-batch, "unsharded" holds them whole until the last; pipelines always reduce once.
     grad_accum: str = "sharded"
+    # GiB per GPU kept free beyond the modelled total (allocator caching and spikes the model does not see);
+    # `loom plan --memory-margin`, default 5% of the GPU's memory there; 0 here (library and validation).
+    memory_margin_gib: float = 0.0
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.gpu.memory_gib - self.memory_margin_gib) * GIB
 
 
 @dataclass(frozen=True)
@@ -530,6 +537,6 @@ def evaluate(w: Workload, lay: Layout, mem: dict | None = None) -> Estimate:
     flops = train_flops_per_token(w.model, w.seq_len) * tokens
     tflops = flops / step / w.gpus / 1e12
     return Estimate(layout=lay, step_time_s=step, time_terms=terms, memory=mem,
-                    fits=mem["total"] <= w.gpu.memory_gib * GIB,
+                    fits=mem["total"] <= w.usable_bytes,
                     tokens_per_s_per_gpu=tokens / step / w.gpus, tflops_per_gpu=tflops,
                     mfu=tflops / w.gpu.peak(w.precision))

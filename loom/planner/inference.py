@@ -84,7 +84,7 @@ def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int
     throughput = replicas * batch * output_len / latency / w.gpus
     return InferenceEstimate(tp=tp, pp=pp, batch=batch, replicas=replicas, prefill_s=prefill, decode_step_s=decode,
                              request_latency_s=latency, tokens_per_s_per_gpu=throughput, weights_gib=weights / GIB,
-                             kv_cache_gib=kv_cache / GIB, total_gib=total / GIB, fits=total <= gpu.memory_gib * GIB)
+                             kv_cache_gib=kv_cache / GIB, total_gib=total / GIB, fits=total <= w.usable_bytes)
 
 
 def search_inference(w: Workload, input_len: int, output_len: int, max_batch: int) -> list[InferenceEstimate]:

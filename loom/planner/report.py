@@ -53,14 +53,15 @@ def format_table(estimates: list[Estimate], w: Workload, tokens: float | None = 
     return "\n".join(lines)
 
 
-def format_terms(e: Estimate, capacity_gib: float) -> str:
+def format_terms(e: Estimate, capacity_gib: float, margin_gib: float = 0.0) -> str:
     """Why a layout costs what it costs: every step-time term and memory term."""
     total = e.step_time_s
     lines = [f"step time {total:.3f} s  ({layout_name(e)})"]
     for key, value in sorted(e.time_terms.items(), key=lambda kv: -kv[1]):
         if value > 0:
             lines.append(f"  {TERM_LABELS.get(key, key):<22} {value:9.3f} s  {100 * value / total:5.1f}%")
-    lines.append(f"memory per GPU {e.memory['total'] / GIB:.1f} of {capacity_gib:.1f} GiB")
+    lines.append(f"memory per GPU {e.memory['total'] / GIB:.1f} of {capacity_gib:.1f} GiB"
+                 + (f" ({margin_gib:.1f} GiB kept free: fits below {capacity_gib - margin_gib:.1f})" if margin_gib else ""))
     for key, value in e.memory.items():
         if key != "total":
             lines.append(f"  {key:<22} {value / GIB:9.2f} GiB")
@@ -166,7 +167,7 @@ def plot(estimates: list[Estimate], path: Path, capacity_gib: float) -> None:
         values = [e.memory[key] / GIB for e in estimates]
         ax2.barh(names, values, left=left, label=key)
         left = [a + b for a, b in zip(left, values)]
-    ax2.axvline(capacity_gib, color="black", linestyle="--", linewidth=1, label="GPU memory")
+    ax2.axvline(capacity_gib, color="black", linestyle="--", linewidth=1, label="usable GPU memory")
     ax2.invert_yaxis()
     ax2.set_xlabel("GiB per GPU")
     ax2.set_title("memory by term")

@@ -161,7 +161,7 @@ def _matches(lay: Layout, fixed: dict) -> bool:
 
 def search(w: Workload, *, fixed: dict | None = None, top: int = 10, **kwargs) -> tuple[list[Estimate], dict]:
     """Ranked estimates of the layouts that fit (best first), and counts of what was considered."""
-    capacity = w.gpu.memory_gib * GIB
+    capacity = w.usable_bytes
     fixed = fixed or {}
     considered = fitting = 0
     smallest = None
