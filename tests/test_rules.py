@@ -82,7 +82,7 @@ def test_every_search_candidate_agrees_with_the_rule_book(tmp_path):
             try:
                 cfg = to_loom_config(e, w)
             except UserError:
-                continue  # no loom setting for it (distributed optimizer, fp8)
+                continue  # no loom setting for it (a separate distributed optimizer)
             with pytest.raises(UserError):
                 check_layout(cfg, e.layout.world)
             with pytest.raises(UserError, match="loom cannot run"):

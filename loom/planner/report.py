@@ -71,14 +71,13 @@ def format_terms(e: Estimate, capacity_gib: float, margin_gib: float = 0.0) -> s
 def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
     """The loom config that runs this layout: the one documented conversion from the planner's Layout
     (dp, dp_style) to loom's ParallelConfig (dp_replicate, dp_shard) and train/recompute settings.
-    UserError for what loom has no setting for (a separate distributed optimizer, fp8)."""
+    UserError for what loom has no setting for (a separate distributed optimizer). fp8 precision becomes
+    `train.fp8=tensorwise` (torchao's per-tensor-scaled fp8 linear layers, torchtitan's default recipe)."""
     from loom.config import Config, load_config
 
     lay = e.layout
     if lay.dp_style == "distopt" and lay.dp > 1:
         raise UserError("loom has no separate distributed optimizer (its fsdp style shards weights and optimizer state)")
-    if w.precision == "fp8":
-        raise UserError("loom trains in bf16 (fp8 linear layers are not implemented yet)")
     cfg = load_config(base_name, measuring=True) if base_name else Config()
     cfg.model = w.model
     p = cfg.parallel
@@ -89,6 +88,7 @@ def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
     t = cfg.train
     t.micro_batch, t.global_batch, t.seq_len = lay.micro_batch, w.global_batch, w.seq_len
     t.dtype = "bfloat16"
+    t.fp8 = "tensorwise" if w.precision == "fp8" else "off"
     cfg.optim.state_dtype = w.state_dtype
     cfg.parallel.grad_accum = w.grad_accum
     r = cfg.recompute
