@@ -40,3 +40,20 @@ def run_cli(*args: str):
 
     env = dict(os.environ)
     return subprocess.run([sys.executable, "-m", "loom.cli", *args], capture_output=True, text=True, env=env, cwd=ROOT)
+
+
+def randomize_hf_weights(model):
+    """Spread a freshly built transformers model's weights (norms around 1, biases and matrices random) so
+    that parity checks see every parameter; returns the model in fp32 eval mode."""
+    import torch
+
+    model = model.float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 0.08)
+    return model

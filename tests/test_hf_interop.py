@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from conftest import randomize_hf_weights
 import loom
 from loom.config import Config, ModelConfig
 from loom.errors import UserError
@@ -34,16 +35,7 @@ def random_hf_model(kv_heads=2, tied=False, bias=False, rope_theta=10000.0, laye
         attention_bias=bias,
         mlp_bias=bias,
     )
-    model = transformers.LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            else:
-                p.normal_(0.0, 0.08)
-    return model
+    return randomize_hf_weights(transformers.LlamaForCausalLM(config))
 
 
 def save_tokenizer(path):

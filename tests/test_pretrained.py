@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import loom
-from conftest import ROOT
+from conftest import ROOT, randomize_hf_weights
 from loom.cli import main
 from loom.config import load_config
 from loom.interop import convert
@@ -44,16 +44,7 @@ def hf_config(kind: str):
 
 def random_hf_model(kind: str, seed: int = 0):
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(kind)).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            else:
-                p.normal_(0.0, 0.08)
-    return model
+    return randomize_hf_weights(transformers.AutoModelForCausalLM.from_config(hf_config(kind)))
 
 
 @pytest.fixture(scope="module")

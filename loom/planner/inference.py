@@ -112,8 +112,7 @@ def search_inference(w: Workload, input_len: int, output_len: int, max_batch: in
 def plot_inference(estimates: list[InferenceEstimate], path, title: str) -> None:
     """Request latency against output tokens/s per GPU for every fitting layout, the Pareto front joined
     and labelled tp/pp/batch."""
-    from loom.planner.report import pyplot
-    from loom.config import UserError
+    from loom.planner.report import pyplot, save_figure
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 6))
@@ -132,12 +131,7 @@ def plot_inference(estimates: list[InferenceEstimate], path, title: str) -> None
     ax.set_title(title, fontsize=9)
     ax.legend()
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as exc:
-        raise UserError(f"--plot {path}: cannot write ({exc})") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)
 
 
 def format_inference(estimates: list[InferenceEstimate], pareto_only: bool = True) -> str:

@@ -175,6 +175,13 @@ def plot(estimates: list[Estimate], path: Path, capacity_gib: float) -> None:
     labels = "\n".join(f"#{i}: {layout_name(e)}" for i, e in enumerate(estimates, 1))
     fig.text(0.01, 0.01, labels, fontsize=6, family="monospace", va="bottom")
     fig.tight_layout(rect=(0, 0.02 + 0.016 * len(estimates), 1, 1))
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> None:
+    """Write a --plot figure and close it; an unwritable path is the user's error (exit 2)."""
+    import matplotlib.pyplot as plt
+
     try:
         fig.savefig(path, dpi=120)
     except OSError as exc:
