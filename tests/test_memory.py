@@ -56,7 +56,7 @@ def test_single_process_matches_paper():
         assert got == pytest.approx(paper(cfg, case, 1), rel=0.03), case
 
 
-@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("t", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 processes: slow
 def test_tensor_and_sequence_parallel_match_paper(t):
     from distributed import run_ranks
 
