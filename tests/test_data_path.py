@@ -40,6 +40,29 @@ def test_fingerprint_comes_from_the_record_written_with_the_dataset(tmp_path, mo
     assert indexed.fingerprint(tmp_path / "other")["idx_sha256"] == indexed._sha256(tmp_path / "other.idx")
 
 
+def test_opening_a_recorded_dataset_checks_only_the_last_document(tmp_path):
+    """With the builder's record, the .bin bounds check reads the last pointer and size only (the pointers are
+    the builder's running sum); without it, every document is checked. Shown by a middle pointer rewritten
+    past the end: trusted with the record, caught without it; a truncated .bin is caught either way."""
+    prefix = tmp_path / "ds"
+    write_docs(prefix, [[1, 2, 3]] * 50)
+    idx = bytearray((tmp_path / "ds.idx").read_bytes())
+    ds = indexed.IndexedDataset(prefix)
+    assert ds._trusted and len(ds) == 50
+    header, n = indexed.HEADER.size, len(ds)
+    at = header + 4 * n + 8 * 10  # document 10's pointer
+    idx[at:at + 8] = np.int64(10**9).tobytes()
+    (tmp_path / "ds.idx").write_bytes(bytes(idx))  # same size: the record still matches
+    assert indexed.IndexedDataset(prefix)._trusted
+    indexed.stats_path(prefix).unlink()
+    with pytest.raises(indexed.UserError, match="truncated"):
+        indexed.IndexedDataset(prefix)
+    write_docs(tmp_path / "ok", [[1, 2, 3]] * 50)
+    (tmp_path / "ok.bin").write_bytes((tmp_path / "ok.bin").read_bytes()[:-2])  # sizes differ from the record
+    with pytest.raises(indexed.UserError, match="truncated"):
+        indexed.IndexedDataset(tmp_path / "ok")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("prefetch")
