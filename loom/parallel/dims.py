@@ -39,6 +39,7 @@ class MeshPlace:
     pp_rank: int = 0
     cp: int = 1
     cp_rank: int = 0
+    flattened: dict | None = None  # name -> the mesh `_flatten` returned (sliced from the root, torch warns)
 
     @property
     def distributed(self) -> bool:
@@ -55,6 +56,8 @@ class MeshPlace:
         return self.rank == 0
 
     def submesh(self, *names: str):
+        if len(names) == 1 and names[0] in (self.flattened or {}):
+            return self.flattened[names[0]]
         return self.mesh[names if len(names) > 1 else names[0]]
 
 
@@ -75,11 +78,13 @@ def build_layout(cfg: Config, device_type: str, measuring: bool = False) -> Mesh
     options = _group_options(dist.get_backend(), cfg.train.collective_timeout_s)
     mesh = init_device_mesh(device_type, (p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp), mesh_dim_names=names,
                             backend_override={n: options for n in names} if options is not None else None)
+    flattened = {}
     if p.cp > 1:  # FSDP's shard group: the data-parallel shards and their cp ranks together
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        flattened["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     dp_rank = mesh["dp_replicate"].get_local_rank() * p.dp_shard + mesh["dp_shard"].get_local_rank()
     return MeshPlace(mesh=mesh, rank=dist.get_rank(), world_size=world, dp_rank=dp_rank, dp_size=p.dp, tp=p.tp,
-                     pp=p.pp, pp_rank=mesh["pp"].get_local_rank(), cp=p.cp, cp_rank=mesh["cp"].get_local_rank())
+                     pp=p.pp, pp_rank=mesh["pp"].get_local_rank(), cp=p.cp, cp_rank=mesh["cp"].get_local_rank(),
+                     flattened=flattened)
 
 
 def _group_options(backend: str, timeout_s: float):
