@@ -29,18 +29,30 @@ def predict(name):
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
-def test_published_runs_within_15_percent(name):
+def test_published_runs_fit_and_are_within_20_percent(name):
     best = predict(name)
     published = PUBLISHED[name][2]
     assert best.fits
-    assert best.step_time_s == pytest.approx(published, rel=0.15), (name, best.step_time_s, published)
+    assert best.step_time_s == pytest.approx(published, rel=0.20), (name, best.step_time_s, published)
+
+
+def test_published_runs_mean_error_at_most_8_percent_and_405b_mfu_in_metas_band():
+    errors = {name: abs(predict(name).step_time_s / PUBLISHED[name][2] - 1) for name in PUBLISHED}
+    assert len(errors) >= 15
+    assert sum(errors.values()) / len(errors) <= 0.08, errors
+    # Meta reports 38-43% bf16 MFU for 405B on 8k-16k H100 (Llama 3 paper, Table 4); at those layouts the
+    # planner must not promise more.
+    for name in ("meta-llama3-405b-8k", "meta-llama3-405b-16k"):
+        assert 0.36 <= predict(name).mfu <= 0.45, (name, predict(name).mfu)
 
 
 def test_published_step_times_are_what_the_papers_say():
     # Independent arithmetic on the papers' numbers, so the targets above cannot drift.
     assert PUBLISHED["narayanan-1.7b"][2] == pytest.approx(3.528, rel=1e-3)
     assert PUBLISHED["narayanan-145.6b"][2] == pytest.approx(24.82, rel=1e-3)
-    assert PUBLISHED["nemo-llama2-7b-fp8"][2] == pytest.approx(3.870, rel=1e-3)
+    assert PUBLISHED["nemo-llama2-7b-fp8"][2] == pytest.approx(128 * 4096 / (16847 * 8), rel=1e-9)
+    assert PUBLISHED["nemo-llama3-8b-fp8"][2] == pytest.approx(10.890, rel=1e-3)
+    assert PUBLISHED["nemo-llama3-70b-fp8"][2] == pytest.approx(10.688, rel=1e-3)
 
 
 def test_recompute_costs_what_the_paper_says():
@@ -140,9 +152,9 @@ def test_uneven_split_balances_the_lm_head_and_prices_the_slowest_rank():
     assert even.time_terms["head"] == pytest.approx(m * head)
     assert uneven.step_time_s < even.step_time_s * 0.95
     # 1F1B: rank 0 keeps pp micro-batches of its layers; rank 3 keeps one of its own plus the logits.
-    from loom.flops import layer_activation_bytes
+    from loom.planner.costmodel import megatron_layer_activation_bytes  # distopt is priced as Megatron runs it
 
-    per_layer = layer_activation_bytes(w.model, 8192, 1, 2, True, "none", 2)
+    per_layer = megatron_layer_activation_bytes(w.model, 8192, 1, 2, True, "none", 2, False)
     assert memory(w, Layout(tp=2, pp=4, dp=4, sp=True, dp_style="distopt"))["activations"] == pytest.approx(4 * 8 * per_layer)
 
 
@@ -189,11 +201,11 @@ def test_layers_that_do_not_split_evenly_get_a_declared_split(tmp_path):
 def test_pipeline_memory_follows_each_schedules_warm_up():
     """Activations held at the peak, counted by hand from the schedules' forward order, uneven split
     1/5/5/5/5/5/5/1 over pp=4 x vpp=2, 16 micro-batches."""
-    from loom.flops import layer_activation_bytes
+    from loom.planner.costmodel import megatron_layer_activation_bytes  # distopt is priced as Megatron runs it
 
     w = _big_vocab_workload()
     w.model.tie_embeddings = False
-    per_layer = layer_activation_bytes(w.model, 8192, 1, 2, True, "none", 2)
+    per_layer = megatron_layer_activation_bytes(w.model, 8192, 1, 2, True, "none", 2, False)
     lay = Layout(tp=2, pp=4, vpp=2, dp=4, sp=True, dp_style="distopt", schedule="interleaved",
                  first_stage_layers=1, last_stage_layers=1)
     # Interleaved: rank r runs 2(p-r-1) + (v-1)p + 1 forwards before its first backward, p at a time per
@@ -212,7 +224,7 @@ def test_pipeline_memory_follows_each_schedules_warm_up():
 def test_full_recompute_layers_count_per_chunk_as_loom_applies_them():
     """recompute.num_layers (block method) applies to every chunk a rank runs: with vpp=2 and k=1 a rank
     recomputes 2 layers, in time and in memory."""
-    from loom.flops import layer_activation_bytes
+    from loom.planner.costmodel import megatron_layer_activation_bytes  # distopt is priced as Megatron runs it
     from loom.planner.costmodel import layer_times
 
     w = _big_vocab_workload()
@@ -223,8 +235,8 @@ def test_full_recompute_layers_count_per_chunk_as_loom_applies_them():
     m = 16
     compute = ("gemm", "attention", "elementwise", "tp_comm", "overhead")
     assert sum(one.time_terms[k] - none.time_terms[k] for k in compute) == pytest.approx(m * 2 * extra, rel=1e-9)
-    per_layer = layer_activation_bytes(w.model, 8192, 1, 2, True, "none", 2)
-    full = layer_activation_bytes(w.model, 8192, 1, 2, True, "full", 2)
+    per_layer = megatron_layer_activation_bytes(w.model, 8192, 1, 2, True, "none", 2, False)
+    full = megatron_layer_activation_bytes(w.model, 8192, 1, 2, True, "full", 2, False)
     # Rank 0 (the most in flight): 7 micro-batches of chunk 0 and 4 of chunk 4, 4 layers each, 1 recomputed.
     assert one.memory["activations"] == pytest.approx(11 * (full + 3 * per_layer))
 
@@ -429,3 +441,45 @@ def test_memory_margin_keeps_headroom_free():
     assert r.returncode == 2 and "--memory-margin=90" in r.stderr
     text = run_cli("plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--global-batch", "32").stdout
     assert f"kept free" in text and f"of {capacity:.1f} GiB" in text
+
+
+def test_megatron_memory_term_by_term_for_nvidias_llama3_8b_layout():
+    """NVIDIA's Llama-3-8B run (8 H100, TP1 PP1 CP2 DP4, fp8, seq 8192, mbs 1, distributed optimizer, bf16
+    gradient buffers) priced term by term as Megatron-Core + Transformer Engine hold it: it fits, where
+    loom's own formulas (fp32 gradients, RMSNorm's fp32 input copy, 10-byte logits) said 93 GiB."""
+    from loom.planner.costmodel import embedding_params, head_params, linear_weights
+
+    cfg = load_config("llama3-8b", measuring=True).model
+    h, f, a, V, L = cfg.hidden, cfg.ffn_hidden, cfg.heads, cfg.vocab_size, cfg.layers
+    p = total_params(cfg)
+    w = Workload(cfg, 8192, 128, 8, PRESETS["h100"], precision="fp8", framework="megatron", grad_dtype="bfloat16")
+    mem = memory(w, Layout(dp=4, cp=2, dp_style="distopt"))
+    assert mem["params"] == 2 * p and mem["grads"] == 2 * p  # bf16 weights, bf16 gradient buffer
+    assert mem["optimizer"] == pytest.approx(12 * p / 8)  # fp32 master + two moments over dp x cp = 8
+    assert mem["fp8_weights"] == 2 * L * linear_weights(cfg)  # TE's cached fp8 weight and its transpose
+    assert mem["logits"] == 4096 * V * 6  # fp32 softmax kept, next to 16-bit logits / input gradient
+    # Per token and layer: 2 norm inputs (2h each) and their fp8 outputs (h each), q/k/v/out (2h(2 + 2g/a)),
+    # the out-projection's fp8 input (h), fc1 output (4f), fc2's fp8 input (f), fp32 log-sum-exp (4a).
+    per_token = 2 * (2 + 1) * h + 2 * h * (2 + 2 * 8 / 32) + h + 5 * f + 4 * a
+    assert mem["activations"] == pytest.approx(L * 4096 * per_token)
+    assert mem["total"] / GIB < PRESETS["h100"].memory_gib
+    # fp32 gradients (Megatron-LM's bf16 default) do not fit: the buffer dtype is the term that decides.
+    fp32 = memory(Workload(cfg, 8192, 128, 8, PRESETS["h100"], precision="fp8", framework="megatron"),
+                  Layout(dp=4, cp=2, dp_style="distopt"))
+    assert fp32["grads"] == 4 * p and fp32["total"] / GIB > PRESETS["h100"].memory_gib
+    # loom's own runs keep loom's formulas (what `loom memory` measures): the same layout in fsdp style
+    # under the default framework has no fp8 weight cache and 10-byte logits.
+    own = memory(Workload(cfg, 8192, 128, 8, PRESETS["h100"], precision="fp8"), Layout(dp=4, cp=2))
+    assert own["fp8_weights"] == 0 and own["logits"] == 4096 * V * 10
+    assert embedding_params(cfg) + head_params(cfg) < p
+
+
+def test_cli_prices_a_published_megatron_layout_that_fits():
+    r = run_cli("plan", "--model", "llama3-70b", "--gpus", "64", "--seq", "8192", "--global-batch", "128",
+                "--precision", "fp8", "--grad-dtype", "bfloat16", "--memory-margin", "0",
+                "--layout", "tp=4,pp=4,cp=2,vpp=5,mbs=1,recompute=none,dp_style=distopt", "--json")
+    assert r.returncode == 0, r.stderr
+    best = json.loads(r.stdout)["candidates"][0]
+    assert best["fits"] and best["memory_gib"]["fp8_weights"] > 0 and best["memory_gib"]["total"] < 79.6
+    r = run_cli("plan", "--model", "llama3-70b", "--gpus", "64", "--framework", "deepspeed")
+    assert r.returncode == 2 and "--framework" in r.stderr

@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--memory-margin", type=float, default=None, metavar="GIB",
                    help="GiB per GPU kept free beyond the modelled total (allocator caching, spikes); "
                         "default 5%% of the GPU's memory")
+    c.add_argument("--framework", choices=["loom", "megatron"], default="loom",
+                   help="whose memory to price: loom (default; what `loom memory` measures) or megatron "
+                        "(Megatron-Core + Transformer Engine as NeMo runs it: fused norms/SwiGLU, fp8 weight caches, "
+                        "fused cross-entropy); dp_style=distopt layouts are always priced as Megatron runs them")
+    c.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="Megatron's gradient buffer dtype (NeMo's performance recipes: bfloat16); loom keeps float32")
     c.add_argument("--tokens", type=float, default=None, help="training tokens, to report days to train")
     c.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="gradients reduced after backward, not during it (Megatron-LM before 2023)")
@@ -110,7 +116,8 @@ def build_workload(args):
         raise UserError(f"--memory-margin={margin} GiB must be >= 0 and below the GPU's {gpu.memory_gib:.1f} GiB")
     return Workload(model=model, seq_len=seq, global_batch=batch, gpus=args.gpus, gpu=gpu, precision=args.precision,
                     state_dtype=args.state_dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce,
-                    grad_accum=args.grad_accum, memory_margin_gib=margin), args.model
+                    grad_accum=args.grad_accum, memory_margin_gib=margin, framework=args.framework,
+                    grad_dtype=args.grad_dtype), args.model
 
 
 def run(args) -> int:

@@ -56,6 +56,13 @@ class Workload:
     # GiB per GPU kept free beyond the modelled total (allocator caching and spikes the model does not see);
     # `loom plan --memory-margin`, default 5% of the GPU's memory there; 0 here (library and validation).
     memory_margin_gib: float = 0.0
+    # Which framework runs the layout, for its memory: "loom" (the formulas `loom memory` is tested against)
+    # or "megatron" (Megatron-Core with Transformer Engine, as NeMo runs it; see megatron_layer_activation_bytes).
+    # Megatron's distributed optimizer (dp_style="distopt") is always priced as Megatron runs it.
+    framework: str = "loom"
+    # Megatron's gradient buffer: float32 (Megatron-LM's default for bf16, --accumulate-allreduce-grads-in-fp32)
+    # or bfloat16 (NeMo's performance recipes: grad_reduce_in_fp32=False). loom keeps fp32 gradients.
+    grad_dtype: str = "float32"
 
     @property
     def usable_bytes(self) -> float:
@@ -133,6 +140,12 @@ def layer_params(cfg: ModelConfig) -> int:
     bias += (a + 2 * g) * d if cfg.qkv_bias and not cfg.bias else 0  # Qwen2: q/k/v biases only
     qk_norm = 2 * d if cfg.qk_norm else 0  # Qwen3: one weight of head size for queries, one for keys
     return attn + mlp + norms + bias + qk_norm
+
+
+def linear_weights(cfg: ModelConfig) -> int:
+    """Weights of one layer's linear layers (the ones fp8 training casts)."""
+    h, d, a, g, f = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
+    return h * (a + 2 * g) * d + a * d * h + (3 if cfg.mlp == "swiglu" else 2) * h * f
 
 
 def embedding_params(cfg: ModelConfig) -> int:
@@ -400,6 +413,32 @@ def _stage_params(cfg: ModelConfig, lay: Layout, shape: StageShape, lp: int | No
             + (head_params(cfg) if shape.head else 0))
 
 
+def megatron_layer_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
+                                    recompute: str, act_bytes: int, fp8: bool) -> float:
+    """Bytes one layer keeps for backward under Megatron-Core with Transformer Engine's fused modules
+    (NeMo's layer spec): per token, each fused norm+linear (TE LayerNormLinear) keeps its input (e*h) and
+    the normalised output it feeds the GEMM (1 byte under fp8, which keeps the fp8 cast; e otherwise);
+    flash attention keeps q, k, v and its output (e*h(2 + 2g/a)) plus fp32 log-sum-exp (4a); the output
+    projection keeps its fp8 input copy under fp8 (in 16-bit it is the attention output already counted);
+    the fused SwiGLU keeps fc1's output (2ef) and fc2 its input (1 byte under fp8, else e). Fused RoPE and
+    bias-dropout-add keep nothing when dropout is 0. Compared with loom's own layer (loom.flops), there is
+    no fp32 norm-input copy and no separate activation-function outputs. Under TP without SP the norm
+    inputs and outputs are replicated; with SP everything is split. Old runs with unfused "math" attention
+    are not priced here (Korthikanti's formula, loom.flops, is theirs)."""
+    s, b, h, a, g, f = seq_len, micro_batch, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
+    e, lin = act_bytes, (1 if fp8 else act_bytes)
+    sp_div = tp if sp else 1
+    if recompute == "full":
+        return e * s * b * h / sp_div
+    replicated = 2 * (e + lin) * s * b * h  # two norm inputs and their normalised outputs
+    if cfg.dropout > 0:
+        replicated += 2 * s * b * h  # 1-byte masks after each sub-block
+    attn = e * s * b * h * (2 + 2 * g / a) + (lin * s * b * h if fp8 else 0)
+    mlp = ((2 if cfg.mlp == "swiglu" else 1) * e + lin) * s * b * f
+    core = 0.0 if recompute == "selective" else 4 * a * s * b
+    return replicated / sp_div + (attn + mlp + core) / tp
+
+
 def memory(w: Workload, lay: Layout) -> dict:
     """Peak bytes per GPU on the most loaded pipeline rank."""
     cfg = w.model
@@ -410,8 +449,14 @@ def memory(w: Workload, lay: Layout) -> dict:
     act_bytes = 4 if w.precision == "fp32" else 2
     s = w.seq_len // lay.cp
     base = "selective" if lay.recompute == "selective" else "none"
-    per_layer = layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes)
-    if lay.cp > 1:  # attention keeps the gathered keys/values of the rest of the sequence for backward, and
+    mega = w.framework == "megatron" or lay.dp_style == "distopt"
+    fp8 = w.precision == "fp8"
+    if mega and cfg.attention != "math":
+        # Megatron-Core + TE; its context parallelism (TE's ring) keeps only the local keys/values.
+        per_layer = megatron_layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes, fp8)
+    else:
+        per_layer = layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes)
+    if lay.cp > 1 and not mega:  # attention keeps the gathered keys/values of the rest of the sequence for backward, and
         # its output twice (each chunk's attention output, and their concatenation for the out-projection)
         per_layer += 2 * lay.micro_batch * (w.seq_len - s) * max(1, cfg.kv_heads // lay.tp) * cfg.head_dim * act_bytes
         per_layer += lay.micro_batch * s * cfg.heads // lay.tp * cfg.head_dim * act_bytes
@@ -424,12 +469,15 @@ def memory(w: Workload, lay: Layout) -> dict:
     for shape in _shapes(w, lay):
         local = _stage_params(cfg, lay, shape, lp) / lay.tp
         dp = lay.dp * lay.cp  # the cp ranks join the shard group (loom's dp_shard_cp, Megatron's dp x cp)
-        if lay.dp_style == "replicate":  # loom: fp32 master weights, fp32 gradients, moments, all replicated
+        grad_bytes = 2 if mega and w.grad_dtype == "bfloat16" else 4
+        if lay.dp_style == "replicate" and mega:  # Megatron without distopt: 16-bit weights, fp32 master copy
+            params, grads, optim = 2 * local, grad_bytes * local, (4 + moment_bytes) * local
+        elif lay.dp_style == "replicate":  # loom: fp32 master weights, fp32 gradients, moments, all replicated
             # (with cp > 1 loom shards over the cp ranks, HSDP with dp_shard_cp = cp: gradients as FSDP's)
             cp_grads = lay.cp if grads_stay_sharded(w.grad_accum, lay.pp, m) else 1
             params, grads, optim = 4 * local / lay.cp, 4 * local / cp_grads, moment_bytes * local / lay.cp
         elif lay.dp_style == "distopt":  # Megatron: 16-bit weights + fp32 grads replicated; master + moments split
-            params, grads, optim = 2 * local, 4 * local, (4 + moment_bytes) * local / dp
+            params, grads, optim = 2 * local, grad_bytes * local, (4 + moment_bytes) * local / dp
         else:  # fsdp (loom dp_shard): everything split; gradients sharded or whole between micro-batches
             sharded = grads_stay_sharded(w.grad_accum, lay.pp, m)
             params, grads, optim = 4 * local / dp, 4 * local / (dp if sharded else 1), moment_bytes * local / dp
@@ -438,13 +486,19 @@ def memory(w: Workload, lay: Layout) -> dict:
         activations = shape.held_layers * per_layer
         if lay.recompute == "full":  # k layers of every chunk keep only their input
             activations -= sum(held * _recomputed(lay, c) for c, held in zip(shape.chunks, shape.held)) * (per_layer - full)
-        # fp32 logits, their gradient, 16-bit output: on the rank with the LM head
-        logits = tokens * (cfg.vocab_size / lay.tp) * (4 + 4 + act_bytes) if shape.head else 0.0
-        dynamic = params + grads + optim + activations + logits + buffers
+        # On the rank with the LM head. loom: fp32 logits, their gradient and the 16-bit output. Megatron's
+        # vocab-parallel cross-entropy: the fp32 copy it softmaxes in place and keeps, next to the 16-bit
+        # logits at the end of forward and to the 16-bit input gradient in backward (6 bytes).
+        logit_bytes = 4 + 2 if mega else 4 + 4 + act_bytes
+        logits = tokens * (cfg.vocab_size / lay.tp) * logit_bytes if shape.head else 0.0
+        # Transformer Engine keeps each linear weight's fp8 cast and its transpose from the first
+        # micro-batch to the last (its weight workspace cache): 2 bytes per linear weight on the rank.
+        fp8_weights = 2 * shape.layers * linear_weights(cfg) / lay.tp if mega and fp8 else 0.0
+        dynamic = params + grads + optim + activations + logits + buffers + fp8_weights
         total = dynamic * (1 + FRAGMENTATION) + CONTEXT_GIB * GIB
         if worst is None or total > worst["total"]:
             worst = {"params": params, "grads": grads, "optimizer": optim, "activations": activations,
-                     "logits": logits, "buffers": buffers, "reserve": CONTEXT_GIB * GIB + FRAGMENTATION * dynamic,
+                     "logits": logits, "buffers": buffers, "fp8_weights": fp8_weights, "reserve": CONTEXT_GIB * GIB + FRAGMENTATION * dynamic,
                      "total": total}
     return worst
 
@@ -494,15 +548,17 @@ def step_time(w: Workload, lay: Layout) -> dict:
     local = max(_stage_params(cfg, lay, shape) for shape in shapes) / lay.tp  # the largest rank's weights
     dp_comm = 0.0
     group = lay.dp * lay.cp  # gradients are reduced over the data-parallel ranks and their cp ranks
+    # Gradient element size on the wire: Megatron's buffer dtype (bf16 in NeMo's performance recipes), else fp32.
+    gb = 2 if (w.framework == "megatron" or lay.dp_style == "distopt") and w.grad_dtype == "bfloat16" else 4
     if group > 1:
         intra = _intra(gpu, lay.tp, group)
         bwd_mb = sum(lt.bwd.values()) * n_layers
         fwd_mb = sum(lt.fwd.values()) * n_layers
         if lay.dp_style == "replicate":
-            grad = collective_time(gpu, "all_reduce", 4 * local, group, intra)
+            grad = collective_time(gpu, "all_reduce", gb * local, group, intra)
             dp_comm = max(grad - bwd_mb, grad / n_layers) if w.overlap_grad_reduce else grad
         elif lay.dp_style == "distopt":
-            grad = collective_time(gpu, "reduce_scatter", 4 * local, group, intra)
+            grad = collective_time(gpu, "reduce_scatter", gb * local, group, intra)
             gather = collective_time(gpu, "all_gather", 2 * local, group, intra)
             hidden_grad = max(grad - bwd_mb, grad / n_layers) if w.overlap_grad_reduce else grad
             dp_comm = hidden_grad + max(gather - fwd_mb, gather / n_layers)

@@ -161,7 +161,7 @@ def plot(estimates: list[Estimate], path: Path, capacity_gib: float) -> None:
     ax1.set_xlabel("seconds per step")
     ax1.set_title("step time by term")
     ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4, frameon=False)
-    mem_keys = ["params", "grads", "optimizer", "activations", "logits", "buffers", "reserve"]
+    mem_keys = ["params", "grads", "optimizer", "activations", "logits", "buffers", "fp8_weights", "reserve"]
     left = [0.0] * len(estimates)
     for key in mem_keys:
         values = [e.memory[key] / GIB for e in estimates]

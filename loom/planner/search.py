@@ -31,12 +31,15 @@ def tp_options(cfg: ModelConfig, gpus: int, node_size: int, cross_node_tp: bool)
     return out
 
 
-def pipeline_options(cfg: ModelConfig, pp: int, m: int, schedules=SCHEDULES) -> list[tuple[str, int]]:
+def pipeline_options(cfg: ModelConfig, pp: int, m: int, schedules=SCHEDULES,
+                     vpp: int | None = None) -> list[tuple[str, int]]:
     """(schedule, vpp) pairs loom's pipeline accepts for `pp` stages and `m` micro-batches (splits are
-    chosen later): the rule book's (loom.rules), the ones `loom train` checks."""
+    chosen later): the rule book's (loom.rules), the ones `loom train` checks. The search tries 2-8
+    virtual stages; a given `vpp` (a published layout's 10 or 20) is tried as it is."""
     if pp == 1:
         return [("1f1b", 1)]
-    options = [("1f1b", 1)] + [("interleaved", v) for v in range(2, 9)] + [("zero_bubble", 2)]  # ZB-V
+    virtual = range(2, 9) if vpp is None else ([vpp] if vpp > 1 else [])
+    options = [("1f1b", 1)] + [("interleaved", v) for v in virtual] + [("zero_bubble", 2)]  # ZB-V
     return [(sched, v) for sched, v in options
             if sched in schedules and pp * v <= cfg.layers and schedule_problem(pp, v, sched) is None
             and micro_batches_needed(pp, v, sched, m) is None]
@@ -145,7 +148,7 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                     if mbs > max_micro_batch:
                         break
                     m = w.global_batch // (dp * mbs)
-                    for schedule, vpp in pipeline_options(cfg, pp, m, schedules):
+                    for schedule, vpp in pipeline_options(cfg, pp, m, schedules, fixed.get("vpp")):
                         for first, last in split_options(cfg.layers, pp, vpp, schedule, head):
                             for sp in cp_sp:
                                 for style in (dp_styles if dp > 1 else ("replicate",)):

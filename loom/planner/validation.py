@@ -27,35 +27,103 @@ def narayanan_seconds(B, s, L, h, V, tflops, gpus) -> float:
     return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)) / (tflops * 1e12 * gpus)
 
 
+def llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int) -> ModelConfig:
+    """Llama 2/3 shapes: RMSNorm, SwiGLU, RoPE, untied head, fused attention, no dropout."""
+    return ModelConfig(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn,
+                       vocab_size=vocab, max_seq_len=seq)
+
+
+def nemo_gpt(layers: int, hidden: int, heads: int) -> ModelConfig:
+    """NeMo's GPT-3 configs (launcher conf/training/gpt3): LayerNorm, 4h GELU, learned positions, dropout
+    0.1, GPT-2 vocabulary padded to 128 x tp (50688 at tp=4), Transformer Engine's fused attention."""
+    return ModelConfig(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn_hidden=4 * hidden,
+                       vocab_size=50688, max_seq_len=2048, norm="layernorm", mlp="gelu", position="learned",
+                       bias=True, tie_embeddings=True, dropout=0.1, attn_dropout=0.1)
+
+
+def tokens_seconds(global_batch: int, seq: int, tokens_per_s_per_gpu: float, gpus: int) -> float:
+    return global_batch * seq / (tokens_per_s_per_gpu * gpus)
+
+
+def flops_seconds(cfg: ModelConfig, global_batch: int, seq: int, tflops: float, gpus: int) -> float:
+    """Step time implied by a reported TFLOP/s per GPU, counted with loom's model FLOPs (6N plus the
+    attention score/context FLOPs, no recomputation)."""
+    from loom.flops import train_flops_per_token
+
+    return global_batch * seq * train_flops_per_token(cfg, seq) / (tflops * 1e12 * gpus)
+
+
+NEMO_2407 = ("NeMo 24.07 performance summary (NVIDIA/NeMo docs/source/performance/performance_summary.md), "
+             "DGX-H100, fp8, Megatron-Core + Transformer Engine, distributed optimizer, bf16 gradient sync "
+             "(launcher examples: optim.grad_sync_dtype=bf16)")
+
+
+BRIDGE_2511 = ("Megatron-Bridge performance summary, NeMo 25.11 container (NVIDIA-NeMo/Megatron-Bridge "
+               "docs/performance-summary.md), DGX-H100, fp8 current scaling, distributed optimizer")
+
+
 def published_runs() -> dict:
     """name -> (workload, the published layout, published seconds per step, source)."""
     a100, h100 = PRESETS["a100-80gb"], PRESETS["h100"]
-    llama2_7b = ModelConfig(layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008, vocab_size=32000,
-                            max_seq_len=4096)
+    llama2_7b = llama(32, 4096, 32, 32, 11008, 32000, 4096)
+    llama2_13b = llama(40, 5120, 40, 40, 13824, 32000, 4096)
+    llama2_70b = llama(80, 8192, 64, 8, 28672, 32000, 4096)
+    llama3_8b = llama(32, 4096, 32, 8, 14336, 128256, 8192)
+    llama3_70b = llama(80, 8192, 64, 8, 28672, 128256, 8192)
+    llama3_405b = llama(126, 16384, 128, 8, 53248, 128256, 8192)
+    gpt175 = nemo_gpt(96, 12288, 96)
+
+    def nemo(model, seq, batch, gpus, tok_s, **fixed):
+        w = Workload(model, seq, batch, gpus, h100, precision="fp8", framework="megatron", grad_dtype="bfloat16")
+        layout = dict(micro_batch=1, recompute="none", dp_style="distopt") | fixed
+        layout["dp"] = gpus // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
+        return w, layout, tokens_seconds(batch, seq, tok_s, gpus), NEMO_2407 + f": {gpus} GPUs, {tok_s:,} tokens/s/GPU"
+
+    def bridge(model, seq, batch, gpus, tok_s, **fixed):
+        w, layout, seconds, _ = nemo(model, seq, batch, gpus, tok_s, **fixed)
+        return w, layout, seconds, (BRIDGE_2511 + f": {gpus} GPUs, {tok_s:,} tokens/s/GPU")
+
+    def meta(gpus, tflops, cp=1, seq=8192):
+        batch = 16 * 2**20 // seq  # 16M tokens per step
+        w = Workload(llama3_405b if seq == 8192 else llama(126, 16384, 128, 8, 53248, 128256, seq),
+                     seq, batch, gpus, h100, framework="loom")
+        return (w, dict(tp=8, pp=16, cp=cp, dp=gpus // (128 * cp), dp_style="fsdp"),
+                flops_seconds(w.model, batch, seq, tflops, gpus),
+                f"Llama 3 paper (Dubey et al. 2024), Table 4: {gpus} H100, bf16, {tflops} TFLOP/s/GPU, Meta's "
+                "FSDP + 4D parallelism; step time from TFLOP/s with loom's FLOP count")
     return {
         "narayanan-1.7b": (
-            Workload(megatron_gpt(24, 2304, 24), 2048, 512, 32, a100, overlap_grad_reduce=False),
+            Workload(megatron_gpt(24, 2304, 24), 2048, 512, 32, a100, overlap_grad_reduce=False, framework="megatron"),
             dict(tp=1, pp=1, dp=32, sp=False, recompute="full", recompute_layers=0, dp_style="replicate"),
             narayanan_seconds(512, 2048, 24, 2304, 51200, 137, 32),
             "Narayanan et al. 2021, Table 1: 32 A100-80GB, 137 TFLOP/s/GPU by Eq. 3"),
         "narayanan-145.6b": (
-            Workload(megatron_gpt(80, 12288, 96), 2048, 2304, 1536, a100, overlap_grad_reduce=False),
+            Workload(megatron_gpt(80, 12288, 96), 2048, 2304, 1536, a100, overlap_grad_reduce=False,
+                     framework="megatron"),
             dict(tp=8, pp=8, dp=24, sp=False, recompute="full", recompute_layers=0, dp_style="replicate"),
             narayanan_seconds(2304, 2048, 80, 12288, 51200, 148, 1536),
             "Narayanan et al. 2021, Table 1: 1536 A100-80GB, 148 TFLOP/s/GPU by Eq. 3"),
         "korthikanti-175b-selective": (
-            Workload(megatron_gpt(96, 12288, 96), 2048, 64, 64, a100),
+            Workload(megatron_gpt(96, 12288, 96), 2048, 64, 64, a100, framework="megatron"),
             dict(tp=8, pp=8, dp=1, micro_batch=1, sp=True, recompute="selective"), 13.75,
             "Korthikanti et al. 2022, Table 4: 64 A100-80GB, SP + selective"),
         "korthikanti-175b-full": (
-            Workload(megatron_gpt(96, 12288, 96), 2048, 64, 64, a100),
+            Workload(megatron_gpt(96, 12288, 96), 2048, 64, 64, a100, framework="megatron"),
             dict(tp=8, pp=8, dp=1, micro_batch=1, sp=True, recompute="full", recompute_layers=0), 18.13,
             "Korthikanti et al. 2022, Table 4: 64 A100-80GB, full recomputation"),
-        "nemo-llama2-7b-fp8": (
-            Workload(llama2_7b, 4096, 128, 8, h100, precision="fp8"),
-            dict(tp=1, pp=1, dp=8, micro_batch=1, recompute="none", dp_style="distopt"),
-            128 * 4096 / (16934 * 8),
-            "NeMo 24.07 performance table: 8 H100, fp8, 16,934 tokens/s/GPU"),
+        "nemo-llama2-7b-fp8": nemo(llama2_7b, 4096, 128, 8, 16847),
+        "nemo-llama2-13b-fp8": nemo(llama2_13b, 4096, 128, 16, 8646, pp=4, vpp=10),
+        "nemo-llama2-70b-fp8": nemo(llama2_70b, 4096, 128, 64, 1707, tp=4, pp=4, vpp=20),
+        "nemo-llama3-8b-fp8": nemo(llama3_8b, 8192, 128, 8, 12036, cp=2),
+        "nemo-llama3-70b-fp8": nemo(llama3_70b, 8192, 128, 64, 1533, tp=4, pp=4, cp=2, vpp=5),
+        "nemo-gpt3-175b-128gpu-fp8": nemo(gpt175, 2048, 256, 128, 726, tp=4, pp=8, vpp=6, sp=True,
+                                          recompute="selective"),
+        "nemo-gpt3-175b-512gpu-fp8": nemo(gpt175, 2048, 2048, 512, 782, tp=4, pp=8, vpp=6, micro_batch=2,
+                                          sp=True, recompute="selective"),
+        "bridge-llama3-70b-pp8-fp8": bridge(llama3_70b, 8192, 128, 64, 1602, tp=4, pp=8, vpp=5),
+        "bridge-llama31-405b-fp8": bridge(llama3_405b, 8192, 512, 1024, 292, tp=8, pp=8, cp=2, vpp=8),
+        "meta-llama3-405b-8k": meta(8192, 430),
+        "meta-llama3-405b-16k": meta(16384, 400),
     }
 
 
