@@ -137,10 +137,16 @@ def run(args) -> int:
             return 0
         print(f"{'run':<28} {'published s':>11} {'predicted s':>11} {'error':>7}  fits  layout chosen")
         for r in rows:
-            lay = r["layout"] or {}
+            lay = r["layout"]
+            if lay is None:  # no completion of the published layout fits
+                print(f"{r['run']:<28} {r['published_s']:>11.3f} {'-':>11} {'-':>7}  NO    (predicted not to fit)")
+                continue
             print(f"{r['run']:<28} {r['published_s']:>11.3f} {r['predicted_s']:>11.3f} {100 * r['error']:>+6.1f}%  "
                   f"{'yes' if r['fits'] else 'NO':<4}  mbs={lay.get('micro_batch')} vpp={lay.get('vpp')} "
                   f"{lay.get('schedule')}")
+        errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+        print(f"{len(errors)} of {len(rows)} published layouts predicted to fit; mean |step-time error| "
+              f"{100 * sum(errors) / max(1, len(errors)):.1f}%")
         return 0
     start = time.perf_counter()
     w, base_name = build_workload(args)
