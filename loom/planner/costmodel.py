@@ -413,6 +413,12 @@ def _stage_params(cfg: ModelConfig, lay: Layout, shape: StageShape, lp: int | No
             + (head_params(cfg) if shape.head else 0))
 
 
+def priced_as_megatron(w: Workload, lay: Layout) -> bool:
+    """Whether a layout's memory and gradient traffic follow Megatron-Core (its distributed optimizer is
+    Megatron's alone; --framework megatron asks for it on any layout)."""
+    return w.framework == "megatron" or lay.dp_style == "distopt"
+
+
 def megatron_layer_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
                                     recompute: str, act_bytes: int, fp8: bool) -> float:
     """Bytes one layer keeps for backward under Megatron-Core with Transformer Engine's fused modules
@@ -449,7 +455,7 @@ def memory(w: Workload, lay: Layout) -> dict:
     act_bytes = 4 if w.precision == "fp32" else 2
     s = w.seq_len // lay.cp
     base = "selective" if lay.recompute == "selective" else "none"
-    mega = w.framework == "megatron" or lay.dp_style == "distopt"
+    mega = priced_as_megatron(w, lay)
     fp8 = w.precision == "fp8"
     if mega and cfg.attention != "math":
         # Megatron-Core + TE; its context parallelism (TE's ring) keeps only the local keys/values.
@@ -549,7 +555,7 @@ def step_time(w: Workload, lay: Layout) -> dict:
     dp_comm = 0.0
     group = lay.dp * lay.cp  # gradients are reduced over the data-parallel ranks and their cp ranks
     # Gradient element size on the wire: Megatron's buffer dtype (bf16 in NeMo's performance recipes), else fp32.
-    gb = 2 if (w.framework == "megatron" or lay.dp_style == "distopt") and w.grad_dtype == "bfloat16" else 4
+    gb = 2 if priced_as_megatron(w, lay) and w.grad_dtype == "bfloat16" else 4
     if group > 1:
         intra = _intra(gpu, lay.tp, group)
         bwd_mb = sum(lt.bwd.values()) * n_layers
