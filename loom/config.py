@@ -56,6 +56,31 @@ class ModelConfig:
     dropout: float = 0.0  # after embeddings and after both sub-blocks
     attn_dropout: float = 0.0  # on attention probabilities
     init_std: float = 0.02
+    # Mixture of experts (`model.moe.*`, loom/models/moe.py). moe.experts=0: every MLP dense.
+    moe_experts: int = field(default=0, metadata={"key": "moe.experts"})
+    moe_top_k: int = field(default=2, metadata={"key": "moe.top_k"})
+    moe_ffn_hidden: int = field(default=0, metadata={"key": "moe.ffn_hidden"})  # per expert; 0: model.ffn_hidden
+    moe_shared_experts: int = field(default=0, metadata={"key": "moe.shared_experts"})  # always-on, each moe.ffn_hidden
+    moe_shared_gate: bool = field(default=False, metadata={"key": "moe.shared_gate"})  # sigmoid gate (Qwen2-MoE)
+    moe_router: Literal["softmax", "sinkhorn", "sigmoid_bias"] = field(default="softmax",
+                                                                       metadata={"key": "moe.router"})
+    moe_renormalize: bool = field(default=False, metadata={"key": "moe.renormalize"})  # gates over the k chosen
+    moe_bias_update_rate: float = field(default=1e-3, metadata={"key": "moe.bias_update_rate"})  # sigmoid_bias
+    moe_load_balance: Literal["batch", "sequence"] = field(default="batch", metadata={"key": "moe.load_balance"})
+    moe_load_balance_coeff: float = field(default=0.01, metadata={"key": "moe.load_balance_coeff"})
+    moe_z_loss_coeff: float = field(default=0.0, metadata={"key": "moe.z_loss_coeff"})
+    moe_capacity_factor: float = field(default=0.0, metadata={"key": "moe.capacity_factor"})  # 0: dropless
+    moe_drop_policy: Literal["probs", "position"] = field(default="probs", metadata={"key": "moe.drop_policy"})
+    # Which layers are MoE: layer i when i >= moe.first_dense and i % moe.interval == 0 (DeepSeek's rule).
+    moe_interval: int = field(default=1, metadata={"key": "moe.interval"})
+    moe_first_dense: int = field(default=0, metadata={"key": "moe.first_dense"})
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe_experts > 0 and i >= self.moe_first_dense and i % self.moe_interval == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.layers))
 
     @property
     def head_dim(self) -> int:
@@ -103,6 +128,32 @@ class ModelConfig:
         for name in ("norm_eps", "rope_theta", "init_std"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise UserError(f"model.{name}={getattr(self, name)} must be a finite number > 0")
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        if self.moe_experts < 0:
+            raise UserError(f"model.moe.experts={self.moe_experts} must be >= 0 (0: dense MLPs, no experts)")
+        if not self.moe_experts:
+            return
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise UserError(f"model.moe.top_k={self.moe_top_k} must be in 1..model.moe.experts={self.moe_experts}")
+        for name in ("ffn_hidden", "shared_experts", "first_dense"):
+            if getattr(self, f"moe_{name}") < 0:
+                raise UserError(f"model.moe.{name}={getattr(self, f'moe_{name}')} must be >= 0")
+        _positive("model.moe.interval", self.moe_interval)
+        if self.moe_layers == 0:
+            raise UserError(f"model.moe.first_dense={self.moe_first_dense} with model.moe.interval={self.moe_interval} "
+                            f"leaves no MoE layer among model.layers={self.layers}; valid first_dense: "
+                            f"0..{self.layers - 1}")
+        for name in ("bias_update_rate", "load_balance_coeff", "z_loss_coeff", "capacity_factor"):
+            value = getattr(self, f"moe_{name}")
+            if not (value >= 0 and math.isfinite(value)):
+                raise UserError(f"model.moe.{name}={value} must be a finite number >= 0")
+        if 0 < self.moe_capacity_factor * self.moe_top_k < 1e-9:
+            raise UserError(f"model.moe.capacity_factor={self.moe_capacity_factor} is too small; 0 means dropless")
+        if self.moe_shared_gate and not self.moe_shared_experts:
+            raise UserError("model.moe.shared_gate=true gates the shared experts, but model.moe.shared_experts=0; "
+                            "set model.moe.shared_experts >= 1 or model.moe.shared_gate=false")
 
 
 @dataclass
@@ -425,8 +476,17 @@ def apply_dict(cfg: Config, data: dict, source: str) -> None:
                 f"{source}: top-level key {section!r} must be a [section] table; "
                 f"valid sections: {', '.join(SECTIONS)}"
             )
-        for key, value in values.items():
+        for key, value in _flat_items(values):
             set_value(cfg, f"{section}.{key}", value, parse_text=False)
+
+
+def _flat_items(values: dict, prefix: str = ""):
+    """A section's keys, nested tables joined with dots: `[model.moe] experts = 8` is `moe.experts`."""
+    for key, value in values.items():
+        if isinstance(value, dict):
+            yield from _flat_items(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def set_value(cfg: Config, dotted: str, value: Any, parse_text: bool) -> None:

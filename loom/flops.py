@@ -12,7 +12,9 @@ forward pass exactly for the configured architecture, at 2 FLOPs per multiply-ad
     MLP, SwiGLU (3 matrices)    2 * 3 * h * f
     MLP, GELU (2 matrices)      2 * 2 * h * f
 
-plus the LM head 2 * h * V once per token. Attention counts the full s x s score matrix (as
+plus the LM head 2 * h * V once per token. A mixture-of-experts MLP counts its active parameters only:
+the router 2 * h * E and (top_k + shared experts) x the expert MLP at model.moe.ffn_hidden (dropless: a
+capacity factor that drops tokens makes the real count lower). Attention counts the full s x s score matrix (as
 Korthikanti et al. and Megatron do), not the causal half. Recomputation is not counted here: it adds
 hardware FLOPs (HFU) but not model FLOPs (MFU). Elementwise work (norms, softmax, RoPE) is ignored.
 """
@@ -30,17 +32,29 @@ PEAK_TFLOPS = {
 }
 
 
-def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int, moe: bool = False) -> int:
+    """One layer's forward matmul FLOPs per token; `moe`: the layer's MLP is model.moe.*'s mixture of experts,
+    counted with its active experts only (top_k routed + shared) and the router."""
     h, d, a, g, f = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
     qkv = 2 * h * (a * d + 2 * g * d)
     scores_and_values = 2 * 2 * seq_len * a * d
     out = 2 * a * d * h
-    mlp = 2 * (3 if cfg.mlp == "swiglu" else 2) * h * f
+    matrices = 3 if cfg.mlp == "swiglu" else 2
+    if moe:
+        fe = cfg.moe_ffn_hidden or f
+        mlp = 2 * h * cfg.moe_experts + 2 * matrices * h * fe * (cfg.moe_top_k + cfg.moe_shared_experts)
+        if cfg.moe_shared_experts and cfg.moe_shared_gate:
+            mlp += 2 * h
+    else:
+        mlp = 2 * matrices * h * f
     return qkv + scores_and_values + out + mlp
 
 
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
-    return cfg.layers * layer_forward_flops_per_token(cfg, seq_len) + 2 * cfg.hidden * cfg.vocab_size
+    moe_layers = cfg.moe_layers
+    layers = ((cfg.layers - moe_layers) * layer_forward_flops_per_token(cfg, seq_len)
+              + moe_layers * layer_forward_flops_per_token(cfg, seq_len, moe=True))
+    return layers + 2 * cfg.hidden * cfg.vocab_size
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

@@ -63,6 +63,31 @@ def sp_problem(tp: int, sp: bool) -> str | None:
     return None
 
 
+# --- mixture of experts ------------------------------------------------------------------------------
+
+
+def moe_problem(experts: int, tp: int, pp: int, cp: int, compile: bool) -> str | None:
+    """Which layouts a mixture-of-experts model runs on today (None: this one): one process or data
+    parallelism (dp_shard, dp_replicate). Expert parallelism (parallel.ep) is not built yet."""
+    if not experts:
+        return None
+    why = {
+        "parallel.tp": (tp, "the tensor-parallel plan does not split the router and stacked experts yet"),
+        "parallel.pp": (pp, "the pipeline schedules do not carry the MoE auxiliary losses and router-bias "
+                            "counts across stages yet"),
+        "parallel.cp": (cp, "the load-balancing loss and router-bias counts are not summed over context-parallel "
+                            "ranks yet"),
+    }
+    for name, (size, reason) in why.items():
+        if size > 1:
+            return (f"{name}={size} with model.moe.experts={experts} is not supported yet: {reason}; set {name}=1 "
+                    "(MoE runs on one process or with parallel.dp_shard / parallel.dp_replicate)")
+    if compile:
+        return (f"train.compile=true with model.moe.experts={experts} is not supported yet (the expert loop has "
+                "data-dependent shapes); set train.compile=false")
+    return None
+
+
 # --- context parallelism ----------------------------------------------------------------------------
 #
 # cp ranks split every sequence into 2 x cp chunks, rank i holding chunks i and 2 x cp - 1 - i (load-balanced
@@ -269,6 +294,8 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False) -> None
     check_sizes(p)
     if p.ep != 1:
         raise UserError(f"parallel.ep={p.ep} is not supported yet; valid: 1")
+    if problem := moe_problem(getattr(m, "moe_experts", 0), p.tp, p.pp, p.cp, t.compile):
+        raise UserError(problem)
     if problem := sp_problem(p.tp, p.sp):
         raise UserError(problem)
     if problem := cp_problem(p.cp, t.seq_len, p.tp, p.sp) or cp_feature_problem(

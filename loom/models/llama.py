@@ -20,6 +20,7 @@ from torch import nn
 
 from loom.config import ModelConfig
 from loom.models.init import canonical_name, fill, to_empty_keeping_ties
+from loom.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -165,12 +166,13 @@ def _causal_mask(s_q: int, s_k: int, device) -> torch.Tensor:
 class FeedForward(nn.Module):
     """SwiGLU (w2(silu(w1 x) * w3 x)) or GELU (w2(gelu(w1 x)))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ffn_hidden: int | None = None):
         super().__init__()
         self.gated = cfg.mlp == "swiglu"
-        self.w1 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=cfg.bias)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=cfg.bias)
-        self.w3 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=cfg.bias) if self.gated else None
+        f = ffn_hidden or cfg.ffn_hidden
+        self.w1 = nn.Linear(cfg.hidden, f, bias=cfg.bias)
+        self.w2 = nn.Linear(f, cfg.hidden, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.hidden, f, bias=cfg.bias) if self.gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
@@ -201,7 +203,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = build_norm(cfg)
         self.attention = Attention(cfg)
         self.ffn_norm = build_norm(cfg)
-        self.feed_forward = FeedForward(cfg)
+        # A mixture of experts in place of the MLP on the layers model.moe.* names (loom/models/moe.py).
+        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
         self.dropout = _dropout(cfg.dropout)
 
     def forward(self, x, rope, cache=None, start_pos: int = 0):
@@ -233,12 +236,14 @@ class Transformer(nn.Module):
 
     def init_spec(self, name: str) -> tuple[str, float]:
         """How parameter `name` starts: ("normal", std) weights, output projections of each block scaled by
-        1/sqrt(2L) (GPT-2); ("ones", 0) norm weights; ("zeros", 0) biases."""
+        1/sqrt(2L) (GPT-2); ("ones", 0) norm weights; ("zeros", 0) biases. Stacked experts [E, ...] draw
+        each element like a dense layer's (std per element, whatever E), their output projection w2 scaled as
+        a dense w2; the router's weight [E, hidden] is drawn with init_std."""
         if name.endswith("bias"):
             return "zeros", 0.0
         if "norm" in name.rsplit(".", 2)[-2]:
             return "ones", 0.0
-        if name.endswith(("wo.weight", "w2.weight")):
+        if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
             return "normal", self.cfg.init_std / math.sqrt(2 * self.cfg.layers)
         return "normal", self.cfg.init_std
 
@@ -257,7 +262,11 @@ class Transformer(nn.Module):
             fill(p, tuple(p.shape), (0,) * p.dim(), seed, name, *self.init_spec(name))
 
     def reset_buffers(self) -> None:
-        """Recompute the rotary tables (non-persistent buffers) on their device, in fp32."""
+        """Recompute the rotary tables (non-persistent buffers) on their device, in fp32; zero the MoE routers'
+        selection biases (a checkpoint, loaded after, restores them)."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.reset_buffers()
         if self.rope_cos is not None:
             cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg)
             self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)

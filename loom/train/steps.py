@@ -27,6 +27,7 @@ from torch import nn
 from loom.config import Config
 from loom.data.loader import batch as sample_rows
 from loom.models.losses import Batch, HeadInput, Loss
+from loom.models.moe import set_aux_grad_scale
 from loom.parallel import MeshPlace, parallelize
 from loom.parallel.context import shard_batch
 from loom.parallel.data import set_gradient_sync
@@ -162,6 +163,7 @@ class SPMDRunner(_Runner):
         # Sharded accumulation: every micro-batch's gradients are reduce-scattered into this rank's shard.
         p = self.cfg.parallel
         sharded = p.dp_shard * p.cp > 1 and grads_stay_sharded(p.grad_accum, 1, len(micro))
+        set_aux_grad_scale(self.model, 1.0 / len(micro))  # MoE auxiliary losses: the mean over micro-batches
         for m, mb in enumerate(micro):
             mb = to_device(mb, self.device)
             set_gradient_sync(self.model, m == len(micro) - 1, sharded)
