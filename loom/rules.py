@@ -66,12 +66,15 @@ def sp_problem(tp: int, sp: bool) -> str | None:
 # --- mixture of experts ------------------------------------------------------------------------------
 
 
-def moe_problem(experts: int, tp: int, pp: int, cp: int, compile: bool) -> str | None:
+def moe_problem(experts: int, tp: int, pp: int, cp: int, ep: int, compile: bool) -> str | None:
     """Which layouts a mixture-of-experts model runs on today (None: this one): one process or data
-    parallelism (dp_shard, dp_replicate). Expert parallelism (parallel.ep) is not built yet."""
+    parallelism (dp_shard, dp_replicate), whose ranks sum the router statistics. Expert parallelism
+    (parallel.ep) and MoE under tp, pp or cp come later."""
     if not experts:
         return None
     why = {
+        "parallel.ep": (ep, "expert parallelism (experts sharded over ranks, tokens exchanged all-to-all) is not "
+                            "built yet; every rank holds all experts"),
         "parallel.tp": (tp, "the tensor-parallel plan does not split the router and stacked experts yet"),
         "parallel.pp": (pp, "the pipeline schedules do not carry the MoE auxiliary losses and router-bias "
                             "counts across stages yet"),
@@ -292,10 +295,11 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False) -> None
     """
     p, m, t = cfg.parallel, cfg.model, cfg.train
     check_sizes(p)
-    if p.ep != 1:
-        raise UserError(f"parallel.ep={p.ep} is not supported yet; valid: 1")
-    if problem := moe_problem(getattr(m, "moe_experts", 0), p.tp, p.pp, p.cp, t.compile):
+    if problem := moe_problem(getattr(m, "moe_experts", 0), p.tp, p.pp, p.cp, p.ep, t.compile):
         raise UserError(problem)
+    if p.ep != 1:
+        raise UserError(f"parallel.ep={p.ep} is not supported yet (it needs model.moe.experts > 0, and expert "
+                        "parallelism is not built yet); valid: 1")
     if problem := sp_problem(p.tp, p.sp):
         raise UserError(problem)
     if problem := cp_problem(p.cp, t.seq_len, p.tp, p.sp) or cp_feature_problem(

@@ -3,28 +3,32 @@
 One MoE layer replaces a block's MLP. Per token the router picks `top_k` of `experts` routed experts
 (and gives each a gate weight); the token's output is the gate-weighted sum of those experts' outputs
 plus the always-on shared experts' output (Qwen2-MoE, DeepSeek). The computation goes in stages, so that
-expert parallelism can slot a token exchange between "permute" and "compute" without touching the rest:
+expert parallelism can slot a token exchange between "dispatch" and "compute" without touching the rest:
 
-    route     logits [T, E] -> chosen experts [T, k], gate weights [T, k], auxiliary losses
+    route     logits [T, E] -> chosen experts [T, k], gate weights [T, k]
     dispatch  capacity (optional dropping), then the kept (token, expert) pairs sorted expert-major:
               `token[i]` is the token of row i, `counts[e]` the rows of expert e (contiguous)
-    compute   `GroupedExperts(x[token], counts)`: one grouped matrix multiply per weight (CUDA, bf16) or a
-              loop over the experts' contiguous row ranges (CPU, fp32, meta)
+    compute   `GroupedExperts(x[token], counts)`: one grouped matrix multiply per weight (CUDA, Hopper,
+              bf16) or one matmul per expert on its rows (CPU, fp32, meta)
     combine   rows scaled by their gates and summed back into their tokens (index_add)
 
 Routers (`model.moe.router`):
 - `softmax`: softmax over all experts, top-k, optionally renormalised over the chosen k (Mixtral does).
 - `sinkhorn` (S-BASE): in training, the experts are chosen from Sinkhorn-balanced scores (`sinkhorn`),
   the gate comes from the original logits (sigmoid for k = 1, softmax otherwise); in evaluation, plain
-  top-k of the logits.
+  top-k of those gates.
 - `sigmoid_bias` (DeepSeek-V3, auxiliary-loss-free balancing): sigmoid scores; a per-expert bias, used
   only to choose experts, moves by `rate * sign(mean load - load)` after every optimizer step
-  (`update_router_biases`, called by the trainer once per step with the data-parallel group). The bias is
-  a persistent buffer, so checkpoints hold it.
+  (`update_router_biases`, with the loads of every micro-batch of the step summed over the data-parallel
+  ranks by `step_stats`). The bias is a persistent fp32 buffer, so checkpoints hold it.
 
-Auxiliary losses, weighted by their coefficients, join the training loss through `AuxLoss` (their
-gradient is injected in backward, scaled by `aux_grad_scale`, the runner's 1 / micro-batches), and
-their unweighted values are recorded for metrics (`moe_metrics`).
+Auxiliary losses (Switch load balancing, router z-loss), weighted by their coefficients, join the training
+loss through `AuxLoss`: their gradient is injected in backward, scaled by `aux_grad_scale` (the runner's
+1 / micro-batches), so the step trains on their mean over micro-batches (and, through the data-parallel
+gradient average, over ranks). Each training forward also records, outside autograd, the tokens routed to
+each expert, the assignments dropped and the unweighted loss values; `step_stats` sums them over the step's
+micro-batches and the data-parallel ranks (one all-reduce) for metrics.jsonl and the bias update. A forward
+recomputed in backward (activation checkpointing) or run without gradients (evaluation) records nothing.
 """
 
 from __future__ import annotations
@@ -43,16 +47,17 @@ def sinkhorn(logits: torch.Tensor, tol: float = 1e-4, max_iters: int = 1000) -> 
     """Sinkhorn balancing of router logits [T, E] in fp32, as Megatron-Core's S-BASE router does.
 
     Scales the rows and columns of exp(logits) alternately until the column scaling changes by less than
-    `tol` (mean absolute change): the result's columns each sum to 1/E exactly (the last scaling) and its
-    rows to 1/T up to the tolerance, i.e. every expert gets the same share of the tokens.
+    `tol` (mean absolute change): the result's columns each sum to 1/E (the last scaling) and its rows to
+    1/T up to the tolerance, i.e. every expert gets the same share of the tokens.
     """
-    cost = torch.exp(logits.detach().float() - logits.detach().float().max())  # a constant factor cancels
+    x = logits.detach().float()
+    if x.device.type == "meta":  # shapes only (loom memory)
+        return torch.empty_like(x)
+    cost = torch.exp(x - x.max())  # a constant factor cancels in the scalings
     t, e = cost.shape
     eps = 1e-8
     d0 = torch.ones(t, dtype=cost.dtype, device=cost.device)
     d1 = torch.ones(e, dtype=cost.dtype, device=cost.device)
-    if cost.device.type == "meta":  # shapes only (loom memory)
-        return cost
     for _ in range(max_iters):
         d0 = (1.0 / t) / ((cost * d1).sum(1) + eps)
         d1_new = (1.0 / e) / ((cost * d0[:, None]).sum(0) + eps)
@@ -66,8 +71,7 @@ def sinkhorn(logits: torch.Tensor, tol: float = 1e-4, max_iters: int = 1000) -> 
 class AuxLoss(torch.autograd.Function):
     """Returns `out` unchanged; in backward, gives `aux` (a scalar, already weighted by its coefficient) the
     gradient `scale`, so the auxiliary loss is trained without passing through the model's loss function
-    (Megatron-Core does the same). `scale` is 1 / micro-batches per step: each micro-batch's auxiliary loss
-    counts once in the step's mean."""
+    (Megatron-Core does the same)."""
 
     @staticmethod
     def forward(ctx, out, aux, scale: float):
@@ -87,55 +91,46 @@ def _in_backward() -> bool:
 
 
 class Router(nn.Module):
-    """Chooses experts: returns (experts [T, k] int64, gates [T, k], scores for the balance loss [T, E],
-    logits [T, E] fp32)."""
+    """Chooses experts: returns (experts [T, k] int64, gates [T, k] fp32, probabilities for the balance
+    loss [T, E], logits [T, E] fp32)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.kind = cfg.moe_router
         self.top_k = cfg.moe_top_k
         self.renormalize = cfg.moe_renormalize
-        self.experts = cfg.moe_experts
         self.weight = nn.Parameter(torch.empty(cfg.moe_experts, cfg.hidden))
         # DeepSeek-V3's selection bias (sigmoid_bias only): state, checkpointed, updated outside autograd.
-        self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts) if self.kind == "sigmoid_bias" else None,
-                             persistent=True)
+        self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts) if self.kind == "sigmoid_bias" else None)
 
     def forward(self, x: torch.Tensor):
         off = torch.autocast(x.device.type, enabled=False) if x.device.type != "meta" else contextlib.nullcontext()
         with off:  # routing in fp32 whatever the activations
             logits = F.linear(x.float(), self.weight.float())
         k = self.top_k
-        if self.kind == "softmax":
+        if self.kind == "sigmoid_bias":
+            scores = torch.sigmoid(logits)
+            with torch.no_grad():
+                chosen = (scores + self.expert_bias).topk(k, dim=-1).indices
+            gates = scores.gather(-1, chosen)
+            probs = scores / scores.sum(-1, keepdim=True)
+        else:
             probs = torch.softmax(logits, dim=-1)
-            gates, chosen = probs.topk(k, dim=-1)
-            if self.renormalize and k > 1:
-                gates = gates / gates.sum(-1, keepdim=True)
-            return chosen, gates, probs, logits
-        if self.kind == "sinkhorn":
-            probs = torch.softmax(logits, dim=-1)
-            gate_scores = torch.sigmoid(logits) if k == 1 else probs
-            if self.training:
+            # S-BASE gates a single expert with a sigmoid (a softmax over one choice would be 1).
+            gate_scores = torch.sigmoid(logits) if self.kind == "sinkhorn" and k == 1 else probs
+            if self.kind == "sinkhorn" and self.training:
                 with torch.no_grad():
                     chosen = sinkhorn(logits).topk(k, dim=-1).indices
                 gates = gate_scores.gather(-1, chosen)
             else:
                 gates, chosen = gate_scores.topk(k, dim=-1)
-            if self.renormalize and k > 1:
-                gates = gates / gates.sum(-1, keepdim=True)
-            return chosen, gates, probs, logits
-        # sigmoid_bias
-        scores = torch.sigmoid(logits)
-        with torch.no_grad():
-            chosen = (scores + self.expert_bias.float()).topk(k, dim=-1).indices
-        gates = scores.gather(-1, chosen)
         if self.renormalize and k > 1:
             gates = gates / gates.sum(-1, keepdim=True)
-        return chosen, gates, scores / scores.sum(-1, keepdim=True), logits
+        return chosen, gates, probs, logits
 
     def reset_buffers(self) -> None:
-        if self.expert_bias is not None:
-            self.expert_bias.zero_()
+        if self.expert_bias is not None:  # fp32 whatever the model's dtype: steps of 1e-3 must not round away
+            self.expert_bias = torch.zeros(self.expert_bias.shape, dtype=torch.float32, device=self.expert_bias.device)
 
 
 class GroupedExperts(nn.Module):
@@ -153,59 +148,59 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, ffn, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, hidden, ffn)) if gated else None
 
-    def _mlp(self, mm, x):
-        h = F.silu(mm(x, self.w1)) * mm(x, self.w3) if self.gated else F.gelu(mm(x, self.w1))
-        return mm(h, self.w2)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
+        """`grouped`: force (True) or forbid (False) `torch._grouped_mm`; None picks it where it is fast."""
+        if grouped is None:
+            grouped = use_grouped_mm(x)
+        return self._grouped(x, counts) if grouped else self._looped(x, counts)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if use_grouped_mm(x):
-            return self._grouped(x, counts)
-        return self._looped(x, counts)
+    def _mlp(self, x, w1, w2, w3, mm):
+        h = F.silu(mm(x, w1)) * mm(x, w3) if self.gated else F.gelu(mm(x, w1))
+        return mm(h, w2)
 
     def _looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """One matmul per expert on its contiguous rows. An expert with no rows is skipped; its weights get
-        a zero gradient through the other experts' (they are one stacked tensor)."""
+        """One matmul per expert on its contiguous rows. Every expert runs, an empty one on zero rows, so
+        every weight gets a (zero) gradient; `unbind` makes backward stack the experts' gradients once."""
         e = self.w1.shape[0]
         if x.device.type == "meta":  # shapes only (loom memory): the rows spread evenly, as on average
             n = x.shape[0]
             sizes = [n // e + (1 if i < n % e else 0) for i in range(e)]
         else:
             sizes = counts.tolist()
-        outs = []
-        for i, part in enumerate(torch.split(x, sizes)):
-            if sizes[i] == 0:
-                continue
-            outs.append(self._mlp(lambda a, w, i=i: a @ w[i], part))
-        if not outs:
-            return x.new_zeros(0, self.w2.shape[-1]) + 0 * self.w2.sum()  # still connected to the weights
+        w3 = self.w3.unbind(0) if self.gated else [None] * e
+        outs = [self._mlp(part, w1, w2, w3_, torch.matmul)
+                for part, w1, w2, w3_ in zip(torch.split(x, sizes), self.w1.unbind(0), self.w2.unbind(0), w3)]
         return torch.cat(outs)
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """`torch._grouped_mm` over the experts' row groups. Every group is padded with zero rows to a
-        multiple of 16 and at least 16 rows: an empty group hangs the kernel's backward (PyTorch 2.8-2.10,
-        Hopper), and 16-row alignment is what it expects. Positions are computed on the device, no sync."""
+        """`torch._grouped_mm` over the experts' row groups, with no host synchronisation. Every group is
+        padded with zero rows to a multiple of 16, and an empty group to 16 rows: `_grouped_mm`'s backward
+        hangs on an empty group (Hopper, PyTorch 2.8-2.10) and its kernels expect 16-row alignment. The
+        buffer has a static size (rows + 16 x experts); the last group runs to its end, so no row is left
+        outside a group (the kernel leaves such rows uninitialised)."""
         align = 16
+        dtype = torch.get_autocast_dtype("cuda") if x.is_cuda and torch.is_autocast_enabled("cuda") else x.dtype
         e, n = counts.shape[0], x.shape[0]
-        padded = ((counts.clamp(min=1) + align - 1) // align) * align
-        ends = torch.cumsum(padded, 0)
-        starts = ends - padded
+        padded = (counts.clamp(min=1) + align - 1) // align * align
+        starts = torch.cumsum(padded, 0) - padded
         row_expert = torch.repeat_interleave(torch.arange(e, device=x.device), counts, output_size=n)
         first_row = torch.cumsum(counts, 0) - counts
         dest = starts[row_expert] + torch.arange(n, device=x.device) - first_row[row_expert]
-        capacity = n + e * align  # a static bound on the padded rows
-        xp = x.new_zeros(capacity, x.shape[1]).index_copy(0, dest, x)
-        offs = ends.to(torch.int32)
-
-        def mm(a, w):
-            return torch._grouped_mm(a, w, offs=offs)
-
-        return self._mlp(mm, xp)[dest]
+        capacity = n + e * align  # >= the padded rows
+        xp = x.new_zeros(capacity, x.shape[1], dtype=dtype).index_copy(0, dest, x.to(dtype))
+        offs = torch.cat([(starts + padded)[:-1], starts.new_full((1,), capacity)]).to(torch.int32)
+        w3 = self.w3.to(dtype) if self.gated else None
+        y = self._mlp(xp, self.w1.to(dtype), self.w2.to(dtype), w3,
+                      lambda a, w: torch._grouped_mm(a, w, offs=offs))
+        return y[dest]
 
 
 def use_grouped_mm(x: torch.Tensor) -> bool:
-    """PyTorch's grouped GEMM where it has one: CUDA, compute capability 9.0+, bf16 activations."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    """PyTorch's grouped GEMM where it is fast: CUDA, compute capability 9.0+, bf16 (or bf16 autocast)."""
+    if not (x.is_cuda and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device)[0] >= 9):
+        return False
+    autocast_bf16 = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+    return x.dtype == torch.bfloat16 or autocast_bf16
 
 
 class MoE(nn.Module):
@@ -228,38 +223,44 @@ class MoE(nn.Module):
         self.shared_gate = (nn.Linear(cfg.hidden, 1, bias=False)
                             if cfg.moe_shared_experts and cfg.moe_shared_gate else None)
         self.aux_grad_scale = 1.0  # the runner sets 1 / micro-batches per optimizer step
-        self.tokens_per_expert: torch.Tensor | None = None  # training assignments since the last bias update
-        self.recorded: dict[str, torch.Tensor] = {}  # summed unweighted aux losses since the last read
-        self.forwards = 0
-        self.dropped = 0
+        # Since the last `step_stats`: [tokens routed to each expert (E), assignments dropped, assignments,
+        # balance loss sum, z-loss sum, training forwards]; None before the first training forward.
+        self.stats: torch.Tensor | None = None
 
     # --- stages -------------------------------------------------------------------------------------
 
-    def dispatch(self, chosen: torch.Tensor, gates: torch.Tensor, tokens: int):
+    def dispatch(self, chosen: torch.Tensor, gates: torch.Tensor, seq_len: int | None = None):
         """Sort the (token, expert) pairs expert-major, dropping what exceeds the capacity.
 
         Returns (token [N], gate [N], counts [E]): row i of the permuted input is token `token[i]`, to be
-        weighted by `gate[i]`; the rows of expert e are contiguous, `counts[e]` of them, in token order
-        (dropping by position keeps the first tokens, by probability the highest gates)."""
-        k, e = chosen.shape[1], self.num_experts
+        weighted by `gate[i]`; the rows of expert e are contiguous, `counts[e]` of them, in token order.
+        With `model.moe.capacity_factor` c > 0 each expert keeps at most ceil(c * T * k / E) assignments:
+        those with the highest gates (`drop_policy=probs`) or the earliest positions in their sequences
+        (`position`: position 0 of every sequence first, as Megatron-Core's sequence-major order does;
+        `seq_len` is the sequence length of the [batch * seq] tokens)."""
+        tokens, k = chosen.shape
+        e = self.num_experts
         flat_expert, flat_gate = chosen.reshape(-1), gates.reshape(-1)
+        if chosen.device.type == "meta":  # shapes only (loom memory): nothing dropped
+            return torch.arange(tokens * k, device="meta") // k, flat_gate, torch.zeros(e, dtype=torch.long,
+                                                                                       device="meta")
         order = torch.argsort(flat_expert, stable=True)  # expert-major, token order within an expert
-        if self.capacity_factor > 0 and chosen.device.type != "meta":  # meta (loom memory): nothing dropped
+        if self.capacity_factor > 0:
             capacity = math.ceil(self.capacity_factor * tokens * k / e)
-            if self.drop_policy == "probs":  # within an expert, highest gate first
-                by_gate = torch.argsort(flat_gate.detach(), descending=True, stable=True)
-                ranked = by_gate[torch.argsort(flat_expert[by_gate], stable=True)]
+            index = torch.arange(tokens * k, device=chosen.device)
+            if self.drop_policy == "probs":
+                priority = -flat_gate.detach()  # highest gate first; ties: earlier token
             else:
-                ranked = order
-            sorted_expert = flat_expert[ranked]
+                position = index // k % (seq_len or tokens)
+                priority = position * (tokens * k) + index  # earliest position first, then batch order
+            by_priority = torch.argsort(priority, stable=True)
+            ranked = by_priority[torch.argsort(flat_expert[by_priority], stable=True)]  # expert-major
             counts_all = torch.bincount(flat_expert, minlength=e)
             group_start = torch.cumsum(counts_all, 0) - counts_all
-            rank = torch.arange(ranked.numel(), device=ranked.device) - group_start[sorted_expert]
-            kept = ranked[rank < capacity]
-            self.dropped += flat_expert.numel() - kept.numel()
-            order = kept[torch.argsort(flat_expert[kept] * flat_expert.numel() + kept)]  # expert, then token
-        counts = torch.bincount(flat_expert[order], minlength=e) if order.device.type != "meta" else \
-            torch.zeros(e, dtype=torch.long, device=order.device)
+            rank_in_expert = index - group_start[flat_expert[ranked]]
+            kept = ranked[rank_in_expert < capacity]
+            order = kept[torch.argsort(flat_expert[kept] * (tokens * k) + kept)]  # expert, then token
+        counts = torch.bincount(flat_expert[order], minlength=e)
         return order // k, flat_gate[order], counts
 
     def combine(self, y: torch.Tensor, token: torch.Tensor, gate: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -270,7 +271,7 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         chosen, gates, probs, logits = self.router(flat)
-        token, gate, counts = self.dispatch(chosen, gates, flat.shape[0])
+        token, gate, counts = self.dispatch(chosen, gates, shape[-2] if x.dim() == 3 else None)
         # Expert parallelism goes here: exchange flat[token] by `counts` (all-to-all), compute, exchange back.
         y = self.experts(flat[token], counts)
         out = self.combine(y, token, gate, flat.shape[0])
@@ -281,27 +282,28 @@ class MoE(nn.Module):
             out = out + shared
         out = out.view(shape)
         if self.training and torch.is_grad_enabled():
-            out = self._aux(out, chosen, probs, logits, shape)
+            out = self._aux(out, chosen, probs, logits, shape, kept=token.shape[0])
         return out
 
-    def _aux(self, out, chosen, probs, logits, shape):
-        counting = not _in_backward()  # a recomputed forward (activation checkpointing) is not counted twice
+    def _aux(self, out, chosen, probs, logits, shape, kept: int):
         e = self.num_experts
-        if counting and self.router.expert_bias is not None and chosen.device.type != "meta":
-            counts = torch.bincount(chosen.reshape(-1), minlength=e).detach()
-            self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
         if self.balance == "sequence" and len(shape) == 3:
-            balance = load_balance_loss(chosen.view(shape[0], shape[1], -1), probs.view(shape[0], shape[1], e), e)
+            b, s = shape[0], shape[1]
+            balance = load_balance_loss(chosen.view(b, s, -1), probs.view(b, s, e), e)
         else:
             balance = load_balance_loss(chosen, probs, e)
         z = z_loss(logits)
-        if counting:
-            for name, value in (("moe_load_balance_loss", balance), ("moe_z_loss", z)):
-                self.recorded[name] = self.recorded.get(name, 0) + value.detach()
-            self.forwards += 1
-        aux = self.balance_coeff * balance + self.z_coeff * z
+        if not _in_backward() and chosen.device.type != "meta":  # a recomputed forward is not counted twice
+            load = torch.bincount(chosen.reshape(-1), minlength=e).float()
+            n = chosen.numel()
+            rest = torch.stack([torch.tensor(float(n - kept), device=load.device), torch.tensor(float(n),
+                                device=load.device), balance.detach().float(), z.detach().float(),
+                                torch.ones((), device=load.device)])
+            stats = torch.cat([load, rest])
+            self.stats = stats if self.stats is None else self.stats + stats
         if self.balance_coeff == 0 and self.z_coeff == 0:
             return out
+        aux = self.balance_coeff * balance + self.z_coeff * z
         return AuxLoss.apply(out, aux, self.aux_grad_scale)
 
     def reset_buffers(self) -> None:
@@ -310,9 +312,9 @@ class MoE(nn.Module):
 
 def load_balance_loss(chosen: torch.Tensor, probs: torch.Tensor, experts: int) -> torch.Tensor:
     """Switch Transformer's balance loss, unweighted: E * sum_i f_i * P_i, with f_i the share of the k * T
-    assignments that went to expert i and P_i the mean router probability of expert i (1 when balanced).
-    chosen [..., T, k], probs [..., T, E]: with a leading batch dimension, per sequence then averaged (the
-    sequence-wise variant of DeepSeek-V3)."""
+    assignments routed to expert i (before any capacity dropping) and P_i the mean router probability of
+    expert i (1 when both are uniform). chosen [..., T, k], probs [..., T, E]: with a leading batch
+    dimension, per sequence then averaged (the sequence-wise variant of DeepSeek-V3)."""
     t, k = chosen.shape[-2], chosen.shape[-1]
     one_hot = torch.zeros(*chosen.shape[:-1], experts, device=chosen.device, dtype=probs.dtype)
     one_hot.scatter_add_(-1, chosen, torch.ones_like(chosen, dtype=probs.dtype))
@@ -326,7 +328,7 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
 
 
-# --- what the trainer calls -------------------------------------------------------------------------
+# --- what the runner and the trainer call ------------------------------------------------------------
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -338,39 +340,50 @@ def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
         m.aux_grad_scale = scale
 
 
-@torch.no_grad()
-def update_router_biases(model: nn.Module, group=None) -> None:
-    """DeepSeek-V3's auxiliary-loss-free balancing, once per optimizer step after backward: each sigmoid_bias
-    router's bias moves by rate * sign(mean load - load), the loads counted over every micro-batch of the
-    step and, with `group` (the data-parallel process group; None on one process), summed over its ranks.
-    Evaluation forwards are not counted. Resets the counts."""
-    for m in moe_layers(model):
-        bias = m.router.expert_bias
-        if bias is None:
-            continue
-        counts = m.tokens_per_expert
-        m.tokens_per_expert = None
-        if counts is None:
-            counts = torch.zeros(m.num_experts, dtype=torch.long, device=bias.device)
-        counts = counts.to(bias.device, torch.float32)
-        if group is not None:
-            import torch.distributed as dist
+def step_stats(model: nn.Module, group=None) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """What the MoE layers recorded since the last call (every training micro-batch of the step), summed
+    over the ranks of `group` (the data-parallel group; None on one process) in one all-reduce; resets it.
 
-            dist.all_reduce(counts, group=group)
-        bias.add_(m.bias_rate * torch.sign(counts.mean() - counts).to(bias.dtype))
-
-
-def moe_metrics(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unweighted auxiliary losses of the training forwards since the last call, averaged over MoE
-    layers and forwards (tensors: the trainer moves them to the host with the loss). Resets them."""
-    sums: dict[str, torch.Tensor] = {}
+    Returns (metrics, loads): metrics as device tensors (the trainer moves them to the host with the loss):
+    `moe_load_balance_loss` and `moe_z_loss` (unweighted, mean over layers and micro-batches),
+    `moe_imbalance` and `moe_imbalance_max` (tokens of the busiest expert over the mean, mean and worst
+    over layers), `moe_dropped` (fraction of assignments dropped by the capacity); loads [E] per layer:
+    the tokens routed to each expert. Nothing (and no collective) for a dense model.
+    """
     layers = moe_layers(model)
+    if not layers:
+        return {}, []
+    e = layers[0].num_experts
+    width = e + 5
+    device = next(model.parameters()).device
+    rows = [m.stats if m.stats is not None else torch.zeros(width, device=device) for m in layers]
     for m in layers:
-        for name, value in m.recorded.items():
-            sums[name] = sums.get(name, 0) + value / max(m.forwards, 1)
-        m.recorded, m.forwards = {}, 0
-    return {name: value / len(layers) for name, value in sums.items()}
+        m.stats = None
+    stats = torch.stack([r.to(device) for r in rows])
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(stats, group=group)
+    load = stats[:, :e]
+    dropped, assigned, balance, z, forwards = stats[:, e:].unbind(1)
+    forwards = forwards.clamp(min=1)
+    imbalance = load.max(1).values / load.mean(1).clamp(min=1e-9)
+    metrics = {
+        "moe_load_balance_loss": (balance / forwards).mean(),
+        "moe_z_loss": (z / forwards).mean(),
+        "moe_imbalance": imbalance.mean(),
+        "moe_imbalance_max": imbalance.max(),
+        "moe_dropped": dropped.sum() / assigned.sum().clamp(min=1),
+    }
+    return metrics, list(load)
 
 
-def dropped_assignments(model: nn.Module) -> int:
-    return sum(m.dropped for m in moe_layers(model))
+@torch.no_grad()
+def update_router_biases(model: nn.Module, loads: list[torch.Tensor]) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, once per optimizer step: each sigmoid_bias router's bias
+    moves by rate * sign(mean load - load) (an under-used expert becomes more likely to be chosen), with
+    `loads` from `step_stats` (every micro-batch of the step, summed over the data-parallel ranks)."""
+    for m, load in zip(moe_layers(model), loads):
+        bias = m.router.expert_bias
+        if bias is not None:
+            bias.add_(m.bias_rate * torch.sign(load.mean() - load).to(bias.device, bias.dtype))

@@ -2,7 +2,8 @@
 
 `metrics.jsonl` gets one JSON object per optimizer step (contract keys: step, loss, grad_norm, lr,
 tokens, tokens_per_s, tflops_per_device, mfu, memory_gib; plus checkpoint_blocking_s on steps that
-save) and one per evaluation (step, val_loss, val_bpb, gzip_bpb, xz_bpb). On resume, rows past the resumed step are dropped so the file reads as one
+save; with MoE layers moe_load_balance_loss, moe_z_loss, moe_imbalance, moe_imbalance_max, moe_dropped)
+and one per evaluation (step, val_loss, val_bpb, gzip_bpb, xz_bpb). On resume, rows past the resumed step are dropped so the file reads as one
 uninterrupted run.
 """
 
@@ -69,6 +70,14 @@ class MetricsWriter:
             self.tb.close()
 
 
+def moe_summary(row: dict) -> str:
+    """The mixture-of-experts part of a progress line (empty for a dense model)."""
+    if "moe_imbalance" not in row:
+        return ""
+    return (f"  moe aux {row['moe_load_balance_loss']:.3f} z {row['moe_z_loss']:.2f} imbalance "
+            f"{row['moe_imbalance']:.2f} (max {row['moe_imbalance_max']:.2f}) dropped {row['moe_dropped']:.1%}")
+
+
 class Progress:
     """A rich progress bar on a terminal, plain lines otherwise (or nothing)."""
 
@@ -102,7 +111,7 @@ class Progress:
             eta = elapsed / max(done, 1) * (self.total - row["step"])
             print(
                 f"step {row['step']:>6}/{self.total}  loss {row['loss']:.4f}  grad_norm {row['grad_norm']:.3f}  "
-                f"lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s  eta {hms(eta)}",
+                f"lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s  eta {hms(eta)}{moe_summary(row)}",
                 flush=True,
             )
 

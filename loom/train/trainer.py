@@ -34,7 +34,7 @@ from loom.errors import TrainingDiverged, UserError
 from loom.models.io import atomic_write_text
 from loom.models.llama import build_model
 from loom.models.losses import Loss, TokenCrossEntropy
-from loom.models.moe import moe_metrics, update_router_biases
+from loom.models.moe import step_stats, update_router_biases
 from loom.parallel import build_layout
 from loom.parallel.distributed import all_reduce_sum, clip_grad_norm, init_distributed, pick_device
 from loom.parallel.materialize import materialize
@@ -197,14 +197,14 @@ class Trainer:
         # norm reach the host in one transfer: the step's only host synchronisation (skipping a non-finite
         # step needs the verdict before the update).
         loss_t = all_reduce_sum(loss_sum) / layout.tp / total
-        # MoE: this rank's auxiliary losses (unweighted, mean over layers and micro-batches) ride along.
-        aux = moe_metrics(self.model)
-        values = torch.stack([loss_t.float(), grad_norm.float(), *(v.float().to(self.device) for v in aux.values())])
-        loss, grad_norm_value, *aux_values = values.tolist()
+        # MoE: routing statistics of the step's micro-batches, summed over the data-parallel ranks (one
+        # all-reduce; MoE runs only with data parallelism, rules.py, so that group is the whole world).
+        moe, loads = step_stats(self.model, torch.distributed.group.WORLD if layout.distributed else None)
+        values = torch.stack([loss_t.float(), grad_norm.float(), *(v.float() for v in moe.values())])
+        loss, grad_norm_value, *moe_values = values.tolist()
         finite = is_finite(loss, grad_norm_value)  # same verdict on every rank
         if finite:
-            # MoE only with data parallelism (rules.py): the data-parallel group is the whole world.
-            update_router_biases(self.model, torch.distributed.group.WORLD if layout.distributed else None)
+            update_router_biases(self.model, loads)  # sigmoid_bias routers: after every applied step
             self.optimizer.step()
         self.control.count_step(finite)
         self.optimizer.zero_grad(set_to_none=True)
@@ -212,7 +212,7 @@ class Trainer:
         self.state.consumed_samples += t.global_batch
         return {"loss": loss, "grad_norm": grad_norm_value, "lr": lr,
                 "skipped_steps": self.control.skipped_steps, "data_wait_s": data_wait, **self.runner.metrics(),
-                **dict(zip(aux, aux_values))}
+                **dict(zip(moe, moe_values))}
 
     def evaluate(self) -> dict:
         return self.evaluator.evaluate()
