@@ -11,6 +11,7 @@ import torch
 from conftest import small_config
 from loom.config import load_config
 from loom.errors import UserError
+from loom.models.llama import build_moe
 from loom.models.moe import (MoE, GroupedExperts, load_balance_loss, sinkhorn, step_stats, update_router_biases,
                              z_loss)
 
@@ -21,7 +22,7 @@ def moe_layer(*extra, hidden=16, seed=0):
     cfg = load_config("tiny", [f"model.hidden={hidden}", "model.heads=2", "model.kv_heads=2",
                                "model.moe.experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=8", *extra]).model
     torch.manual_seed(seed)
-    layer = MoE(cfg).double()
+    layer = build_moe(cfg).double()
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, 0.5)

@@ -196,6 +196,12 @@ def _dropout(p: float) -> nn.Module:
     return Dropout(p) if p > 0 else nn.Identity()
 
 
+def build_moe(cfg: ModelConfig) -> MoE:
+    """A mixture-of-experts MLP; its shared experts are one FeedForward, shared_experts x moe.ffn_hidden wide."""
+    n, ffn = cfg.moe_shared_experts, cfg.moe_ffn_hidden or cfg.ffn_hidden
+    return MoE(cfg, FeedForward(cfg, n * ffn) if n else None)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -204,7 +210,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = build_norm(cfg)
         # A mixture of experts in place of the MLP on the layers model.moe.* names (loom/models/moe.py).
-        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
+        self.feed_forward = build_moe(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
         self.dropout = _dropout(cfg.dropout)
 
     def forward(self, x, rope, cache=None, start_pos: int = 0):

@@ -206,9 +206,9 @@ def use_grouped_mm(x: torch.Tensor) -> bool:
 class MoE(nn.Module):
     """A mixture-of-experts MLP: router, routed experts (stacked), optional shared experts."""
 
-    def __init__(self, cfg: ModelConfig):
-        from loom.models.llama import FeedForward
-
+    def __init__(self, cfg: ModelConfig, shared: nn.Module | None = None):
+        """`shared`: the always-on shared experts as one MLP (model.moe.shared_experts x moe.ffn_hidden wide),
+        built by the caller (loom/models/llama.py's FeedForward), or None."""
         super().__init__()
         self.num_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.capacity_factor = cfg.moe_capacity_factor
@@ -219,9 +219,8 @@ class MoE(nn.Module):
         ffn = cfg.moe_ffn_hidden or cfg.ffn_hidden
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg.moe_experts, cfg.hidden, ffn, cfg.mlp == "swiglu")
-        self.shared = FeedForward(cfg, cfg.moe_shared_experts * ffn) if cfg.moe_shared_experts else None
-        self.shared_gate = (nn.Linear(cfg.hidden, 1, bias=False)
-                            if cfg.moe_shared_experts and cfg.moe_shared_gate else None)
+        self.shared = shared
+        self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False) if shared is not None and cfg.moe_shared_gate else None
         self.aux_grad_scale = 1.0  # the runner sets 1 / micro-batches per optimizer step
         # Since the last `step_stats`: [tokens routed to each expert (E), assignments dropped, assignments,
         # balance loss sum, z-loss sum, training forwards]; None before the first training forward.
