@@ -283,6 +283,9 @@ def _moe_layer_rule(hf: dict, layers: int, where: str) -> tuple[int, int]:
     if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
         raise UserError(f"{where}: mlp_only_layers={only!r} must be a list of layer numbers")
     want = [i for i in range(layers) if i not in only and (i + 1) % step == 0]
+    if not want:
+        raise UserError(f"{where}: decoder_sparse_step={step} with mlp_only_layers={only} makes layers [] MoE: the "
+                        f"model is dense; valid: at least one of the {layers} layers MoE")
     for interval in range(1, layers + 1):
         for first in range(layers):
             if [i for i in range(layers) if i >= first and i % interval == 0] == want:

@@ -16,11 +16,14 @@ a step-N directory: `torch.distributed.checkpoint` shards). Two steps:
   Names and global shapes are checked against the config first (UserError naming the tensor).
 
 Hugging Face and loom share the rotate-half RoPE layout, so no tensor is permuted: a slice of a Hugging
-Face tensor is the same slice of the loom tensor.
+Face tensor is the same slice of the loom tensor. Routed experts, which loom stacks ([E, in, out]) and
+Hugging Face stores one nn.Linear per expert (or fused), are read piece by piece (`loom.interop.hf.Piece`):
+a rank holding some experts (or a slice of each) reads those elements only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import warnings
@@ -31,7 +34,8 @@ import torch
 
 from loom.config import Config, ModelConfig, key_of
 from loom.errors import UserError
-from loom.interop.hf import HF_CONFIG, HF_INDEX, HF_WEIGHTS, TOKENIZER, hf_to_loom_name, model_config_from_hf, read_hf_config
+from loom.interop.hf import (HF_CONFIG, HF_INDEX, HF_WEIGHTS, TOKENIZER, Piece, hf_pieces, model_config_from_hf,
+                             piece_shape, read_hf_config, read_piece)
 from loom.models.io import CONFIG, DCP_METADATA, WEIGHTS, read_config, resolve_model_dir
 
 # Model keys that do not change the weights' names or shapes: an explicit override is kept.
@@ -159,8 +163,9 @@ def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _safetensors_index(src: Source) -> dict[str, tuple[Path, str]]:
-    """loom name -> (file, name in the file) for a Hugging Face or loom safetensors directory."""
+def _safetensors_index(src: Source) -> tuple[dict[str, Piece], dict[str, Path], dict[str, tuple[int, ...]]]:
+    """(loom name -> Piece, name in the files -> file, name in the files -> shape) for a Hugging Face or loom
+    safetensors directory; reads only the files' headers."""
     if (src.path / (WEIGHTS if src.kind == "loom" else HF_WEIGHTS)).is_file():
         files = {(WEIGHTS if src.kind == "loom" else HF_WEIGHTS): None}
     elif src.kind == "hf" and (src.path / HF_INDEX).is_file():
@@ -173,26 +178,24 @@ def _safetensors_index(src: Source) -> dict[str, tuple[Path, str]]:
         raise UserError(f"{src.path}: no weights found; expected {HF_WEIGHTS} or {HF_INDEX}")
     from safetensors import SafetensorError, safe_open
 
-    out = {}
+    file_of: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for fname in files:
         file = src.path / fname
         if not file.is_file():
             raise UserError(f"{src.path}: shard {fname} listed in {HF_INDEX} is missing")
         try:
             with safe_open(str(file), framework="pt") as f:
-                names = list(f.keys())
+                for name in f.keys():
+                    file_of[name], shapes[name] = file, tuple(f.get_slice(name).get_shape())
         except (SafetensorError, OSError, ValueError) as exc:
             raise UserError(f"{file} is corrupt or unreadable ({exc})") from None
-        for name in names:
-            loom_name = hf_to_loom_name(name) if src.kind == "hf" else name
-            if loom_name is not None:
-                out[loom_name] = (file, name)
-    return out
+    pieces = hf_pieces(shapes, src.path) if src.kind == "hf" else {name: Piece((name,)) for name in shapes}
+    return pieces, file_of, shapes
 
 
-def _check_safetensors(index: dict[str, tuple[Path, str]], cfg: ModelConfig, where: Path, kind: str) -> None:
-    from safetensors import safe_open
-
+def _check_safetensors(pieces: dict[str, Piece], shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, where: Path,
+                       kind: str) -> None:
     from loom.interop.hf import loom_to_hf_name
 
     def spelled(name: str) -> str:  # a name as the source spells it
@@ -203,21 +206,17 @@ def _check_safetensors(index: dict[str, tuple[Path, str]], cfg: ModelConfig, whe
 
     expected = _expected(cfg)
     if cfg.tie_embeddings:
-        index.pop("output.weight", None)  # a tied head stored anyway is the embedding
-    missing = sorted(set(expected) - set(index))
-    unexpected = sorted(set(index) - set(expected))
+        pieces.pop("output.weight", None)  # a tied head stored anyway is the embedding
+    missing = sorted(set(expected) - set(pieces))
+    unexpected = sorted(set(pieces) - set(expected))
     if missing or unexpected:
         raise UserError(f"{where}: weights do not match its config: missing {[spelled(n) for n in missing[:5]]}, "
-                        f"unexpected {[index.get(n, (None, n))[1] for n in unexpected[:5]]}")
-    by_file: dict[Path, list[str]] = {}
-    for name, (file, _) in index.items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in by_file.items():
-        with safe_open(str(file), framework="pt") as f:
-            for name in names:
-                shape = tuple(f.get_slice(index[name][1]).get_shape())
-                if shape != expected[name]:
-                    raise UserError(f"{where}: {index[name][1]} has shape {shape}, its config needs {expected[name]}")
+                        f"unexpected {[pieces[n].names[0] for n in unexpected[:5]]}")
+    for name, piece in pieces.items():
+        shape = piece_shape(piece, shapes)
+        if shape != expected[name]:
+            raise UserError(f"{where}: {spelled(name) if piece.kind != 'copy' else piece.names[0]} has shape {shape}, "
+                            f"its config needs {expected[name]}")
 
 
 def local_slice(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
@@ -246,26 +245,27 @@ def load_pretrained(model: torch.nn.Module, path: str | Path) -> dict:
     cfg: ModelConfig = model.cfg
     if src.kind == "dcp":
         return {"kind": "dcp", "elements_read": _load_dcp(model, src)}
-    index = _safetensors_index(src)
-    _check_safetensors(index, cfg, src.path, src.kind)
+    pieces, file_of, shapes = _safetensors_index(src)
+    _check_safetensors(pieces, shapes, cfg, src.path, src.kind)
     from safetensors import safe_open
 
-    params: dict[Path, list[tuple[str, torch.Tensor]]] = {}
-    for name, param in model.named_parameters():
-        key = "tok_embeddings.weight" if cfg.tie_embeddings and name == "output.weight" else name
-        if key not in index:
-            raise UserError(f"{src.path}: no weight for {name}")
-        params.setdefault(index[key][0], []).append((key, param))
     read = 0
-    for file, items in params.items():
-        with safe_open(str(file), framework="pt") as f:
-            for key, param in items:
-                local, where = local_slice(param)
-                if local.numel() == 0:
-                    continue
-                piece = f.get_slice(index[key][1])[where] if where else f.get_tensor(index[key][1])
-                local.copy_(piece)
-                read += piece.numel()
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(str(file), framework="pt")) for file in set(file_of.values())}
+
+        def get(name: str):  # read lazily: indexing it reads only the asked-for elements
+            return handles[file_of[name]].get_slice(name)
+
+        for name, param in model.named_parameters():
+            key = "tok_embeddings.weight" if cfg.tie_embeddings and name == "output.weight" else name
+            if key not in pieces:
+                raise UserError(f"{src.path}: no weight for {name}")
+            local, where = local_slice(param)
+            if local.numel() == 0:
+                continue
+            piece = read_piece(pieces[key], get, where)
+            local.copy_(piece)
+            read += piece.numel()
     return {"kind": src.kind, "elements_read": read}
 
 
