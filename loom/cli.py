@@ -244,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("convert", help="convert between Hugging Face (Llama, Qwen2.5, Qwen3) and loom checkpoints",
+    p = sub.add_parser("convert", help="convert between Hugging Face (Llama, Qwen2.5, Qwen3, Mixtral, Qwen2/3-MoE) "
+                       "and loom checkpoints",
                        description="Convert a model between Hugging Face (config.json + safetensors) and loom "
                        "(model.safetensors + config.toml + tokenizer.json). Example: loom convert runs/t1 "
                        "exported/t1-hf --to hf")

@@ -242,26 +242,34 @@ RUN = ["train.seq_len=32", "train.micro_batch=2", "train.global_batch=4", "train
        "data.corpus_max_bytes=300000", "log.progress=none", "log.tensorboard=false", "checkpoint.save_final=false"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_init_from_hf_step1_loss_matches_transformers(tmp_path, hf_dirs, kind):
+def transformers_loss(hf_model, overrides) -> float:
+    """transformers' mean next-token cross-entropy (float64) on the global batch of step 1 as `loom train`
+    reads it with these overrides."""
     from loom.config import load_config
     from loom.data.loader import build_datasets, load_tokenizer
     from loom.interop.pretrained import resolve_init_from
     from loom.train.steps import read_batch
 
+    cfg = resolve_init_from(load_config("tiny", overrides, validate=False), overrides)
+    train, _ = build_datasets(cfg, load_tokenizer(cfg))
+    batch = read_batch(train, 0, cfg.train.global_batch)
+    out = logits(hf_model, batch["input_ids"]).double()
+    return F.cross_entropy(out.flatten(0, 1), batch["labels"].flatten()).item()
+
+
+def step1_row(run_dir) -> dict:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in rows if r.get("step") == 1 and "loss" in r)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_init_from_hf_step1_loss_matches_transformers(tmp_path, hf_dirs, kind):
     src, hf_model = hf_dirs[kind]
     overrides = RUN + [f"train.init_from={src}"]
     run_dir = tmp_path / "run"
     assert main(["train", "--config", "tiny", "--run-dir", str(run_dir), *[f"--{o}" for o in overrides]]) == 0
-    cfg = resolve_init_from(load_config("tiny", overrides, validate=False), overrides)
-    assert cfg.model.moe_experts == (4 if kind != "qwen3_moe" else 8)
-    train, _ = build_datasets(cfg, load_tokenizer(cfg))
-    batch = read_batch(train, 0, cfg.train.global_batch)
-    with torch.no_grad():
-        want = F.cross_entropy(logits(hf_model, batch["input_ids"]).double().flatten(0, 1),
-                               batch["labels"].flatten()).item()
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    step1 = next(r for r in rows if r.get("step") == 1 and "loss" in r)
+    want = transformers_loss(hf_model, overrides)
+    step1 = step1_row(run_dir)
     print(f"{kind}: step-1 loss {step1['loss']!r} vs transformers {want!r}")
     assert math.isclose(step1["loss"], want, rel_tol=LOSS_RTOL), (step1["loss"], want)
     assert abs(want - math.log(VOCAB)) > 0.1  # far from a random start: the weights came from the source
@@ -373,3 +381,22 @@ def test_import_hf_names_missing_experts(tmp_path, hf_dirs):
     with pytest.raises(UserError, match=r"experts of model.layers.1.mlp.experts.K.up_proj.weight are numbered "
                                         r"\[0, 1, 3\]"):
         import_hf(bad)
+
+
+@pytest.mark.slow  # two processes on a small machine
+def test_init_from_hf_dp_shard2_step1_loss(tmp_path, hf_dirs):
+    """dp_shard=2: FSDP shards each stacked expert weight by rows of its first dimension, so each rank
+    builds its experts from its own per-expert Hugging Face tensors; the loss is transformers'."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    src, hf_model = hf_dirs["qwen2_moe"]
+    overrides = RUN + [f"train.init_from={src}", "parallel.dp_shard=2"]
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "loom.cli", "train", "--config", "tiny", "--run-dir", str(run_dir),
+                           "--nproc", "2", *[f"--{o}" for o in overrides]], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got, want = step1_row(run_dir)["loss"], transformers_loss(hf_model, overrides)
+    assert math.isclose(got, want, rel_tol=LOSS_RTOL), (got, want)
