@@ -80,7 +80,10 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.layers))
+        if not self.moe_experts:
+            return 0
+        first = -(-self.moe_first_dense // self.moe_interval) * self.moe_interval  # first multiple >= first_dense
+        return len(range(first, self.layers, self.moe_interval))  # the layers is_moe_layer accepts
 
     @property
     def head_dim(self) -> int:

@@ -24,6 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--attention", choices=["flash", "math"], default=None,
                    help="fused (flash) attention, or the unfused softmax of older Megatron runs")
     m.add_argument("--dropout", type=float, default=None, help="hidden and attention dropout probability")
+    m.add_argument("--experts", type=int, default=None, help="mixture of experts: routed experts per MoE layer (0: dense)")
+    m.add_argument("--top-k", type=int, default=None, help="mixture of experts: experts each token is routed to")
+    m.add_argument("--moe-ffn", type=int, default=None, help="mixture of experts: hidden size of one expert (default --ffn)")
+    m.add_argument("--shared-experts", type=int, default=None, help="mixture of experts: always-on shared experts")
     c = p.add_argument_group("cluster and batch")
     c.add_argument("--gpus", type=int, default=None, help="number of GPUs")
     c.add_argument("--gpu", default="h100", help="a100-40gb, a100-80gb, h100, h200, or a profile JSON (default h100)")
@@ -43,6 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="Megatron's gradient buffer dtype (NeMo's performance recipes: bfloat16); loom keeps float32")
     c.add_argument("--tokens", type=float, default=None, help="training tokens, to report days to train")
+    c.add_argument("--loss-chunk", type=int, default=0, metavar="TOKENS",
+                   help="LM head + loss this many tokens at a time, logits recomputed in backward (loom's "
+                        "train.loss_chunk); 0 (default): the whole micro-batch's logits")
+    c.add_argument("--moe-imbalance", type=float, default=1.0,
+                   help="mixture of experts: tokens routed to the busiest expert-parallel rank over the mean (default "
+                        "1.0, balanced, as NVIDIA's published MoE benchmarks force); it scales that rank's expert work, "
+                        "activations and all-to-all volume")
     c.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="gradients reduced after backward, not during it (Megatron-LM before 2023)")
     s = p.add_argument_group("search")
@@ -97,6 +108,17 @@ def build_workload(args):
         model.attention = "math" if args.attention == "math" else "sdpa"
     if args.dropout is not None:
         model.dropout = model.attn_dropout = args.dropout
+    for flag, key in (("experts", "moe_experts"), ("top_k", "moe_top_k"), ("moe_ffn", "moe_ffn_hidden"),
+                      ("shared_experts", "moe_shared_experts")):
+        if getattr(args, flag) is not None:
+            setattr(model, key, getattr(args, flag))
+    if model.moe_experts or args.top_k is not None:
+        model.validate()  # the rule book's MoE checks (top_k within the experts, ...): a UserError names the key
+    if args.loss_chunk < 0:
+        raise UserError(f"--loss-chunk={args.loss_chunk} must be >= 0 (0: no chunking)")
+    if not args.moe_imbalance >= 1.0:
+        raise UserError(f"--moe-imbalance={args.moe_imbalance} must be >= 1 (the busiest rank's tokens over the mean; "
+                        "1 is balanced)")
     seq = args.seq or (base.train.seq_len if base else None)
     batch = args.global_batch or (base.train.global_batch if base else None)
     if seq is None or batch is None:
@@ -117,7 +139,8 @@ def build_workload(args):
     return Workload(model=model, seq_len=seq, global_batch=batch, gpus=args.gpus, gpu=gpu, precision=args.precision,
                     state_dtype=args.state_dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce,
                     grad_accum=args.grad_accum, memory_margin_gib=margin, framework=args.framework,
-                    grad_dtype=args.grad_dtype), args.model
+                    grad_dtype=args.grad_dtype, moe_imbalance=args.moe_imbalance,
+                    loss_chunk=args.loss_chunk), args.model
 
 
 def run(args) -> int:

@@ -63,6 +63,14 @@ class Workload:
     # Megatron's gradient buffer: float32 (Megatron-LM's default for bf16, --accumulate-allreduce-grads-in-fp32)
     # or bfloat16 (NeMo's performance recipes: grad_reduce_in_fp32=False). loom keeps fp32 gradients.
     grad_dtype: str = "float32"
+    # Mixture of experts: tokens routed to the busiest expert-parallel rank over the mean (1.0: balanced, as
+    # Megatron-Bridge's and NeMo AutoModel's MoE benchmarks force). It scales the busiest rank's expert work,
+    # activations and all-to-all volume.
+    moe_imbalance: float = 1.0
+    # LM head + cross-entropy this many tokens at a time, each chunk's logits recomputed in backward (loom's
+    # train.loss_chunk; fused linear cross-entropy elsewhere): one chunk's logits alive instead of the
+    # micro-batch's, for one more head forward. 0: whole micro-batch.
+    loss_chunk: int = 0
 
     @property
     def usable_bytes(self) -> float:
@@ -131,19 +139,49 @@ def _norm_params(cfg: ModelConfig) -> int:
     return cfg.hidden * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
 
 
-def layer_params(cfg: ModelConfig) -> int:
+def _mlp_params(cfg: ModelConfig, f: int) -> int:
+    """One MLP of width f: 3 (SwiGLU) or 2 matrices, and their biases with model.bias."""
+    gated = cfg.mlp == "swiglu"
+    return (3 if gated else 2) * cfg.hidden * f + (((2 if gated else 1) * f + cfg.hidden) if cfg.bias else 0)
+
+
+def layer_params(cfg: ModelConfig, moe: bool = False) -> int:
+    """One layer's parameters; `moe`: a mixture-of-experts layer (router, routed experts, shared experts and
+    their gate), as loom/models/moe.py builds it."""
     h, d, a, g, f = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
     attn = h * (a + 2 * g) * d + a * d * h
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * h * f
+    mlp = moe_mlp_params(cfg) if moe else _mlp_params(cfg, f)
     norms = 2 * _norm_params(cfg)
-    bias = ((a + 2 * g) * d + h + (2 * f if cfg.mlp == "swiglu" else f) + h) if cfg.bias else 0
+    bias = ((a + 2 * g) * d + h) if cfg.bias else 0
     bias += (a + 2 * g) * d if cfg.qkv_bias and not cfg.bias else 0  # Qwen2: q/k/v biases only
     qk_norm = 2 * d if cfg.qk_norm else 0  # Qwen3: one weight of head size for queries, one for keys
     return attn + mlp + norms + bias + qk_norm
 
 
+def expert_params(cfg: ModelConfig) -> int:
+    """The routed experts of one MoE layer (stacked w1, w3, w2: no biases), what expert parallelism shards."""
+    return cfg.moe_experts * (3 if cfg.mlp == "swiglu" else 2) * cfg.hidden * (cfg.moe_ffn_hidden or cfg.ffn_hidden)
+
+
+def moe_mlp_params(cfg: ModelConfig) -> int:
+    """An MoE layer's MLP: the router [E, h], the routed experts, the shared experts (one MLP shared_experts x
+    moe.ffn_hidden wide) and their sigmoid gate [1, h]."""
+    fe = cfg.moe_ffn_hidden or cfg.ffn_hidden
+    shared = _mlp_params(cfg, cfg.moe_shared_experts * fe) if cfg.moe_shared_experts else 0
+    gate = cfg.hidden if cfg.moe_shared_experts and cfg.moe_shared_gate else 0
+    return cfg.moe_experts * cfg.hidden + expert_params(cfg) + shared + gate
+
+
+def average_layer(cfg: ModelConfig) -> tuple[float, float]:
+    """(parameters outside the routed experts, routed-expert parameters) of the model's average layer: the
+    planner prices a pipeline stage of n layers as n average layers (MoE layers spread evenly)."""
+    moe = cfg.moe_layers
+    dense = (cfg.layers - moe) * layer_params(cfg) + moe * (layer_params(cfg, moe=True) - expert_params(cfg))
+    return dense / cfg.layers, moe * expert_params(cfg) / cfg.layers
+
+
 def linear_weights(cfg: ModelConfig) -> int:
-    """Weights of one layer's linear layers (the ones fp8 training casts)."""
+    """Weights of one (dense) layer's linear layers (the ones fp8 training casts)."""
     h, d, a, g, f = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
     return h * (a + 2 * g) * d + a * d * h + (3 if cfg.mlp == "swiglu" else 2) * h * f
 
@@ -159,7 +197,9 @@ def head_params(cfg: ModelConfig) -> int:
 
 def total_params(cfg: ModelConfig) -> int:
     head = _norm_params(cfg) + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden)
-    return cfg.layers * layer_params(cfg) + embedding_params(cfg) + head
+    moe = cfg.moe_layers
+    layers = (cfg.layers - moe) * layer_params(cfg) + moe * layer_params(cfg, moe=True)
+    return layers + embedding_params(cfg) + head
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -225,18 +265,23 @@ class LayerTimes:
     bwd: dict  # including recomputation
 
 
-def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool) -> tuple[dict, dict]:
-    """Forward time terms of one layer, and the part of them that belongs to the attention core."""
+def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool, moe: bool = False,
+                   ep: int = 1) -> tuple[dict, dict]:
+    """Forward time terms of one layer (`moe`: a mixture-of-experts layer with experts over `ep` ranks), and
+    the part of them that belongs to the attention core."""
     cfg, gpu, prec = w.model, w.gpu, w.precision
     h, d, a, g, f = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
     s = w.seq_len // cp  # this rank's queries
     tokens = mbs * s
     half = 4 if prec == "fp32" else 2  # bytes of an activation element
     # Linear layers, split over tp (columns for QKV / fc1, rows for out / fc2).
-    gemm = (gemm_time(gpu, prec, tokens, (a + 2 * g) * d // tp, h)
-            + gemm_time(gpu, prec, tokens, h, a * d // tp)
-            + gemm_time(gpu, prec, tokens, (2 if cfg.mlp == "swiglu" else 1) * f // tp, h)
-            + gemm_time(gpu, prec, tokens, h, f // tp))
+    gemm = gemm_time(gpu, prec, tokens, (a + 2 * g) * d // tp, h) + gemm_time(gpu, prec, tokens, h, a * d // tp)
+    moe_terms = _moe_forward(w, tokens, tp, sp, ep) if moe else None
+    if moe_terms:
+        gemm += moe_terms["gemm"]
+    else:
+        gemm += (gemm_time(gpu, prec, tokens, (2 if cfg.mlp == "swiglu" else 1) * f // tp, h)
+                 + gemm_time(gpu, prec, tokens, h, f // tp))
     heads = a // tp
     core: dict = {}
     if cfg.attention == "math":
@@ -259,7 +304,7 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool) -> tuple[d
     per_token_hidden = 2 * (2 * h * half) + 2 * (3 * h * half)  # two norms, two residual adds
     if cfg.dropout > 0:
         per_token_hidden += 2 * (2 * h * half + h)
-    per_token_split = (3 if cfg.mlp == "swiglu" else 2) * f * half  # activation function
+    per_token_split = (3 if cfg.mlp == "swiglu" else 2) * f * half if not moe else 0.0  # activation function
     if cfg.position == "rope":
         per_token_split += 2 * (a + g) * d * half
     fp8_cast = 0.0
@@ -270,6 +315,8 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool) -> tuple[d
         inputs_per_token = h + a * d / tp + h + f / tp  # QKV, out-proj, fc1, fc2 inputs on this rank
         fp8_cast = 4 * inputs_per_token / 2
     elementwise = _bytes_time(gpu, tokens * (per_token_hidden / hid_div + per_token_split / tp + fp8_cast))
+    if moe_terms:
+        elementwise += moe_terms["elementwise"]
     tp_comm = 0.0
     if tp > 1:
         act = tokens * h * half
@@ -286,20 +333,82 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool) -> tuple[d
         kv = 2 * mbs * w.seq_len * (g // tp if g >= tp else 1) * d * half
         cp_comm = collective_time(gpu, "all_gather", kv, cp, cp * tp <= gpu.node_size)
     kernels = 14 + (4 if cfg.attention == "math" else 1) + (2 if cfg.dropout > 0 else 0) + (6 if cp > 1 else 0)
+    if moe_terms:
+        kernels += moe_terms["kernels"]
     fwd = {"gemm": gemm, "attention": core["attention"], "elementwise": elementwise + core["elementwise"],
-           "tp_comm": tp_comm, "cp_comm": cp_comm, "overhead": kernels * gpu.kernel_overhead_us * 1e-6}
+           "tp_comm": tp_comm, "cp_comm": cp_comm, "ep_comm": moe_terms["ep_comm"] if moe_terms else 0.0,
+           "overhead": kernels * gpu.kernel_overhead_us * 1e-6}
     return fwd, core
 
 
+def _moe_forward(w: Workload, tokens: int, tp: int, sp: bool, ep: int) -> dict:
+    """An MoE layer's MLP forward on one rank, in place of the dense MLP. The rank routes its tokens (its
+    sequence shard under SP, else all of them), sends each token's top_k rows to the experts' ranks and
+    computes what it receives: tokens x top_k rows (x the imbalance on the busiest rank), spread over its
+    E/ep experts as one grouped GEMM per weight (`batch` = local experts). The router is a small GEMM; the
+    shared experts a dense MLP split over tp. Dispatch and combine are one all-to-all each over the ep ranks
+    (each rank sends (ep-1)/ep of its rows away), inside a node when the ep group (stride tp) fits in one,
+    else at the network's bandwidth for the part that leaves the node. Permuting the rows in and out and the
+    experts' activation function are HBM traffic."""
+    cfg, gpu, prec = w.model, w.gpu, w.precision
+    h, k, E = cfg.hidden, cfg.moe_top_k, cfg.moe_experts
+    fe = cfg.moe_ffn_hidden or cfg.ffn_hidden
+    gated = cfg.mlp == "swiglu"
+    half = 4 if prec == "fp32" else 2
+    routed_tokens = tokens // tp if sp and tp > 1 else tokens
+    rows = routed_tokens * k * w.moe_imbalance
+    local = E // ep
+    per_expert = max(1, math.ceil(rows / local))
+    gemm = (gemm_time(gpu, prec, per_expert, (2 if gated else 1) * fe, h, local)
+            + gemm_time(gpu, prec, per_expert, h, fe, local)
+            + gemm_time(gpu, "bf16" if prec == "fp8" else prec, routed_tokens, E, h))  # the router (fp32 in
+    # loom; priced at the 16-bit rate: E x h per token is small next to the experts')
+    if cfg.moe_shared_experts:
+        fs = cfg.moe_shared_experts * fe
+        gemm += gemm_time(gpu, prec, tokens, (2 if gated else 1) * fs // tp, h) + gemm_time(gpu, prec, tokens, h, fs // tp)
+    # Bytes: rows gathered in and scattered back (read + write each), the activation function over the rows,
+    # the router's softmax / top-k over E scores per token (fp32).
+    traffic = rows * (2 * 2 * h * half + (3 if gated else 2) * fe * half) + routed_tokens * E * 4 * 3
+    if cfg.moe_shared_experts:
+        traffic += tokens * (3 if gated else 2) * cfg.moe_shared_experts * fe * half / tp
+    ep_comm = 0.0
+    if ep > 1:
+        volume = rows * h * half * (ep - 1) / ep  # bytes each rank sends per exchange
+        in_node = max(1, min(ep, gpu.node_size // tp))  # ep peers sharing this rank's node
+        out_share = (ep - in_node) / (ep - 1)
+        seconds = max(volume * (1 - out_share) / (gpu.nvlink_gbps * 1e9 * gpu.collective_efficiency),
+                      volume * out_share / (gpu.internode_gbps * 1e9 * gpu.collective_efficiency))
+        ep_comm = 2 * (gpu.collective_latency_us * 1e-6 + seconds)
+    return {"gemm": gemm, "elementwise": _bytes_time(gpu, traffic), "ep_comm": ep_comm, "kernels": 12}
+
+
 @lru_cache(maxsize=65536)
-def layer_times(w: Workload, tp: int, cp: int, mbs: int, sp: bool, recompute: str) -> LayerTimes:
-    fwd, core = _layer_forward(w, tp, cp, mbs, sp)
+def layer_times(w: Workload, tp: int, cp: int, mbs: int, sp: bool, recompute: str, ep: int = 1) -> LayerTimes:
+    """The model's average layer: dense and MoE layers mixed in their proportion (model.moe.*)."""
+    cfg = w.model
+    dense = _one_layer_times(w, tp, cp, mbs, sp, recompute, False, ep)
+    if not cfg.moe_layers:
+        return dense
+    moe = _one_layer_times(w, tp, cp, mbs, sp, recompute, True, ep)
+    share = cfg.moe_layers / cfg.layers
+
+    def mix(a: dict, b: dict) -> dict:
+        return {key: (1 - share) * a[key] + share * b[key] for key in a}
+
+    return LayerTimes(mix(dense.fwd, moe.fwd), mix(dense.bwd, moe.bwd))
+
+
+def _one_layer_times(w: Workload, tp: int, cp: int, mbs: int, sp: bool, recompute: str, moe: bool,
+                     ep: int) -> LayerTimes:
+    fwd, core = _layer_forward(w, tp, cp, mbs, sp, moe, ep)
     # Backward: twice the matmul work (input and weight gradients), attention backward 2.5x its forward
     # for fused kernels (it recomputes the probabilities) or 2x for math, twice the elementwise bytes,
-    # the same TP collectives (SP also re-gathers the saved input shards, overlapped with compute).
+    # the same TP collectives (SP also re-gathers the saved input shards, overlapped with compute) and the
+    # same all-to-alls (the gradients of the dispatched and combined rows go back the way they came).
     attn_bwd = (2.5 if w.model.attention != "math" else 2.0) * fwd["attention"]
     bwd = {"gemm": 2 * fwd["gemm"], "attention": attn_bwd, "elementwise": 2 * fwd["elementwise"],
-           "tp_comm": fwd["tp_comm"], "cp_comm": fwd["cp_comm"], "overhead": 2 * fwd["overhead"]}
+           "tp_comm": fwd["tp_comm"], "cp_comm": fwd["cp_comm"], "ep_comm": fwd["ep_comm"],
+           "overhead": 2 * fwd["overhead"]}
     if recompute == "full":
         for key in bwd:
             bwd[key] += fwd[key]
@@ -319,6 +428,8 @@ def head_times(w: Workload, tp: int, cp: int, mbs: int) -> tuple[float, float]:
     logits = tokens * v * 4
     fwd += _bytes_time(gpu, 3 * logits)  # cast to fp32, log-softmax, gather
     bwd = 2 * (fwd - _bytes_time(gpu, 3 * logits)) + _bytes_time(gpu, 3 * logits)
+    if w.loss_chunk and w.loss_chunk < tokens:  # backward recomputes each chunk's logits first
+        bwd += fwd
     if tp > 1:  # loss-parallel: max and sum-exp all-reduces of tokens floats
         fwd += 2 * collective_time(gpu, "all_reduce", tokens * 4, tp, tp <= gpu.node_size)
     return fwd, bwd
@@ -404,13 +515,37 @@ def _recomputed(lay: Layout, chunk: int) -> int:
     return min(lay.recompute_layers or chunk, chunk)
 
 
-def _stage_params(cfg: ModelConfig, lay: Layout, shape: StageShape, lp: int | None = None) -> int:
+@lru_cache(maxsize=1024)
+def model_sizes(w: Workload) -> dict:
+    """The parameter counts the cost model reuses for every layout of a workload (computed once)."""
+    cfg = w.model
+    dense_layer, expert_layer = average_layer(cfg)
+    fe = cfg.moe_ffn_hidden or cfg.ffn_hidden
+    # fp8 casts every linear weight: attention and dense MLPs, shared experts on MoE layers (routed experts apart).
+    linear = linear_weights(cfg) - cfg.moe_layers / cfg.layers * (
+        _mlp_params(cfg, cfg.ffn_hidden) - (_mlp_params(cfg, cfg.moe_shared_experts * fe) if cfg.moe_shared_experts else 0))
+    return {"dense_layer": dense_layer, "expert_layer": expert_layer, "total": total_params(cfg),
+            "experts": cfg.moe_layers * expert_params(cfg), "embedding": embedding_params(cfg),
+            "head": head_params(cfg), "linear_layer": linear}
+
+
+def _stage_params(w: Workload, lay: Layout, shape: StageShape) -> tuple[float, float]:
+    """(parameters outside the routed experts, routed-expert parameters) of one pipeline rank, whole (before
+    tensor or expert parallelism splits them)."""
+    z = model_sizes(w)
     if lay.pp == 1:
-        return total_params(cfg)
+        return z["total"] - z["experts"], z["experts"]
     # A tied head still needs its own copy on the last stage when pp > 1 (Megatron does the same).
-    lp = layer_params(cfg) if lp is None else lp
-    return (shape.layers * lp + (embedding_params(cfg) if shape.embedding else 0)
-            + (head_params(cfg) if shape.head else 0))
+    return (shape.layers * z["dense_layer"] + (z["embedding"] if shape.embedding else 0)
+            + (z["head"] if shape.head else 0)), shape.layers * z["expert_layer"]
+
+
+def local_params(w: Workload, lay: Layout, shape: StageShape) -> tuple[float, float]:
+    """What one GPU of a pipeline rank holds before data-parallel sharding: the dense part split over tp, and
+    its E/ep routed experts (not split over tp: every tensor-parallel rank of an expert-parallel rank holds
+    the same experts, as loom's expert parallelism does)."""
+    dense, experts = _stage_params(w, lay, shape)
+    return dense / lay.tp, experts / lay.ep
 
 
 def priced_as_megatron(w: Workload, lay: Layout) -> bool:
@@ -445,11 +580,38 @@ def megatron_layer_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch:
     return replicated / sp_div + (attn + mlp + core) / tp
 
 
+def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: int, mega: bool) -> float:
+    """Bytes an MoE layer keeps for backward beyond a dense layer of the same model, on one rank. The dense
+    MLP's activations go; per routed row (tokens x top_k x the busiest rank's load over the mean) come the
+    dispatched input the experts' first GEMMs keep, the experts' MLP activations at moe.ffn_hidden (as a dense
+    MLP's, loom's or Transformer Engine's) and the expert output the gate multiplies in the combine; per token
+    the router's fp32 input copy, logits and probabilities (loom routes in fp32), and the shared experts' MLP.
+    Routed experts are not split over tp: with SP each tensor-parallel rank routes its sequence shard, without
+    SP every rank routes every token. Full recomputation keeps only the layer input, as for a dense layer."""
+    cfg = w.model
+    if recompute == "full":
+        return 0.0
+    b, h, f, k, E = lay.micro_batch, cfg.hidden, cfg.ffn_hidden, cfg.moe_top_k, cfg.moe_experts
+    fe = cfg.moe_ffn_hidden or f
+    fs = cfg.moe_shared_experts * fe
+    gated = cfg.mlp == "swiglu"
+    lin = 1 if mega and w.precision == "fp8" else e
+
+    def mlp(width: float) -> float:  # one token's MLP activations at this width
+        return ((2 if gated else 1) * e + lin) * width if mega else (4 if gated else 2) * e * width
+
+    tokens = s * b / (lay.tp if lay.sp else 1)
+    rows = tokens * k * w.moe_imbalance
+    routed = rows * (lin * h + mlp(fe) + e * h)
+    router = tokens * ((0 if mega else 4 * h) + 2 * 4 * E)
+    shared = s * b * mlp(fs) / lay.tp
+    return routed + router + shared - s * b * mlp(f) / lay.tp
+
+
 def memory(w: Workload, lay: Layout) -> dict:
     """Peak bytes per GPU on the most loaded pipeline rank."""
     cfg = w.model
     m = w.global_batch // (lay.dp * lay.micro_batch)
-    lp = layer_params(cfg)
     moment_bytes = 4 if w.state_dtype == "bfloat16" else 8
     # Activations: per layer (loom.flops, the formula `loom memory` is tested against) x layers x in flight.
     act_bytes = 4 if w.precision == "fp32" else 2
@@ -468,27 +630,40 @@ def memory(w: Workload, lay: Layout) -> dict:
         per_layer += lay.micro_batch * s * cfg.heads // lay.tp * cfg.head_dim * act_bytes
     full = (layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, "full", act_bytes)
             if lay.recompute == "full" else 0)
+    if cfg.moe_layers:  # the average layer: MoE layers' MLP activations in place of dense ones
+        per_layer += cfg.moe_layers / cfg.layers * moe_activation_delta(w, s, lay, base, act_bytes, mega)
     tokens = lay.micro_batch * s
+    z = model_sizes(w)
+    dense_layer, expert_layer = z["dense_layer"], z["expert_layer"]
     # Communication buffers: two layers' gathered 16-bit weights (FSDP prefetch), or DDP/optimizer buckets.
-    buffers = 2 * 2 * lp / lay.tp + (4 * 40e6 if lay.dp > 1 else 0)
+    buffers = 2 * 2 * (dense_layer / lay.tp + expert_layer / lay.ep) + (4 * 40e6 if lay.dp > 1 else 0)
+    grad_bytes = 2 if mega and w.grad_dtype == "bfloat16" else 4
+    sharded = grads_stay_sharded(w.grad_accum, lay.pp, m)
+
+    def states(local: float, group: int, cp: int) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer) bytes of `local` parameters sharded over `group` ranks (the dp x cp
+        ranks for dense parameters, the expert-data-parallel ranks for routed experts)."""
+        if lay.dp_style == "replicate" and mega:  # Megatron without distopt: 16-bit weights, fp32 master copy
+            return 2 * local, grad_bytes * local, (4 + moment_bytes) * local
+        if lay.dp_style == "replicate":  # loom: fp32 master weights, fp32 gradients, moments, all replicated
+            # (with cp > 1 loom shards over the cp ranks, HSDP with dp_shard_cp = cp: gradients as FSDP's)
+            cp_grads = cp if sharded else 1
+            return 4 * local / cp, 4 * local / cp_grads, moment_bytes * local / cp
+        if lay.dp_style == "distopt":  # Megatron: 16-bit weights + fp32 grads replicated; master + moments split
+            return 2 * local, grad_bytes * local, (4 + moment_bytes) * local / group
+        # fsdp (loom dp_shard): everything split; gradients sharded or whole between micro-batches
+        out = 4 * local / group, 4 * local / (group if sharded else 1), moment_bytes * local / group
+        if lay.pp > 1:  # a stage keeps its gathered compute-dtype weights through the step (no reshard)
+            out = out[0] + act_bytes * local, out[1], out[2]
+        return out
+
     worst = None
     for shape in _shapes(w, lay):
-        local = _stage_params(cfg, lay, shape, lp) / lay.tp
+        dense, experts = local_params(w, lay, shape)
         dp = lay.dp * lay.cp  # the cp ranks join the shard group (loom's dp_shard_cp, Megatron's dp x cp)
-        grad_bytes = 2 if mega and w.grad_dtype == "bfloat16" else 4
-        if lay.dp_style == "replicate" and mega:  # Megatron without distopt: 16-bit weights, fp32 master copy
-            params, grads, optim = 2 * local, grad_bytes * local, (4 + moment_bytes) * local
-        elif lay.dp_style == "replicate":  # loom: fp32 master weights, fp32 gradients, moments, all replicated
-            # (with cp > 1 loom shards over the cp ranks, HSDP with dp_shard_cp = cp: gradients as FSDP's)
-            cp_grads = lay.cp if grads_stay_sharded(w.grad_accum, lay.pp, m) else 1
-            params, grads, optim = 4 * local / lay.cp, 4 * local / cp_grads, moment_bytes * local / lay.cp
-        elif lay.dp_style == "distopt":  # Megatron: 16-bit weights + fp32 grads replicated; master + moments split
-            params, grads, optim = 2 * local, grad_bytes * local, (4 + moment_bytes) * local / dp
-        else:  # fsdp (loom dp_shard): everything split; gradients sharded or whole between micro-batches
-            sharded = grads_stay_sharded(w.grad_accum, lay.pp, m)
-            params, grads, optim = 4 * local / dp, 4 * local / (dp if sharded else 1), moment_bytes * local / dp
-            if lay.pp > 1:  # a stage keeps its gathered compute-dtype weights through the step (no reshard)
-                params += act_bytes * local
+        d_state = states(dense, dp, lay.cp)
+        e_state = states(experts, dp // lay.ep, max(1, lay.cp // lay.ep)) if experts else (0.0, 0.0, 0.0)
+        params, grads, optim = (a + b for a, b in zip(d_state, e_state))
         activations = shape.held_layers * per_layer
         if lay.recompute == "full":  # k layers of every chunk keep only their input
             activations -= sum(held * _recomputed(lay, c) for c, held in zip(shape.chunks, shape.held)) * (per_layer - full)
@@ -496,10 +671,11 @@ def memory(w: Workload, lay: Layout) -> dict:
         # vocab-parallel cross-entropy: the fp32 copy it softmaxes in place and keeps, next to the 16-bit
         # logits at the end of forward and to the 16-bit input gradient in backward (6 bytes).
         logit_bytes = 4 + 2 if mega else 4 + 4 + act_bytes
-        logits = tokens * (cfg.vocab_size / lay.tp) * logit_bytes if shape.head else 0.0
+        alive = min(tokens, w.loss_chunk) if w.loss_chunk else tokens  # one chunk's at a time (train.loss_chunk)
+        logits = alive * (cfg.vocab_size / lay.tp) * logit_bytes if shape.head else 0.0
         # Transformer Engine keeps each linear weight's fp8 cast and its transpose from the first
         # micro-batch to the last (its weight workspace cache): 2 bytes per linear weight on the rank.
-        fp8_weights = 2 * shape.layers * linear_weights(cfg) / lay.tp if mega and fp8 else 0.0
+        fp8_weights = (2 * shape.layers * (z["linear_layer"] / lay.tp + expert_layer / lay.ep)) if mega and fp8 else 0.0
         dynamic = params + grads + optim + activations + logits + buffers + fp8_weights
         total = dynamic * (1 + FRAGMENTATION) + CONTEXT_GIB * GIB
         if worst is None or total > worst["total"]:
@@ -517,14 +693,14 @@ def step_time(w: Workload, lay: Layout) -> dict:
     cfg, gpu = w.model, w.gpu
     m = w.global_batch // (lay.dp * lay.micro_batch)
     base = "selective" if lay.recompute == "selective" else "none"
-    lt = layer_times(w, lay.tp, lay.cp, lay.micro_batch, lay.sp, base)
-    ft = layer_times(w, lay.tp, lay.cp, lay.micro_batch, lay.sp, "full") if lay.recompute == "full" else None
+    lt = layer_times(w, lay.tp, lay.cp, lay.micro_batch, lay.sp, base, lay.ep)
+    ft = layer_times(w, lay.tp, lay.cp, lay.micro_batch, lay.sp, "full", lay.ep) if lay.recompute == "full" else None
     hf, hb = head_times(w, lay.tp, lay.cp, lay.micro_batch)
     # A micro-batch's forward + backward on each pipeline rank; the slowest rank sets the pace.
     shapes = _shapes(w, lay)
     terms, per_mb, n_layers = {}, -1.0, 0
     for shape in shapes:
-        t = dict.fromkeys(("gemm", "attention", "elementwise", "tp_comm", "cp_comm", "overhead"), 0.0)
+        t = dict.fromkeys(("gemm", "attention", "elementwise", "tp_comm", "cp_comm", "ep_comm", "overhead"), 0.0)
         full_layers = sum(_recomputed(lay, c) for c in shape.chunks) if ft else 0
         for key in t:
             t[key] = shape.layers * (lt.fwd[key] + lt.bwd[key])
@@ -549,28 +725,34 @@ def step_time(w: Workload, lay: Layout) -> dict:
     step = {k: val * m for k, val in terms.items()}
     step["pp_p2p"] = p2p * m
     step["pp_bubble"] = bubble_slots * (per_mb + p2p)
-    # Data parallel: gradient reduction and parameter gathering, minus what hides behind compute.
-    lp = layer_params(cfg)
-    local = max(_stage_params(cfg, lay, shape) for shape in shapes) / lay.tp  # the largest rank's weights
+    # Data parallel: gradient reduction and parameter gathering, minus what hides behind compute. Routed
+    # experts (E/ep per rank) are reduced over the expert-data-parallel ranks, dp x cp / ep of them.
+    dense, experts = max((local_params(w, lay, shape) for shape in shapes), key=sum)  # the largest rank's
     dp_comm = 0.0
     group = lay.dp * lay.cp  # gradients are reduced over the data-parallel ranks and their cp ranks
+    egroup = group // lay.ep
     # Gradient element size on the wire: Megatron's buffer dtype (bf16 in NeMo's performance recipes), else fp32.
     gb = 2 if priced_as_megatron(w, lay) and w.grad_dtype == "bfloat16" else 4
+
+    def coll(kind: str, per_param: float) -> float:
+        """One collective over the dense parameters and one over the routed experts' expert-dp group."""
+        return (collective_time(gpu, kind, per_param * dense, group, _intra(gpu, lay.tp, group))
+                + collective_time(gpu, kind, per_param * experts, egroup, _intra(gpu, lay.tp * lay.ep, egroup)))
+
     if group > 1:
-        intra = _intra(gpu, lay.tp, group)
         bwd_mb = sum(lt.bwd.values()) * n_layers
         fwd_mb = sum(lt.fwd.values()) * n_layers
         if lay.dp_style == "replicate":
-            grad = collective_time(gpu, "all_reduce", gb * local, group, intra)
+            grad = coll("all_reduce", gb)
             dp_comm = max(grad - bwd_mb, grad / n_layers) if w.overlap_grad_reduce else grad
         elif lay.dp_style == "distopt":
-            grad = collective_time(gpu, "reduce_scatter", gb * local, group, intra)
-            gather = collective_time(gpu, "all_gather", 2 * local, group, intra)
+            grad = coll("reduce_scatter", gb)
+            gather = coll("all_gather", 2)
             hidden_grad = max(grad - bwd_mb, grad / n_layers) if w.overlap_grad_reduce else grad
             dp_comm = hidden_grad + max(gather - fwd_mb, gather / n_layers)
         else:
-            gather = collective_time(gpu, "all_gather", 2 * local, group, intra)
-            grad = collective_time(gpu, "reduce_scatter", 4 * local, group, intra)
+            gather = coll("all_gather", 2)
+            grad = coll("reduce_scatter", 4)
             hidden_gather = max(gather - fwd_mb, gather / n_layers)
             hidden_grad = max(grad - bwd_mb, grad / n_layers)
             if lay.pp > 1:
@@ -585,7 +767,10 @@ def step_time(w: Workload, lay: Layout) -> dict:
                 dp_comm = m * (hidden_gather + max(gather - bwd_mb, gather / n_layers)) + (m if sharded else 1) * hidden_grad
     step["dp_comm"] = dp_comm
     # AdamW: read param, grad, two moments; write param, moments (and a 16-bit copy); over the local shard.
-    shard = local / (lay.cp if lay.dp_style == "replicate" else group)
+    if lay.dp_style == "replicate":
+        shard = dense / lay.cp + experts / max(1, lay.cp // lay.ep)
+    else:
+        shard = dense / group + experts / egroup
     moment = 2 if w.state_dtype == "bfloat16" else 4
     step["optimizer"] = _bytes_time(gpu, shard * (4 + 4 + 2 * moment + 4 + 2 * moment + 2))
     return step

@@ -11,6 +11,7 @@ TERM_LABELS = {
     "gemm": "linear-layer matmuls", "attention": "attention core", "elementwise": "elementwise (HBM)",
     "tp_comm": "TP collectives", "cp_comm": "CP K/V gather", "overhead": "kernel gaps", "head": "LM head + loss", "pp_p2p": "PP send/recv",
     "pp_bubble": "pipeline bubble", "dp_comm": "DP comm (exposed)", "optimizer": "optimizer step",
+    "ep_comm": "EP all-to-all",
 }
 
 
@@ -26,7 +27,7 @@ def layout_name(e: Estimate) -> str:
     parts = [f"tp={lay.tp}", f"pp={lay.pp}"]
     if lay.vpp > 1:
         parts.append(f"vpp={lay.vpp}")
-    parts += [f"dp={lay.dp}"] + ([f"cp={lay.cp}"] if lay.cp > 1 else [])
+    parts += [f"dp={lay.dp}"] + ([f"cp={lay.cp}"] if lay.cp > 1 else []) + ([f"ep={lay.ep}"] if lay.ep > 1 else [])
     parts += [f"mbs={lay.micro_batch}", f"sp={'on' if lay.sp else 'off'}", rec, lay.dp_style]
     if lay.pp > 1:
         parts.append(lay.schedule)
@@ -89,6 +90,7 @@ def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
     t.micro_batch, t.global_batch, t.seq_len = lay.micro_batch, w.global_batch, w.seq_len
     t.dtype = "bfloat16"
     t.fp8 = "tensorwise" if w.precision == "fp8" else "off"
+    t.loss_chunk = w.loss_chunk
     cfg.optim.state_dtype = w.state_dtype
     cfg.parallel.grad_accum = w.grad_accum
     r = cfg.recompute

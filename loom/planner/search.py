@@ -124,6 +124,27 @@ def _min_full_layers(w: Workload, lay: Layout, capacity: float) -> int | None:
     return lo
 
 
+def ep_options(cfg: ModelConfig, dp: int, cp: int) -> list[int]:
+    """Expert-parallel sizes for a mixture-of-experts model: carved from the data- and context-parallel ranks,
+    so ep divides dp x cp, and a divisor of the expert count (every rank holds E/ep whole experts). [1] for a
+    dense model."""
+    if not cfg.moe_experts:
+        return [1]
+    return [e for e in _divisors(dp * cp) if cfg.moe_experts % e == 0]
+
+
+def ep_problem(cfg: ModelConfig, ep: int, dp: int, cp: int) -> str | None:
+    """Why `--layout ep=N` cannot be priced (None: it can)."""
+    if ep == 1:
+        return None
+    if not cfg.moe_experts:
+        return f"ep={ep} needs a mixture-of-experts model (model.moe.experts > 0); this model is dense, valid: ep=1"
+    if ep not in ep_options(cfg, dp, cp):
+        return (f"ep={ep} must divide dp x cp = {dp * cp} and the {cfg.moe_experts} experts; valid: "
+                f"{', '.join(map(str, ep_options(cfg, dp, cp)))}")
+    return None
+
+
 def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max_micro_batch: int = 16,
                dp_styles=DP_STYLES, recompute_modes=RECOMPUTE, schedules=SCHEDULES, fixed: dict | None = None):
     """Yield every valid layout (fitting or not is decided by the caller); `fixed` prunes tp, cp and pp early."""
@@ -152,10 +173,13 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                         for first, last in split_options(cfg.layers, pp, vpp, schedule, head):
                             for sp in cp_sp:
                                 for style in (dp_styles if dp > 1 else ("replicate",)):
-                                    for rec in recompute_modes:
-                                        yield Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, micro_batch=mbs, sp=sp,
-                                                     recompute=rec, dp_style=style, schedule=schedule,
-                                                     first_stage_layers=first, last_stage_layers=last)
+                                    for ep in ep_options(cfg, dp, cp):
+                                        if fixed.get("ep", ep) != ep:
+                                            continue
+                                        for rec in recompute_modes:
+                                            yield Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, micro_batch=mbs,
+                                                         sp=sp, recompute=rec, dp_style=style, schedule=schedule,
+                                                         first_stage_layers=first, last_stage_layers=last)
 
 
 def _matches(lay: Layout, fixed: dict) -> bool:
@@ -238,8 +262,6 @@ def parse_layout(text: str, gpus: int) -> dict:
     world = out.get("tp", 1) * out.get("pp", 1) * out.get("cp", 1) * out["dp"]
     if world != gpus:
         raise UserError(f"--layout tp x pp x cp x dp = {world} but --gpus is {gpus}; the product must equal the GPU count")
-    if out.get("ep", 1) != 1:
-        raise UserError("--layout ep > 1 needs a mixture-of-experts model; loom's planner models dense models only so far")
     if out["dp"] == 1:
         out.setdefault("dp_style", "replicate")  # nothing to shard across
     if out.get("vpp", 1) > 1 and "schedule" not in out:
@@ -254,6 +276,8 @@ def search_layout(w: Workload, fields: dict, **kwargs) -> tuple[list[Estimate], 
     split if needed), priced to show by how much it misses."""
     kwargs = {**kwargs, "cp_max": max(kwargs.get("cp_max", 8), fields.get("cp", 1)),
               "max_micro_batch": max(kwargs.get("max_micro_batch", 16), fields.get("micro_batch", 1))}
+    if problem := ep_problem(w.model, fields.get("ep", 1), fields["dp"], fields.get("cp", 1)):
+        raise UserError(f"--layout is not valid for this model: {problem}")
     results, info = search(w, fixed=fields, top=0, **kwargs)
     if results:
         return results, {**info, "searched": sorted(set(SEARCHED) - set(fields))}
@@ -286,7 +310,8 @@ def evaluate_layout(w: Workload, fields: dict) -> Estimate:
     problem = batch_problem(w.global_batch, lay.micro_batch, lay.dp)
     if problem is None:
         problem = micro_batch_count_problem(lay.pp, lay.vpp, lay.schedule, w.global_batch, lay.dp, lay.micro_batch)
-    problems += [problem, sp_problem(lay.tp, lay.sp), cp_problem(w, lay.cp, lay.tp, lay.sp)]
+    problems += [problem, sp_problem(lay.tp, lay.sp), cp_problem(w, lay.cp, lay.tp, lay.sp),
+                 ep_problem(cfg, lay.ep, lay.dp, lay.cp)]
     problems = [p for p in problems if p]
     if problems:
         raise UserError("--layout is not valid for this model and batch: " + "; ".join(problems))

@@ -41,6 +41,12 @@ def nemo_gpt(layers: int, hidden: int, heads: int) -> ModelConfig:
                        bias=True, tie_embeddings=True, dropout=0.1, attn_dropout=0.1)
 
 
+def moe(cfg: ModelConfig, experts: int, top_k: int, ffn: int) -> ModelConfig:
+    """`cfg` with every MLP a mixture of `experts` SwiGLU experts of `ffn`, top_k of them per token."""
+    cfg.moe_experts, cfg.moe_top_k, cfg.moe_ffn_hidden, cfg.moe_renormalize = experts, top_k, ffn, True
+    return cfg
+
+
 def tokens_seconds(global_batch: int, seq: int, tokens_per_s_per_gpu: float, gpus: int) -> float:
     return global_batch * seq / (tokens_per_s_per_gpu * gpus)
 
@@ -72,6 +78,9 @@ def published_runs() -> dict:
     llama3_70b = llama(80, 8192, 64, 8, 28672, 128256, 8192)
     llama3_405b = llama(126, 16384, 128, 8, 53248, 128256, 8192)
     gpt175 = nemo_gpt(96, 12288, 96)
+    mixtral = moe(llama(32, 4096, 32, 8, 14336, 32000, 4096), 8, 2, 14336)
+    qwen3_30b = moe(ModelConfig(layers=48, hidden=2048, heads=32, kv_heads=4, explicit_head_dim=128, qk_norm=True,
+                                ffn_hidden=6144, vocab_size=151936, max_seq_len=4096), 128, 8, 768)
 
     def nemo(model, seq, batch, gpus, tok_s, **fixed):
         w = Workload(model, seq, batch, gpus, h100, precision="fp8", framework="megatron", grad_dtype="bfloat16")
@@ -122,6 +131,19 @@ def published_runs() -> dict:
                                           sp=True, recompute="selective"),
         "bridge-llama3-70b-pp8-fp8": bridge(llama3_70b, 8192, 128, 64, 1602, tp=4, pp=8, vpp=5),
         "bridge-llama31-405b-fp8": bridge(llama3_405b, 8192, 512, 1024, 292, tp=8, pp=8, cp=2, vpp=8),
+        # Mixture of experts. Every one of these benchmarks forces balanced routing (moe_imbalance = 1).
+        "mcore-mixtral-8x7b": (
+            Workload(mixtral, 4096, 256, 64, h100, framework="megatron"),
+            dict(tp=1, pp=4, vpp=8, ep=8, dp=16, micro_batch=1, dp_style="distopt"),
+            flops_seconds(mixtral, 256, 4096, 468, 64),
+            "Megatron-Core MoE (megatron/core/transformer/moe/README.md): Mixtral 8x7B, 64 H100, bf16, TP1 EP8 "
+            "PP4 VPP8, 468 TFLOP/s/GPU; step time from TFLOP/s with loom's FLOP count (active experts)"),
+        "automodel-qwen3-30b-a3b": (
+            Workload(qwen3_30b, 4096, 512, 8, h100, loss_chunk=4096),
+            dict(tp=1, pp=1, ep=8, dp=8, micro_batch=4, dp_style="fsdp"), 21.773,
+            "NeMo AutoModel performance summary (NVIDIA-NeMo/Automodel docs/performance-summary.md, 2025-10-02): "
+            "Qwen3 MoE 30B, 8 H100, bf16, FSDP8 + EP8, PyTorch + TE + DeepEP, balanced gate, 21.773 s/step; its "
+            "fused linear cross-entropy priced as a 4096-token loss chunk"),
         "meta-llama3-405b-8k": meta(8192, 430),
         "meta-llama3-405b-16k": meta(16384, 400),
     }
