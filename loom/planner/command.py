@@ -174,6 +174,9 @@ def run(args) -> int:
     start = time.perf_counter()
     w, base_name = build_workload(args)
     if args.inference:
+        if w.model.moe_experts:
+            raise UserError("--inference does not model mixture-of-experts models yet (which experts a decode step "
+                            "reads depends on the batch); plan their training, or use a dense model")
         return _run_inference(args, w)
     from loom.planner import report
     from loom.planner.search import parse_layout, search, search_layout

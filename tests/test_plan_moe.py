@@ -1,0 +1,131 @@
+"""The planner on mixture-of-experts models: parameter counts against the built model and the published
+sizes, expert memory sharded by expert parallelism, the all-to-all and expert-GEMM terms against hand
+arithmetic, the ep search, the imbalance assumption and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import run_cli
+
+from loom.config import load_config
+from loom.planner.costmodel import (GIB, Layout, Workload, evaluate, expert_params, layer_times, memory,
+                                    total_params)
+from loom.planner.hardware import PRESETS
+from loom.planner.search import search
+
+H100 = PRESETS["h100"]
+
+
+def test_moe_parameter_count_equals_the_built_model_and_published_sizes():
+    from loom.models.llama import build_model
+
+    cfg = load_config("tiny-moe").model
+    cfg.moe_shared_experts, cfg.moe_shared_gate, cfg.moe_interval = 1, True, 2  # dense and MoE layers mixed
+    model = build_model(cfg, device="meta")
+    assert total_params(cfg) == sum(p.numel() for p in model.parameters())
+    # Mixtral 8x7B: 46.7B parameters (Jiang et al. 2024); Qwen3-30B-A3B: 30.5B (its model card).
+    assert total_params(load_config("mixtral-8x7b").model) / 1e9 == pytest.approx(46.70, abs=0.01)
+    assert total_params(load_config("qwen3-30b-a3b").model) / 1e9 == pytest.approx(30.53, abs=0.01)
+
+
+def _w(name="mixtral-8x7b", gpus=64, **kw):
+    cfg = load_config(name).model
+    return Workload(cfg, 4096, 256, gpus, H100, **kw)
+
+
+def test_experts_are_sharded_by_ep_and_their_states_by_the_expert_data_parallel_ranks():
+    w = _w()
+    cfg = w.model
+    experts = cfg.layers * expert_params(cfg)
+    dense = total_params(cfg) - experts
+    for ep in (1, 2, 8):
+        # Megatron's distributed optimizer: 16-bit weights of the rank's dense part and E/ep experts.
+        mem = memory(w, Layout(dp=64, ep=ep, dp_style="distopt"))
+        assert mem["params"] == pytest.approx(2 * (dense + experts / ep), rel=1e-9), ep
+        # Its fp32 master + moments: dense over 64 ranks, experts over the 64 / ep expert-data-parallel ranks.
+        assert mem["optimizer"] == pytest.approx(12 * (dense / 64 + experts / ep / (64 // ep)), rel=1e-9), ep
+        # FSDP: everything sharded the same way, so the expert states do not depend on ep.
+        fsdp = memory(w, Layout(dp=64, ep=ep, dp_style="fsdp"))
+        assert fsdp["params"] == pytest.approx(4 * (dense / 64 + experts / ep / (64 // ep)), rel=1e-9)
+
+
+def test_all_to_all_and_expert_gemms_follow_the_token_arithmetic():
+    w = _w()
+    cfg, gpu = w.model, w.gpu
+    one = layer_times(w, 1, 1, 1, False, "none", 8)
+    tokens, k, h = 4096, cfg.moe_top_k, cfg.hidden
+    # Two all-to-alls forward (dispatch, combine): each rank sends 7/8 of its tokens x top_k rows of h bf16,
+    # inside the node (ep=8 fits), at NVLink bandwidth x efficiency, plus a latency each.
+    volume = tokens * k * h * 2 * 7 / 8
+    expected = 2 * (gpu.collective_latency_us * 1e-6 + volume / (gpu.nvlink_gbps * 1e9 * gpu.collective_efficiency))
+    assert one.fwd["ep_comm"] == pytest.approx(expected, rel=1e-9)
+    assert one.bwd["ep_comm"] == pytest.approx(expected, rel=1e-9)
+    # Across nodes (tp=2 puts 4 ep peers in a node): the half that leaves the node goes at network speed.
+    two = layer_times(w, 2, 1, 1, True, "none", 8)
+    rows = tokens // 2 * k
+    out = rows * h * 2 * (4 / 7) * 7 / 8
+    assert two.fwd["ep_comm"] == pytest.approx(
+        2 * (gpu.collective_latency_us * 1e-6 + out / (gpu.internode_gbps * 1e9 * gpu.collective_efficiency)), rel=1e-9)
+    # A dense model has no all-to-all; the MoE model's matmuls count top_k experts per token: with 2 of 8
+    # experts of the dense MLP's width, the MLP GEMM work doubles, whatever ep.
+    dense_cfg = load_config("mixtral-8x7b").model
+    dense_cfg.moe_experts = 0
+    dense = layer_times(Workload(dense_cfg, 4096, 256, 64, H100), 1, 1, 1, False, "none")
+    assert dense.fwd["ep_comm"] == 0.0
+    mlp_flops = 2 * 3 * h * cfg.ffn_hidden * tokens
+    assert one.fwd["gemm"] - dense.fwd["gemm"] == pytest.approx(
+        mlp_flops / (gpu.peak("bf16") * 1e12 * gpu.matmul_efficiency["bf16"]), rel=0.1)
+
+
+def test_imbalance_slows_the_busiest_rank_and_grows_its_activations():
+    balanced, skewed = _w(), _w(moe_imbalance=1.5)
+    # (distopt: with FSDP over 64 GPUs this step is bound by the weight gathers, which hide the experts' time)
+    lay = Layout(dp=64, ep=8, dp_style="distopt", recompute="none")
+    a, b = evaluate(balanced, lay), evaluate(skewed, lay)
+    assert b.time_terms["ep_comm"] == pytest.approx(1.5 * a.time_terms["ep_comm"], rel=0.02)
+    assert b.time_terms["gemm"] > a.time_terms["gemm"] * 1.2
+    assert b.memory["activations"] > a.memory["activations"]
+    assert b.step_time_s > a.step_time_s
+
+
+def test_search_offers_expert_parallel_sizes_that_divide_experts_and_dp():
+    found, _ = search(_w(gpus=16), top=0, dp_styles=("fsdp",), recompute_modes=("full",))
+    eps = {e.layout.ep for e in found}
+    assert eps and eps <= {1, 2, 4, 8} and max(eps) > 1
+    for e in found:
+        assert (e.layout.dp * e.layout.cp) % e.layout.ep == 0 and 8 % e.layout.ep == 0
+    dense = load_config("llama2-7b").model
+    found, _ = search(Workload(dense, 4096, 64, 16, H100), top=0, recompute_modes=("full",))
+    assert {e.layout.ep for e in found} == {1}
+
+
+def test_cli_moe_sizes_layout_and_refusals():
+    r = run_cli("plan", "--layers", "8", "--hidden", "1024", "--heads", "8", "--vocab", "32000", "--mlp", "swiglu",
+                "--norm", "rmsnorm", "--experts", "16", "--top-k", "2", "--moe-ffn", "512", "--gpus", "16",
+                "--seq", "2048", "--global-batch", "64", "--layout", "ep=8", "--runtime", "any", "--json")
+    assert r.returncode == 0, r.stderr
+    best = json.loads(r.stdout)["candidates"][0]
+    assert best["ep"] == 8 and best["time_s"]["ep_comm"] > 0
+    for args, needle in ((("--model", "llama2-7b", "--gpus", "16", "--layout", "ep=2"), "mixture-of-experts"),
+                         (("--model", "mixtral-8x7b", "--gpus", "16", "--layout", "ep=3"), "valid: 1, 2, 4, 8"),
+                         (("--model", "mixtral-8x7b", "--gpus", "16", "--top-k", "9"), "model.moe.top_k"),
+                         (("--model", "mixtral-8x7b", "--gpus", "16", "--moe-imbalance", "0.5"), "--moe-imbalance"),
+                         (("--model", "mixtral-8x7b", "--gpus", "8", "--inference"), "mixture-of-experts")):
+        r = run_cli("plan", *args)
+        assert r.returncode == 2 and needle in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+
+
+def test_loss_chunk_keeps_one_chunk_of_logits_for_one_more_head_forward():
+    cfg = load_config("qwen3-30b-a3b").model
+    whole, chunked = (Workload(cfg, 4096, 512, 8, H100, loss_chunk=c) for c in (0, 1024))
+    lay = Layout(dp=8, ep=8, micro_batch=4, dp_style="fsdp", recompute="full")
+    a, b = evaluate(whole, lay), evaluate(chunked, lay)
+    assert a.memory["logits"] == pytest.approx(4 * 4096 * cfg.vocab_size * 10, rel=1e-9)  # fp32 x2 + bf16
+    assert b.memory["logits"] == pytest.approx(1024 * cfg.vocab_size * 10, rel=1e-9)
+    assert b.time_terms["head"] > a.time_terms["head"]
+    assert math.isclose(a.memory["params"], b.memory["params"])
+    assert b.memory["total"] < a.memory["total"] - 20 * GIB
