@@ -194,6 +194,21 @@ def cmd_preprocess(args, extra) -> int:
         tok = load_tokenizer(load_config(spec))
     if args.eod_token:
         tok.set_eod(args.eod_token)
+    if args.sft:  # examples with their loss mask, for sft.data (loom/post/sft_data.py)
+        from loom.data.preprocess import input_files
+        from loom.post.chat import load_template
+        from loom.post.sft_data import write_prefix
+
+        existing = [p for p in (Path(f"{args.output_prefix}{s}") for s in (".bin", ".idx", ".sft.json")) if p.exists()]
+        if existing and not args.overwrite:
+            raise UserError(f"{', '.join(map(str, existing))} already exist; pass --overwrite to replace them, or choose "
+                            "another --output-prefix (nothing was changed)")
+        Path(f"{args.output_prefix}.sft.json").unlink(missing_ok=True)  # incomplete until written again, last
+        template = load_template(args.template, tok.path)
+        meta = write_prefix(input_files(args.input), args.output_prefix, tok, template)
+        print(f"wrote {args.output_prefix}.bin/.idx and its loss mask: {meta['examples']} examples, {meta['tokens']} "
+              f"tokens, {meta['learned_tokens']} learned (template {template.name})")
+        return 0
     stats = preprocess(args.input, str(args.output_prefix), tok, json_key=args.json_key, workers=args.workers,
                        append_eod=args.append_eod, progress=sys.stderr.isatty(), overwrite=args.overwrite)
     print(f"wrote {args.output_prefix}.bin/.idx: " + ", ".join(f"{k} {v}" for k, v in stats.items()))

@@ -339,3 +339,26 @@ def test_packed_sft_layout_matches_single_process(name, sft_reference, tmp_path)
         for key in ("loss", "grad_norm"):
             assert math.isclose(got[key], want[key], rel_tol=1e-5), (name, got["step"], key, got[key], want[key])
     assert math.isclose(evals[-1]["val_loss"], ref_evals[-1]["val_loss"], rel_tol=1e-5)
+
+
+def test_preprocess_sft_keeps_the_mask_and_is_what_a_run_reads(tmp_path, capsys, chat_tokenizer):
+    from loom.data.tokenizer import Tokenizer, bpe_cache_path, get_tokenizer
+    from loom.post.sft_data import Examples, prepare
+    from loom.post.synthetic import write
+
+    tok = get_tokenizer("bpe", 512, 300000)
+    data = write(tmp_path / "chat.jsonl", 30)
+    args = ["preprocess", "--sft", "--input", str(data), "--output-prefix", str(tmp_path / "p"), "--tokenizer",
+            str(bpe_cache_path(512, 300000)), "--template", "chatml"]
+    assert main(args) == 0
+    assert "30 examples" in capsys.readouterr().out
+    assert main(args) == 2  # never replaced without --overwrite
+    stored, fresh = Examples([str(tmp_path / "p")]), Examples(prepare([str(data)], tok, load_template("chatml")))
+    assert (stored.sizes == fresh.sizes).all() and (stored.first == fresh.first).all()
+    for i in range(len(fresh)):
+        for a, b in zip(stored.get(i, int(fresh.sizes[i])), fresh.get(i, int(fresh.sizes[i]))):
+            assert (a == b).all()
+    assert prepare([str(tmp_path / "p")], tok, load_template("chatml")) == [str(tmp_path / "p")]
+    other = Tokenizer.from_file(chat_tokenizer)
+    with pytest.raises(UserError, match="tokenized with another tokenizer"):
+        prepare([str(tmp_path / "p")], other, load_template("chatml"))
