@@ -46,22 +46,34 @@ def cmd_train(args, extra) -> int:
         cfg = resolve_init_from(cfg, overrides)
     else:
         cfg.validate()
+    if args.command == "sft" and not cfg.sft.data:
+        raise UserError("loom sft needs sft.data: .jsonl files of {\"messages\": [...]} or {\"prompt\", "
+                        "\"completion\"} records (or prefixes from `loom preprocess --sft`), e.g. --sft.data=chat.jsonl")
     if args.print_config:
         print(cfg.to_toml(), end="")
         return 0
     if args.nproc < 1 or args.nnodes < 1:
         raise UserError(f"--nproc={args.nproc} and --nnodes={args.nnodes} must be >= 1")
+    recipe = {}
+    if cfg.sft.data:  # the SFT recipe: its examples and masked loss in the one training loop
+        from loom.post import sft
+
+        recipe = {"datasets": sft.build_datasets, "loss": sft.loss_for(cfg)}
     if (args.nproc > 1 or args.nnodes > 1) and not in_worker():
         from loom.train.trainer import default_run_dir
 
         if args.nnodes > 1 and not args.run_dir:
             raise UserError("--nnodes > 1 needs an explicit --run-dir on storage every node shares")
         run_dir = args.run_dir or default_run_dir(cfg)
-        return launch(cfg, ["train", "--config", args.config, "--run-dir", str(run_dir)], overrides, args.nproc,
-                      args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
+        if recipe:  # tokenize the examples once, here, before the workers start
+            from loom.data.loader import load_tokenizer
+
+            sft.prepare_data(cfg, load_tokenizer(cfg))
+        return launch(cfg, [args.command, "--config", args.config, "--run-dir", str(run_dir)], overrides, args.nproc,
+                      args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts, prepare_data=not recipe)
     from loom.train.trainer import Trainer
 
-    trainer = Trainer(cfg, args.run_dir)
+    trainer = Trainer(cfg, args.run_dir, **recipe)
     result = trainer.fit()
     if trainer.is_main:
         print(f"run directory: {trainer.run_dir}")
@@ -182,6 +194,21 @@ def cmd_preprocess(args, extra) -> int:
         tok = load_tokenizer(load_config(spec))
     if args.eod_token:
         tok.set_eod(args.eod_token)
+    if args.sft:  # examples with their loss mask, for sft.data (loom/post/sft_data.py)
+        from loom.data.preprocess import input_files
+        from loom.post.chat import load_template
+        from loom.post.sft_data import write_prefix
+
+        existing = [p for p in (Path(f"{args.output_prefix}{s}") for s in (".bin", ".idx", ".sft.json")) if p.exists()]
+        if existing and not args.overwrite:
+            raise UserError(f"{', '.join(map(str, existing))} already exist; pass --overwrite to replace them, or choose "
+                            "another --output-prefix (nothing was changed)")
+        Path(f"{args.output_prefix}.sft.json").unlink(missing_ok=True)  # incomplete until written again, last
+        template = load_template(args.template, tok.path)
+        meta = write_prefix(input_files(args.input), args.output_prefix, tok, template)
+        print(f"wrote {args.output_prefix}.bin/.idx and its loss mask: {meta['examples']} examples, {meta['tokens']} "
+              f"tokens, {meta['learned_tokens']} learned (template {template.name})")
+        return 0
     stats = preprocess(args.input, str(args.output_prefix), tok, json_key=args.json_key, workers=args.workers,
                        append_eod=args.append_eod, progress=sys.stderr.isatty(), overwrite=args.overwrite)
     print(f"wrote {args.output_prefix}.bin/.idx: " + ", ".join(f"{k} {v}" for k, v in stats.items()))
@@ -206,6 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0, help="restart the workers this many times on failure")
     p.add_argument("--print-config", action="store_true",
                    help="print the merged config (defaults, file, overrides) as TOML and exit")
+    p.set_defaults(func=cmd_train)
+    train_parser = p
+
+    p = sub.add_parser("sft", help="supervised fine-tuning on chat or prompt/completion examples",
+                       parents=[train_parser], add_help=False, conflict_handler="resolve",
+                       description="Fine-tune on .jsonl examples (sft.data): chat records {\"messages\": [{\"role\", "
+                       "\"content\"}, ...]} rendered with the model's chat template (sft.template), or {\"prompt\", "
+                       "\"completion\"}; the loss counts only assistant / completion tokens; sft.packing puts several "
+                       "examples in a sequence with attention kept inside each. The same options and overrides as "
+                       "train; usually from --train.init_from=MODEL. Example: loom sft --config tiny-sft")
     p.set_defaults(func=cmd_train)
 
     from loom.planner.command import add_arguments as add_plan_arguments

@@ -279,6 +279,9 @@ class DataConfig:
     tokenizer: str = "bpe"  # "bpe": byte-level BPE trained on the corpus; else a tokenizer.json path
     corpus_max_bytes: int = 0  # use only the first N bytes of the embedded corpus (0: all)
     prefetch: bool = True  # read the next step's batch in a background thread during the current step
+    # Attention stays inside each document of a sample (documents end with the tokenizer's end-of-document
+    # token) and positions restart at each document, as Llama 3 pretrained.
+    document_mask: bool = False
 
     def validate(self) -> None:
         if self.weights and len(self.weights) != len(self.paths):
@@ -322,6 +325,31 @@ def split_ranges(shares: tuple[float, float, float], documents: int):
     if shares[1] > 0 and cut[2] == cut[1] and cut[1] >= 2:
         cut[1] -= 1
     return (cut[0], cut[1]), (cut[1], cut[2]), (cut[2], cut[3])
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning (loom/post/sft.py): non-empty `sft.data` makes a run an SFT run."""
+
+    # .jsonl files of {"messages": [{"role", "content"}, ...]} or {"prompt", "completion"} records, or
+    # prefixes written by `loom preprocess --sft`. Held out for validation: sft.valid_data when given, else
+    # the data.split validation share of the examples (the last ones of the files).
+    data: list[str] = field(default_factory=list)
+    valid_data: list[str] = field(default_factory=list)
+    # "auto": the chat_template of the tokenizer_config.json beside the tokenizer (data.tokenizer or
+    # train.init_from); "llama3" or "chatml": built in; else a tokenizer_config.json or .jinja file.
+    template: str = "auto"
+    packing: bool = True  # several examples per sequence, attention and positions kept per example
+    # Examples longer than train.seq_len + 1 tokens: "truncate" keeps the first seq_len + 1, "drop" skips them.
+    overlong: Literal["truncate", "drop"] = "truncate"
+
+    def validate(self) -> None:
+        for name in ("data", "valid_data"):
+            if any(not str(p).strip() for p in getattr(self, name)):
+                raise UserError(f"sft.{name}={getattr(self, name)} holds an empty path; give .jsonl files or "
+                                "prefixes written by `loom preprocess --sft`")
+        if self.valid_data and not self.data:
+            raise UserError("sft.valid_data is set but sft.data is empty; give the training examples in sft.data")
 
 
 @dataclass
@@ -378,6 +406,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -387,6 +416,9 @@ class Config:
         for section in SECTIONS:
             getattr(self, section).validate()
         check_layout(self, measuring=measuring)
+        if self.sft.data and (self.data.paths or self.data.valid_paths):
+            raise UserError("sft.data and data.paths/data.valid_paths are both set; an SFT run reads its examples "
+                            "from sft.data (and sft.valid_data) only: clear data.paths and data.valid_paths")
         if self.train.seq_len > self.model.max_seq_len:
             raise UserError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "

@@ -131,6 +131,15 @@ def cp_feature_problem(cp: int, dropout: float, compile: bool, recompute_mode: s
     return None
 
 
+def document_mask_problem(masked: bool, position: str, sp: bool) -> str | None:
+    """Why document masking (packed SFT, data.document_mask) cannot run in this layout (None: it can)."""
+    if masked and position == "learned" and sp:
+        return ("packed sequences restart learned positions per document, which parallel.sp=true does not split "
+                "by sequence yet; set parallel.sp=false, model.position=rope, sft.packing=false or "
+                "data.document_mask=false")
+    return None
+
+
 # --- batch ------------------------------------------------------------------------------------------
 
 
@@ -304,6 +313,10 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False) -> None
         raise UserError(problem)
     if problem := cp_problem(p.cp, t.seq_len, p.tp, p.sp) or cp_feature_problem(
             p.cp, max(m.dropout, m.attn_dropout), t.compile, cfg.recompute.mode):
+        raise UserError(problem)
+    sft = getattr(cfg, "sft", None)
+    masked = getattr(getattr(cfg, "data", None), "document_mask", False) or bool(sft and sft.data and sft.packing)
+    if problem := document_mask_problem(masked, m.position, p.sp):
         raise UserError(problem)
     if p.tp > 1:
         reasons = tp_problems(p.tp, m, t.seq_len, p.sp)

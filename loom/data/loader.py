@@ -95,7 +95,23 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer):
     train = _samples(train_parts, d.weights, t.seq_len, t.steps * t.global_batch, t.seed, "train")
     val = _samples(val_parts, [], t.seq_len, t.eval_samples, VAL_SEED, "val")
     val.source = source
+    if d.document_mask:  # batches then carry doc_ids and positions (loom/train/steps.py read_batch)
+        train.document_eod = val.document_eod = tokenizer.require_eod(
+            "data.document_mask=true", "set data.document_mask=false or use a tokenizer that has one")
     return train, val
+
+
+def documents(inputs: torch.Tensor, eod: int) -> dict[str, torch.Tensor]:
+    """Document masking of sample rows [b, s] whose documents end with token `eod`: `doc_ids` (documents
+    numbered along each row; an `eod` belongs to the document it ends) and `positions` (each token's position
+    in its document, restarting after every `eod`; a row's first document counts from the row's start)."""
+    ends = inputs == eod
+    doc_ids = torch.cumsum(ends, dim=1) - ends.long()
+    index = torch.arange(inputs.shape[1]).expand_as(inputs)
+    starts = torch.ones_like(ends)
+    starts[:, 1:] = ends[:, :-1]
+    first = torch.cummax(torch.where(starts, index, 0), dim=1).values
+    return {"doc_ids": doc_ids, "positions": index - first}
 
 
 def batch(dataset, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:

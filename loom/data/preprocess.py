@@ -195,3 +195,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the end-of-document token for --append-eod (default: the tokenizer's <|endoftext|>, "
                         "</s>, <|end_of_text|> or <eos>)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.bin/.idx")
+    parser.add_argument("--sft", action="store_true",
+                        help="SFT examples ({\"messages\"} or {\"prompt\", \"completion\"} records): writes the token ids "
+                        "and their loss mask (PREFIX.mask.bin/.idx, PREFIX.first.npy, PREFIX.sft.json) for sft.data")
+    parser.add_argument("--template", default="auto",
+                        help="with --sft: the chat template, as sft.template (auto, llama3, chatml or a file)")

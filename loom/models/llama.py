@@ -106,7 +106,9 @@ class Attention(nn.Module):
         # rank holds two separate chunks of every sequence: loom/parallel/context.py).
         self.positions: torch.Tensor | None = None
 
-    def forward(self, x, rope, cache=None, layer_id: int = 0, start_pos: int = 0):
+    def forward(self, x, rope, cache=None, layer_id: int = 0, start_pos: int = 0, doc_ids=None, positions=None):
+        """`doc_ids` [batch, seq] (int): tokens attend only to earlier tokens of the same document (packed
+        sequences); `positions` [batch, seq]: each token's rotary position (restarting per document)."""
         bsz, seqlen, _ = x.shape
         # Head counts come from the weights so a tensor-parallel shard (fewer local heads) works as is.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -115,13 +117,20 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        if rope is not None:  # full tables; this module's positions are start_pos..start_pos+seqlen-1
+        if rope is not None and positions is not None:  # per token: [b, s] -> tables [b, 1, s, d]
+            cos, signed_sin = (t[positions.to(x.device)].unsqueeze(1) for t in rope)
+            q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
+        elif rope is not None:  # full tables; this module's positions are start_pos..start_pos+seqlen-1
             where = slice(start_pos, start_pos + seqlen) if self.positions is None else self._positions(x.device)
             cos, signed_sin = (t[where] for t in rope)
             q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
         if cache is not None:
             k, v = cache.update(layer_id, k, v, start_pos)
-        out = self.core(q, k, v, self.kind, self.attn_dropout if self.training else 0.0, start_pos)
+        dropout = self.attn_dropout if self.training else 0.0
+        if doc_ids is None:
+            out = self.core(q, k, v, self.kind, dropout, start_pos)
+        else:
+            out = self.core(q, k, v, self.kind, dropout, start_pos, doc_ids.to(x.device))
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def _positions(self, device) -> torch.Tensor:
@@ -130,17 +139,21 @@ class Attention(nn.Module):
         return self.positions
 
 
-def attention_core(q, k, v, kind: str, dropout: float, start_pos: int = 0) -> torch.Tensor:
+def attention_core(q, k, v, kind: str, dropout: float, start_pos: int = 0, doc_ids=None) -> torch.Tensor:
     """Causal attention. q: [b, hq, s_q, d]; k, v: [b, hkv, s_k, d] with hq a multiple of hkv.
 
     Queries sit at positions start_pos..start_pos+s_q-1 of the s_k keys (s_k = start_pos + s_q).
+    `doc_ids` [b, >= s_k] (the document of each key position; queries take theirs from the same row):
+    a query attends only to keys of its own document, a block-diagonal causal mask.
     """
     s_q, s_k = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    mask = _causal_mask(s_q, s_k, q.device)
+    if doc_ids is not None:
+        mask = mask & document_mask(doc_ids, s_q, s_k)
     if kind == "sdpa":  # SDPA shares each key/value head across its query group itself
-        if s_q == s_k:
+        if s_q == s_k and doc_ids is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)
-        mask = _causal_mask(s_q, s_k, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
     if gqa:
         groups = q.shape[1] // k.shape[1]
@@ -149,12 +162,19 @@ def attention_core(q, k, v, kind: str, dropout: float, start_pos: int = 0) -> to
     # "math": the softmax (and its dropout) materialised, as in Korthikanti et al.
     scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
     # An additive mask: unlike masked_fill, adding a constant keeps nothing for backward.
-    bias = torch.zeros(s_q, s_k, dtype=scores.dtype, device=q.device)
-    scores = scores + bias.masked_fill_(~_causal_mask(s_q, s_k, q.device), float("-inf"))
+    bias = torch.zeros(mask.shape, dtype=scores.dtype, device=q.device)
+    scores = scores + bias.masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # kernels accumulate in fp32; the stored output keeps q's dtype
     if dropout > 0:
         probs = torch.native_dropout(probs, dropout, True)[0]  # 1-byte mask, as Dropout above
     return torch.matmul(probs, v)
+
+
+def document_mask(doc_ids: torch.Tensor, s_q: int, s_k: int) -> torch.Tensor:
+    """Boolean [b, 1, s_q, s_k]: True where query i (position s_k - s_q + i) and key j share a document.
+    `doc_ids` [b, n >= s_k] holds the document of positions 0..n-1 of each row."""
+    keys = doc_ids[:, :s_k]
+    return (keys[:, s_k - s_q:, None] == keys[:, None, :]).unsqueeze(1)
 
 
 def _causal_mask(s_q: int, s_k: int, device) -> torch.Tensor:
@@ -213,8 +233,10 @@ class TransformerBlock(nn.Module):
         self.feed_forward = build_moe(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
         self.dropout = _dropout(cfg.dropout)
 
-    def forward(self, x, rope, cache=None, start_pos: int = 0):
-        h = x + self.dropout(self.attention(self.attention_norm(x), rope, cache, self.layer_id, start_pos))
+    def forward(self, x, rope, cache=None, start_pos: int = 0, doc_ids=None, positions=None):
+        a = self.attention(self.attention_norm(x), rope, cache, self.layer_id, start_pos, doc_ids=doc_ids,
+                           positions=positions)
+        h = x + self.dropout(a)
         return h + self.dropout(self.feed_forward(self.ffn_norm(h)))
 
 
@@ -278,12 +300,18 @@ class Transformer(nn.Module):
             self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
 
     def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0,
-                return_hidden: bool = False) -> torch.Tensor:
+                return_hidden: bool = False, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] (int) -> logits [batch, seq, vocab].
 
         A pipeline stage without the embedding takes hidden states [batch, seq, hidden] instead, and a
         stage without the head returns hidden states. `return_hidden=True` stops before the LM head
         (after the final norm): a loss that applies the head itself, chunk by chunk, takes it from there.
+
+        Packed sequences (several documents per row): `doc_ids` [batch, seq] numbers each token's document
+        (attention stays inside it) and `positions` [batch, seq] gives each token's position in its document
+        (rotary and learned positions restart). A context-parallel rank gets its own tokens' `positions` and
+        the whole rows' `doc_ids` (loom/parallel/context.py).
         """
         seqlen = tokens.shape[1]
         if self.tok_embeddings is not None:
@@ -291,6 +319,7 @@ class Transformer(nn.Module):
             if self.pos_embeddings is not None:  # `positions`: a context-parallel rank's tokens (see Attention)
                 pos = (torch.arange(start_pos, start_pos + seqlen, device=h.device) if self.positions is None
                        else self.positions.to(h.device))
+                pos = pos if positions is None else positions.to(h.device)
                 h = h + self.pos_embeddings(pos)
             h = self.embed_dropout(h)
         else:
@@ -299,7 +328,7 @@ class Transformer(nn.Module):
         # states, only attention (after gathering the sequence) knows the full length.
         rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
         for layer in self.layers.values():
-            h = layer(h, rope, cache, start_pos)
+            h = layer(h, rope, cache, start_pos, doc_ids=doc_ids, positions=positions)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None and not return_hidden:

@@ -40,14 +40,18 @@ def rank_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
 
 
+WHOLE_ROWS = ("doc_ids",)  # batch entries every cp rank keeps whole: attention masks keys of the whole row
+
+
 def shard_batch(batch: dict, seq_len: int, cp: int, rank: int) -> dict:
-    """This cp rank's tokens of every sequence: each [batch, seq_len, ...] tensor sliced along dim 1."""
+    """This cp rank's tokens of every sequence: each [batch, seq_len, ...] tensor sliced along dim 1 (but
+    `WHOLE_ROWS`)."""
     if cp == 1:
         return batch
     idx = rank_positions(seq_len, cp, rank)
     out = {}
     for k, v in batch.items():
-        if v.dim() >= 2 and v.shape[1] == seq_len:
+        if v.dim() >= 2 and v.shape[1] == seq_len and k not in WHOLE_ROWS:
             v = v.index_select(1, idx.to(v.device))
         out[k] = v
     return out
@@ -98,15 +102,18 @@ class ContextParallelCore:
         self.group, self.cp, self.rank = group, cp, rank
         self.inner = attention_core
 
-    def __call__(self, q, k, v, kind: str, dropout: float, start_pos: int = 0) -> torch.Tensor:
+    def __call__(self, q, k, v, kind: str, dropout: float, start_pos: int = 0, doc_ids=None) -> torch.Tensor:
+        """`doc_ids`: packed sequences' document ids of whole rows [b, S] (`shard_batch` leaves them whole),
+        so each chunk's mask needs no exchange: its queries' and keys' documents are a slice of them."""
         if start_pos:
             raise RuntimeError("context parallelism runs whole sequences (start_pos 0), not cached decoding")
         k, v = gather_sequence(k, self.group, self.cp), gather_sequence(v, self.group, self.cp)
         c = q.shape[2] // 2
         a, b = self.rank, 2 * self.cp - 1 - self.rank
+        docs = () if doc_ids is None else (doc_ids,)
         # Chunk a attends keys [0, (a+1)c), chunk b keys [0, (b+1)c): causal, aligned bottom-right.
-        out_a = self.inner(q[:, :, :c], k[:, :, :(a + 1) * c], v[:, :, :(a + 1) * c], kind, dropout, a * c)
-        out_b = self.inner(q[:, :, c:], k[:, :, :(b + 1) * c], v[:, :, :(b + 1) * c], kind, dropout, b * c)
+        out_a = self.inner(q[:, :, :c], k[:, :, :(a + 1) * c], v[:, :, :(a + 1) * c], kind, dropout, a * c, *docs)
+        out_b = self.inner(q[:, :, c:], k[:, :, :(b + 1) * c], v[:, :, :(b + 1) * c], kind, dropout, b * c, *docs)
         return torch.cat([out_a, out_b], dim=2)
 
 

@@ -34,12 +34,13 @@ def stage_owner(cfg: Config, stage: int) -> int:
 
 
 @torch.no_grad()
-def forward_through_stages(chunks, ids, cfg: Config, pp_group, x: torch.Tensor):
+def forward_through_stages(chunks, ids, cfg: Config, pp_group, x: torch.Tensor, **kwargs):
     """Forward only, stage after stage, with blocking point-to-point transfers (used for evaluation).
 
     Returns the last stage's output on the rank that holds it, else None. Every rank of the pipeline
     group must call it. Hidden states may be sequence shards (SP): each rank exchanges with the rank at
-    the same tensor/data-parallel coordinate, which is what `pp_group` connects.
+    the same tensor/data-parallel coordinate, which is what `pp_group` connects. `kwargs` (packed sequences'
+    doc_ids and positions) go to every stage.
     """
     import torch.distributed as dist
 
@@ -57,7 +58,7 @@ def forward_through_stages(chunks, ids, cfg: Config, pp_group, x: torch.Tensor):
             shape = [int(v) for v in meta if v > 0]
             h = torch.empty(shape, dtype=torch.float32, device=x.device)
             dist.recv(h, src=peer(stage - 1))
-        h = mine[stage](h)
+        h = mine[stage](h, **kwargs)
         if stage < num_stages - 1 and peer(stage + 1) != here:
             h = h.float().contiguous()
             meta = torch.tensor(list(h.shape) + [0] * (4 - h.dim()), dtype=torch.int64, device=h.device)

@@ -25,6 +25,8 @@ def epoch_steps(dataset, global_batch: int) -> dict[int, str]:
 
     Samples are shuffled across the whole run, so an "epoch" here is a count: after it, documents repeat.
     """
+    if hasattr(dataset, "epoch_steps"):  # a dataset that makes its own rows (SFT) knows its passes
+        return dataset.epoch_steps(global_batch)
     parts = _parts(dataset)
     out: dict[int, str] = {}
     for d, part in enumerate(parts):
@@ -45,9 +47,14 @@ def epoch_steps(dataset, global_batch: int) -> dict[int, str]:
 def banner(cfg, layout, params: int, train_data, run_dir, resumed_from, valid_source: str) -> str:
     p, t = cfg.parallel, cfg.train
     tokens_per_step = t.global_batch * t.seq_len
-    data_tokens, samples_per_pass = data_summary(train_data)
     run_tokens = t.steps * tokens_per_step
-    epochs = t.steps * t.global_batch / samples_per_pass
+    if hasattr(train_data, "summary"):  # SFT: examples, over-long ones, packing and padding
+        data_line = f"  data         {train_data.summary()}"
+    else:
+        data_tokens, samples_per_pass = data_summary(train_data)
+        epochs = t.steps * t.global_batch / samples_per_pass
+        data_line = (f"  data         {data_tokens:,} tokens; {t.steps} steps read {run_tokens:,} tokens = {epochs:.2f} "
+                     "epochs" + (", attention within documents" if cfg.data.document_mask else ""))
     sizes = [f"{k}={getattr(p, k)}" for k in ("tp", "pp", "vpp", "dp_replicate", "dp_shard", "cp", "ep")
              if getattr(p, k) != 1]
     if p.sp:
@@ -57,13 +64,13 @@ def banner(cfg, layout, params: int, train_data, run_dir, resumed_from, valid_so
     layout_text = ", ".join(sizes) or "one process"
     micro = t.global_batch // (p.dp * t.micro_batch)
     lines = [
-        f"loom train: {cfg.name}, {params / 1e6:,.1f}M parameters ({cfg.model.layers} layers, hidden "
+        f"loom {'sft' if getattr(cfg, 'sft', None) and cfg.sft.data else 'train'}: {cfg.name}, {params / 1e6:,.1f}M parameters ({cfg.model.layers} layers, hidden "
         f"{cfg.model.hidden}), {t.dtype}, recompute={cfg.recompute.mode}",
         f"  layout       {layout_text} ({layout.world_size} process{'es' if layout.world_size > 1 else ''} on "
         f"{cfg.train.device if cfg.train.device != 'auto' else 'the default device'})",
         f"  batch        {t.global_batch} x {t.seq_len} = {tokens_per_step:,} tokens per step "
         f"({micro} micro-batch{'es' if micro > 1 else ''} of {t.micro_batch} per data-parallel rank)",
-        f"  data         {data_tokens:,} tokens; {t.steps} steps read {run_tokens:,} tokens = {epochs:.2f} epochs",
+        data_line,
         f"  validation   {valid_source}",
         f"  run dir      {run_dir}" + (f" (resuming from {resumed_from.name})" if resumed_from else ""),
     ]

@@ -28,8 +28,8 @@ class Evaluator:
         return self._reference
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
-        ref = self.reference()
+    def loss_sum_and_count(self) -> tuple[float, int]:
+        """The summed loss and what it counts over the whole held-out set."""
         model = self.runner.model
         was_training = model.training
         model.eval()
@@ -40,6 +40,14 @@ class Evaluator:
             total += self.runner.eval_loss_sum(batch).item()
             count += int(self.runner.loss.count(batch))
         model.train(was_training)
+        return total, count
+
+    def evaluate(self) -> dict:
+        if hasattr(self.val_data, "batch"):  # rows the dataset makes (SFT): the mean loss over what it scores
+            total, count = self.loss_sum_and_count()
+            return {"val_loss": total / count}
+        ref = self.reference()
+        total, count = self.loss_sum_and_count()
         return {
             "val_loss": total / count,
             "val_bpb": total / math.log(2) / ref["bytes"],

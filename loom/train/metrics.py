@@ -116,6 +116,9 @@ class Progress:
             )
 
     def evaluation(self, row: dict) -> None:
+        if "val_bpb" not in row:  # SFT: the loss over the held-out responses only
+            self.message(f"eval step {row['step']}: val_loss {row['val_loss']:.4f} (held-out response tokens)")
+            return
         self.message(f"eval step {row['step']}: val_loss {row['val_loss']:.4f}  val_bpb {row['val_bpb']:.3f}  "
                      f"(gzip {row['gzip_bpb']:.3f}, xz {row['xz_bpb']:.3f})")
 

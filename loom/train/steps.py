@@ -26,6 +26,7 @@ from torch import nn
 
 from loom.config import Config
 from loom.data.loader import batch as sample_rows
+from loom.data.loader import documents
 from loom.models.losses import Batch, HeadInput, Loss
 from loom.models.moe import set_aux_grad_scale
 from loom.parallel import MeshPlace, parallelize
@@ -37,9 +38,22 @@ from loom.rules import grads_stay_sharded
 
 
 def read_batch(dataset, start: int, count: int) -> Batch:
-    """Samples [start, start+count) of `dataset` as a batch: `input_ids` and next-token `labels`."""
+    """Samples [start, start+count) of `dataset` as a batch: `input_ids` and next-token `labels`, and with
+    document masking `doc_ids` and `positions`. A dataset with a `batch` method (SFT) makes its own."""
+    if hasattr(dataset, "batch"):
+        return dataset.batch(start, count)
     x, y = sample_rows(dataset, start, count)
-    return {"input_ids": x, "labels": y}
+    eod = getattr(dataset, "document_eod", None)  # data.document_mask (loom/data/loader.py)
+    if eod is None:
+        return {"input_ids": x, "labels": y}
+    return {"input_ids": x, "labels": y, **documents(x, eod)}
+
+
+PACKING = ("doc_ids", "positions")  # batch entries the model takes beside the tokens (packed sequences)
+
+
+def model_kwargs(batch: Batch) -> dict:
+    return {k: batch[k] for k in PACKING if k in batch}
 
 
 class BatchPrefetcher:
@@ -152,9 +166,9 @@ class SPMDRunner(_Runner):
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         with self.autocast():
             if getattr(self.loss, "wants_hidden", False):  # the loss applies the head itself (chunked)
-                hidden = self.model(batch["input_ids"], return_hidden=True)
+                hidden = self.model(batch["input_ids"], return_hidden=True, **model_kwargs(batch))
                 return self.loss(HeadInput(hidden, self.model.output), batch)
-            output = self.model(batch["input_ids"])
+            output = self.model(batch["input_ids"], **model_kwargs(batch))
         return self.loss(output, batch)
 
     def forward_backward(self, batch: Batch, scale: float) -> torch.Tensor:
@@ -192,7 +206,8 @@ class SPMDRunner(_Runner):
         hooks = [m.register_forward_hook(check(n)) for n, m in self.model.named_modules() if n]
         try:
             with torch.no_grad(), self.autocast():
-                self.model(self.cp_shard(batch)["input_ids"].to(self.device))
+                batch = to_device(self.cp_shard(batch), self.device)
+                self.model(batch["input_ids"], **model_kwargs(batch))
         finally:
             for h in hooks:
                 h.remove()
@@ -242,6 +257,7 @@ class PipelineRunner(_Runner):
         # [b, s+1] sample rows has stride s+1).
         args = (batch["input_ids"].contiguous(),) if self.has_first else ()
         kwargs = {"target": batch["labels"].contiguous(), "losses": losses} if self.has_last else {}
+        kwargs.update({k: v.contiguous() for k, v in model_kwargs(batch).items()})  # every stage gets them
         WaitTimer.reset()
         cuda = self.device.type == "cuda"  # time on the device's stream: NCCL waits do not block the host
         if cuda:
@@ -273,7 +289,7 @@ class PipelineRunner(_Runner):
         with loss_context(self.layout.tp):
             with self.autocast():
                 output = forward_through_stages(self.chunks, self.stage_ids, self.cfg, self.grad_norm_group,
-                                                batch["input_ids"])
+                                                batch["input_ids"], **model_kwargs(batch))
             loss = (local(self.loss(output, batch)).detach() if output is not None
                     else torch.zeros((), device=self.device))
         return self.cp_sum(all_reduce_sum(loss, self.grad_norm_group))  # only the last stage has it

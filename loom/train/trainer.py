@@ -68,11 +68,14 @@ def default_run_dir(cfg: Config) -> Path:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, quiet: bool = False,
-                 loss: Loss | None = None):
+                 loss: Loss | None = None, datasets=None):
+        """`loss` and `datasets` (a function (cfg, tokenizer) -> (train, held-out)) plug a recipe's data and
+        objective into this loop (SFT: loom/post/sft.py); by default next-token loss over the token datasets."""
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.quiet = quiet
+        self.make_datasets = datasets or build_datasets
         self.loss = loss or TokenCrossEntropy(cfg.train.loss_chunk)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
@@ -113,7 +116,7 @@ class Trainer:
             )
 
         self.tokenizer = load_tokenizer(cfg)
-        self.train_data, self.val_data = build_datasets(cfg, self.tokenizer)
+        self.train_data, self.val_data = self.make_datasets(cfg, self.tokenizer)
 
         torch.manual_seed(t.seed)
         # The model's structure on meta: no rank ever allocates the whole model. The runner applies the

@@ -1,0 +1,210 @@
+"""Chat templates: a conversation -> token ids, and which of them the model learns (the assistant's).
+
+A template is Jinja source, as Hugging Face stores it under `chat_template` in `tokenizer_config.json`,
+rendered the way transformers' `apply_chat_template` renders it: an immutable sandboxed environment with
+`trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, `raise_exception(msg)`, a `tojson` filter
+that keeps non-ASCII characters, `strftime_now`, a pass-through `{% generation %}` block, and the
+variables `messages`, `add_generation_prompt` and the special tokens (`bos_token`, `eos_token`, ...). The
+rendered text is tokenized whole, without added special tokens (the template writes them), so the ids
+equal `apply_chat_template(messages, tokenize=True)`.
+
+Which tokens are the assistant's, found by rendering prefixes: for assistant message i, the text of
+messages[:i] with the generation prompt ends where its reply starts, and the text of messages[:i+1] ends
+where the reply (with the template's end-of-turn marker) ends. Both must be prefixes of the whole
+conversation's text, or the template does not render prefixes consistently (some drop earlier turns'
+reasoning) and the record is refused. A token is supervised when it starts inside such a span (tokenizer
+offsets), so a reply's end-of-turn token is learned and nothing the user wrote is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from loom.errors import UserError
+
+# Meta-Llama-3-8B-Instruct's template, as published in its tokenizer_config.json.
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+# ChatML (OpenAI; Qwen, SmolLM and others use it): <|im_start|>role\ncontent<|im_end|>\n per message.
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+BUILT_IN = {
+    "llama3": (LLAMA3, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+    "chatml": (CHATML, {"eos_token": "<|im_end|>"}),
+}
+ROLES = ("system", "user", "assistant")
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _environment():
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """`{% generation %}...{% endgeneration %}` (transformers marks assistant text with it): its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+@dataclass
+class ChatTemplate:
+    source: str  # Jinja
+    special: dict = field(default_factory=dict)  # bos_token, eos_token, ... as strings
+    name: str = "custom"
+
+    def __post_init__(self):
+        import jinja2
+
+        try:
+            self.compiled = _environment().from_string(self.source)
+        except jinja2.TemplateSyntaxError as e:
+            raise UserError(f"chat template {self.name} is not valid Jinja: {e} (line {e.lineno})") from None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _from_tokenizer_config(path: Path) -> ChatTemplate:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read chat template file {path}: {e}; expected a tokenizer_config.json") from None
+    source = config.get("chat_template")
+    if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(source, str) or not source:
+        raise UserError(f"{path} has no chat_template (a string, or a list holding one named 'default'); set "
+                        "sft.template=llama3 or chatml, or to a file that has one")
+    special = {k: v for k in SPECIAL_KEYS if (v := _token_text(config.get(k))) is not None}
+    return ChatTemplate(source, special, str(path))
+
+
+def load_template(spec: str, tokenizer_path: str | Path | None = None) -> ChatTemplate:
+    """`sft.template`: "auto" (tokenizer_config.json beside the tokenizer), "llama3", "chatml", a
+    tokenizer_config.json, or a .jinja file."""
+    if spec in BUILT_IN:
+        source, special = BUILT_IN[spec]
+        return ChatTemplate(source, dict(special), spec)
+    if spec == "auto":
+        directory = Path(tokenizer_path) if tokenizer_path else None
+        if directory is not None and directory.is_file():
+            directory = directory.parent
+        candidate = directory / "tokenizer_config.json" if directory is not None else None
+        if candidate is None or not candidate.is_file():
+            raise UserError(
+                f"sft.template=auto takes the chat template from the tokenizer_config.json beside the tokenizer, "
+                f"but {'the bpe tokenizer has none' if candidate is None else f'{candidate} does not exist'}; set "
+                f"sft.template=llama3 or chatml (built in), or to a tokenizer_config.json or .jinja file")
+        return _from_tokenizer_config(candidate)
+    path = Path(spec)
+    if not path.is_file():
+        raise UserError(f"sft.template={spec!r} is neither a built-in template (llama3, chatml, auto) nor a file; "
+                        "give one of those or a tokenizer_config.json / .jinja path")
+    if path.suffix == ".json":
+        return _from_tokenizer_config(path)
+    return ChatTemplate(path.read_text(encoding="utf-8"), {}, str(path))
+
+
+def check_record(record, where: str) -> list[dict] | tuple[str, str]:
+    """A record's conversation (messages) or (prompt, completion); UserError naming `where` otherwise."""
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: expected a JSON object with \"messages\" or \"prompt\" and \"completion\", got "
+                        f"{type(record).__name__}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise UserError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise UserError(f"{where}: messages[{i}] = {json.dumps(m)[:120]} must be an object with \"role\" "
+                                f"one of {', '.join(ROLES)} and a string \"content\"")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise UserError(f"{where}: no assistant message, so nothing to learn; every conversation needs at "
+                            "least one {\"role\": \"assistant\"} message")
+        return messages
+    if "prompt" in record or "completion" in record:
+        prompt, completion = record.get("prompt"), record.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
+            raise UserError(f"{where}: \"prompt\" and \"completion\" must both be strings, the completion non-empty")
+        return prompt, completion
+    raise UserError(f"{where}: a record needs \"messages\" (a list of {{\"role\", \"content\"}}) or \"prompt\" and "
+                    f"\"completion\"; it has keys {', '.join(map(repr, record)) or 'none'}")
+
+
+def encode_chat(template: ChatTemplate, tokenizer, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, 0/1 mask of the assistant's tokens) of a conversation."""
+    import jinja2
+
+    try:
+        text = template.render(messages)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            lo = len(prompt := template.render(messages[:i], add_generation_prompt=True))
+            hi = len(done := template.render(messages[:i + 1]))
+            if not (text.startswith(done) and done.startswith(prompt)):
+                raise UserError(
+                    f"{where}: chat template {template.name} does not render this conversation's prefixes as "
+                    f"prefixes of the whole (message {i}), so the assistant's tokens cannot be located; use a "
+                    "template that renders earlier turns unchanged (e.g. sft.template=chatml)")
+            spans.append((lo, hi))
+    except jinja2.TemplateError as e:
+        raise UserError(f"{where}: chat template {template.name} refused the conversation: {e}") from None
+    enc = tokenizer.tok.encode(text, add_special_tokens=False)
+    starts = np.array([s for s, _ in enc.offsets], dtype=np.int64)
+    mask = np.zeros(len(enc.ids), dtype=np.uint8)
+    for lo, hi in spans:
+        mask[(starts >= lo) & (starts < hi)] = 1
+    return np.asarray(enc.ids, dtype=np.int64), mask
+
+
+def encode_completion(tokenizer, prompt: str, completion: str) -> tuple[np.ndarray, np.ndarray]:
+    """Plain text: prompt ids, then completion ids and the end-of-document token (when the tokenizer has one),
+    the latter learned."""
+    p, c = tokenizer.encode(prompt), tokenizer.encode(completion)
+    if tokenizer.eod_id is not None:
+        c = c + [tokenizer.eod_id]
+    mask = np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(c), np.uint8)])
+    return np.asarray(p + c, dtype=np.int64), mask
