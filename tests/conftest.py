@@ -57,3 +57,26 @@ def randomize_hf_weights(model):
             else:
                 p.normal_(0.0, 0.08)
     return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    """loom's corpus BPE (512 tokens) saved as a tokenizer.json, so the embedded corpus is the data (the
+    Hugging Face interop tests put it next to their tiny models)."""
+    from loom.data.tokenizer import get_tokenizer
+
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    get_tokenizer("bpe", 512, 300000).save(path)
+    return path
+
+
+def save_hf_models(tmp_path_factory, kinds, make_model, tokenizer_file) -> dict:
+    """{kind: (directory written by save_pretrained with tokenizer.json, the transformers model)}."""
+    out = {}
+    for kind in kinds:
+        model = make_model(kind)
+        path = tmp_path_factory.mktemp(kind) / "hf"
+        model.save_pretrained(path)
+        (path / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+        out[kind] = (path, model)
+    return out

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import loom
-from conftest import randomize_hf_weights
+from conftest import randomize_hf_weights, save_hf_models
 from loom.cli import main
 from loom.config import Config, ModelConfig
 from loom.errors import UserError
@@ -51,26 +51,9 @@ def random_hf_model(kind: str, seed: int = 0):
 
 
 @pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory):
-    """loom's corpus BPE (512 tokens) as a tokenizer.json, so the embedded corpus is the data."""
-    from loom.data.tokenizer import get_tokenizer
-
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    get_tokenizer("bpe", VOCAB, 300000).save(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory, tokenizer_file):
     """{kind: (directory written by save_pretrained with tokenizer.json, the transformers model)}."""
-    out = {}
-    for kind in KINDS:
-        model = random_hf_model(kind)
-        path = tmp_path_factory.mktemp(kind) / "hf"
-        model.save_pretrained(path)
-        (path / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
-        out[kind] = (path, model)
-    return out
+    return save_hf_models(tmp_path_factory, KINDS, random_hf_model, tokenizer_file)
 
 
 def logits(model, ids):

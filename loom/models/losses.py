@@ -101,25 +101,17 @@ class TokenCrossEntropy:
 IGNORE = -100  # a label that is not scored (prompt tokens, padding), as in PyTorch and Hugging Face
 
 
-class MaskedTokenCrossEntropy:
+class MaskedTokenCrossEntropy(TokenCrossEntropy):
     """Next-token cross-entropy summed over the positions whose label is not `IGNORE` (-100); counts those.
 
-    Supervised fine-tuning scores only the response tokens. The count depends on the data
-    (`count_varies`), so the runner divides by the supervised tokens of the whole global batch, summed over
-    micro-batches and data-parallel ranks: accumulation and data parallelism give exactly the mean over the
-    global batch's supervised tokens. The labels carry the mask, so pipeline stages need nothing else.
+    Supervised fine-tuning scores only the response tokens (cross-entropy skips ignore_index=-100). The
+    count depends on the data (`count_varies`), so the runner divides by the supervised tokens of the whole
+    global batch, summed over micro-batches and data-parallel ranks: accumulation and data parallelism give
+    exactly the mean over the global batch's supervised tokens. The labels carry the mask, so pipeline
+    stages need nothing else.
     """
 
     count_varies = True
-
-    def __init__(self, chunk_tokens: int = 0):
-        self.chunk_tokens = chunk_tokens
-        self.wants_hidden = chunk_tokens > 0
-
-    def __call__(self, output, batch: Batch) -> torch.Tensor:
-        if isinstance(output, HeadInput):
-            return chunked_token_loss_sum(output.hidden, output.head.weight, batch["labels"], self.chunk_tokens)
-        return token_loss_sum(output, batch["labels"])  # cross_entropy skips ignore_index=-100
 
     def count(self, batch: Batch) -> torch.Tensor:
         return (batch["labels"] != IGNORE).sum()
