@@ -431,7 +431,14 @@ class Config:
         for section in SECTIONS:
             obj = getattr(self, section)
             values = dataclasses.asdict(obj)
-            out[section] = {key_of(f): values[f.name] for f in dataclasses.fields(obj)}
+            table: dict = {}
+            for f in dataclasses.fields(obj):  # a dotted key (`moe.experts`) is a nested table, as TOML reads it
+                *parents, leaf = key_of(f).split(".")
+                node = table
+                for part in parents:
+                    node = node.setdefault(part, {})
+                node[leaf] = values[f.name]
+            out[section] = table
         return out
 
     def to_toml(self) -> str:
@@ -602,9 +609,16 @@ def dumps_toml(data: dict) -> str:
             return "[" + ", ".join(scalar(x) for x in v) + "]"
         raise TypeError(f"cannot write {type(v)} to TOML")
 
+    def pairs(values: dict, prefix: str = ""):  # a nested table as dotted keys (`moe.experts = 8`)
+        for k, v in values.items():
+            if isinstance(v, dict):
+                yield from pairs(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k} = {scalar(v)}"
+
     lines = []
     for section, values in data.items():
         lines.append(f"[{section}]")
-        lines.extend(f"{k} = {scalar(v)}" for k, v in values.items())
+        lines.extend(pairs(values))
         lines.append("")
     return "\n".join(lines)
