@@ -52,7 +52,9 @@ def apply_data_parallel(model: nn.Module, dp_mesh, compute_dtype: torch.dtype | 
             for moe in moe_layers(block):
                 fully_shard(moe.experts, mesh=edp_mesh, mp_policy=policy, reshard_after_forward=reshard)
                 moe.experts.set_gradient_divide_factor(divide)
-                if edp_mesh.device_type == "cpu":  # gloo has no pre-scaled sum: sum, then divide
+                # gloo has no pre-scaled sum: sum, then divide. (Not on one rank, where FSDP 2.13 would
+                # divide twice: once copying the gradient instead of reducing it, once after.)
+                if edp_mesh.device_type == "cpu" and edp_mesh.size() > 1:
                     moe.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)  # the root keeps its weights from forward to backward
