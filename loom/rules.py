@@ -12,6 +12,8 @@ The functions take plain values or any object with the config's attributes (`cfg
 
 from __future__ import annotations
 
+import math
+
 from loom.errors import UserError
 
 
@@ -109,7 +111,8 @@ def ep_problem(ep: int, experts: int, dp_replicate: int, dp_shard: int, cp: int)
     if dp_cp % ep:
         return (f"parallel.ep={ep} must divide dp_replicate x dp_shard x cp = {dp_replicate} x {dp_shard} x {cp} = "
                 f"{dp_cp} (expert-parallel ranks are carved from the data- and context-parallel ranks, not added "
-                f"to them); valid ep sizes for this layout: {valid}")
+                f"to them); valid ep sizes for this layout: {valid}, or raise parallel.dp_shard (e.g. "
+                f"parallel.dp_shard={ep * dp_shard // math.gcd(ep, dp_cp)})")
     if experts % ep:
         return (f"parallel.ep={ep} must divide model.moe.experts={experts} (every rank holds the same number of "
                 f"experts); valid ep sizes for this layout: {valid}")
