@@ -170,7 +170,7 @@ def test_ep_refusals_name_the_valid_sizes():
     with pytest.raises(UserError, match=r"parallel.ep=2 .* model.moe.experts=0 .* set parallel.ep=1"):
         load_config("tiny", MODEL + ["parallel.dp_shard=2", "parallel.ep=2"])
     with pytest.raises(UserError, match=r"parallel.ep=4 must divide dp_replicate x dp_shard x cp = 1 x 2 x 1 = 2 "
-                                        r".* valid ep sizes for this layout: 1, 2$"):
+                                        r".* valid ep sizes for this layout: 1, 2, or raise parallel.dp_shard \(e.g. parallel.dp_shard=4\)$"):
         load_config("tiny", moe + ["parallel.dp_shard=2", "parallel.ep=4"])
     with pytest.raises(UserError, match=r"parallel.ep=3 must divide model.moe.experts=8 .* valid ep sizes for this "
                                         r"layout: 1, 2$"):
