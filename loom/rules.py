@@ -12,6 +12,8 @@ The functions take plain values or any object with the config's attributes (`cfg
 
 from __future__ import annotations
 
+import math
+
 from loom.errors import UserError
 
 
@@ -66,28 +68,54 @@ def sp_problem(tp: int, sp: bool) -> str | None:
 # --- mixture of experts ------------------------------------------------------------------------------
 
 
-def moe_problem(experts: int, tp: int, pp: int, cp: int, ep: int, compile: bool) -> str | None:
-    """Which layouts a mixture-of-experts model runs on today (None: this one): one process or data
-    parallelism (dp_shard, dp_replicate), whose ranks sum the router statistics. Expert parallelism
-    (parallel.ep) and MoE under tp, pp or cp come later."""
+def moe_problem(experts: int, tp: int, pp: int, cp: int, compile: bool) -> str | None:
+    """Which layouts a mixture-of-experts model runs on today (None: this one): one process, data
+    parallelism (dp_shard, dp_replicate), whose ranks sum the router statistics, and expert parallelism
+    carved from it (`ep_problem`). MoE under tp, pp or cp comes later."""
     if not experts:
         return None
     why = {
-        "parallel.ep": (ep, "expert parallelism (experts sharded over ranks, tokens exchanged all-to-all) is not "
-                            "built yet; every rank holds all experts"),
         "parallel.tp": (tp, "the tensor-parallel plan does not split the router and stacked experts yet"),
         "parallel.pp": (pp, "the pipeline schedules do not carry the MoE auxiliary losses and router-bias "
                             "counts across stages yet"),
-        "parallel.cp": (cp, "the load-balancing loss and router-bias counts are not summed over context-parallel "
-                            "ranks yet"),
+        "parallel.cp": (cp, "the load-balancing loss, Sinkhorn balancing and router-bias counts are not computed "
+                            "over context-parallel ranks yet"),
     }
     for name, (size, reason) in why.items():
         if size > 1:
             return (f"{name}={size} with model.moe.experts={experts} is not supported yet: {reason}; set {name}=1 "
-                    "(MoE runs on one process or with parallel.dp_shard / parallel.dp_replicate)")
+                    "(MoE runs on one process, with parallel.dp_shard / parallel.dp_replicate, and with "
+                    "parallel.ep carved from them)")
     if compile:
         return (f"train.compile=true with model.moe.experts={experts} is not supported yet (the expert loop has "
                 "data-dependent shapes); set train.compile=false")
+    return None
+
+
+def valid_ep_sizes(experts: int, dp_cp: int) -> list[int]:
+    """Expert-parallel sizes for `experts` routed experts over dp_replicate x dp_shard x cp = `dp_cp` ranks."""
+    return [d for d in divisors(dp_cp) if experts % d == 0] if experts else [1]
+
+
+def ep_problem(ep: int, experts: int, dp_replicate: int, dp_shard: int, cp: int) -> str | None:
+    """Why `parallel.ep` cannot shard this model's experts (None when it can): ep ranks are carved from the
+    data- and context-parallel ranks (ep does not multiply the world size), each holding experts / ep of
+    the routed experts."""
+    if ep == 1:
+        return None
+    dp_cp = dp_replicate * dp_shard * cp
+    valid = ", ".join(map(str, valid_ep_sizes(experts, dp_cp)))
+    if not experts:
+        return (f"parallel.ep={ep} shards the routed experts of a mixture-of-experts model, but model.moe.experts=0 "
+                "(a dense model); set parallel.ep=1 or model.moe.experts > 0")
+    if dp_cp % ep:
+        return (f"parallel.ep={ep} must divide dp_replicate x dp_shard x cp = {dp_replicate} x {dp_shard} x {cp} = "
+                f"{dp_cp} (expert-parallel ranks are carved from the data- and context-parallel ranks, not added "
+                f"to them); valid ep sizes for this layout: {valid}, or raise parallel.dp_shard (e.g. "
+                f"parallel.dp_shard={ep * dp_shard // math.gcd(ep, dp_cp)})")
+    if experts % ep:
+        return (f"parallel.ep={ep} must divide model.moe.experts={experts} (every rank holds the same number of "
+                f"experts); valid ep sizes for this layout: {valid}")
     return None
 
 
@@ -304,11 +332,10 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False) -> None
     """
     p, m, t = cfg.parallel, cfg.model, cfg.train
     check_sizes(p)
-    if problem := moe_problem(getattr(m, "moe_experts", 0), p.tp, p.pp, p.cp, p.ep, t.compile):
+    experts = getattr(m, "moe_experts", 0)
+    if problem := ep_problem(p.ep, experts, p.dp_replicate, p.dp_shard, p.cp) or moe_problem(
+            experts, p.tp, p.pp, p.cp, t.compile):
         raise UserError(problem)
-    if p.ep != 1:
-        raise UserError(f"parallel.ep={p.ep} is not supported yet (it needs model.moe.experts > 0, and expert "
-                        "parallelism is not built yet); valid: 1")
     if problem := sp_problem(p.tp, p.sp):
         raise UserError(problem)
     if problem := cp_problem(p.cp, t.seq_len, p.tp, p.sp) or cp_feature_problem(

@@ -348,8 +348,8 @@ def test_loom_memory_counts_expert_parameters(capsys):
 def test_config_refusals_name_the_field():
     with pytest.raises(UserError, match=r"model.moe.top_k=9 must be in 1..model.moe.experts=8"):
         small_config(*MOE, "model.moe.top_k=9")
-    with pytest.raises(UserError, match=r"parallel.ep=2 with model.moe.experts=8 is not supported yet"):
-        small_config(*MOE, "parallel.ep=2", "parallel.dp_shard=2")
+    with pytest.raises(UserError, match=r"parallel.ep=2 must divide dp_replicate x dp_shard x cp = 1 x 1 x 1 = 1"):
+        small_config(*MOE, "parallel.ep=2")  # expert parallelism itself: tests/test_moe_ep.py
     for knob in ("tp", "pp", "cp"):
         with pytest.raises(UserError, match=rf"parallel.{knob}=2 with model.moe.experts=8 .* set parallel.{knob}=1"):
             small_config(*MOE, f"parallel.{knob}=2")

@@ -187,3 +187,24 @@ def test_config_schedules_are_the_rule_books():
     from loom.rules import SCHEDULES
 
     assert typing.get_args(typing.get_type_hints(ParallelConfig)["schedule"]) == SCHEDULES
+
+
+def test_expert_parallel_sizes():
+    """parallel.ep is carved from dp_replicate x dp_shard x cp (it does not multiply the world size) and
+    must divide model.moe.experts; a dense model takes ep=1 only; MoE under tp/pp/cp stays refused."""
+    from loom.rules import ep_problem, moe_problem, valid_ep_sizes
+
+    assert valid_ep_sizes(8, 4) == [1, 2, 4] and valid_ep_sizes(6, 8) == [1, 2] and valid_ep_sizes(0, 8) == [1]
+    assert ep_problem(1, 0, 1, 1, 1) is None
+    assert ep_problem(2, 8, 1, 2, 1) is None and ep_problem(4, 8, 2, 2, 1) is None and ep_problem(2, 8, 1, 1, 2) is None
+    assert "model.moe.experts=0" in ep_problem(2, 0, 1, 2, 1)
+    assert ep_problem(4, 8, 1, 2, 1).endswith("valid ep sizes for this layout: 1, 2, or raise parallel.dp_shard "
+                                              "(e.g. parallel.dp_shard=4)")
+    assert ep_problem(4, 6, 1, 4, 1).endswith("valid ep sizes for this layout: 1, 2")
+    for knob, sizes in (("tp", (2, 1, 1)), ("pp", (1, 2, 1)), ("cp", (1, 1, 2))):
+        assert f"parallel.{knob}=2 with model.moe.experts=8 is not supported yet" in moe_problem(8, *sizes, False)
+    cfg = load_config("tiny", ["model.moe.experts=4", "model.moe.top_k=2", "parallel.dp_shard=2", "parallel.ep=2",
+                                "train.micro_batch=4"])
+    check_layout(cfg, 2)  # two processes: ep=2 adds none
+    with pytest.raises(UserError, match="processes were started"):
+        check_layout(cfg, 4)

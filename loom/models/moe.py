@@ -137,8 +137,9 @@ class GroupedExperts(nn.Module):
     """`experts` MLPs stored stacked: w1, w3 [E, hidden, ffn] and w2 [E, ffn, hidden] (SwiGLU; GELU has no w3).
 
     `forward(x, counts)` takes rows sorted expert-major (`counts[e]` rows for expert e, in order) and returns
-    each row through its expert. Expert parallelism will hold a slice [E/ep, ...] of these and call it on the
-    rows it received.
+    each row through its expert. Under expert parallelism the weights are DTensors holding this rank's slice
+    [E/ep, ...] (loom/parallel/expert.py), called on the rows the rank received: it computes with their
+    local parts (`_weights`), with `counts` per local expert.
     """
 
     def __init__(self, experts: int, hidden: int, ffn: int, gated: bool):
@@ -154,6 +155,10 @@ class GroupedExperts(nn.Module):
             grouped = use_grouped_mm(x)
         return self._grouped(x, counts) if grouped else self._looped(x, counts)
 
+    def _weights(self) -> tuple:
+        """(w1, w2, w3) as plain tensors: a DTensor's local part (differentiable), else the parameter."""
+        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+
     def _mlp(self, x, w1, w2, w3, mm):
         h = F.silu(mm(x, w1)) * mm(x, w3) if self.gated else F.gelu(mm(x, w1))
         return mm(h, w2)
@@ -161,15 +166,16 @@ class GroupedExperts(nn.Module):
     def _looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """One matmul per expert on its contiguous rows. Every expert runs, an empty one on zero rows, so
         every weight gets a (zero) gradient; `unbind` makes backward stack the experts' gradients once."""
-        e = self.w1.shape[0]
+        w1, w2, w3 = self._weights()
+        e = w1.shape[0]
         if x.device.type == "meta":  # shapes only (loom memory): the rows spread evenly, as on average
             n = x.shape[0]
             sizes = [n // e + (1 if i < n % e else 0) for i in range(e)]
         else:
             sizes = counts.tolist()
-        w3 = self.w3.unbind(0) if self.gated else [None] * e
-        outs = [self._mlp(part, w1, w2, w3_, torch.matmul)
-                for part, w1, w2, w3_ in zip(torch.split(x, sizes), self.w1.unbind(0), self.w2.unbind(0), w3)]
+        w3 = w3.unbind(0) if self.gated else [None] * e
+        outs = [self._mlp(part, w1_, w2_, w3_, torch.matmul)
+                for part, w1_, w2_, w3_ in zip(torch.split(x, sizes), w1.unbind(0), w2.unbind(0), w3)]
         return torch.cat(outs)
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -189,8 +195,9 @@ class GroupedExperts(nn.Module):
         capacity = n + e * align  # >= the padded rows
         xp = x.new_zeros(capacity, x.shape[1], dtype=dtype).index_copy(0, dest, x.to(dtype))
         offs = torch.cat([(starts + padded)[:-1], starts.new_full((1,), capacity)]).to(torch.int32)
-        w3 = self.w3.to(dtype) if self.gated else None
-        y = self._mlp(xp, self.w1.to(dtype), self.w2.to(dtype), w3,
+        w1, w2, w3 = self._weights()
+        w3 = w3.to(dtype) if self.gated else None
+        y = self._mlp(xp, w1.to(dtype), w2.to(dtype), w3,
                       lambda a, w: torch._grouped_mm(a, w, offs=offs))
         return y[dest]
 
@@ -222,6 +229,9 @@ class MoE(nn.Module):
         self.shared = shared
         self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False) if shared is not None and cfg.moe_shared_gate else None
         self.aux_grad_scale = 1.0  # the runner sets 1 / micro-batches per optimizer step
+        # Expert parallelism (loom/parallel/expert.py) installs its token exchange here: called as
+        # `expert_parallel(experts, rows, counts)` in place of `experts(rows, counts)`.
+        self.expert_parallel = None
         # Since the last `step_stats`: [tokens routed to each expert (E), assignments dropped, assignments,
         # balance loss sum, z-loss sum, training forwards]; None before the first training forward.
         self.stats: torch.Tensor | None = None
@@ -271,8 +281,10 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         chosen, gates, probs, logits = self.router(flat)
         token, gate, counts = self.dispatch(chosen, gates, shape[-2] if x.dim() == 3 else None)
-        # Expert parallelism goes here: exchange flat[token] by `counts` (all-to-all), compute, exchange back.
-        y = self.experts(flat[token], counts)
+        if self.expert_parallel is None:
+            y = self.experts(flat[token], counts)
+        else:  # rows sent to the ranks holding their experts, computed there and returned (all-to-all)
+            y = self.expert_parallel(self.experts, flat[token], counts)
         out = self.combine(y, token, gate, flat.shape[0])
         if self.shared is not None:
             shared = self.shared(flat)

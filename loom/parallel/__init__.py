@@ -1,5 +1,5 @@
 """Parallelism applied to a plain model: `parallelize` runs fp8 conversion, tensor/sequence parallel,
-recomputation, per-block compilation, then FSDP2."""
+context parallel, expert parallel, recomputation, per-block compilation, then FSDP2."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from loom.parallel.dims import MeshPlace, build_layout, validate_layout
 def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype: torch.dtype | None,
                 layer_plan: dict[str, str] | None = None) -> nn.Module:
     """fp8 linear layers (`train.fp8`), TP(+SP) over the `tp` mesh dimension, context parallelism over
-    `cp`, activation recomputation, `torch.compile` of each transformer block (`train.compile`), then data
+    `cp`, expert parallelism over `ep` (MoE experts sharded, tokens exchanged all-to-all), activation
+    recomputation, `torch.compile` of each transformer block (`train.compile`), then data
     parallelism over `(dp_replicate, dp_shard)` (with cp > 1 `(dp_replicate, dp_shard_cp)`) — torchtitan's
     order. `model` is the whole model or one pipeline stage.
     `layer_plan` ({layer: none|selective|full}) overrides `cfg.recompute` (the budget planner's output).
@@ -34,6 +35,10 @@ def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype:
         from loom.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, layout.submesh("cp"), cfg.train.seq_len)
+    if layout.ep > 1:
+        from loom.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(model, layout.submesh("ep"))
     apply_recompute(model, cfg, layer_plan)
     if cfg.train.compile:
         compile_blocks(model)
@@ -46,7 +51,11 @@ def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype:
         if names == ["dp_replicate"]:
             names = ["dp_replicate", "dp_shard"]  # FSDP2 replicates over a 2-D mesh with a shard group of 1
         # Pipeline stages keep their gathered parameters through the step (see loom/parallel/data.py).
-        apply_data_parallel(model, layout.submesh(*names), compute_dtype, reshard_after_forward=layout.pp == 1)
+        # Expert parallelism: the experts are sharded by FSDP over the expert-data-parallel ranks instead, and
+        # their gradients (which hold every EP rank's tokens) divided by all dp x cp ranks.
+        experts = (layout.submesh("edp"), layout.grad_ranks) if layout.ep > 1 else None
+        apply_data_parallel(model, layout.submesh(*names), compute_dtype, reshard_after_forward=layout.pp == 1,
+                            experts=experts)
     return model
 
 

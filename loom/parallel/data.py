@@ -21,6 +21,11 @@ pipeline parallelism, where a stage's blocks keep their gathered parameters from
 the end of the step (torchtitan's policy: the schedule interleaves many micro-batches' forwards and
 backwards, and re-gathering for each would multiply the all-gathers).
 
+Expert parallelism (`loom/parallel/expert.py`): each MoE layer's experts, already a DTensor sharded over
+`ep`, are sharded again over the expert-data-parallel group `edp` by a `fully_shard` of their own, inside
+their block's; their gradients are summed over `edp` and divided by all dp x cp ranks (not FSDP's default,
+the edp size), because each already holds the tokens of its whole EP group.
+
 Mixed precision: with `train.dtype=bfloat16` blocks compute in bf16 from bf16 copies of fp32 master
 weights, and gradients are reduced in fp32. The optimizer always updates fp32 parameters.
 """
@@ -33,13 +38,25 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 def apply_data_parallel(model: nn.Module, dp_mesh, compute_dtype: torch.dtype | None,
-                        reshard_after_forward: bool = True) -> None:
+                        reshard_after_forward: bool = True, experts: tuple | None = None) -> None:
+    """`experts`: (edp mesh, gradient divide factor) under expert parallelism, else None."""
+    from loom.models.moe import moe_layers
+
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy,
-                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+        reshard = reshard_after_forward and i < len(blocks) - 1
+        if experts is not None:
+            edp_mesh, divide = experts
+            for moe in moe_layers(block):
+                fully_shard(moe.experts, mesh=edp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+                moe.experts.set_gradient_divide_factor(divide)
+                # gloo has no pre-scaled sum: sum, then divide. (Not on one rank, where FSDP 2.13 would
+                # divide twice: once copying the gradient instead of reducing it, once after.)
+                if edp_mesh.device_type == "cpu" and edp_mesh.size() > 1:
+                    moe.experts.set_force_sum_reduction_for_comms(True)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)  # the root keeps its weights from forward to backward
 
 

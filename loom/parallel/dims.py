@@ -6,6 +6,12 @@ parallelism next to it. Data-parallel rank `r = replicate_rank * dp_shard + shar
 every global batch; the ranks of one tensor- or context-parallel group share a data-parallel rank and so
 read identical data (a cp rank then keeps its chunks of every sequence). With cp > 1 the cp ranks also
 join FSDP's shard group, the flattened `dp_shard_cp` dimension (as Megatron-Core and torchtitan do).
+
+Expert parallelism adds no mesh dimension of its own to the world: the `(dp_replicate, dp_shard, cp)`
+ranks, flattened (cp fastest), are regrouped as `(edp, ep)` with ep innermost. An `ep` group holds one
+copy of all experts (each rank E/ep of them) and exchanges tokens all-to-all; an `edp` group (expert data
+parallelism, `(dp_replicate x dp_shard x cp) / ep` ranks) holds the same experts and averages their
+gradients, sharded by FSDP. Both are sliced from the same root mesh, as FSDP needs for 2-D parameters.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class MeshPlace:
     pp_rank: int = 0
     cp: int = 1
     cp_rank: int = 0
+    ep: int = 1
     flattened: dict | None = None  # name -> the mesh `_flatten` returned (sliced from the root, torch warns)
 
     @property
@@ -81,10 +88,16 @@ def build_layout(cfg: Config, device_type: str, measuring: bool = False) -> Mesh
     flattened = {}
     if p.cp > 1:  # FSDP's shard group: the data-parallel shards and their cp ranks together
         flattened["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if p.ep > 1:  # expert parallelism: (dp_replicate, dp_shard, cp) regrouped as (edp, ep)
+        dp_cp = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp", backend_override=options)
+        edp = p.dp_replicate * p.dp_shard * p.cp // p.ep
+        experts = dp_cp._unflatten(0, (edp, p.ep), ("edp", "ep"),
+                                   backend_override={n: options for n in ("edp", "ep")} if options else None)
+        flattened.update(edp=experts["edp"], ep=experts["ep"])
     dp_rank = mesh["dp_replicate"].get_local_rank() * p.dp_shard + mesh["dp_shard"].get_local_rank()
     return MeshPlace(mesh=mesh, rank=dist.get_rank(), world_size=world, dp_rank=dp_rank, dp_size=p.dp, tp=p.tp,
                      pp=p.pp, pp_rank=mesh["pp"].get_local_rank(), cp=p.cp, cp_rank=mesh["cp"].get_local_rank(),
-                     flattened=flattened)
+                     ep=p.ep, flattened=flattened)
 
 
 def _group_options(backend: str, timeout_s: float):

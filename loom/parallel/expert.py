@@ -1,0 +1,81 @@
+"""Expert parallelism: the routed experts of every MoE layer sharded over the `ep` mesh dimension, tokens
+exchanged all-to-all.
+
+Layout. `parallel.ep` ranks are carved from the data-parallel and context-parallel ranks (the mesh's
+`(dp_replicate, dp_shard, cp)` ranks, flattened, are regrouped as `(edp, ep)`, ep innermost:
+`loom/parallel/dims.py`). EP rank j holds experts [j*E/ep, (j+1)*E/ep) of every MoE layer. The stacked
+expert weights become DTensors `Shard(0)` over the `ep` dimension rather than plain local tensors, because
+then everything that already handles sharded parameters handles them unchanged: initialisation fills
+each rank's slice with the values one process would hold there (`materialize`), checkpoints save and load
+global tensors by name (so a checkpoint loads under any `ep`, or on one process), the gradient norm
+combines the shards, and FSDP2 shards them again over the expert-data-parallel ranks (`edp`, the
+`(dp_replicate x dp_shard x cp) / ep` ranks holding the same experts) as a 2-D (edp, ep) DTensor.
+
+Token exchange (`ExpertParallel.__call__`, between the MoE's dispatch and combine stages): the rank's
+rows, sorted expert-major, are sent to the ranks owning their experts with `all_to_all_single` and
+variable splits (first the per-expert counts are exchanged, also all-to-all, with equal splits), regrouped
+local-expert-major, computed by the rank's experts, put back in arrival order and returned by the reverse
+all-to-all. Backward is PyTorch's own: `all_to_all_single_autograd` runs the same exchange with the splits
+swapped. Every rank calls both exchanges and its experts (on zero rows if none arrive) in every forward
+and backward, so a starved rank or expert never leaves a collective waiting.
+
+Gradients. A rank's expert gradients hold the contributions of the tokens of its whole EP group. The
+trainer scales every rank's loss by `grad_ranks / tokens` (data-parallel averaging divides by the dp x
+cp ranks); summing expert gradients over the edp group and dividing by dp x cp (FSDP's divide factor on
+the experts, `apply_data_parallel`) gives exactly the one-process gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor import DTensor, Shard
+
+
+class ExpertParallel:
+    """The token exchange over one EP group; installed on every MoE module as `moe.expert_parallel`."""
+
+    def __init__(self, ep_mesh):
+        self.mesh = ep_mesh
+        self.group = ep_mesh.get_group()
+        self.size = ep_mesh.size()
+
+    def __call__(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`x` [N, hidden]: this rank's rows sorted expert-major, `counts[e]` rows for global expert e.
+        Returns the rows through their experts, in the same order."""
+        ep = self.size
+        local = counts.numel() // ep
+        send_counts = counts.view(ep, local).contiguous()  # row j: rows for EP rank j's experts
+        recv_counts = torch.empty_like(send_counts)  # row s: rows EP rank s sends for each of my experts
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        splits = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # one host synchronisation
+        send_splits, recv_splits = splits[:ep], splits[ep:]
+        received = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
+        # Arrival order is source-major, then local-expert-major: regroup local-expert-major (stable, so
+        # each expert's rows stay in source order).
+        expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(
+            recv_counts.reshape(-1), output_size=received.shape[0])
+        order = torch.argsort(expert_of_row, stable=True)
+        y = experts(received[order], recv_counts.sum(0))
+        y = y[torch.argsort(order)]  # back to arrival order
+        return all_to_all_single_autograd(y, send_splits, recv_splits, self.group)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
+    """Shard the routed experts of every MoE layer of `model` over `ep_mesh` (on meta or real tensors: the
+    rank keeps its slice as the local part of a `Shard(0)` DTensor) and install the token exchange."""
+    from loom.models.moe import moe_layers
+
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    exchange = ExpertParallel(ep_mesh)
+    for moe in moe_layers(model):
+        experts = moe.experts
+        for name, p in list(experts.named_parameters(recurse=False)):
+            per_rank = p.shape[0] // ep
+            local = p.detach().narrow(0, rank * per_rank, per_rank).clone()
+            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape,
+                                         stride=p.stride())
+            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))
+        moe.expert_parallel = exchange
