@@ -10,7 +10,7 @@ from loom.errors import UserError
 from loom.rules import SCHEDULES, batch_problem, micro_batch_count_problem, micro_batches_needed
 from loom.rules import divisors as _divisors
 from loom.rules import cp_problem as rules_cp_problem
-from loom.rules import schedule_problem, sp_problem, split_problem, tp_problems
+from loom.rules import schedule_problem, sp_problem, split_problem, tp_problems, valid_ep_sizes
 from loom.planner.costmodel import (GIB, Estimate, Layout, Workload, evaluate, head_times, layer_times,
                                     max_chunk_layers, memory, pipeline_ranks)
 
@@ -125,19 +125,14 @@ def _min_full_layers(w: Workload, lay: Layout, capacity: float) -> int | None:
 
 
 def ep_options(cfg: ModelConfig, dp: int, cp: int) -> list[int]:
-    """Expert-parallel sizes for a mixture-of-experts model: carved from the data- and context-parallel ranks,
-    so ep divides dp x cp, and a divisor of the expert count (every rank holds E/ep whole experts). [1] for a
-    dense model."""
-    if not cfg.moe_experts:
-        return [1]
-    return [e for e in _divisors(dp * cp) if cfg.moe_experts % e == 0]
+    """Expert-parallel sizes the rule book allows (loom.rules.valid_ep_sizes: ep is carved from the data- and
+    context-parallel ranks, so it divides dp x cp, and divides the expert count). [1] for a dense model."""
+    return valid_ep_sizes(cfg.moe_experts, dp * cp) if cfg.moe_experts else [1]
 
 
 def ep_problem(cfg: ModelConfig, ep: int, dp: int, cp: int) -> str | None:
-    """Why `--layout ep=N` cannot be priced (None: it can)."""
-    if ep == 1:
-        return None
-    if not cfg.moe_experts:
+    """Why `--layout ep=N` cannot be priced (None: it can), in --layout's names."""
+    if ep != 1 and not cfg.moe_experts:
         return f"ep={ep} needs a mixture-of-experts model (model.moe.experts > 0); this model is dense, valid: ep=1"
     if ep not in ep_options(cfg, dp, cp):
         return (f"ep={ep} must divide dp x cp = {dp * cp} and the {cfg.moe_experts} experts; valid: "
