@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(PY) -m loom.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" --durations=25 tests
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests
