@@ -204,8 +204,9 @@ def test_sampling_distribution_follows_temperature_top_k_top_p():
 
 
 def test_tensor_parallel_engine_equals_one_process(models, tmp_path):
-    """tp=2 (heads, MLP and vocabulary split over 2 gloo ranks), refit from an unsharded model: the tokens and
-    log-probs of one process with the new weights (refit resharded them: the old weights give other tokens)."""
+    """tp=2 (heads, MLP and vocabulary split over 2 gloo ranks), refit from the new weights held FSDP-sharded
+    over the same ranks: the tokens and log-probs of one process with the new weights (the old weights give
+    other tokens, so the refit did reshard them)."""
     _, path = models["qwen2"]
     new_path = tmp_path / "new"
     hf_model("qwen2", seed=5).save_pretrained(new_path)
@@ -214,8 +215,9 @@ def test_tensor_parallel_engine_equals_one_process(models, tmp_path):
     old = [d.tokens for d in Engine(loom.load_model(path), max_batch=3, max_len=40).generate(prompts, params)]
     want = Engine(loom.load_model(new_path), max_batch=3, max_len=40).generate(prompts, params)
     assert [d.tokens for d in want] != old
-    for kv_local, tokens, logprobs in run_ranks(2, generate_tp, path, new_path, prompts, params):
+    for kv_local, placements, tokens, logprobs in run_ranks(2, generate_tp, path, new_path, prompts, params):
         assert kv_local == 1  # 2 key/value heads over 2 ranks
+        assert placements == {"(Shard(dim=0),)"}  # the new weights came FSDP-sharded
         assert tokens == [d.tokens for d in want]
         assert max(abs(a - b) for got, ref in zip(logprobs, want) for a, b in zip(got, ref.logprobs)) < 1e-5
 
