@@ -121,37 +121,74 @@ def cmd_plan(args, extra) -> int:
 
 
 def cmd_generate(args, extra) -> int:
-    import torch
-
     from loom import load_model
     from loom.data.tokenizer import Tokenizer
-    from loom.infer.generate import generate
+    from loom.infer.batch import read_prompts
+    from loom.infer.engine import Engine, SamplingParams
 
     if extra:
         raise UserError(f"unrecognised arguments {' '.join(extra)}; see `loom generate --help`")
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if (args.prompt is None) == (args.input is None) or (args.input is None) != (args.output is None):
+        raise UserError("give either --prompt TEXT (prints its continuation) or --input prompts.jsonl together with "
+                        "--output out.jsonl (batch mode)")
+    if args.max_new_tokens < 1 or args.max_batch < 1:
+        raise UserError(f"--max-new-tokens={args.max_new_tokens} and --max-batch={args.max_batch} must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise UserError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+    texts = [args.prompt] if args.input is None else read_prompts(args.input)
     model = load_model(args.checkpoint)
-    tok_file = find_tokenizer(args.checkpoint)
-    tok = Tokenizer.from_file(tok_file)
-    ids = tok.encode(args.prompt)
-    if not ids:
-        raise UserError("--prompt is empty; give some text to continue")
-    if len(ids) >= model.cfg.max_seq_len:
-        raise UserError(f"--prompt is {len(ids)} tokens; this model's context is {model.cfg.max_seq_len} "
-                        "tokens, so the prompt must be shorter")
-    out = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                   eos_id=tok.eod_id, seed=args.seed)
-    generated = out[0, len(ids):].tolist()
-    new = [i for i in generated if i != tok.eod_id]
+    tok = Tokenizer.from_file(find_tokenizer(args.checkpoint))
+    context = model.cfg.max_seq_len
+    ids = [tok.encode(t) for t in texts]
+    for n, prompt in enumerate(ids):
+        where = "--prompt" if args.input is None else f"{args.input} record {n + 1}"
+        if not prompt:
+            raise UserError(f"{where} is empty; give some text to continue")
+        if len(prompt) >= context:
+            raise UserError(f"{where} is {len(prompt)} tokens; this model's context is {context} tokens, so the "
+                            "prompt must be shorter")
+    params = [SamplingParams(args.temperature, args.top_k, args.top_p, args.max_new_tokens,
+                             () if tok.eod_id is None else (tok.eod_id,), args.seed + n) for n in range(len(ids))]
+    # The slab holds what these requests can reach, not the model's whole context.
+    max_len = min(context, max(map(len, ids)) + args.max_new_tokens)
+    engine = Engine(model, max_batch=min(args.max_batch, len(ids)), max_len=max_len)
+    if args.input is None:
+        return _print_completion(args, tok, ids[0], engine.generate(ids, params)[0], context)
+    return _generate_file(args, tok, texts, ids, params, engine)
+
+
+def _print_completion(args, tok, prompt, done, context) -> int:
+    new = done.tokens[:-1] if done.finish_reason == "stop" else done.tokens
     print(args.prompt + tok.decode(new))
-    room = model.cfg.max_seq_len - len(ids)
-    if len(generated) == room < args.max_new_tokens and (tok.eod_id is None or generated[-1] != tok.eod_id):
-        print(f"loom generate: stopped after {room} new tokens at the model's context length "
-              f"(max_seq_len={model.cfg.max_seq_len}, prompt {len(ids)} tokens), before --max-new-tokens="
+    if done.finish_reason == "context":
+        print(f"loom generate: stopped after {len(done.tokens)} new tokens at the model's context length "
+              f"(max_seq_len={context}, prompt {len(prompt)} tokens), before --max-new-tokens="
               f"{args.max_new_tokens}", file=sys.stderr)
+    return 0
+
+
+def _generate_file(args, tok, texts, ids, params, engine) -> int:
+    import time
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from loom.infer.batch import write_records
+
+    start = time.perf_counter()
+    columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        task = bar.add_task("generate", total=len(ids))
+        results = engine.generate(ids, params, on_done=lambda i, done: bar.advance(task))
+    records = []
+    for text, done in zip(texts, results):
+        new = done.tokens[:-1] if done.finish_reason == "stop" else done.tokens
+        records.append({"prompt": text, "completion": tok.decode(new), "tokens": done.tokens,
+                        "logprobs": done.logprobs, "finish_reason": done.finish_reason})
+    write_records(args.output, records)
+    tokens = sum(len(done.tokens) for done in results)
+    seconds = time.perf_counter() - start
+    print(f"wrote {len(records)} completions ({tokens} tokens, {tokens / seconds:.1f} tokens/s) to {args.output}")
     return 0
 
 
@@ -266,19 +303,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser("generate", help="continue a prompt with a trained model",
-                       description="Continue --prompt with a trained model: greedy at --temperature 0, else sampled "
-                       "with top-k / top-p. Stops at --max-new-tokens, at the end-of-document token when the "
-                       "tokenizer has one, or at the model's context length (and says so). Example: loom generate "
-                       "--checkpoint runs/t1 --prompt 'def ' --max-new-tokens 64")
+                       description="Continue --prompt with a trained model, or every record of --input (a .jsonl "
+                       "of {\"prompt\": str}) into --output with token ids and log-probabilities: greedy at "
+                       "--temperature 0, else sampled with top-k / top-p. Stops at --max-new-tokens, at the "
+                       "end-of-document token when the tokenizer has one, or at the model's context length (and "
+                       "says so). Examples: loom generate --checkpoint runs/t1 --prompt 'def ' --max-new-tokens 64; "
+                       "loom generate --checkpoint runs/t1 --input prompts.jsonl --output out.jsonl")
     p.add_argument("--checkpoint", required=True,
                    help="a run directory (its latest checkpoint), a checkpoint step-N directory, a loom model "
                    "directory or a Hugging Face model directory")
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--prompt", default=None, help="the text to continue (printed with its continuation)")
+    p.add_argument("--input", default=None, help='batch mode: a .jsonl file of {"prompt": str} records')
+    p.add_argument("--output", default=None, help="batch mode: the .jsonl file to write, one record per input record "
+                   "in the same order: prompt, completion (text), tokens (generated ids), logprobs (one per token, "
+                   "log-softmax of the model's logits at temperature 1), finish_reason")
+    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this much probability")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling; record n of --input uses seed + n, "
+                   "so its sample does not depend on the others")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("convert", help="convert between Hugging Face (Llama, Qwen2.5, Qwen3, Mixtral, Qwen2/3-MoE) "

@@ -124,6 +124,11 @@ class Attention(nn.Module):
             where = slice(start_pos, start_pos + seqlen) if self.positions is None else self._positions(x.device)
             cos, signed_sin = (t[where] for t in rope)
             q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
+        if cache is not None and hasattr(cache, "attend"):
+            # The generation engine's slab (loom/infer/engine.py): each row writes its keys and values into
+            # its own slot at its `positions` and attends to that slot alone.
+            out = cache.attend(layer_id, q, k, v)
+            return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
         if cache is not None:
             k, v = cache.update(layer_id, k, v, start_pos)
         dropout = self.attn_dropout if self.training else 0.0

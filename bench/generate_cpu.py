@@ -1,0 +1,143 @@
+"""CPU generation throughput: loom's engine vs transformers' `generate`, same model, same prompts.
+
+The model is a Llama built here with random weights (no download): hidden 384, 6 layers, 6 heads, 2 key/value
+heads, MLP 1024, vocabulary 16000, untied (about 22M parameters), fp32, saved once and loaded by both. Each batch
+size B (1, 16, 64) gets B ragged prompts (16 to 64 tokens) and greedy decoding of a fixed number of new
+tokens with no stop token, so both produce exactly B x new tokens: tokens/s = B x new / wall time of the
+whole call (prefill included). transformers runs the way a user batches it: left-padded prompts with their
+attention mask, `do_sample=False`, SDPA attention. loom's engine gets max_batch = B and the prompts as they
+are. Rounds alternate which goes first; each figure is total tokens over total time, and the JSON keeps
+every round, the load average before and after (the ratio is only as good as the machine was quiet), and
+the fraction of sequences whose greedy tokens agree. On a shared machine wall time swings with the load, so
+tokens per CPU-second of this process (`time.process_time`) are reported beside it.
+
+One more row, "ragged": batch 16 where request i wants its own number of new tokens (8 to 64), as when
+sequences stop at different points. transformers decodes the batch until its longest request is done and
+the caller cuts each row; loom's engine stops each request at its own length and refills its slot. Both
+count only the tokens the requests asked for.
+
+    .venv/bin/python bench/generate_cpu.py [--rounds 2] [--new 64] [--batches 1,16,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import loom  # noqa: E402
+from loom.infer.engine import Engine, SamplingParams  # noqa: E402
+from loom.provenance import stamp  # noqa: E402
+
+SHAPE = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
+             intermediate_size=1024, vocab_size=16000, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def build(path: Path):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SHAPE)
+    config._attn_implementation = "sdpa"
+    hf = transformers.LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():  # larger than the default init so the greedy choice is not a near-tie everywhere
+        for name, p in hf.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.05)
+    hf.save_pretrained(path)
+    return hf
+
+
+def prompts_for(batch: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, SHAPE["vocab_size"], (int(n),), generator=g).tolist()
+            for n in torch.randint(16, 65, (batch,), generator=g)]
+
+
+@torch.no_grad()
+def run_hf(hf, prompts, new) -> tuple[float, float, list[list[int]]]:
+    """new: one count for all, or one per prompt (the batch decodes to the largest, each row is cut)."""
+    news = new if isinstance(new, list) else [new] * len(prompts)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start, cpu = time.perf_counter(), time.process_time()
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(news), min_new_tokens=max(news), do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return time.perf_counter() - start, time.process_time() - cpu, [row[:n] for row, n in zip(out[:, width:].tolist(), news)]
+
+
+def run_loom(model, prompts, new) -> tuple[float, float, list[list[int]]]:
+    news = new if isinstance(new, list) else [new] * len(prompts)
+    start, cpu = time.perf_counter(), time.process_time()
+    engine = Engine(model, max_batch=len(prompts), max_len=max(map(len, prompts)) + max(news))
+    done = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in news])
+    return time.perf_counter() - start, time.process_time() - cpu, [d.tokens for d in done]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--new", type=int, default=64, help="new tokens per sequence")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "generate_cpu.json"))
+    args = parser.parse_args()
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = build(Path(tmp))
+        model = loom.load_model(tmp)
+    params = sum(p.numel() for p in model.parameters())
+    run_hf(hf, prompts_for(2, 99), 4)  # warm both up
+    run_loom(model, prompts_for(2, 99), 4)
+    rows = []
+    cases = [(b, b, args.new) for b in map(int, args.batches.split(","))]
+    cases.append(("ragged", 16, [8 + (56 * i) // 15 for i in range(16)]))
+    for label, batch, new in cases:
+        prompts = prompts_for(batch, batch)
+        seconds = {"loom": [], "transformers": []}
+        cpu = {"loom": [], "transformers": []}
+        agree = None
+        for r in range(args.rounds):
+            order = ["loom", "transformers"] if r % 2 == 0 else ["transformers", "loom"]
+            outs = {}
+            for name in order:
+                run = run_loom if name == "loom" else run_hf
+                t, c, outs[name] = run(model if name == "loom" else hf, prompts, new)
+                seconds[name].append(round(t, 3))
+                cpu[name].append(round(c, 3))
+            agree = sum(a == b for a, b in zip(outs["loom"], outs["transformers"])) / batch
+        tokens = (sum(new) if isinstance(new, list) else batch * new) * args.rounds
+        row = {"batch": label, "new_tokens": new, "prompt_tokens_first_8": [len(p) for p in prompts][:8],
+               "loom_tokens_per_s": round(tokens / sum(seconds["loom"]), 1),
+               "transformers_tokens_per_s": round(tokens / sum(seconds["transformers"]), 1),
+               "loom_tokens_per_cpu_s": round(tokens / sum(cpu["loom"]), 1),
+               "transformers_tokens_per_cpu_s": round(tokens / sum(cpu["transformers"]), 1),
+               "seconds": seconds, "cpu_seconds": cpu, "greedy_sequences_equal": agree}
+        row["ratio"] = round(row["loom_tokens_per_s"] / row["transformers_tokens_per_s"], 2)
+        row["cpu_ratio"] = round(row["loom_tokens_per_cpu_s"] / row["transformers_tokens_per_cpu_s"], 2)
+        rows.append(row)
+        print(f"batch {label!s:>6}: loom {row['loom_tokens_per_s']:7.1f} tok/s ({row['loom_tokens_per_cpu_s']:7.1f} per "
+              f"cpu-s)  transformers {row['transformers_tokens_per_s']:7.1f} tok/s "
+              f"({row['transformers_tokens_per_cpu_s']:7.1f})  ratio {row['ratio']:.2f} (cpu {row['cpu_ratio']:.2f})  "
+              f"greedy equal {agree:.2f}", flush=True)
+    import transformers
+
+    result = {"benchmark": "generate_cpu", "model": dict(SHAPE, parameters=params), "dtype": "float32",
+              "rows": rows, "load_average_1min_before_after": [load_before, os.getloadavg()[0]],
+              "transformers": transformers.__version__,
+              **stamp("python bench/generate_cpu.py " + " ".join(sys.argv[1:]))}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+"""The generation engine: a preallocated key/value slab, continuous batching, per-request sampling that
+returns per-token log-probabilities, and in-place weight refit. RL drives it from Python; `loom generate`
+from the command line.
+
+    engine = Engine(model, max_batch=16, max_len=512)
+    done = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.7, max_new_tokens=64, seed=1))
+    done[0].tokens, done[0].logprobs            # generated ids; log p(token | prefix) at temperature 1
+    engine.refit(trainer_model)                 # new weights, same slab
+
+How it works. The slab holds, per layer, keys and values of shape [slots, kv_heads, max_len, head_dim],
+allocated once. A request owns one slot from its prefill to its last token. Each step the engine either
+prefills waiting prompts into free slots (ragged prompts right-padded into one batch) or decodes one token
+for every busy slot; a slot freed by a finished request is refilled by the next waiting prompt at once
+(continuous batching). Row b of a forward belongs to slot `rows[b]` and its tokens sit at `positions[b]`:
+rotary positions come from there, keys and values are written there, and a query at position p attends
+to keys 0..p of its own slot only, so neither padding nor another slot's (or an earlier request's) stale
+entries are ever seen. The model needs no engine code beyond calling `cache.attend` (loom/models/llama.py).
+
+Sampling is per request: temperature (0 = greedy), top-k, top-p, max_new_tokens, stop tokens, seed. Each
+request draws its random numbers from its own generator, one uniform per token, so what it samples does
+not depend on which other requests share the batch.
+
+Log-probabilities. `Completion.logprobs[i]` is log-softmax of the model's unmodified logits (temperature 1,
+no top-k/top-p) at generated token i: the quantity a trainer's forward computes, which RL losses need.
+`Completion.sampling_logprobs[i]` is the log-probability under the distribution the token was actually
+drawn from (after temperature, top-k and top-p; 0.0 for greedy), for importance weights.
+
+Tensor parallelism: pass a model sharded by `loom.parallel.tensor.apply_tensor_parallel` (every rank runs
+the same engine loop on the same requests); the slab holds this rank's key/value heads and the logits are
+gathered before sampling, so every rank samples the same tokens.
+
+GPU: nothing here is CPU-specific, but the CUDA-graph decode and on-device stop tracking are not written
+yet; the engine has only been run on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.errors import UserError
+from loom.models.init import canonical_name
+from loom.parallel.distributed import local
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is continued. `temperature` 0 is greedy; `top_k` 0 and `top_p` 1 keep every token.
+    Generation stops after `max_new_tokens`, at any of `stop_token_ids` (kept as the last token), or when
+    prompt + completion fill the engine's `max_len`. `seed` None draws one from the engine's seed."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def check(self) -> None:
+        bad = []
+        if not self.temperature >= 0:
+            bad.append(f"temperature={self.temperature} (must be >= 0; 0 is greedy)")
+        if self.top_k < 0:
+            bad.append(f"top_k={self.top_k} (must be >= 0; 0 keeps every token)")
+        if not 0 < self.top_p <= 1:
+            bad.append(f"top_p={self.top_p} (must be in (0, 1])")
+        if self.max_new_tokens < 1:
+            bad.append(f"max_new_tokens={self.max_new_tokens} (must be >= 1)")
+        if bad:
+            raise UserError("invalid sampling parameters: " + "; ".join(bad))
+
+
+@dataclass
+class Completion:
+    """One finished request. `finish_reason`: "stop" (a stop token, the last of `tokens`), "length"
+    (max_new_tokens reached) or "context" (prompt + completion reached the engine's max_len)."""
+
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # log-softmax of the raw logits (temperature 1)
+    sampling_logprobs: list[float] = field(default_factory=list)  # under the distribution sampled from
+    finish_reason: str = ""
+
+
+class KVSlab:
+    """Keys and values of every slot, allocated once: per layer [slots, kv_heads, max_len, head_dim].
+
+    `bind` says which slot each row of the next forward is and where its tokens go; every attention layer
+    then calls `attend`, which writes that layer's new keys and values and attends within each slot."""
+
+    def __init__(self, layer_ids, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.k = {int(i): torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
+        self.v = {int(i): torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
+        self.rows = self.positions = self.mask = None
+        self.prefix = 0  # > 0: the rows are slots 0..prefix-1 in order (read the slab without copying)
+        self.keys = 0  # key positions a query can see: 0..keys-1
+
+    def bind(self, rows: list[int], positions: torch.Tensor) -> None:
+        """Row b of the next forward is slot rows[b]; its tokens sit at positions[b] ([rows, seq])."""
+        device = next(iter(self.k.values())).device
+        self.rows = torch.tensor(rows, device=device)
+        self.positions = positions.to(device)
+        self.prefix = len(rows) if rows == list(range(len(rows))) else 0
+        self.keys = int(positions.max()) + 1
+        # Query at position p sees keys 0..p of its own slot: [rows, 1, seq, keys].
+        self.mask = (torch.arange(self.keys, device=device) <= self.positions[..., None]).unsqueeze(1)
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [rows, heads, seq, d], k/v [rows, kv_heads, seq, d] -> attention output [rows, heads, seq, d]."""
+        K, V = self.k[layer_id], self.v[layer_id]
+        where = (self.rows[:, None], slice(None), self.positions)  # -> [rows, seq, kv_heads, d]
+        K[where] = k.transpose(1, 2).to(K.dtype)
+        V[where] = v.transpose(1, 2).to(V.dtype)
+        if self.prefix:
+            keys, values = K[:self.prefix, :, :self.keys], V[:self.prefix, :, :self.keys]
+        else:
+            keys, values = K[self.rows, :, :self.keys], V[self.rows, :, :self.keys]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask,
+                                              enable_gqa=q.shape[1] != keys.shape[1])
+
+    def data_ptrs(self) -> list[int]:
+        return [t.data_ptr() for t in (*self.k.values(), *self.v.values())]
+
+
+class _Sequence:
+    """A request while it holds a slot."""
+
+    def __init__(self, index: int, prompt: list[int], params: SamplingParams, seed: int):
+        self.index, self.params = index, params
+        self.out = Completion(prompt=list(prompt))
+        self.generator = torch.Generator().manual_seed(seed)
+        self.length = len(prompt)  # tokens whose keys and values are in the slot
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [rows, vocab] (fp32) -> (token [rows], its log-probability under the distribution it was drawn
+    from). Greedy rows take the argmax (log-probability 0: a point mass); the others apply temperature, then
+    top-k, then top-p (the smallest set of most likely tokens holding top_p of the mass), and invert the
+    CDF at one uniform drawn from their own generator."""
+    tokens = logits.argmax(-1)
+    chosen = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+    hot = [i for i, p in enumerate(params) if p.temperature > 0]
+    if not hot:
+        return tokens, chosen
+    vocab = logits.shape[-1]
+    idx = torch.tensor(hot, device=logits.device)
+    x = logits[idx] / torch.tensor([params[i].temperature for i in hot], device=logits.device)[:, None]
+    top_k = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in hot]
+    top_p = [params[i].top_p for i in hot]
+    order = None
+    if min(top_k) < vocab or min(top_p) < 1:
+        x, order = x.sort(dim=-1, descending=True)
+        kth = x.gather(1, torch.tensor(top_k, device=x.device)[:, None] - 1)
+        x = x.masked_fill(x < kth, float("-inf"))  # ties with the k-th logit stay, as in transformers
+        p = torch.tensor(top_p, device=x.device)[:, None]
+        probs = x.softmax(-1)
+        x = x.masked_fill((probs.cumsum(-1) - probs > p) & (p < 1), float("-inf"))
+    logp = x.log_softmax(-1)
+    cdf = logp.exp().cumsum(-1)
+    u = torch.stack([torch.rand((), generator=generators[i]) for i in hot]).to(x.device)[:, None]
+    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
+    chosen[idx] = logp.gather(1, pick)[:, 0]
+    tokens[idx] = pick[:, 0] if order is None else order.gather(1, pick)[:, 0]
+    return tokens, chosen
+
+
+class Engine:
+    """Generates for many requests at once on one model (or one tensor-parallel shard of it).
+
+    `max_batch`: slots, the most sequences decoded together. `max_len`: the longest prompt + completion
+    (at most the model's max_seq_len). `seed`: where requests without their own seed get one."""
+
+    def __init__(self, model: nn.Module, max_batch: int = 16, max_len: int | None = None, seed: int = 0):
+        cfg = model.cfg
+        max_len = cfg.max_seq_len if max_len is None else max_len
+        if max_batch < 1 or not 2 <= max_len <= cfg.max_seq_len:
+            raise UserError(f"Engine(max_batch={max_batch}, max_len={max_len}): max_batch must be >= 1 and max_len "
+                            f"in [2, {cfg.max_seq_len}] (the model's max_seq_len)")
+        self.model = model.eval()
+        self.max_batch, self.max_len, self.vocab = max_batch, max_len, cfg.vocab_size
+        weight = local_tensor(next(model.parameters()))
+        attention = next(iter(model.layers.values())).attention
+        kv_heads = local_tensor(attention.wk.weight).shape[0] // attention.head_dim  # this rank's, under TP
+        self.slab = KVSlab(model.layers.keys(), max_batch, kv_heads, max_len, attention.head_dim, weight.dtype,
+                           weight.device)
+        self.device = weight.device
+        self._seeds = torch.Generator().manual_seed(seed)
+        self.stats = {"prefill_steps": 0, "decode_steps": 0, "refills": 0, "decoded_tokens": 0}
+        self.last_refit_s: float | None = None
+
+    # --- generation -----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 on_done=None) -> list[Completion]:
+        """Continue every prompt (a list of token ids); results in the order of `prompts`. `params`: one for
+        all or one per prompt. `on_done(index, completion)` is called as each request finishes."""
+        params = params or SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise UserError(f"{len(prompts)} prompts but {len(params)} sampling parameters; give one for all or "
+                            "one per prompt")
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            p.check()
+            if not 1 <= len(prompt) < self.max_len:
+                raise UserError(f"prompt {i} has {len(prompt)} tokens; it needs 1 to {self.max_len - 1} "
+                                f"(the engine's max_len={self.max_len} holds prompt and completion)")
+            if min(prompt) < 0 or max(prompt) >= self.vocab:
+                raise UserError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab})")
+        seeds = [p.seed if p.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seeds))
+                 for p in params]
+        waiting = deque(range(len(prompts)))
+        slots: list[_Sequence | None] = [None] * self.max_batch
+        results: list[Completion | None] = [None] * len(prompts)
+
+        def finish(seqs: list[_Sequence]) -> None:
+            for seq in seqs:
+                if seq.out.finish_reason:
+                    results[seq.index] = seq.out
+                    slots[slots.index(seq)] = None
+                    if on_done is not None:
+                        on_done(seq.index, seq.out)
+
+        while waiting or any(slots):
+            free = [s for s, seq in enumerate(slots) if seq is None]
+            if waiting and free:  # fill free slots first: a freed slot never waits for the others
+                busy = len(free) < self.max_batch
+                admitted = []
+                for s in free[:len(waiting)]:
+                    i = waiting.popleft()
+                    slots[s] = _Sequence(i, prompts[i], params[i], seeds[i])
+                    admitted.append(s)
+                self.stats["refills"] += len(admitted) if busy else 0
+                finish(self._prefill(admitted, [slots[s] for s in admitted]))
+            active = [s for s, seq in enumerate(slots) if seq is not None]
+            if active:
+                finish(self._decode(active, [slots[s] for s in active]))
+        return results
+
+    def _prefill(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
+        lengths = [len(seq.out.prompt) for seq in seqs]
+        width = max(lengths)
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)  # right-padded; padding is never attended
+        for b, seq in enumerate(seqs):
+            tokens[b, :lengths[b]] = torch.tensor(seq.out.prompt)
+        positions = torch.arange(width).expand(len(rows), width)
+        self.stats["prefill_steps"] += 1
+        return self._step(rows, seqs, tokens, positions, torch.tensor(lengths) - 1)
+
+    def _decode(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
+        tokens = torch.tensor([[seq.out.tokens[-1]] for seq in seqs])
+        positions = torch.tensor([[seq.length] for seq in seqs])
+        for seq in seqs:
+            seq.length += 1
+        self.stats["decode_steps"] += 1
+        self.stats["decoded_tokens"] += len(rows)
+        return self._step(rows, seqs, tokens, positions, torch.zeros(len(rows), dtype=torch.long))
+
+    def _step(self, rows, seqs, tokens, positions, last) -> list[_Sequence]:
+        """One forward over `rows`; sample each row's next token from its logits at position `last[b]`."""
+        self.slab.bind(rows, positions)
+        hidden = local(self.model(tokens.to(self.device), cache=self.slab, positions=positions.to(self.device),
+                                  return_hidden=True))
+        hidden = hidden[torch.arange(len(rows), device=self.device), last.to(self.device)]
+        logits = local(self.model.output(hidden)).float()
+        tokens, sampled_lp = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        logprobs = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+        for seq, t, lp, slp in zip(seqs, tokens.tolist(), logprobs.tolist(), sampled_lp.tolist()):
+            out, p = seq.out, seq.params
+            out.tokens.append(t)
+            out.logprobs.append(lp)
+            out.sampling_logprobs.append(slp)
+            if t in p.stop_token_ids:
+                out.finish_reason = "stop"
+            elif len(out.tokens) >= p.max_new_tokens:
+                out.finish_reason = "length"
+            elif len(out.prompt) + len(out.tokens) >= self.max_len:
+                out.finish_reason = "context"
+        return seqs
+
+    # --- weights --------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def refit(self, source: nn.Module | dict) -> float:
+        """Copy new weights into the engine's model in place (the slab and every buffer stay where they are);
+        returns and logs the seconds it took.
+
+        `source`: a model or a state dict with loom's parameter names, in any layout a single process can
+        read: plain tensors, or DTensors (FSDP/TP shards, gathered here with `full_tensor`; every rank of
+        the source's mesh must call refit together). Under tensor parallelism the engine takes its own
+        shard of each full tensor. A pipeline stage holds only some layers, so its weights are refused:
+        gather them first."""
+        start = time.perf_counter()
+        state = source.state_dict() if isinstance(source, nn.Module) else source
+        state = {canonical_name(k): v for k, v in state.items()}
+        params = dict(self.model.named_parameters())  # one entry per tensor: a tied head appears once
+        missing = [name for name in params if name not in state]
+        if missing:
+            raise UserError(f"refit: the new weights lack {len(missing)} of the engine's parameters, e.g. "
+                            f"{missing[:3]}; give the whole model's state dict (a pipeline stage holds only some "
+                            "layers: gather them first)")
+        for name, p in params.items():
+            src = local(state[name])
+            if tuple(src.shape) != tuple(p.shape):
+                raise UserError(f"refit: {name} has shape {tuple(src.shape)}; the engine's model has {tuple(p.shape)}")
+            if hasattr(p, "device_mesh"):  # a tensor-parallel engine: this rank's shard of the full tensor
+                from torch.distributed.tensor import distribute_tensor
+
+                src = distribute_tensor(src.to(p.device, p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+                p.to_local().copy_(src.to_local())
+            else:
+                p.copy_(src)
+        self.last_refit_s = time.perf_counter() - start
+        log.info("refit: %d tensors in %.3f s", len(params), self.last_refit_s)
+        return self.last_refit_s
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) parameter."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -1,0 +1,262 @@
+"""The generation engine (loom/infer/engine.py): greedy output equals transformers' `generate` per prompt
+under continuous batching, log-probs equal the training forward's, refit equals a fresh engine without
+reallocating the slab, per-request seeds do not depend on the batch, sampling follows its distribution,
+tensor parallelism gives the tp=1 tokens, and `loom generate --input/--output` writes the contract records."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import loom
+from conftest import randomize_hf_weights
+from distributed import run_ranks
+from engine_ranks import generate_tp
+from loom.cli import main
+from loom.errors import UserError
+from loom.infer.engine import Engine, SamplingParams, sample
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 300
+
+
+def hf_model(kind: str, seed: int = 0):
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=160, vocab_size=VOCAB, max_position_embeddings=128, rms_norm_eps=1e-6)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common)
+    elif kind == "qwen2":  # q/k/v biases, tied embeddings
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=False)
+    else:  # qwen3: per-head q/k norms, head_dim decoupled from hidden / heads
+        config = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return randomize_hf_weights(transformers.AutoModelForCausalLM.from_config(config))
+
+
+def save_tokenizer(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """kind -> (transformers model, its directory); the directories also hold a word-level tokenizer."""
+    out = {}
+    for kind in ("llama", "qwen2", "qwen3"):
+        model = hf_model(kind)
+        path = tmp_path_factory.mktemp(kind)
+        model.save_pretrained(path)
+        save_tokenizer(path)
+        out[kind] = (model, path)
+    return out
+
+
+def ragged_prompts(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 21, (n,), generator=g).tolist()
+    return [torch.randint(0, VOCAB, (length,), generator=g).tolist() for length in lengths]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_greedy_equals_transformers_generate_under_continuous_batching(models, kind):
+    hf, path = models[kind]
+    prompts = ragged_prompts()
+    new = [3 + (7 * i) % 11 for i in range(16)]  # different lengths: slots free at different steps
+    engine = Engine(loom.load_model(path), max_batch=5, max_len=48)
+    done = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in new])
+    # 16 requests through 5 slots: slots were refilled while other sequences were still decoding.
+    assert engine.stats["refills"] >= 11 and engine.stats["prefill_steps"] > 1
+    assert [d.finish_reason for d in done] == ["length"] * 16 and [len(d.tokens) for d in done] == new
+    # transformers' greedy search: the whole batch left-padded with its attention mask (one call), and two
+    # prompts alone; a greedy continuation is a prefix of any longer one.
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        want = hf.generate(ids, attention_mask=mask, max_new_tokens=max(new), do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[:, width:]
+        for i in (prompts.index(min(prompts, key=len)), prompts.index(max(prompts, key=len))):
+            alone = hf.generate(torch.tensor([prompts[i]]), max_new_tokens=max(new), do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(prompts[i]):]
+            assert torch.equal(alone, want[i])
+    for n, got, ref in zip(new, done, want.tolist()):
+        assert got.tokens == ref[:n]
+
+
+def test_logprobs_equal_training_forward(models):
+    """Log-probs of sampled (not only argmax) tokens equal the training forward's per-token -cross-entropy."""
+    _, path = models["qwen3"]
+    model = loom.load_model(path)
+    prompts = ragged_prompts(10, seed=1)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=12, seed=i) for i in range(10)]
+    done = Engine(model, max_batch=4, max_len=40).generate(prompts, params)
+    model.train()  # the training forward: the trainer's own attention path, no slab
+    worst = 0.0
+    for prompt, got in zip(prompts, done):
+        seq = torch.tensor([prompt + got.tokens])
+        logits = model(seq[:, :-1])[0, len(prompt) - 1:]
+        want = -F.cross_entropy(logits.float(), seq[0, len(prompt):], reduction="none")
+        worst = max(worst, (want - torch.tensor(got.logprobs)).abs().max().item())
+        # at temperature 1 with every token allowed, the sampling distribution is the model's
+        assert torch.allclose(torch.tensor(got.sampling_logprobs), torch.tensor(got.logprobs), atol=1e-5)
+    assert worst < 1e-5
+    assert min(lp for got in done for lp in got.logprobs) < -2  # not only near-certain tokens
+
+
+def test_refit_equals_fresh_engine_and_keeps_the_slab(models, caplog, tmp_path):
+    _, path_a = models["llama"]
+    path_b = tmp_path / "llama-new"
+    hf_model("llama", seed=7).save_pretrained(path_b)
+    prompts = ragged_prompts(6, seed=2)
+    params = SamplingParams(temperature=0.8, top_k=50, max_new_tokens=10, seed=3)
+    engine = Engine(loom.load_model(path_a), max_batch=4, max_len=40)
+    before = [d.tokens for d in engine.generate(prompts, params)]
+    ptrs = engine.slab.data_ptrs()
+    new_model = loom.load_model(path_b)
+    with caplog.at_level(logging.INFO, logger="loom.infer.engine"):
+        seconds = engine.refit(new_model.state_dict())
+    assert engine.slab.data_ptrs() == ptrs
+    assert any("refit:" in r.getMessage() for r in caplog.records) and seconds == engine.last_refit_s > 0
+    after = engine.generate(prompts, params)
+    fresh = Engine(new_model, max_batch=4, max_len=40).generate(prompts, params)
+    assert [d.tokens for d in after] == [d.tokens for d in fresh] != before
+    assert [d.logprobs for d in after] == [d.logprobs for d in fresh]
+    with pytest.raises(UserError, match="lack"):
+        engine.refit({k: v for k, v in new_model.state_dict().items() if not k.startswith("layers.1.")})
+
+
+def test_seed_gives_the_same_sample_alone_or_in_any_batch(models):
+    _, path = models["llama"]
+    model = loom.load_model(path)
+    prompts = ragged_prompts(8, seed=3)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=100 + i) for i in range(8)]
+    batched = Engine(model, max_batch=3, max_len=40).generate(prompts, params)
+    alone = Engine(model, max_batch=1, max_len=40)
+    for i in (0, 5, 7):
+        assert alone.generate([prompts[i]], params[i])[0].tokens == batched[i].tokens
+    other = alone.generate([prompts[5]], SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=1))
+    assert other[0].tokens != batched[5].tokens
+
+
+def test_stop_tokens_and_context_end(models):
+    _, path = models["llama"]
+    engine = Engine(loom.load_model(path), max_batch=2, max_len=20)
+    prompt = ragged_prompts(1, seed=4)[0][:8]
+    free = engine.generate([prompt], SamplingParams(max_new_tokens=6))[0].tokens
+    stop = free[3]
+    cut = engine.generate([prompt], SamplingParams(max_new_tokens=6, stop_token_ids=(stop,)))[0]
+    first = free.index(stop)
+    assert cut.tokens == free[:first + 1] and cut.finish_reason == "stop"
+    full = engine.generate([prompt], SamplingParams(max_new_tokens=50))[0]
+    assert len(prompt) + len(full.tokens) == 20 and full.finish_reason == "context"
+    with pytest.raises(UserError, match="1 to 19"):
+        engine.generate([list(range(20))])
+
+
+def test_sampling_distribution_follows_temperature_top_k_top_p():
+    """The log-probability reported for each draw is that of the intended distribution, computed here
+    independently; and the draws themselves follow it (1500 draws per case, within 5 standard deviations)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 40) * 2
+    cases = [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.3, top_k=5, seed=2),
+             SamplingParams(temperature=1.0, top_p=0.6, seed=3)]
+
+    def reference(row, p):
+        x = logits[row] / p.temperature
+        if p.top_k:
+            x = x.masked_fill(x < x.topk(p.top_k).values[-1], float("-inf"))
+        if p.top_p < 1:
+            probs = x.softmax(-1)
+            keep, mass = set(), 0.0
+            for i in probs.argsort(descending=True).tolist():  # smallest most-likely set reaching top_p
+                if mass >= p.top_p:
+                    break
+                keep.add(i)
+                mass += probs[i].item()
+            x = torch.tensor([v if i in keep else float("-inf") for i, v in enumerate(x.tolist())])
+        return x.log_softmax(-1)
+
+    refs = torch.stack([reference(row, p) for row, p in enumerate(cases)])
+    assert (refs[1] > float("-inf")).sum() == 5 and 1 < (refs[2] > float("-inf")).sum() < 40
+    draws = 1500  # each case's row repeated, each copy with its own generator: one call
+    rows = [row for row in range(3) for _ in range(draws)]
+    gens = [torch.Generator().manual_seed(n) for n in range(len(rows))]
+    tokens, lp = sample(logits[rows], [cases[row] for row in rows], gens)
+    assert (lp - refs[rows].gather(1, tokens[:, None])[:, 0]).abs().max() < 1e-5
+    counts = torch.zeros(3, 40).index_put_((torch.tensor(rows), tokens), torch.ones(len(rows)), accumulate=True)
+    for row in range(3):
+        expected = refs[row].exp() * draws
+        assert counts[row][expected == 0].sum() == 0  # nothing outside top-k / top-p
+        big = expected > 50
+        assert ((counts[row][big] - expected[big]).abs() < 5 * expected[big].sqrt() + 5).all()
+    assert torch.equal(sample(logits, [SamplingParams()] * 3, gens)[0], logits.argmax(-1))
+
+
+# --- tensor parallelism -------------------------------------------------------------------------------------
+
+
+def test_tensor_parallel_engine_equals_one_process(models, tmp_path):
+    """tp=2 (heads, MLP and vocabulary split over 2 gloo ranks), refit from the new weights held FSDP-sharded
+    over the same ranks: the tokens and log-probs of one process with the new weights (the old weights give
+    other tokens, so the refit did reshard them)."""
+    _, path = models["qwen2"]
+    new_path = tmp_path / "new"
+    hf_model("qwen2", seed=5).save_pretrained(new_path)
+    prompts = ragged_prompts(4, seed=6)
+    params = [SamplingParams(max_new_tokens=6), SamplingParams(temperature=0.9, top_k=20, max_new_tokens=6, seed=4)] * 2
+    old = [d.tokens for d in Engine(loom.load_model(path), max_batch=3, max_len=40).generate(prompts, params)]
+    want = Engine(loom.load_model(new_path), max_batch=3, max_len=40).generate(prompts, params)
+    assert [d.tokens for d in want] != old
+    for kv_local, placements, tokens, logprobs in run_ranks(2, generate_tp, path, new_path, prompts, params):
+        assert kv_local == 1  # 2 key/value heads over 2 ranks
+        assert placements == {"(Shard(dim=0),)"}  # the new weights came FSDP-sharded
+        assert tokens == [d.tokens for d in want]
+        assert max(abs(a - b) for got, ref in zip(logprobs, want) for a, b in zip(got, ref.logprobs)) < 1e-5
+
+
+# --- loom generate --input / --output ----------------------------------------------------------------------
+
+
+def test_generate_file_writes_contract_records_in_order(models, tmp_path, capsys):
+    _, path = models["llama"]
+    prompts = [" ".join(f"w{i}" for i in p) for p in ragged_prompts(7, seed=8)]
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p, "id": n}) + "\n" for n, p in enumerate(prompts)) + "\n")
+    out = tmp_path / "out" / "done.jsonl"
+    assert main(["generate", "--checkpoint", str(path), "--input", str(src), "--output", str(out),
+                 "--max-new-tokens", "6", "--max-batch", "3"]) == 0
+    assert "wrote 7 completions" in capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    want = Engine(loom.load_model(path), max_batch=2, max_len=30).generate(
+        [[int(w[1:]) for w in p.split()] for p in prompts], SamplingParams(max_new_tokens=6))
+    assert [r["prompt"] for r in records] == prompts
+    for r, w in zip(records, want):
+        assert r["tokens"] == w.tokens and len(r["logprobs"]) == 6
+        assert max(abs(a - b) for a, b in zip(r["logprobs"], w.logprobs)) < 1e-5
+        assert r["completion"] == " ".join(f"w{t}" for t in w.tokens) and r["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("content,needle", [
+    (None, "does not exist"),
+    ('{"prompt": "w1 w2"}\n{"prompt": "w3"\n', "line 2: not valid JSON"),
+    ('{"prompt": "w1"}\n\n{"text": "w3"}\n', "line 3: expected a record with a string \"prompt\""),
+    ('{"prompt": "w1"}\n{"prompt": 5}\n', "line 2: expected a record"),
+])
+def test_generate_file_bad_input_exits_2_naming_file_and_line(models, tmp_path, capsys, content, needle):
+    _, path = models["llama"]
+    src = tmp_path / "in.jsonl"
+    if content is not None:
+        src.write_text(content)
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--checkpoint", str(path), "--input", str(src), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and str(src) in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["in.jsonl"] if content is not None else [])
