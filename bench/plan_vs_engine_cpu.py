@@ -1,0 +1,110 @@
+"""`loom plan --inference` against loom's generation engine on this CPU (issue 15 §3).
+
+1. `loom plan --profile-hardware` measures this machine (GEMM table, memory bandwidth, op overhead), unless
+   --profile names an existing profile;
+2. for batch 1, 8 and 32 the planner predicts prefill time and the decode step at the mean context for one
+   process (`planner.inference.evaluate_inference`, tp = pp = 1, fp32);
+3. the engine runs the same model and batch: prefill = a generation of one token (the first token comes
+   from the prefill's logits), decode step = (a generation of `output` tokens - that) / (output - 1);
+   medians over --repeats.
+
+Usage: python bench/plan_vs_engine_cpu.py [--repeats 3] [--profile bench/results/cpu_profile.json]
+       -> bench/results/plan_vs_engine_cpu.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from loom.config import ModelConfig  # noqa: E402
+from loom.infer.engine import Engine, SamplingParams  # noqa: E402
+from loom.models.llama import build_model  # noqa: E402
+from loom.planner.costmodel import Workload  # noqa: E402
+from loom.planner.hardware import load_gpu  # noqa: E402
+from loom.planner.inference import evaluate_inference  # noqa: E402
+from loom.provenance import stamp  # noqa: E402
+
+# The Llama-shaped model of bench/plan_vs_measured_cpu.py.
+MODEL = dict(layers=4, hidden=512, heads=8, kv_heads=4, ffn_hidden=1376, vocab_size=4096, max_seq_len=1024,
+             tie_embeddings=False)
+
+
+def timed(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    start = time.perf_counter()
+    done = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert all(len(c.tokens) == new_tokens for c in done), "a request stopped early"
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--input", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--output", type=int, default=32, help="generated tokens")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--profile", type=Path, default=None, help="an existing --profile-hardware JSON")
+    args = parser.parse_args()
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    profile = args.profile
+    if profile is None:
+        profile = out_dir / "cpu_profile.json"
+        r = subprocess.run([sys.executable, "-m", "loom.cli", "plan", "--profile-hardware", str(profile)],
+                           capture_output=True, text=True, cwd=ROOT)
+        if r.returncode:
+            sys.exit(r.stderr)
+    gpu = load_gpu(str(profile))
+    torch.manual_seed(0)
+    cfg = ModelConfig(**MODEL)
+    model = build_model(cfg).float().eval()
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompts = torch.randint(0, cfg.vocab_size, (batch, args.input)).tolist()
+        engine = Engine(model, max_batch=batch, max_len=args.input + args.output)
+        timed(engine, prompts, 2)  # warm-up
+        one = [timed(engine, prompts, 1) for _ in range(args.repeats)]
+        full = [timed(engine, prompts, args.output) for _ in range(args.repeats)]
+        prefill = statistics.median(one)
+        decode = (statistics.median(full) - prefill) / (args.output - 1)
+        w = Workload(cfg, args.input, batch, 1, gpu, precision="fp32")
+        est = evaluate_inference(w, 1, 1, batch, args.input, args.output)
+        rows.append({"batch": batch, "input": args.input, "output": args.output,
+                     "prefill_predicted_s": round(est.prefill_s, 5), "prefill_measured_s": round(prefill, 5),
+                     "prefill_error": round(est.prefill_s / prefill - 1, 4),
+                     "decode_predicted_ms": round(1e3 * est.decode_step_s, 3), "decode_measured_ms": round(1e3 * decode, 3),
+                     "decode_error": round(est.decode_step_s / decode - 1, 4)})
+        print(rows[-1], flush=True)
+    errors = [abs(r[k]) for r in rows for k in ("prefill_error", "decode_error")]
+    result = {"what": "loom plan --inference (tp=1, pp=1, fp32, this CPU's profile) vs loom's engine, one process",
+              "model": MODEL, "profile": str(profile.relative_to(ROOT) if profile.is_relative_to(ROOT) else profile),
+              "rows": rows, "mean_abs_error": round(statistics.mean(errors), 4), "max_abs_error": round(max(errors), 4),
+              "load_average_before": __import__("os").getloadavg()[0],
+              **stamp(" ".join(["python", "bench/plan_vs_engine_cpu.py"] + sys.argv[1:]))}
+    (out_dir / "plan_vs_engine_cpu.json").write_text(json.dumps(result, indent=1))
+    lines = ["| batch | prefill predicted s | measured s | error | decode predicted ms | measured ms | error |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['prefill_predicted_s']:.4f} | {r['prefill_measured_s']:.4f} | {100 * r['prefill_error']:+.1f}% | "
+              f"{r['decode_predicted_ms']:.2f} | {r['decode_measured_ms']:.2f} | {100 * r['decode_error']:+.1f}% |" for r in rows]
+    m = result["machine"]
+    footer = (f"\nmean |error| {100 * result['mean_abs_error']:.1f}%, max {100 * result['max_abs_error']:.1f}%\n\n"
+              f"{m['cpu']}, {m['cores']} cores, torch {result['torch']}, commit {result['commit'][:10]}, "
+              f"{result['date']}: `{result['command']}`\n")
+    (out_dir / "plan_vs_engine_cpu.md").write_text("\n".join(lines) + "\n" + footer)
+    print("\n".join(lines) + footer)
+
+
+if __name__ == "__main__":
+    main()
