@@ -105,6 +105,12 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _local(w):
+    """A parameter as a plain tensor: a DTensor's local part (differentiable; under tensor parallelism the
+    router and experts are replicated DTensors, under expert parallelism the experts are sharded ones)."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
 class Router(nn.Module):
     """Chooses experts: returns (experts [T, k] int64, gates [T, k] fp32, probabilities for the balance
     loss [T, E], logits [T, E] fp32)."""
@@ -122,7 +128,7 @@ class Router(nn.Module):
         """`shards`: the MoE layer's `token_shards` (Sinkhorn balances over all of their tokens), or None."""
         off = torch.autocast(x.device.type, enabled=False) if x.device.type != "meta" else contextlib.nullcontext()
         with off:  # routing in fp32 whatever the activations
-            logits = F.linear(x.float(), self.weight.float())
+            logits = F.linear(x.float(), _local(self.weight).float())
         k = self.top_k
         if self.kind == "sigmoid_bias":
             scores = torch.sigmoid(logits)
@@ -178,7 +184,7 @@ class GroupedExperts(nn.Module):
 
     def _weights(self) -> tuple:
         """(w1, w2, w3) as plain tensors: a DTensor's local part (differentiable), else the parameter."""
-        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        return tuple(_local(w) for w in (self.w1, self.w2, self.w3))
 
     def _mlp(self, x, w1, w2, w3, mm):
         h = F.silu(mm(x, w1)) * mm(x, w3) if self.gated else F.gelu(mm(x, w1))
@@ -356,11 +362,11 @@ def load_balance_loss(chosen: torch.Tensor, probs: torch.Tensor, experts: int, s
     t, k = chosen.shape[-2], chosen.shape[-1]
     one_hot = torch.zeros(*chosen.shape[:-1], experts, device=chosen.device, dtype=probs.dtype)
     one_hot.scatter_add_(-1, chosen, torch.ones_like(chosen, dtype=probs.dtype))
-    counts, prob_sums = one_hot.sum(-2), probs.sum(-2)
-    if shards is not None:
-        counts, prob_sums, t = shards.sum(counts), shards.sum(prob_sums), t * shards.size
-    f = counts / (t * k)
-    p = prob_sums / t
+    if shards is None:
+        f, p = one_hot.sum(-2) / (t * k), probs.mean(-2)
+    else:
+        t = t * shards.size
+        f, p = shards.sum(one_hot.sum(-2)) / (t * k), shards.sum(probs.sum(-2)) / t
     return (experts * (f * p).sum(-1)).mean()
 
 

@@ -13,8 +13,9 @@ Layout (Megatron's, after Shoeybi et al. 2019 and Korthikanti et al. 2022):
 - attention: wq, wk, wv split by output columns (whole heads per rank), wo by input rows;
 - MLP: w1, w3 split by columns, w2 by rows;
 - mixture-of-experts layers (loom/models/moe.py) are not split: every rank of the group computes the whole
-  layer (router, experts, shared experts) on the whole sequence, its parameters replicated as plain tensors
-  (or expert-parallel DTensors). Under SP the input is all-gathered on entry and the rank keeps its sequence
+  layer (router, experts, shared experts) on the whole sequence, with replicated parameters (the router's
+  and the experts' replicated DTensors that the layer computes with as local tensors; the experts become
+  expert-parallel DTensors instead under `parallel.ep`). Under SP the input is all-gathered on entry and the rank keeps its sequence
   shard of the output; backward all-gathers the output's gradient, so every rank gets the whole layer's
   gradient (the same on every rank: nothing to reduce over the group) and keeps its shard of the input's.
   Routing statistics and auxiliary losses then cover the whole sequence as on one process;
@@ -204,10 +205,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
         }
-        if isinstance(block.feed_forward, MoE):  # the whole sequence on every rank, local tensors inside
+        moe = block.feed_forward if isinstance(block.feed_forward, MoE) else None
+        if moe is not None:  # the whole sequence on every rank, local tensors inside
             plan["feed_forward"] = PrepareModuleInputOutput(
                 input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
                 output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+            for name in ("shared", "shared_gate"):
+                if getattr(moe, name) is not None:
+                    plan[f"feed_forward.{name}"] = Replicated(use_local_output=True)
+            for module in (moe.router, moe.experts):
+                for pname, param in list(module.named_parameters(recurse=False)):
+                    replicated = distribute_tensor(param.data, tp_mesh, [Replicate()])
+                    module.register_parameter(pname, nn.Parameter(replicated))
         else:
             plan["feed_forward"] = GatherSequence() if sp else PrepareModuleInput(
                 input_layouts=(seq,), desired_input_layouts=(Replicate(),))
