@@ -94,6 +94,9 @@ def test_refusals_name_the_field():
     with pytest.raises(UserError, match=r"parallel.cp=2 with model.moe.capacity_factor=1.25 .* set "
                                         r"model.moe.capacity_factor=0 \(dropless\) or parallel.cp=1$"):
         load_config("tiny", moe + ["parallel.cp=2", "model.moe.capacity_factor=1.25"])
+    with pytest.raises(UserError, match=r"parallel.schedule=zero_bubble with model.moe.experts=8 .* set "
+                                        r"parallel.schedule=1f1b or interleaved$"):
+        load_config("tiny", moe + ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zero_bubble"])
     for layout in (["parallel.pp=2"], ["parallel.tp=2", "parallel.sp=true"], ["parallel.cp=2", "parallel.ep=2"]):
         load_config("tiny", moe + layout)  # accepted
     load_config("tiny", moe + ["parallel.tp=2", "model.moe.capacity_factor=1.25"])  # tp sees whole sequences

@@ -13,12 +13,12 @@ Layout (Megatron's, after Shoeybi et al. 2019 and Korthikanti et al. 2022):
 - attention: wq, wk, wv split by output columns (whole heads per rank), wo by input rows;
 - MLP: w1, w3 split by columns, w2 by rows;
 - mixture-of-experts layers (loom/models/moe.py) are not split: every rank of the group computes the whole
-  layer (router, experts, shared experts) on the whole sequence, with replicated parameters (the router's
-  and the experts' replicated DTensors that the layer computes with as local tensors; the experts become
-  expert-parallel DTensors instead under `parallel.ep`). Under SP the input is all-gathered on entry and the rank keeps its sequence
-  shard of the output; backward all-gathers the output's gradient, so every rank gets the whole layer's
-  gradient (the same on every rank: nothing to reduce over the group) and keeps its shard of the input's.
-  Routing statistics and auxiliary losses then cover the whole sequence as on one process;
+  layer (router, experts, shared experts) on the whole sequence, with replicated parameters (replicated
+  DTensors the layer computes with as local tensors; under `parallel.ep` the experts are expert-parallel
+  DTensors instead). Under SP the input is all-gathered on entry and the rank keeps its sequence shard of
+  the output; backward all-gathers the output's gradient, so every rank gets the whole layer's gradient
+  (the same on every rank: nothing to reduce over the group) and keeps its shard of the input's. Routing,
+  its statistics and the auxiliary losses then cover the whole sequence as on one process;
 - LM head split by vocabulary columns; the loss is computed on the vocabulary shards
   (`loss_parallel`), so the full logits never exist on one rank;
 - with SP, the residual stream, norms and dropout live sharded along the sequence: the input of
