@@ -68,24 +68,24 @@ def sp_problem(tp: int, sp: bool) -> str | None:
 # --- mixture of experts ------------------------------------------------------------------------------
 
 
-def moe_problem(experts: int, tp: int, pp: int, cp: int, compile: bool) -> str | None:
-    """Which layouts a mixture-of-experts model runs on today (None: this one): one process, data
-    parallelism (dp_shard, dp_replicate), whose ranks sum the router statistics, and expert parallelism
-    carved from it (`ep_problem`). MoE under tp, pp or cp comes later."""
+def moe_problem(experts: int, pp: int, schedule: str, cp: int, capacity_factor: float,
+                compile: bool) -> str | None:
+    """Which layouts a mixture-of-experts model runs on (None: this one). Proven equal to one process:
+    data parallelism, expert parallelism carved from it (`ep_problem`), pipeline parallelism (every stage
+    counts its own layers' routing), tensor parallelism with and without SP (the MoE layer computed on
+    every tensor-parallel rank, on the whole sequence), and context parallelism (the balance loss and
+    Sinkhorn computed over the cp group's tokens)."""
     if not experts:
         return None
-    why = {
-        "parallel.tp": (tp, "the tensor-parallel plan does not split the router and stacked experts yet"),
-        "parallel.pp": (pp, "the pipeline schedules do not carry the MoE auxiliary losses and router-bias "
-                            "counts across stages yet"),
-        "parallel.cp": (cp, "the load-balancing loss, Sinkhorn balancing and router-bias counts are not computed "
-                            "over context-parallel ranks yet"),
-    }
-    for name, (size, reason) in why.items():
-        if size > 1:
-            return (f"{name}={size} with model.moe.experts={experts} is not supported yet: {reason}; set {name}=1 "
-                    "(MoE runs on one process, with parallel.dp_shard / parallel.dp_replicate, and with "
-                    "parallel.ep carved from them)")
+    if pp > 1 and schedule == "zero_bubble":
+        return (f"parallel.schedule=zero_bubble with model.moe.experts={experts} is not supported yet (its split "
+                "backward is not proven to carry the MoE auxiliary losses); set parallel.schedule=1f1b or "
+                "interleaved")
+    if cp > 1 and capacity_factor > 0:
+        return (f"parallel.cp={cp} with model.moe.capacity_factor={capacity_factor} is not supported: each "
+                "context-parallel rank holds part of every sequence, so an expert's capacity (and which tokens "
+                "it keeps) would differ from one process; set model.moe.capacity_factor=0 (dropless) or "
+                "parallel.cp=1")
     if compile:
         return (f"train.compile=true with model.moe.experts={experts} is not supported yet (the expert loop has "
                 "data-dependent shapes); set train.compile=false")
@@ -334,7 +334,7 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False) -> None
     check_sizes(p)
     experts = getattr(m, "moe_experts", 0)
     if problem := ep_problem(p.ep, experts, p.dp_replicate, p.dp_shard, p.cp) or moe_problem(
-            experts, p.tp, p.pp, p.cp, t.compile):
+            experts, p.pp, p.schedule, p.cp, getattr(m, "moe_capacity_factor", 0.0), t.compile):
         raise UserError(problem)
     if problem := sp_problem(p.tp, p.sp):
         raise UserError(problem)

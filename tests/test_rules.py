@@ -191,7 +191,8 @@ def test_config_schedules_are_the_rule_books():
 
 def test_expert_parallel_sizes():
     """parallel.ep is carved from dp_replicate x dp_shard x cp (it does not multiply the world size) and
-    must divide model.moe.experts; a dense model takes ep=1 only; MoE under tp/pp/cp stays refused."""
+    must divide model.moe.experts; a dense model takes ep=1 only; MoE runs under tp, pp and cp, but not cp with
+    capacity dropping (a cp rank's capacity would count only its part of the sequences)."""
     from loom.rules import ep_problem, moe_problem, valid_ep_sizes
 
     assert valid_ep_sizes(8, 4) == [1, 2, 4] and valid_ep_sizes(6, 8) == [1, 2] and valid_ep_sizes(0, 8) == [1]
@@ -201,8 +202,12 @@ def test_expert_parallel_sizes():
     assert ep_problem(4, 8, 1, 2, 1).endswith("valid ep sizes for this layout: 1, 2, or raise parallel.dp_shard "
                                               "(e.g. parallel.dp_shard=4)")
     assert ep_problem(4, 6, 1, 4, 1).endswith("valid ep sizes for this layout: 1, 2")
-    for knob, sizes in (("tp", (2, 1, 1)), ("pp", (1, 2, 1)), ("cp", (1, 1, 2))):
-        assert f"parallel.{knob}=2 with model.moe.experts=8 is not supported yet" in moe_problem(8, *sizes, False)
+    assert moe_problem(8, 2, "interleaved", 2, 0.0, False) is None and moe_problem(8, 1, "1f1b", 1, 1.25, False) is None
+    assert moe_problem(0, 2, "zero_bubble", 2, 1.25, True) is None  # a dense model
+    assert moe_problem(8, 1, "1f1b", 2, 1.25, False).startswith("parallel.cp=2 with model.moe.capacity_factor=1.25 "
+                                                                "is not supported")
+    assert "set parallel.schedule=1f1b or interleaved" in moe_problem(8, 2, "zero_bubble", 1, 0.0, False)
+    assert "set train.compile=false" in moe_problem(8, 1, "1f1b", 1, 0.0, True)
     cfg = load_config("tiny", ["model.moe.experts=4", "model.moe.top_k=2", "parallel.dp_shard=2", "parallel.ep=2",
                                 "train.micro_batch=4"])
     check_layout(cfg, 2)  # two processes: ep=2 adds none

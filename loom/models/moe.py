@@ -85,9 +85,30 @@ class AuxLoss(torch.autograd.Function):
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=grad.device), None
 
 
+_RECORDING = [True]  # False inside `statistics_off`
+
+
+@contextlib.contextmanager
+def statistics_off():
+    """Training forwards inside this context record no routing statistics: a pipeline schedule's metadata
+    inference runs each stage once (on its first micro-batch, or on uninitialised tensors of the right
+    shape) before the step's real forwards."""
+    _RECORDING[0] = False
+    try:
+        yield
+    finally:
+        _RECORDING[0] = True
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward pass (activation recomputation re-runs forward there)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _local(w):
+    """A parameter as a plain tensor: a DTensor's local part (differentiable; under tensor parallelism the
+    router and experts are replicated DTensors, under expert parallelism the experts are sharded ones)."""
+    return w.to_local() if hasattr(w, "to_local") else w
 
 
 class Router(nn.Module):
@@ -103,10 +124,11 @@ class Router(nn.Module):
         # DeepSeek-V3's selection bias (sigmoid_bias only): state, checkpointed, updated outside autograd.
         self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts) if self.kind == "sigmoid_bias" else None)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, shards=None):
+        """`shards`: the MoE layer's `token_shards` (Sinkhorn balances over all of their tokens), or None."""
         off = torch.autocast(x.device.type, enabled=False) if x.device.type != "meta" else contextlib.nullcontext()
         with off:  # routing in fp32 whatever the activations
-            logits = F.linear(x.float(), self.weight.float())
+            logits = F.linear(x.float(), _local(self.weight).float())
         k = self.top_k
         if self.kind == "sigmoid_bias":
             scores = torch.sigmoid(logits)
@@ -120,7 +142,12 @@ class Router(nn.Module):
             gate_scores = torch.sigmoid(logits) if self.kind == "sinkhorn" and k == 1 else probs
             if self.kind == "sinkhorn" and self.training:
                 with torch.no_grad():
-                    chosen = sinkhorn(logits).topk(k, dim=-1).indices
+                    if shards is None:
+                        chosen = sinkhorn(logits).topk(k, dim=-1).indices
+                    else:  # balanced over the tokens of every shard; this rank's rows kept
+                        t = logits.shape[0]
+                        scores = sinkhorn(shards.gather(logits))[shards.rank * t:(shards.rank + 1) * t]
+                        chosen = scores.topk(k, dim=-1).indices
                 gates = gate_scores.gather(-1, chosen)
             else:
                 gates, chosen = gate_scores.topk(k, dim=-1)
@@ -157,7 +184,7 @@ class GroupedExperts(nn.Module):
 
     def _weights(self) -> tuple:
         """(w1, w2, w3) as plain tensors: a DTensor's local part (differentiable), else the parameter."""
-        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        return tuple(_local(w) for w in (self.w1, self.w2, self.w3))
 
     def _mlp(self, x, w1, w2, w3, mm):
         h = F.silu(mm(x, w1)) * mm(x, w3) if self.gated else F.gelu(mm(x, w1))
@@ -232,6 +259,10 @@ class MoE(nn.Module):
         # Expert parallelism (loom/parallel/expert.py) installs its token exchange here: called as
         # `expert_parallel(experts, rows, counts)` in place of `experts(rows, counts)`.
         self.expert_parallel = None
+        # Context parallelism (loom/parallel/context.py) installs the group holding the other tokens of the
+        # same sequences: `sum(t)` (differentiable) and `gather(t)` over it, `size`, `rank`. The balance loss
+        # and Sinkhorn then cover whole sequences.
+        self.token_shards = None
         # Since the last `step_stats`: [tokens routed to each expert (E), assignments dropped, assignments,
         # balance loss sum, z-loss sum, training forwards]; None before the first training forward.
         self.stats: torch.Tensor | None = None
@@ -279,7 +310,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        chosen, gates, probs, logits = self.router(flat)
+        chosen, gates, probs, logits = self.router(flat, self.token_shards)
         token, gate, counts = self.dispatch(chosen, gates, shape[-2] if x.dim() == 3 else None)
         if self.expert_parallel is None:
             y = self.experts(flat[token], counts)
@@ -300,11 +331,12 @@ class MoE(nn.Module):
         e = self.num_experts
         if self.balance == "sequence" and len(shape) == 3:
             b, s = shape[0], shape[1]
-            balance = load_balance_loss(chosen.view(b, s, -1), probs.view(b, s, e), e)
+            balance = load_balance_loss(chosen.view(b, s, -1), probs.view(b, s, e), e, self.token_shards)
         else:
-            balance = load_balance_loss(chosen, probs, e)
+            balance = load_balance_loss(chosen, probs, e, self.token_shards)
         z = z_loss(logits)
-        if not _in_backward() and chosen.device.type != "meta":  # a recomputed forward is not counted twice
+        # A recomputed forward is not counted twice; a pipeline's shape inference not at all.
+        if _RECORDING[0] and not _in_backward() and chosen.device.type != "meta":
             load = torch.bincount(chosen.reshape(-1), minlength=e).float()
             n = chosen.numel()
             rest = torch.stack([torch.tensor(float(n - kept), device=load.device), torch.tensor(float(n),
@@ -321,16 +353,20 @@ class MoE(nn.Module):
         self.router.reset_buffers()
 
 
-def load_balance_loss(chosen: torch.Tensor, probs: torch.Tensor, experts: int) -> torch.Tensor:
+def load_balance_loss(chosen: torch.Tensor, probs: torch.Tensor, experts: int, shards=None) -> torch.Tensor:
     """Switch Transformer's balance loss, unweighted: E * sum_i f_i * P_i, with f_i the share of the k * T
     assignments routed to expert i (before any capacity dropping) and P_i the mean router probability of
     expert i (1 when both are uniform). chosen [..., T, k], probs [..., T, E]: with a leading batch
-    dimension, per sequence then averaged (the sequence-wise variant of DeepSeek-V3)."""
+    dimension, per sequence then averaged (the sequence-wise variant of DeepSeek-V3). `shards` (context
+    parallelism): the tokens are this rank's part of the sequences; f and P are summed over the shards."""
     t, k = chosen.shape[-2], chosen.shape[-1]
     one_hot = torch.zeros(*chosen.shape[:-1], experts, device=chosen.device, dtype=probs.dtype)
     one_hot.scatter_add_(-1, chosen, torch.ones_like(chosen, dtype=probs.dtype))
-    f = one_hot.sum(-2) / (t * k)
-    p = probs.mean(-2)
+    if shards is None:
+        f, p = one_hot.sum(-2) / (t * k), probs.mean(-2)
+    else:
+        t = t * shards.size
+        f, p = shards.sum(one_hot.sum(-2)) / (t * k), shards.sum(probs.sum(-2)) / t
     return (experts * (f * p).sum(-1)).mean()
 
 
@@ -351,26 +387,44 @@ def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
         m.aux_grad_scale = scale
 
 
+def _slots(model: nn.Module) -> tuple[int, list[tuple[int, MoE]]]:
+    """(rows, [(row, layer)]): one row per MoE layer of the whole model when `model` is a model or a pipeline
+    stage (its `layers` named by their index in the whole model, `cfg` the whole model's), so that the rows of
+    different stages line up in a sum over ranks (a stage leaves the other stages' rows at zero); else (a
+    bare MoE module) one row per MoE layer it holds."""
+    cfg, layers = getattr(model, "cfg", None), getattr(model, "layers", None)
+    if cfg is None or not isinstance(layers, nn.ModuleDict):
+        found = moe_layers(model)
+        return len(found), list(enumerate(found))
+    row = {i: j for j, i in enumerate(i for i in range(cfg.layers) if cfg.is_moe_layer(i))}
+    return len(row), [(row[int(name)], m) for name, block in layers.items() for m in moe_layers(block)]
+
+
 def step_stats(model: nn.Module, group=None) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
     """What the MoE layers recorded since the last call (every training micro-batch of the step), summed
-    over the ranks of `group` (the data-parallel group; None on one process) in one all-reduce; resets it.
+    over the ranks of `group` (None on one process) in one all-reduce; resets it.
+
+    `group` may be the whole world under any layout: pipeline stages fill disjoint rows (one per MoE layer
+    of the whole model, `_slots`); data- and context-parallel ranks (and sequence shards) add their tokens;
+    ranks that compute the same tokens (tensor-parallel replicas) multiply every count and sum alike, which
+    the metrics below and the bias update's sign rule do not see (all are ratios or signs).
 
     Returns (metrics, loads): metrics as device tensors (the trainer moves them to the host with the loss):
     `moe_load_balance_loss` and `moe_z_loss` (unweighted, mean over layers and micro-batches),
     `moe_imbalance` and `moe_imbalance_max` (tokens of the busiest expert over the mean, mean and worst
-    over layers), `moe_dropped` (fraction of assignments dropped by the capacity); loads [E] per layer:
-    the tokens routed to each expert. Nothing (and no collective) for a dense model.
+    over layers), `moe_dropped` (fraction of assignments dropped by the capacity); loads [E] per MoE layer
+    of the whole model: the tokens routed to each expert. Nothing (and no collective) for a dense model.
     """
-    layers = moe_layers(model)
-    if not layers:
+    n, slots = _slots(model)
+    if not n:
         return {}, []
-    e = layers[0].num_experts
-    width = e + 5
+    e = next(m for _, m in slots).num_experts if slots else model.cfg.moe_experts
     device = next(model.parameters()).device
-    rows = [m.stats if m.stats is not None else torch.zeros(width, device=device) for m in layers]
-    for m in layers:
+    stats = torch.zeros(n, e + 5, device=device)
+    for row, m in slots:
+        if m.stats is not None:
+            stats[row] = m.stats.to(device)
         m.stats = None
-    stats = torch.stack([r.to(device) for r in rows])
     if group is not None:
         import torch.distributed as dist
 
@@ -393,8 +447,9 @@ def step_stats(model: nn.Module, group=None) -> tuple[dict[str, torch.Tensor], l
 def update_router_biases(model: nn.Module, loads: list[torch.Tensor]) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing, once per optimizer step: each sigmoid_bias router's bias
     moves by rate * sign(mean load - load) (an under-used expert becomes more likely to be chosen), with
-    `loads` from `step_stats` (every micro-batch of the step, summed over the data-parallel ranks)."""
-    for m, load in zip(moe_layers(model), loads):
-        bias = m.router.expert_bias
+    `loads` from `step_stats` (every micro-batch of the step, summed over the ranks; one per MoE layer of
+    the whole model, of which a pipeline stage updates its own)."""
+    for row, m in _slots(model)[1]:
+        bias, load = m.router.expert_bias, loads[row]
         if bias is not None:
             bias.add_(m.bias_rate * torch.sign(load.mean() - load).to(bias.device, bias.dtype))

@@ -117,13 +117,53 @@ class ContextParallelCore:
         return torch.cat([out_a, out_b], dim=2)
 
 
+class _SumOverShards(torch.autograd.Function):
+    """All-reduce (sum) over a group whose backward sums the gradients over it too: every rank uses the sum,
+    so each rank's part gets the gradients of all ranks' uses."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _SumOverShards.apply(grad, ctx.group), None
+
+
+class TokenShards:
+    """The cp group seen from an MoE layer (`moe.token_shards`, loom/models/moe.py): the ranks holding the
+    other tokens of the same sequences, over which the balance loss's per-expert sums and Sinkhorn's
+    balancing run, so that they equal one process's."""
+
+    def __init__(self, group, size: int, rank: int):
+        self.group, self.size, self.rank = group, size, rank
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the ranks (differentiable)."""
+        return _SumOverShards.apply(x, self.group)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` concatenated along dim 0, rank after rank (no gradient)."""
+        x = x.detach().contiguous()
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        _ALL_GATHER(out, x, group=self.group)
+        return out
+
+
 def apply_context_parallel(model: nn.Module, cp_mesh, seq_len: int) -> None:
     """Make `model` (the whole model or one pipeline stage) run on this cp rank's chunks of every sequence:
-    the cp attention core in every block and the rank's token positions on the model and its attention
-    modules. The caller feeds it `shard_batch` inputs."""
+    the cp attention core in every block, the rank's token positions on the model and its attention
+    modules, and the cp group on its MoE layers. The caller feeds it `shard_batch` inputs."""
+    from loom.models.moe import moe_layers
+
     group, cp, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
     positions = rank_positions(seq_len, cp, rank)
     model.positions = positions
     for block in model.layers.values():
         block.attention.core = ContextParallelCore(group, cp, rank)
         block.attention.positions = positions
+    for moe in moe_layers(model):
+        moe.token_shards = TokenShards(group, cp, rank)

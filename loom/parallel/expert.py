@@ -74,7 +74,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
         experts = moe.experts
         for name, p in list(experts.named_parameters(recurse=False)):
             per_rank = p.shape[0] // ep
-            local = p.detach().narrow(0, rank * per_rank, per_rank).clone()
+            whole = p.detach().to_local() if isinstance(p, DTensor) else p.detach()  # replicated under TP
+            local = whole.narrow(0, rank * per_rank, per_rank).clone()
             sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape,
                                          stride=p.stride())
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))

@@ -168,6 +168,22 @@ class WaitTimer:
         return cls.seconds
 
 
+def _without_moe_statistics(stage) -> None:
+    """The stage's metadata inference (a forward the schedule runs once before the first step's real ones,
+    on the first micro-batch or on uninitialised tensors) records no MoE routing statistics."""
+    from loom.models.moe import statistics_off
+
+    for name in ("_forward_metadata_inference", "_shape_inference"):  # torch 2.13, older
+        infer = getattr(stage, name, None)
+        if infer is not None:
+            def quiet(*args, _infer=infer, **kwargs):
+                with statistics_off():
+                    return _infer(*args, **kwargs)
+
+            setattr(stage, name, quiet)
+            return
+
+
 def build_schedule(chunks, ids, cfg: Config, pp_group, device: torch.device, n_micro: int, loss_fn):
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import (
@@ -180,6 +196,8 @@ def build_schedule(chunks, ids, cfg: Config, pp_group, device: torch.device, n_m
     WaitTimer.install(device)
     num_stages = cfg.parallel.pp * cfg.parallel.vpp
     stages = [PipelineStage(chunk, sid, num_stages, device, group=pp_group) for chunk, sid in zip(chunks, ids)]
+    for stage in stages:
+        _without_moe_statistics(stage)
     kind = cfg.parallel.schedule
     if kind == "1f1b":
         return Schedule1F1B(stages[0], n_micro, loss_fn=loss_fn, scale_grads=False), stages

@@ -12,6 +12,13 @@ Layout (Megatron's, after Shoeybi et al. 2019 and Korthikanti et al. 2022):
   the sequence under SP);
 - attention: wq, wk, wv split by output columns (whole heads per rank), wo by input rows;
 - MLP: w1, w3 split by columns, w2 by rows;
+- mixture-of-experts layers (loom/models/moe.py) are not split: every rank of the group computes the whole
+  layer (router, experts, shared experts) on the whole sequence, with replicated parameters (replicated
+  DTensors the layer computes with as local tensors; under `parallel.ep` the experts are expert-parallel
+  DTensors instead). Under SP the input is all-gathered on entry and the rank keeps its sequence shard of
+  the output; backward all-gathers the output's gradient, so every rank gets the whole layer's gradient
+  (the same on every rank: nothing to reduce over the group) and keeps its shard of the input's. Routing,
+  its statistics and the auxiliary losses then cover the whole sequence as on one process;
 - LM head split by vocabulary columns; the loss is computed on the vocabulary shards
   (`loss_parallel`), so the full logits never exist on one rank;
 - with SP, the residual stream, norms and dropout live sharded along the sequence: the input of
@@ -31,6 +38,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -38,6 +46,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from loom.ledger import SavedTensorLedger
+from loom.models.moe import MoE
 
 
 class Replicated(ParallelStyle):
@@ -195,14 +204,26 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward": GatherSequence() if sp else PrepareModuleInput(
-                input_layouts=(seq,), desired_input_layouts=(Replicate(),)
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
-        if block.feed_forward.w3 is not None:
-            plan["feed_forward.w3"] = ColwiseParallel()
+        moe = block.feed_forward if isinstance(block.feed_forward, MoE) else None
+        if moe is not None:  # the whole sequence on every rank, local tensors inside
+            plan["feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+            for name in ("shared", "shared_gate"):
+                if getattr(moe, name) is not None:
+                    plan[f"feed_forward.{name}"] = Replicated(use_local_output=True)
+            for module in (moe.router, moe.experts):
+                for pname, param in list(module.named_parameters(recurse=False)):
+                    replicated = distribute_tensor(param.data, tp_mesh, [Replicate()])
+                    module.register_parameter(pname, nn.Parameter(replicated))
+        else:
+            plan["feed_forward"] = GatherSequence() if sp else PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+            plan["feed_forward.w1"] = ColwiseParallel()
+            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
+            if block.feed_forward.w3 is not None:
+                plan["feed_forward.w3"] = ColwiseParallel()
         if block.attention.q_norm is not None:
             # Per-head norms on this rank's heads ([b, s, heads, d] sharded by heads): a replicated weight
             # whose gradient, partial per rank, is summed over the group.

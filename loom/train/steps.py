@@ -232,6 +232,9 @@ class PipelineRunner(_Runner):
         num_stages = cfg.parallel.pp * cfg.parallel.vpp
         self.has_first, self.has_last = 0 in self.stage_ids, num_stages - 1 in self.stage_ids
         n_micro = cfg.train.global_batch // (layout.dp_size * cfg.train.micro_batch)
+        # MoE auxiliary losses: every stage trains on their mean over the rank's micro-batches.
+        for chunk in self.chunks:
+            set_aux_grad_scale(chunk, 1.0 / n_micro)
         self.grad_norm_group = layout.submesh("pp").get_group()
         self.scale = 1.0
         self.bubble = 0.0

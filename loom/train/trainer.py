@@ -200,8 +200,8 @@ class Trainer:
         # norm reach the host in one transfer: the step's only host synchronisation (skipping a non-finite
         # step needs the verdict before the update).
         loss_t = all_reduce_sum(loss_sum) / layout.tp / total
-        # MoE: routing statistics of the step's micro-batches, summed over the data-parallel ranks (one
-        # all-reduce; MoE runs only with data parallelism, rules.py, so that group is the whole world).
+        # MoE: routing statistics of the step's micro-batches, summed over all ranks in one all-reduce (pipeline
+        # stages fill their own layers' rows; see step_stats for tensor-parallel replicas).
         moe, loads = step_stats(self.model, torch.distributed.group.WORLD if layout.distributed else None)
         values = torch.stack([loss_t.float(), grad_norm.float(), *(v.float() for v in moe.values())])
         loss, grad_norm_value, *moe_values = values.tolist()
