@@ -342,11 +342,12 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool, moe: bool 
 
 
 def _moe_forward(w: Workload, tokens: int, tp: int, sp: bool, ep: int) -> dict:
-    """An MoE layer's MLP forward on one rank, in place of the dense MLP. The rank routes its tokens (its
-    sequence shard under SP, else all of them), sends each token's top_k rows to the experts' ranks and
-    computes what it receives: tokens x top_k rows (x the imbalance on the busiest rank), spread over its
-    E/ep experts as one grouped GEMM per weight (`batch` = local experts). The router is a small GEMM; the
-    shared experts a dense MLP split over tp. Dispatch and combine are one all-to-all each over the ep ranks
+    """An MoE layer's MLP forward on one rank, in place of the dense MLP. MoE layers are not split over tp
+    (loom/parallel/tensor.py): every tensor-parallel rank routes all the micro-batch's tokens (under SP it
+    all-gathers them first and keeps its own shard of the output), sends each token's top_k rows to the
+    experts' ranks and computes what it receives: tokens x top_k rows (x the imbalance on the busiest rank),
+    spread over its E/ep experts as one grouped GEMM per weight (`batch` = local experts). The router is a
+    small GEMM; the shared experts a whole dense MLP on every tp rank. Dispatch and combine are one all-to-all each over the ep ranks
     (each rank sends (ep-1)/ep of its rows away), inside a node when the ep group (stride tp) fits in one,
     else at the network's bandwidth for the part that leaves the node. Permuting the rows in and out and the
     experts' activation function are HBM traffic."""
@@ -355,7 +356,7 @@ def _moe_forward(w: Workload, tokens: int, tp: int, sp: bool, ep: int) -> dict:
     fe = cfg.moe_ffn_hidden or cfg.ffn_hidden
     gated = cfg.mlp == "swiglu"
     half = 4 if prec == "fp32" else 2
-    routed_tokens = tokens // tp if sp and tp > 1 else tokens
+    routed_tokens = tokens
     rows = routed_tokens * k * w.moe_imbalance
     local = E // ep
     per_expert = max(1, math.ceil(rows / local))
@@ -365,12 +366,12 @@ def _moe_forward(w: Workload, tokens: int, tp: int, sp: bool, ep: int) -> dict:
     # loom; priced at the 16-bit rate: E x h per token is small next to the experts')
     if cfg.moe_shared_experts:
         fs = cfg.moe_shared_experts * fe
-        gemm += gemm_time(gpu, prec, tokens, (2 if gated else 1) * fs // tp, h) + gemm_time(gpu, prec, tokens, h, fs // tp)
+        gemm += gemm_time(gpu, prec, tokens, (2 if gated else 1) * fs, h) + gemm_time(gpu, prec, tokens, h, fs)
     # Bytes: rows gathered in and scattered back (read + write each), the activation function over the rows,
     # the router's softmax / top-k over E scores per token (fp32).
     traffic = rows * (2 * 2 * h * half + (3 if gated else 2) * fe * half) + routed_tokens * E * 4 * 3
     if cfg.moe_shared_experts:
-        traffic += tokens * (3 if gated else 2) * cfg.moe_shared_experts * fe * half / tp
+        traffic += tokens * (3 if gated else 2) * cfg.moe_shared_experts * fe * half
     ep_comm = 0.0
     if ep > 1:
         volume = rows * h * half * (ep - 1) / ep  # bytes each rank sends per exchange
@@ -586,8 +587,9 @@ def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: in
     dispatched input the experts' first GEMMs keep, the experts' MLP activations at moe.ffn_hidden (as a dense
     MLP's, loom's or Transformer Engine's) and the expert output the gate multiplies in the combine; per token
     the router's fp32 input copy, logits and probabilities (loom routes in fp32), and the shared experts' MLP.
-    Routed experts are not split over tp: with SP each tensor-parallel rank routes its sequence shard, without
-    SP every rank routes every token. Full recomputation keeps only the layer input, as for a dense layer."""
+    MoE layers are not split over tp: every tensor-parallel rank routes every token (under SP it also keeps
+    the all-gathered input), and holds the shared experts' activations whole. Full recomputation keeps only
+    the layer input, as for a dense layer."""
     cfg = w.model
     if recompute == "full":
         return 0.0
@@ -600,11 +602,13 @@ def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: in
     def mlp(width: float) -> float:  # one token's MLP activations at this width
         return ((2 if gated else 1) * e + lin) * width if mega else (4 if gated else 2) * e * width
 
-    tokens = s * b / (lay.tp if lay.sp else 1)
+    tokens = s * b
     rows = tokens * k * w.moe_imbalance
     routed = rows * (lin * h + mlp(fe) + e * h)
     router = tokens * ((0 if mega else 4 * h) + 2 * 4 * E)
-    shared = s * b * mlp(fs) / lay.tp
+    shared = tokens * mlp(fs)
+    if lay.tp > 1 and lay.sp:
+        routed += e * tokens * h  # the gathered input, kept for backward
     return routed + router + shared - s * b * mlp(f) / lay.tp
 
 
