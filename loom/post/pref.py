@@ -13,12 +13,12 @@ the rest; `load_reward_model` reads it back.
 DPO: the reference log-probs come from the frozen initial policy, computed once in a pass over every pair
 before the first step (`ReferencePass`) and kept as two numbers per pair, instead of a second, frozen copy
 of the model sharded beside the policy. Reasons: the reference is a fixed function of the data, so one
-forward pass per pair suffices where a frozen copy would run one per pair per epoch; no second model's
+forward pass per pair the run visits suffices where a frozen copy would run one per pair per visit; no second model's
 weights in memory (which at scale is the difference between fitting and not); and the pass runs through
 the same runner, in the same layout, as training. The numbers are written to RUN/dpo_reference.pt, which a
 resumed run reads back (its weights are no longer the initial policy). Every rank computes all of them (as
 evaluation scores the whole held-out set on every rank): a data-parallel split would save compute, at the
-cost of a gather. Cost: one forward pass over the data, without gradients.
+cost of a gather. Cost: one forward pass over the pairs the run visits, without gradients.
 
 Layouts: data parallelism, replicated and fully sharded (FSDP), in any combination. Tensor, pipeline and
 context parallelism are refused before launch for now (per-sequence log-probs of vocabulary-sharded logits,
@@ -180,6 +180,11 @@ class ReferencePass:
                                 "wrote (the weights are no longer the initial policy); start a new run instead")
             saved = torch.load(path)
             for data, ref in zip(datasets, saved["reference"]):
+                if torch.isnan(ref[torch.as_tensor(data.used_pairs())]).any():
+                    raise UserError(f"{path} holds the reference log-probs of the pairs the run's first start would "
+                                    "visit; this resumed run visits others (train.steps or the data changed), and the "
+                                    "weights are no longer the initial policy to compute them: resume with the "
+                                    "original settings, or start a new run with the final train.steps")
                 data.ref = ref
             return
         for data in datasets:
@@ -194,8 +199,8 @@ class ReferencePass:
         from loom.train.steps import model_kwargs, to_device
 
         runner, model = trainer.runner, trainer.model
-        ref = torch.zeros(len(data.pairs), 2, dtype=torch.float64)
-        members = data.members
+        ref = torch.full((len(data.pairs), 2), float("nan"), dtype=torch.float64)
+        members = data.used_pairs()  # a run shorter than an epoch needs only the pairs it visits
         per_batch = max(1, trainer.cfg.train.micro_batch // 2)
         was_training = model.training
         model.eval()

@@ -166,6 +166,10 @@ class PairDataset:
     def __len__(self) -> int:
         return self.rows
 
+    def used_pairs(self) -> np.ndarray:
+        """The pairs (indices into `pairs`) some row of this dataset holds, in increasing order."""
+        return np.unique(self.members[self.order[:self.rows // 2]])
+
     def pair_ids(self, start: int, count: int) -> np.ndarray:
         if start % 2 or count % 2:
             raise ValueError(f"rows {start}..{start + count - 1} split a pair")
