@@ -150,3 +150,23 @@ def test_resumed_dpo_needs_its_reference_log_probs(dpo_run, tmp_path, capsys):
     code = main(["train", "--config", str(run / "config.toml"), "--run-dir", str(run), "--checkpoint.resume=true",
                  "--train.steps=4"])
     assert code == 2 and "dpo_reference.pt is missing" in capsys.readouterr().err
+
+
+def test_only_the_last_reply_is_scored(tmp_path):
+    """A conversation with an earlier assistant turn: that turn is shared context, only the compared reply
+    (with its end-of-turn marker) is scored, on both sides."""
+    from loom.data.loader import load_tokenizer
+    from loom.post.chat import load_template
+    from loom.post.pref_data import Pairs, prepare_pairs
+
+    turns = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"},
+             {"role": "user", "content": "What is 2 + 2?"}]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"prompt": turns, "chosen": [{"role": "assistant", "content": "2 + 2 = 4."}],
+                                "rejected": [{"role": "assistant", "content": "2 + 2 = 5."}]}) + "\n")
+    tok = load_tokenizer(load_config("tiny-dpo", PREF + ["train.micro_batch=8"]))
+    pairs = Pairs(*prepare_pairs([str(data)], tok, load_template("chatml")))
+    for side, reply in ((0, "2 + 2 = 4."), (1, "2 + 2 = 5.")):
+        ids, mask = pairs.get(0, side)
+        assert tok.decode(ids[mask > 0].tolist()) == reply + "<|im_end|>\n"
+        assert "hi<|im_end|>" in tok.decode(ids[mask == 0].tolist())
