@@ -1,4 +1,4 @@
-"""The `loom` command: train, plan, memory, generate, convert, preprocess.
+"""The `loom` command: train (sft, rm, dpo), plan, memory, generate, convert, preprocess.
 
 Exit codes: 0 success; 2 bad input (a one-paragraph message, no traceback); 1 anything else.
 """
@@ -49,6 +49,14 @@ def cmd_train(args, extra) -> int:
     if args.command == "sft" and not cfg.sft.data:
         raise UserError("loom sft needs sft.data: .jsonl files of {\"messages\": [...]} or {\"prompt\", "
                         "\"completion\"} records (or prefixes from `loom preprocess --sft`), e.g. --sft.data=chat.jsonl")
+    if args.command in ("dpo", "rm") and not cfg.pref.data:
+        raise UserError(f"loom {args.command} needs pref.data: .jsonl files of {{\"prompt\", \"chosen\", \"rejected\"}} "
+                        "records (strings, or lists of chat messages), or synthetic:N, e.g. --pref.data=pairs.jsonl")
+    module = None
+    if cfg.pref.data:  # preference recipes (reward model, DPO): pairs, their loss and hooks in the one loop
+        from loom.post import pref as module
+
+        module.check(cfg, args.command)
     if args.print_config:
         print(cfg.to_toml(), end="")
         return 0
@@ -56,9 +64,11 @@ def cmd_train(args, extra) -> int:
         raise UserError(f"--nproc={args.nproc} and --nnodes={args.nnodes} must be >= 1")
     recipe = {}
     if cfg.sft.data:  # the SFT recipe: its examples and masked loss in the one training loop
-        from loom.post import sft
+        from loom.post import sft as module
 
-        recipe = {"datasets": sft.build_datasets, "loss": sft.loss_for(cfg)}
+        recipe = {"datasets": module.build_datasets, "loss": module.loss_for(cfg)}
+    elif module is not None:
+        recipe = module.recipe(cfg)
     if (args.nproc > 1 or args.nnodes > 1) and not in_worker():
         from loom.train.trainer import default_run_dir
 
@@ -68,7 +78,7 @@ def cmd_train(args, extra) -> int:
         if recipe:  # tokenize the examples once, here, before the workers start
             from loom.data.loader import load_tokenizer
 
-            sft.prepare_data(cfg, load_tokenizer(cfg))
+            module.prepare_data(cfg, load_tokenizer(cfg))
         return launch(cfg, [args.command, "--config", args.config, "--run-dir", str(run_dir)], overrides, args.nproc,
                       args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts, prepare_data=not recipe)
     from loom.train.trainer import Trainer
@@ -280,6 +290,23 @@ def build_parser() -> argparse.ArgumentParser:
                        "\"completion\"}; the loss counts only assistant / completion tokens; sft.packing puts several "
                        "examples in a sequence with attention kept inside each. The same options and overrides as "
                        "train; usually from --train.init_from=MODEL. Example: loom sft --config tiny-sft")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("rm", help="train a reward model on chosen/rejected pairs",
+                       parents=[train_parser], add_help=False, conflict_handler="resolve",
+                       description="Train a reward model: a scalar head on the model's last hidden state, loss "
+                       "-log sigmoid(r_chosen - r_rejected), on .jsonl pairs (pref.data) of {\"prompt\", \"chosen\", "
+                       "\"rejected\"} (strings, or chat messages rendered with pref.template); reports pair "
+                       "accuracy (val_accuracy held out). Usually from --train.init_from=MODEL. The same options and "
+                       "overrides as train. Example: loom rm --config tiny-rm")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("dpo", help="direct preference optimisation (DPO, IPO) on chosen/rejected pairs",
+                       parents=[train_parser], add_help=False, conflict_handler="resolve",
+                       description="Fine-tune a policy with DPO (pref.loss=dpo) or IPO (pref.loss=ipo), beta "
+                       "pref.beta, on .jsonl pairs (pref.data); the reference log-probs are the initial policy's, "
+                       "computed once before the first step. Logs chosen/rejected rewards, margin and pair accuracy. "
+                       "Usually from --train.init_from=MODEL. Example: loom dpo --config tiny-dpo")
     p.set_defaults(func=cmd_train)
 
     from loom.planner.command import add_arguments as add_plan_arguments

@@ -353,6 +353,31 @@ class SFTConfig:
 
 
 @dataclass
+class PrefConfig:
+    """Preference training (loom/post/pref.py): non-empty `pref.data` makes a run a reward-model or DPO run."""
+
+    # .jsonl files of {"prompt", "chosen", "rejected"} records: strings (plain text, as SFT's prompt and
+    # completion) or lists of {"role", "content"} messages rendered with pref.template; "synthetic:N" makes N
+    # pairs locally. Held out: pref.valid_data when given, else the data.split validation share of the pairs.
+    data: list[str] = field(default_factory=list)
+    valid_data: list[str] = field(default_factory=list)
+    template: str = "auto"  # as sft.template
+    recipe: Literal["auto", "dpo", "rm"] = "auto"  # auto: the command's (loom dpo, loom rm)
+    loss: Literal["dpo", "ipo"] = "dpo"  # the DPO recipe's objective
+    beta: float = 0.1  # DPO/IPO temperature
+
+    def validate(self) -> None:
+        for name in ("data", "valid_data"):
+            if any(not str(p).strip() for p in getattr(self, name)):
+                raise UserError(f"pref.{name}={getattr(self, name)} holds an empty path; give .jsonl files of "
+                                "{\"prompt\", \"chosen\", \"rejected\"} records or synthetic:N")
+        if self.valid_data and not self.data:
+            raise UserError("pref.valid_data is set but pref.data is empty; give the training pairs in pref.data")
+        if not (self.beta > 0 and math.isfinite(self.beta)):
+            raise UserError(f"pref.beta={self.beta} must be a finite number > 0 (DPO's usual values: 0.01 to 0.5)")
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = 0  # save every N steps (0: only at the end)
     resume: bool = False  # continue from run-dir/checkpoints/latest
@@ -407,6 +432,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    pref: PrefConfig = field(default_factory=PrefConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -419,6 +445,9 @@ class Config:
         if self.sft.data and (self.data.paths or self.data.valid_paths):
             raise UserError("sft.data and data.paths/data.valid_paths are both set; an SFT run reads its examples "
                             "from sft.data (and sft.valid_data) only: clear data.paths and data.valid_paths")
+        if self.pref.data and (self.sft.data or self.data.paths or self.data.valid_paths):
+            raise UserError("pref.data is set together with sft.data or data.paths; a preference run (loom dpo, "
+                            "loom rm) reads its pairs from pref.data (and pref.valid_data) only: clear the others")
         if self.train.seq_len > self.model.max_seq_len:
             raise UserError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "

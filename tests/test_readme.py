@@ -96,7 +96,7 @@ def test_readme_command_passes_loom_checks(line, argv, scratch):
     from loom.parallel.dims import validate_layout
 
     args, extra = build_parser().parse_known_args(argv)  # a bad option or value exits 2 here
-    if args.command not in ("train", "sft"):
+    if args.command not in ("train", "sft", "rm", "dpo"):
         assert not extra, f"README.md line {line}: unrecognised arguments {extra}"
         return
     cfg = load_config(args.config, split_overrides(extra))

@@ -257,6 +257,8 @@ def load_pretrained(model: torch.nn.Module, path: str | Path) -> dict:
             return handles[file_of[name]].get_slice(name)
 
         for name, param in model.named_parameters():
+            if name in getattr(model, "fresh_parameters", ()):  # a recipe's new module (a reward head)
+                continue
             key = "tok_embeddings.weight" if cfg.tie_embeddings and name == "output.weight" else name
             if key not in pieces:
                 raise UserError(f"{src.path}: no weight for {name}")
@@ -275,9 +277,10 @@ def _load_dcp(model: torch.nn.Module, src: Source) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    state = get_model_state_dict(model)
+    fresh = getattr(model, "fresh_parameters", ())  # a recipe's new modules (a reward head) keep their init
+    state = {k: v for k, v in get_model_state_dict(model).items() if k not in fresh}
     saved = FileSystemReader(str(src.path)).read_metadata().state_dict_metadata
     for name, tensor in state.items():
         meta = saved.get(f"model.{name}")
@@ -290,5 +293,5 @@ def _load_dcp(model: torch.nn.Module, src: Source) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load({"model": state}, checkpoint_id=src.path, no_dist=not distributed)
-    set_model_state_dict(model, state)
+    set_model_state_dict(model, state, options=StateDictOptions(strict=not fresh))
     return sum(local_slice(t)[0].numel() for t in state.values())

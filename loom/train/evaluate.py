@@ -44,8 +44,12 @@ class Evaluator:
 
     def evaluate(self) -> dict:
         if hasattr(self.val_data, "batch"):  # rows the dataset makes (SFT): the mean loss over what it scores
+            take = getattr(self.runner.loss, "take_sums", None)  # a recipe's statistics (loom/post/pref.py)
+            if take is not None:
+                take()  # start from zero
             total, count = self.loss_sum_and_count()
-            return {"val_loss": total / count}
+            sums = take() if take is not None else {}  # every rank scored the whole held-out set
+            return {"val_loss": total / count, **{f"val_{k}": v.item() / count for k, v in sums.items()}}
         ref = self.reference()
         total, count = self.loss_sum_and_count()
         return {

@@ -68,9 +68,14 @@ def default_run_dir(cfg: Config) -> Path:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, quiet: bool = False,
-                 loss: Loss | None = None, datasets=None):
+                 loss: Loss | None = None, datasets=None, extend_model=None, setup=None):
         """`loss` and `datasets` (a function (cfg, tokenizer) -> (train, held-out)) plug a recipe's data and
-        objective into this loop (SFT: loom/post/sft.py); by default next-token loss over the token datasets."""
+        objective into this loop (SFT: loom/post/sft.py); by default next-token loss over the token datasets.
+        `extend_model(model)` adds a recipe's modules (a reward head) to the model built on meta, before it is
+        parallelised; `setup(trainer)` runs once the model holds its starting weights (DPO's reference pass).
+        A loss with `take_sums()` (a dict of tensors summed over what it counted since the last call) has
+        their means logged with each step and, prefixed val_, with each evaluation (loom/post/pref.py)."""
+        self.extend_model, self.setup = extend_model, setup
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
         self.ckpt_root = self.run_dir / "checkpoints"
@@ -123,6 +128,8 @@ class Trainer:
         # layout (pipeline stages, TP, FSDP) on meta; then each rank allocates and initialises only its
         # shards, with the values one process would hold there (loom/models/init.py).
         model = build_model(cfg.model, device="meta")
+        if self.extend_model is not None:
+            self.extend_model(model)
         model.train()
         self.num_params = model.num_params()
         layer_plan = None
@@ -170,6 +177,8 @@ class Trainer:
         self.flops_per_token = flops.train_flops_per_token(cfg.model, t.seq_len)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.peak_tflops = flops.device_peak_tflops(name)
+        if self.setup is not None:
+            self.setup(self)
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -203,8 +212,15 @@ class Trainer:
         # MoE: routing statistics of the step's micro-batches, summed over all ranks in one all-reduce (pipeline
         # stages fill their own layers' rows; see step_stats for tensor-parallel replicas).
         moe, loads = step_stats(self.model, torch.distributed.group.WORLD if layout.distributed else None)
-        values = torch.stack([loss_t.float(), grad_norm.float(), *(v.float() for v in moe.values())])
+        # A recipe's statistics (DPO rewards and accuracy): means over the global batch's counted units.
+        sums = self.loss.take_sums() if hasattr(self.loss, "take_sums") else {}
+        recipe = ([all_reduce_sum(torch.stack([v.float() for v in sums.values()])) / (layout.tp * layout.pp
+                                                                                     * layout.cp) / total]
+                  if sums else [])
+        values = torch.cat([torch.stack([loss_t.float(), grad_norm.float(), *(v.float() for v in moe.values())]),
+                            *recipe])
         loss, grad_norm_value, *moe_values = values.tolist()
+        moe_values, recipe_values = moe_values[:len(moe)], moe_values[len(moe):]
         finite = is_finite(loss, grad_norm_value)  # same verdict on every rank
         if finite:
             update_router_biases(self.model, loads)  # sigmoid_bias routers: after every applied step
@@ -215,7 +231,7 @@ class Trainer:
         self.state.consumed_samples += t.global_batch
         return {"loss": loss, "grad_norm": grad_norm_value, "lr": lr,
                 "skipped_steps": self.control.skipped_steps, "data_wait_s": data_wait, **self.runner.metrics(),
-                **dict(zip(moe, moe_values))}
+                **dict(zip(moe, moe_values)), **dict(zip(sums, recipe_values))}
 
     def evaluate(self) -> dict:
         return self.evaluator.evaluate()
