@@ -101,7 +101,10 @@ LAYOUTS = {
 }
 
 
-SLOW_LAYOUTS = {"tp4-sp"}
+# In `make test-all` only (the suite's 20-minute budget on 2 cores): compositions that the cases left in `make test`
+# cover piecewise — tp2-sp-dp_shard2 covers tp with data parallelism; cp2 and pp2-cp2 cover cp and cp with
+# another dimension; dp_shard2 and hsdp2x2 cover sharding.
+SLOW_LAYOUTS = {"tp4-sp", "tp2-dp_replicate2", "cp2-tp2-sp", "dp_shard4", "cp2-dp_shard2"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n for n in LAYOUTS])
@@ -146,7 +149,11 @@ def least_bubble(layout: list[str]) -> float:
     return (p - 1) / (v * m) / 2
 
 
-@pytest.mark.parametrize("name", list(PIPE_LAYOUTS))
+SLOW_PIPE_LAYOUTS = {"pp2-tp2-sp", "pp2-dp_shard2"}  # make test-all: tp2-pp2-dp_shard2 covers both
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_PIPE_LAYOUTS else n
+                                  for n in PIPE_LAYOUTS])
 def test_pipeline_layout_matches_single_process(name, pipe_reference, tmp_path):
     nproc, layout = PIPE_LAYOUTS[name]
     launch(tmp_path / "run", nproc, *layout, base=PIPE)
@@ -157,6 +164,7 @@ def test_pipeline_layout_matches_single_process(name, pipe_reference, tmp_path):
     assert sum(bubbles) / len(bubbles) > least_bubble(layout), bubbles
 
 
+@pytest.mark.slow  # 4 processes for 60 s; tp=2 (with and without SP) stays in make test
 def test_tp4_without_sp_and_gpt_architecture(tmp_path):
     """GPT-3 style (LayerNorm with bias, GELU, learned positions, biases) under tp=4 and tp=2+SP."""
     gpt = ["model.norm=layernorm", "model.mlp=gelu", "model.position=learned", "model.bias=true"]
@@ -215,6 +223,7 @@ def test_bf16_tp2_dp_shard2_tracks_fp32(tmp_path):
     assert ref[-1]["loss"] < ref[0]["loss"] - 1.0  # it learned, so tracking the curve means something
 
 
+@pytest.mark.slow  # 2 x 4 processes for 60 s (make test-all); make test keeps the tp2-sp-dp_shard2 layout it compares with
 def test_two_nodes_on_localhost_match_four_local_processes(tmp_path):
     layout = ["parallel.tp=2", "parallel.sp=true", "parallel.dp_shard=2"]
     launch(tmp_path / "local", 4, *layout)

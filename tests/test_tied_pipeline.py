@@ -26,7 +26,8 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "pp2-dp_shard2" else n
+                                  for n in LAYOUTS])  # 4 processes: make test-all
 def test_tied_pipeline_matches_single_process(name, tied_reference, tmp_path):
     nproc, layout = LAYOUTS[name]
     launch(tmp_path / "run", nproc, *layout, base=TIED)
