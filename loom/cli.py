@@ -283,31 +283,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
     train_parser = p
 
-    p = sub.add_parser("sft", help="supervised fine-tuning on chat or prompt/completion examples",
-                       parents=[train_parser], add_help=False, conflict_handler="resolve",
-                       description="Fine-tune on .jsonl examples (sft.data): chat records {\"messages\": [{\"role\", "
-                       "\"content\"}, ...]} rendered with the model's chat template (sft.template), or {\"prompt\", "
-                       "\"completion\"}; the loss counts only assistant / completion tokens; sft.packing puts several "
-                       "examples in a sequence with attention kept inside each. The same options and overrides as "
-                       "train; usually from --train.init_from=MODEL. Example: loom sft --config tiny-sft")
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("rm", help="train a reward model on chosen/rejected pairs",
-                       parents=[train_parser], add_help=False, conflict_handler="resolve",
-                       description="Train a reward model: a scalar head on the model's last hidden state, loss "
-                       "-log sigmoid(r_chosen - r_rejected), on .jsonl pairs (pref.data) of {\"prompt\", \"chosen\", "
-                       "\"rejected\"} (strings, or chat messages rendered with pref.template); reports pair "
-                       "accuracy (val_accuracy held out). Usually from --train.init_from=MODEL. The same options and "
-                       "overrides as train. Example: loom rm --config tiny-rm")
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("dpo", help="direct preference optimisation (DPO, IPO) on chosen/rejected pairs",
-                       parents=[train_parser], add_help=False, conflict_handler="resolve",
-                       description="Fine-tune a policy with DPO (pref.loss=dpo) or IPO (pref.loss=ipo), beta "
-                       "pref.beta, on .jsonl pairs (pref.data); the reference log-probs are the initial policy's, "
-                       "computed once before the first step. Logs chosen/rejected rewards, margin and pair accuracy. "
-                       "Usually from --train.init_from=MODEL. Example: loom dpo --config tiny-dpo")
-    p.set_defaults(func=cmd_train)
+    # Post-training recipes: `loom train` with a recipe's data set, so the same options and overrides.
+    recipes = {
+        "sft": ("supervised fine-tuning on chat or prompt/completion examples",
+                "Fine-tune on .jsonl examples (sft.data): chat records {\"messages\": [{\"role\", \"content\"}, ...]} "
+                "rendered with the model's chat template (sft.template), or {\"prompt\", \"completion\"}; the loss "
+                "counts only assistant / completion tokens; sft.packing puts several examples in a sequence with "
+                "attention kept inside each. Usually from --train.init_from=MODEL. Example: loom sft --config tiny-sft"),
+        "rm": ("train a reward model on chosen/rejected pairs",
+               "Train a reward model: a scalar head on the model's last hidden state, loss -log sigmoid(r_chosen - "
+               "r_rejected), on .jsonl pairs (pref.data) of {\"prompt\", \"chosen\", \"rejected\"} (strings, or chat "
+               "messages rendered with pref.template); reports pair accuracy (val_accuracy held out). Usually from "
+               "--train.init_from=MODEL. Example: loom rm --config tiny-rm"),
+        "dpo": ("direct preference optimisation (DPO, IPO) on chosen/rejected pairs",
+                "Fine-tune a policy with DPO (pref.loss=dpo) or IPO (pref.loss=ipo), beta pref.beta, on .jsonl pairs "
+                "(pref.data); the reference log-probs are the initial policy's, computed once before the first "
+                "step. Logs chosen/rejected rewards, margin and pair accuracy. Usually from "
+                "--train.init_from=MODEL. Example: loom dpo --config tiny-dpo"),
+    }
+    for name, (help_, description) in recipes.items():
+        p = sub.add_parser(name, help=help_, parents=[train_parser], add_help=False, conflict_handler="resolve",
+                           description=description + ". The same options and overrides as train.")
+        p.set_defaults(func=cmd_train)
 
     from loom.planner.command import add_arguments as add_plan_arguments
 

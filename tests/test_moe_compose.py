@@ -14,10 +14,9 @@ routing statistics of metrics.jsonl (balance and z losses, load imbalance) withi
 
 import pytest
 
-from loom.cli import main
 from loom.config import load_config
 from loom.errors import UserError
-from test_parallel import PIPE, assert_same_run, final_weights, launch, metrics
+from test_parallel import PIPE, assert_same_run, final_weights, launch, metrics, single_runs
 
 MOE = ["model.moe.experts=8", "model.moe.ffn_hidden=32"]
 ROUTERS = {
@@ -37,17 +36,7 @@ ROUTERS = {
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """One single-process run per router, made on first use."""
-    runs = {}
-
-    def get(router):
-        if router not in runs:
-            run_dir = tmp_path_factory.mktemp(f"single-{router}") / "run"
-            assert main(["train", "--config", "tiny", "--run-dir", str(run_dir),
-                         *[f"--{o}" for o in PIPE + ROUTERS[router]]]) == 0
-            runs[router] = run_dir
-        return runs[router]
-
-    return get
+    return single_runs(tmp_path_factory, {r: PIPE + ROUTERS[r] for r in ROUTERS})
 
 
 CASES = {

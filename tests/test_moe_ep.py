@@ -15,10 +15,9 @@ import shutil
 import pytest
 import torch
 
-from loom.cli import main
 from loom.config import load_config
 from loom.errors import UserError
-from test_parallel import MODEL, assert_same_run, launch
+from test_parallel import MODEL, assert_same_run, launch, single_runs
 
 ROUTERS = {
     "top2of8": ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.ffn_hidden=32",
@@ -116,17 +115,8 @@ def test_exchange_matches_one_process_when_a_rank_gets_no_tokens():
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    runs = {}
-
-    def get(router):
-        if router not in runs:
-            run_dir = tmp_path_factory.mktemp(f"single-{router}") / "run"
-            assert main(["train", "--config", "tiny", "--run-dir", str(run_dir),
-                         *[f"--{o}" for o in MODEL + ROUTERS[router]]]) == 0
-            runs[router] = run_dir
-        return runs[router]
-
-    return get
+    """One single-process run per router, made on first use."""
+    return single_runs(tmp_path_factory, {r: MODEL + ROUTERS[r] for r in ROUTERS})
 
 
 CASES = {  # top2of8 with ep=2 over dp_shard=2: test_checkpoint_under_ep_resumes_under_another_ep

@@ -5,8 +5,7 @@ over every micro-batch and data-parallel rank, moves exactly as in one process."
 
 import pytest
 
-from loom.cli import main
-from test_parallel import MODEL, assert_same_run, final_weights, launch, metrics
+from test_parallel import MODEL, assert_same_run, final_weights, launch, metrics, single_runs
 
 ROUTERS = {
     "top2of8": ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.ffn_hidden=32",
@@ -23,17 +22,7 @@ ROUTERS = {
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """One single-process run per router, made on first use."""
-    runs = {}
-
-    def get(router):
-        if router not in runs:
-            run_dir = tmp_path_factory.mktemp(f"single-{router}") / "run"
-            assert main(["train", "--config", "tiny", "--run-dir", str(run_dir),
-                         *[f"--{o}" for o in MODEL + ROUTERS[router]]]) == 0
-            runs[router] = run_dir
-        return runs[router]
-
-    return get
+    return single_runs(tmp_path_factory, {r: MODEL + ROUTERS[r] for r in ROUTERS})
 
 
 CASES = [("top2of8", "parallel.dp_shard=2"), ("top2of8", "parallel.dp_replicate=2"),

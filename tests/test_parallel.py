@@ -25,6 +25,21 @@ MODEL = [
 PIPE = MODEL + ["model.layers=4", "model.tie_embeddings=false"]
 
 
+def single_runs(tmp_path_factory, overrides: dict):
+    """`get(name)`: the single-process reference run of `overrides[name]` (tiny config), made on first use."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            run_dir = tmp_path_factory.mktemp(f"single-{name}") / "run"
+            assert main(["train", "--config", "tiny", "--run-dir", str(run_dir),
+                         *[f"--{o}" for o in overrides[name]]]) == 0
+            runs[name] = run_dir
+        return runs[name]
+
+    return get
+
+
 def launch(run_dir, nproc, *extra, check=True, base=MODEL):
     cmd = [sys.executable, "-m", "loom.cli", "train", "--config", "tiny", "--run-dir", str(run_dir),
            "--nproc", str(nproc), *[f"--{o}" for o in base + list(extra)]]

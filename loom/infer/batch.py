@@ -14,6 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from loom.data.jsonl import jsonl_records
 from loom.errors import UserError
 from loom.files import honour_umask
 
@@ -25,20 +26,14 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
         raise UserError(f"--input {str(path)!r} does not exist or is not a file; give a .jsonl file with one "
                         '{"prompt": "..."} record per line')
     prompts = []
-    with p.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{p} line {line_no}: not valid JSON ({exc.msg} at column {exc.colno}); each line "
-                                'must be one record such as {"prompt": "Once upon a time"}') from None
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                got = (f"a record without \"prompt\" (keys: {sorted(record)})" if isinstance(record, dict)
-                       and "prompt" not in record else f"{json.dumps(record)[:80]}")
-                raise UserError(f'{p} line {line_no}: expected a record with a string "prompt", got {got}')
-            prompts.append(record["prompt"])
+    for where, record in jsonl_records(p, '{"prompt": "Once upon a time"}'):
+        if record is None:
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            got = (f"a record without \"prompt\" (keys: {sorted(record)})" if isinstance(record, dict)
+                   and "prompt" not in record else f"{json.dumps(record)[:80]}")
+            raise UserError(f'{where}: expected a record with a string "prompt", got {got}')
+        prompts.append(record["prompt"])
     if not prompts:
         raise UserError(f'--input {p} holds no records; give one {{"prompt": "..."}} per line')
     return prompts

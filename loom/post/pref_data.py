@@ -32,6 +32,7 @@ import torch
 
 from loom.data.tokenizer import Tokenizer, cache_dir
 from loom.errors import UserError
+from loom.data.jsonl import jsonl_records
 from loom.models.losses import IGNORE
 from loom.post.chat import ROLES, ChatTemplate
 from loom.post.sft_data import Examples, prepare
@@ -80,24 +81,13 @@ def _split_file(path: Path) -> tuple[Path, Path]:
     if all(p.is_file() for p in out):
         return out[0], out[1]
     lines: tuple[list[str], list[str]] = ([], [])
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{path}, line {lineno}"
-            try:
-                line = raw.decode("utf-8").strip()
-            except UnicodeDecodeError:
-                raise UserError(f"{where}: not UTF-8 text") from None
-            if not line:
-                lines[0].append("")
-                lines[1].append("")
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); expected one JSON object "
-                                "per line") from None
-            for side, rec in zip(lines, split_record(record, where)):
-                side.append(json.dumps(rec))
+    for where, record in jsonl_records(path, '{"prompt": "...", "chosen": "...", "rejected": "..."}'):
+        if record is None:
+            lines[0].append("")
+            lines[1].append("")
+            continue
+        for side, rec in zip(lines, split_record(record, where)):
+            side.append(json.dumps(rec))
     if not any(lines[0]):
         raise UserError(f"{path}: no records; a preference data file needs at least one pair")
     out[0].parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ import torch
 from loom.data.indexed import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from loom.data.tokenizer import Tokenizer, cache_dir
 from loom.errors import UserError
+from loom.data.jsonl import jsonl_records
 from loom.models.losses import IGNORE
 from loom.post.chat import ChatTemplate, check_record, encode_chat, encode_completion
 
@@ -49,29 +50,18 @@ def iter_examples(path: Path, tokenizer: Tokenizer, template: ChatTemplate):
     if not path.is_file():
         raise UserError(f"SFT data file {path} does not exist; give .jsonl files of {{\"messages\": [...]}} or "
                         "{\"prompt\", \"completion\"} records, or a prefix written by `loom preprocess --sft`")
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{path}, line {lineno}"
-            try:
-                line = raw.decode("utf-8").strip()
-            except UnicodeDecodeError:
-                raise UserError(f"{where}: not UTF-8 text") from None
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); expected one JSON object "
-                                "per line") from None
-            conversation = check_record(record, where)
-            if isinstance(conversation, tuple):
-                ids, mask = encode_completion(tokenizer, *conversation)
-            else:
-                ids, mask = encode_chat(template, tokenizer, conversation, where)
-            if len(ids) < 2 or not mask[1:].any():
-                raise UserError(f"{where}: the record tokenizes to {len(ids)} tokens with no learned token after the "
-                                "first; give the assistant reply or completion some text")
-            yield ids, mask
+    for where, record in jsonl_records(path, '{"messages": [{"role": "user", "content": "..."}, ...]}'):
+        if record is None:
+            continue
+        conversation = check_record(record, where)
+        if isinstance(conversation, tuple):
+            ids, mask = encode_completion(tokenizer, *conversation)
+        else:
+            ids, mask = encode_chat(template, tokenizer, conversation, where)
+        if len(ids) < 2 or not mask[1:].any():
+            raise UserError(f"{where}: the record tokenizes to {len(ids)} tokens with no learned token after the "
+                            "first; give the assistant reply or completion some text")
+        yield ids, mask
 
 
 def write_prefix(files: list[Path], prefix: str | Path, tokenizer: Tokenizer, template: ChatTemplate) -> dict:
