@@ -18,17 +18,13 @@ from loom.models.llama import build_model
 from loom.post.pref import DPOLoss
 from loom.post.pref_data import records
 from pref_reference import encode_side, reply_logprob
+from test_parallel import metrics
 
 PREF = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=160",
         "model.vocab_size=512", "model.max_seq_len=128", "train.seq_len=128", "train.steps=3", "train.global_batch=8",
         "log.progress=none", "log.tensorboard=false", "pref.data=synthetic:120", "optim.warmup_steps=1",
         "optim.lr=2e-3", "data.split=90,10", "pref.beta=0.5"]
 STATS = ("loss", "grad_norm", "chosen_reward", "rejected_reward", "margin", "accuracy")
-
-
-def rows(run_dir):
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +37,7 @@ def dpo_run(tmp_path_factory):
 
 
 def test_first_step_is_at_the_reference_and_stats_are_logged(dpo_run):
-    steps, evals = rows(dpo_run)
+    steps, evals = metrics(dpo_run)
     assert [r["step"] for r in steps] == [1, 2, 3]
     # The reference pass computed the initial policy's log-probs: at step 1 every h is 0, the loss log 2.
     assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
@@ -56,7 +52,7 @@ def test_dpo_dp_shard2_matches_single_process(dpo_run, tmp_path):
            "--nproc", "2", *[f"--{o}" for o in PREF + ["train.micro_batch=2", "parallel.dp_shard=2"]]]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (steps, evals), (ref_steps, ref_evals) = rows(tmp_path / "run"), rows(dpo_run)
+    (steps, evals), (ref_steps, ref_evals) = metrics(tmp_path / "run"), metrics(dpo_run)
     assert len(steps) == len(ref_steps) == 3
     for got, want in zip(steps, ref_steps):
         for key in STATS:
@@ -89,7 +85,7 @@ def test_held_out_dpo_loss_equals_plain_torch(dpo_run):
         losses.append(math.log1p(math.exp(-beta * h)))  # -log sigmoid(beta h)
         wins.append(h > 0)
     assert len(losses) >= 8
-    _, evals = rows(dpo_run)
+    _, evals = metrics(dpo_run)
     assert evals[-1]["val_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4)
     assert evals[-1]["val_accuracy"] == pytest.approx(sum(wins) / len(wins))
     assert abs(evals[-1]["val_loss"] - math.log(2)) > 1e-3  # the policy moved: not the trivial value at the reference

@@ -35,15 +35,22 @@ def test_moe_data_parallel_matches_single_process(router, layout, references, tm
     launch(tmp_path / "run", 2, *ROUTERS[router], layout)
     reference = references(router)
     assert_same_run(tmp_path / "run", reference)
-    steps, _ = metrics(tmp_path / "run")
+    assert_same_routing(tmp_path / "run", reference, router, moe_layers=3)
+
+
+def assert_same_routing(run_dir, reference, router: str, moe_layers: int) -> None:
+    """The routing statistics of every step (every layer's, every token's, counted once over the ranks) equal
+    the single-process run's; for the sigmoid_bias router, the final selection bias of each of the `moe_layers`
+    layers too, and it moved."""
+    steps, _ = metrics(run_dir)
     ref_steps, _ = metrics(reference)
-    for got, want in zip(steps, ref_steps):  # routing statistics: summed over both ranks
+    for got, want in zip(steps, ref_steps):
         for key in ("moe_load_balance_loss", "moe_z_loss", "moe_imbalance", "moe_imbalance_max"):
             assert got[key] == pytest.approx(want[key], rel=1e-5), (got["step"], key)
     if router == "sigmoid_bias":
-        got, want = final_weights(tmp_path / "run"), final_weights(reference)
+        got, want = final_weights(run_dir), final_weights(reference)
         bias = [k for k in want if k.endswith("router.expert_bias")]
-        assert len(bias) == 3
+        assert len(bias) == moe_layers
         for k in bias:
             assert (got[k] - want[k]).abs().max().item() < 1e-6, (k, got[k], want[k])
             assert want[k].abs().max().item() > 0.01  # it moved

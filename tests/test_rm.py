@@ -1,6 +1,5 @@
 """Reward model (loom/post/pref.py): a scalar head on a pretrained body, its loss, metrics and saved head."""
 
-import json
 import math
 import subprocess
 import sys
@@ -18,16 +17,12 @@ from loom.models.llama import build_model
 from loom.post import pref
 from loom.post.pref_data import records
 from pref_reference import encode_side, last_hidden
+from test_parallel import metrics
 
 ARCH = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=160",
         "model.vocab_size=512", "model.max_seq_len=128"]
 RUN = ["train.seq_len=128", "train.steps=3", "train.global_batch=8", "log.progress=none", "log.tensorboard=false",
        "pref.data=synthetic:120", "optim.warmup_steps=1", "optim.lr=2e-3", "data.split=90,10"]
-
-
-def rows(run_dir):
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +58,7 @@ def test_first_step_uses_the_pretrained_body_and_a_seeded_head(rm_run, pretraine
     with torch.no_grad():
         r = pref.rewards_at(model(batch["input_ids"], return_hidden=True), batch["last"], model.score)
     want = torch.nn.functional.softplus(-(r[0::2] - r[1::2])).mean().item()  # -log sigmoid(r_c - r_r)
-    steps, _ = rows(rm_run)
+    steps, _ = metrics(rm_run)
     assert steps[0]["loss"] == pytest.approx(want, rel=1e-5)
     assert steps[0]["margin"] == pytest.approx((r[0::2] - r[1::2]).mean().item(), rel=1e-4, abs=1e-6)
 
@@ -83,7 +78,7 @@ def test_saved_head_gives_the_reported_held_out_accuracy(rm_run):
         rc, rr = (model.score(last_hidden(model, ids)).item() for ids in sides)
         losses.append(math.log1p(math.exp(-(rc - rr))))
         wins.append(rc > rr)
-    _, evals = rows(rm_run)
+    _, evals = metrics(rm_run)
     assert len(losses) >= 8
     assert evals[-1]["val_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
     assert evals[-1]["val_accuracy"] == pytest.approx(sum(wins) / len(wins))
@@ -96,7 +91,7 @@ def test_rm_dp_shard2_matches_single_process(rm_run, pretrained, tmp_path):
            f"--train.init_from={pretrained}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (steps, evals), (ref_steps, ref_evals) = rows(tmp_path / "run"), rows(rm_run)
+    (steps, evals), (ref_steps, ref_evals) = metrics(tmp_path / "run"), metrics(rm_run)
     for got, want in zip(steps, ref_steps):
         for key in ("loss", "grad_norm", "margin", "accuracy"):
             assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=1e-6), (got["step"], key)

@@ -15,6 +15,7 @@ from loom.errors import UserError
 from loom.models.llama import build_model
 from loom.models.losses import IGNORE, MaskedTokenCrossEntropy
 from loom.post.chat import CHATML, LLAMA3, encode_chat, load_template
+from test_parallel import metrics
 
 SPECIALS = ["<|endoftext|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
             "<|im_start|>", "<|im_end|>"]
@@ -302,11 +303,6 @@ SFT = ["model.layers=4", "model.tie_embeddings=false", "model.hidden=64", "model
        "sft.data=synthetic:200", "optim.warmup_steps=1", "data.split=90,10"]
 
 
-def _rows(run_dir):
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
-
-
 @pytest.fixture(scope="module")
 def sft_reference(tmp_path_factory):
     """One process, the whole global batch in one micro-batch."""
@@ -332,8 +328,8 @@ def test_packed_sft_layout_matches_single_process(name, sft_reference, tmp_path)
            "--nproc", "2", *[f"--{o}" for o in SFT + ["train.micro_batch=2"] + SFT_LAYOUTS[name]]]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    steps, evals = _rows(tmp_path / "run")
-    ref_steps, ref_evals = _rows(sft_reference)
+    steps, evals = metrics(tmp_path / "run")
+    ref_steps, ref_evals = metrics(sft_reference)
     assert len(steps) == len(ref_steps) == 3
     for got, want in zip(steps, ref_steps):
         for key in ("loss", "grad_norm"):
