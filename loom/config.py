@@ -378,6 +378,87 @@ class PrefConfig:
 
 
 @dataclass
+class RLConfig:
+    """Online RL with the generation engine in the loop (loom/post/rl.py): non-empty `rl.prompts` makes a run
+    an RL run (`loom rl`). Every setting of the objective is named here, none implied; the defaults are GRPO
+    as Shao et al. (2024) wrote it, with DAPO's token-level aggregation."""
+
+    # .jsonl files of {"prompt": str | [messages], ...}: every other field of a record goes to the reward
+    # function as a keyword argument (e.g. "answer"); "addition:N" makes N problems locally (loom/post/tasks.py).
+    prompts: list[str] = field(default_factory=list)
+    valid_prompts: list[str] = field(default_factory=list)  # held out: greedy completions scored each evaluation
+    template: str = "none"  # "none": a string prompt is the model's input as is; else as sft.template (chat)
+    # Rewards: a Python callable "package.module:function" called as f(prompt, completion, **fields) -> float,
+    # and/or a reward model (a `loom rm` run or checkpoint) scoring prompt + completion; both: their sum,
+    # the model's score times reward_model_coef.
+    reward: str = ""
+    reward_model: str = ""
+    reward_model_coef: float = 1.0
+    algorithm: Literal["grpo", "ppo"] = "grpo"  # grpo: group baselines, no critic; ppo: value head + GAE
+    group_size: int = 8  # completions per prompt; train.global_batch = prompts per step x group_size
+    # Advantage (grpo): reward minus a baseline: "mean" (the group's mean, GRPO) or "rloo" (the mean of the
+    # group's other samples); then divided by the group's std + std_eps ("std", GRPO) or not ("none", Dr. GRPO).
+    baseline: Literal["mean", "rloo"] = "mean"
+    scale: Literal["std", "none"] = "std"
+    std_estimator: Literal["sample", "population"] = "sample"  # n - 1 (torch.std, TRL) or n
+    std_eps: float = 1e-4
+    drop_uniform_groups: bool = False  # leave out groups whose rewards are all equal (DAPO dynamic sampling)
+    # Loss aggregation: "token" (every response token of the batch weighs the same, DAPO), "sequence" (mean
+    # over each sequence's tokens, then over sequences, GRPO), "constant" (each sequence's sum / max_new_tokens,
+    # Dr. GRPO).
+    aggregation: Literal["token", "sequence", "constant"] = "token"
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2
+    ratio: Literal["token", "sequence"] = "token"  # "sequence": GSPO's length-normalised sequence ratio
+    kl_coef: float = 0.0  # 0: no reference policy is built
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # of KL(policy || reference); ppo folds it into the reward
+    tis_cap: float = 0.0  # > 0: truncated importance sampling, min(p_trainer / p_engine, cap) per token
+    epochs: int = 1  # passes over each step's rollouts
+    minibatches: int = 1  # optimizer steps per pass (each on global_batch / minibatches sequences)
+    # PPO: a value head on the policy's last hidden state; GAE; clipped value loss; the KL penalty per token.
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float = 0.2
+    value_coef: float = 0.5
+    whiten_advantages: bool = True  # PPO: advantages to mean 0, std 1 over the global batch
+    # Generation by loom's engine (loom/infer/engine.py), refitted from the policy after every update.
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16  # train.seq_len must hold the longest prompt plus this
+    engine_batch: int = 64  # engine slots: sequences decoded together
+
+    def validate(self) -> None:
+        for name in ("prompts", "valid_prompts"):
+            if any(not str(p).strip() for p in getattr(self, name)):
+                raise UserError(f"rl.{name}={getattr(self, name)} holds an empty path; give .jsonl files of "
+                                "{\"prompt\": ...} records or addition:N")
+        if self.valid_prompts and not self.prompts:
+            raise UserError("rl.valid_prompts is set but rl.prompts is empty; give the training prompts in rl.prompts")
+        if self.prompts and not (self.reward or self.reward_model):
+            raise UserError("an RL run needs a reward: rl.reward=package.module:function (e.g. "
+                            "loom.post.tasks:exact_match) and/or rl.reward_model=RUN_OR_CHECKPOINT")
+        if self.reward and ":" not in self.reward:
+            raise UserError(f"rl.reward={self.reward!r} must be package.module:function, e.g. loom.post.tasks:exact_match")
+        for name in ("group_size", "epochs", "minibatches", "max_new_tokens", "engine_batch"):
+            _positive(f"rl.{name}", getattr(self, name))
+        for name in ("std_eps", "kl_coef", "tis_cap", "value_clip", "value_coef", "temperature", "clip_low",
+                     "clip_high"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise UserError(f"rl.{name}={value} must be a finite number >= 0")
+        if self.clip_low >= 1:
+            raise UserError(f"rl.clip_low={self.clip_low} must be < 1 (the ratio's lower bound is 1 - clip_low)")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise UserError(f"rl.top_p={self.top_p} must be in (0, 1] and rl.top_k={self.top_k} >= 0")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise UserError(f"rl.{name}={getattr(self, name)} must be in [0, 1]")
+        if self.tis_cap and self.tis_cap < 1:
+            raise UserError(f"rl.tis_cap={self.tis_cap} must be >= 1 (a cap on p_trainer / p_engine), or 0 for off")
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = 0  # save every N steps (0: only at the end)
     resume: bool = False  # continue from run-dir/checkpoints/latest
@@ -433,6 +514,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     pref: PrefConfig = field(default_factory=PrefConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -448,6 +530,9 @@ class Config:
         if self.pref.data and (self.sft.data or self.data.paths or self.data.valid_paths):
             raise UserError("pref.data is set together with sft.data or data.paths; a preference run (loom dpo, "
                             "loom rm) reads its pairs from pref.data (and pref.valid_data) only: clear the others")
+        if self.rl.prompts and (self.pref.data or self.sft.data or self.data.paths or self.data.valid_paths):
+            raise UserError("rl.prompts is set together with pref.data, sft.data or data.paths; an RL run (loom rl) "
+                            "reads its prompts from rl.prompts (and rl.valid_prompts) only: clear the others")
         if self.train.seq_len > self.model.max_seq_len:
             raise UserError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "

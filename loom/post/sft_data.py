@@ -36,6 +36,7 @@ from loom.data.tokenizer import Tokenizer, cache_dir
 from loom.errors import UserError
 from loom.data.jsonl import jsonl_records
 from loom.models.losses import IGNORE
+from loom.post import tasks
 from loom.post.chat import ChatTemplate, check_record, encode_chat, encode_completion
 
 FORMAT = "loom-sft-v1"
@@ -96,6 +97,7 @@ def prepare(paths: list[str], tokenizer: Tokenizer, template: ChatTemplate) -> l
     for spec in paths:
         if spec.startswith("synthetic:"):  # the locally generated chat set (loom/post/synthetic.py)
             spec = str(_synthetic(spec))
+        spec = tasks.materialise(spec, "sft", "sft.data")  # a verifiable task's problems (loom/post/tasks.py)
         if _is_prefix(spec):
             meta = json.loads(Path(spec + ".sft.json").read_text())
             if meta.get("tokenizer_sha256") != tokenizer.sha256():

@@ -116,6 +116,10 @@ class Progress:
             )
 
     def evaluation(self, row: dict) -> None:
+        if "val_reward" in row:  # RL: greedy completions of the held-out prompts, scored by the run's reward
+            self.message(f"eval step {row['step']}: val_reward {row['val_reward']:.4f} (held-out prompts, greedy), "
+                         f"{row['val_reward_sampled']:.4f} (sampled)")
+            return
         if "val_bpb" not in row:  # SFT: the loss over the held-out responses only
             self.message(f"eval step {row['step']}: val_loss {row['val_loss']:.4f} (held-out response tokens)")
             return

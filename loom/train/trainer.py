@@ -188,12 +188,22 @@ class Trainer:
         return read_batch(self.train_data, consumed_samples + self.layout.dp_rank * per_rank, per_rank)
 
     def train_step(self) -> dict:
+        t = self.cfg.train
+        following = self.state.consumed_samples + t.global_batch if self.state.step + 1 < t.steps else None
+        batch, data_wait = self.batches.get(self.state.consumed_samples, following)
+        out = self.optimizer_step(batch)
+        self.state.step += 1
+        self.state.consumed_samples += t.global_batch
+        return {**out, "data_wait_s": data_wait}
+
+    def optimizer_step(self, batch: dict) -> dict:
+        """Forward and backward over this rank's `batch`, then one optimizer step at the learning rate of the
+        current step: the loss is the mean over what the loss counts in the whole global batch (every rank's
+        batch). Returns the step's loss, gradient norm, lr and statistics."""
         t, layout = self.cfg.train, self.layout
         lr = lr_at(self.state.step, self.cfg.optim, t.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        following = self.state.consumed_samples + t.global_batch if self.state.step + 1 < t.steps else None
-        batch, data_wait = self.batches.get(self.state.consumed_samples, following)
         count = self.loss.count(batch)
         if self.loss.count_varies:  # every rank of a tensor/pipeline/context group holds the same data
             total = all_reduce_sum(torch.as_tensor(count, device=self.device)).item() / (layout.tp * layout.pp
@@ -227,10 +237,8 @@ class Trainer:
             self.optimizer.step()
         self.control.count_step(finite)
         self.optimizer.zero_grad(set_to_none=True)
-        self.state.step += 1
-        self.state.consumed_samples += t.global_batch
         return {"loss": loss, "grad_norm": grad_norm_value, "lr": lr,
-                "skipped_steps": self.control.skipped_steps, "data_wait_s": data_wait, **self.runner.metrics(),
+                "skipped_steps": self.control.skipped_steps, **self.runner.metrics(),
                 **dict(zip(moe, moe_values)), **dict(zip(sums, recipe_values))}
 
     def evaluate(self) -> dict:

@@ -1,0 +1,192 @@
+"""Online RL (loom/post/rl.py): the engine in the loop learns a reward, refits leave no stale weights, the
+trainer/engine mismatch is measured, layouts compute what one process computes, bad input exits 2."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from loom.cli import main
+from loom.config import load_config
+from loom.post import tasks
+from loom.post.rl import RLTrainer, rows_of
+from loom.infer.engine import Completion
+
+RL = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=160",
+      "model.vocab_size=320", "model.max_seq_len=32", "train.seq_len=16", "train.global_batch=32",
+      "train.micro_batch=16", "train.steps=3", "train.eval_interval=0", "log.progress=none",
+      "log.tensorboard=false", "rl.prompts=addition:200", "rl.valid_prompts=addition:16",
+      "rl.reward=rl_rewards:ones", "rl.minibatches=1", "rl.group_size=4", "rl.max_new_tokens=4", "rl.engine_batch=32",
+      "optim.lr=3e-3", "optim.min_lr=3e-3", "optim.warmup_steps=0", "checkpoint.save_final=false"]
+PHASES = ("generation_s", "reward_s", "logprobs_s", "training_s", "refit_s")
+
+
+def rows(run_dir):
+    out = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in out if "loss" in r], [r for r in out if "val_reward" in r]
+
+
+def rl_main(run_dir, *extra):
+    return main(["rl", "--config", "tiny-grpo", "--run-dir", str(run_dir), *[f"--{o}" for o in RL], *extra])
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("grpo") / "run"
+    assert rl_main(run_dir, "--train.steps=25") == 0
+    return run_dir
+
+
+def test_grpo_learns_its_reward_and_logs_every_phase(grpo_run):
+    steps, evals = rows(grpo_run)
+    assert [r["step"] for r in steps] == list(range(1, 26))
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 25  # the starting point, and the end
+    first = sum(r["reward"] for r in steps[:5]) / 5
+    last = sum(r["reward"] for r in steps[-5:]) / 5
+    assert last > first + 0.15, (first, last)  # a random policy climbs the "share of 1s" reward
+    assert evals[-1]["val_reward_sampled"] > evals[0]["val_reward_sampled"]
+    for r in steps:
+        assert all(r[k] >= 0 for k in PHASES) and r["step_time_s"] >= sum(r[k] for k in PHASES)
+        # The engine is refitted after every update: its log-probs are the trainer's (same fp32 weights).
+        assert r["logp_abs_diff"] < 1e-4 and abs(r["prob_ratio_mean"] - 1) < 1e-4
+        assert r["generated_tokens"] == round(r["response_length"] * 32)
+        assert 0 <= r["reward"] <= 1 and r["optimizer_steps"] == 1
+    assert any(r["grad_norm"] > 0 for r in steps)
+
+
+def test_stale_engine_weights_show_in_the_mismatch(tmp_path, monkeypatch):
+    """Without the refit after each update the engine samples from the initial weights: the logged
+    mismatch catches it from step 2 on (and the refit test above would fail)."""
+    calls = []
+    original = RLTrainer._setup_rl
+
+    def setup_then_freeze(self):
+        original(self)
+        self.engine.refit = lambda model: calls.append(1) or 0.0
+
+    monkeypatch.setattr(RLTrainer, "_setup_rl", setup_then_freeze)
+    assert rl_main(tmp_path / "run") == 0
+    steps, _ = rows(tmp_path / "run")
+    assert calls and steps[0]["logp_abs_diff"] < 1e-4
+    assert steps[1]["logp_abs_diff"] > 1e-3 and steps[2]["prob_ratio_max"] > 1.001
+
+
+def test_engine_equals_policy_after_training(tmp_path):
+    cfg = load_config("tiny-grpo", [*RL, "train.steps=2"])
+    cfg.validate()
+    trainer = RLTrainer(cfg, tmp_path / "run", quiet=True)
+    before = {k: v.clone() for k, v in trainer.engine.model.state_dict().items()}
+    trainer.fit()
+    policy = trainer.model.state_dict()
+    changed = 0
+    for name, p in trainer.engine.model.named_parameters():
+        assert torch.equal(p, policy[name]), name
+        changed += not torch.equal(p, before[name])
+    assert changed == len(list(trainer.engine.model.parameters()))
+
+
+def test_rows_align_labels_mask_and_rollout_logprobs():
+    done = [Completion(prompt=[5, 6, 7], tokens=[8, 0], logprobs=[-0.5, -0.25]),
+            Completion(prompt=[9], tokens=[4, 3, 0], logprobs=[-1.0, -2.0, -3.0])]
+    batch = rows_of([[5, 6, 7], [9]], done, seq_len=6, pad=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 0, 0], [9, 4, 3, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, -100, 8, 0, -100, -100], [4, 3, 0, -100, -100, -100]]
+    assert batch["mask"].tolist() == [[0, 0, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]]
+    assert batch["rollout_logp"].tolist() == [[0, 0, -0.5, -0.25, 0, 0], [-1, -2, -3, 0, 0, 0]]
+
+
+def test_task_held_out_problems_are_never_trained_on():
+    valid = {p for p, _ in tasks.addition(300, tasks.SEEDS["valid"], True)}
+    train = {p for p, _ in tasks.addition(3000, tasks.SEEDS["rl"], False)}
+    sft = {p for p, _ in tasks.addition(3000, tasks.SEEDS["sft"], False)}
+    assert valid and not valid & train and not valid & sft
+    for prompt, answer in tasks.addition(50, 7, False):
+        a, b = prompt[:-1].split("+")
+        assert int(answer) == int(a) + int(b) and max(len(a), len(b)) <= tasks.DIGITS
+    assert tasks.exact_match("1+2=", " 3\n", "3") == 1.0 and tasks.exact_match("1+2=", "33", "3") == 0.0
+
+
+def test_kl_reference_starts_at_zero_and_grows(tmp_path):
+    assert rl_main(tmp_path / "run", "--rl.kl_coef=0.1", "--rl.kl_estimator=k3") == 0
+    steps, _ = rows(tmp_path / "run")
+    assert abs(steps[0]["kl"]) < 1e-6  # step 1: the policy is the reference
+    assert steps[-1]["kl"] > 1e-5
+
+
+def test_ppo_value_head_epochs_minibatches_and_truncated_is(tmp_path):
+    assert rl_main(tmp_path / "run", "--rl.algorithm=ppo", "--rl.group_size=1", "--rl.kl_coef=0.05",
+                   "--rl.epochs=2", "--rl.minibatches=2", "--rl.tis_cap=2", "--rl.lam=0.9") == 0
+    steps, evals = rows(tmp_path / "run")
+    for r in steps:
+        assert r["optimizer_steps"] == 4 and math.isfinite(r["value_loss"]) and r["value_loss"] > 0
+        assert math.isfinite(r["loss"]) and "kl" in r
+    # Later minibatches run on weights already updated by earlier ones: the ratio leaves 1.
+    assert any(abs(r["ratio"] - 1) > 1e-5 for r in steps)
+    assert math.isfinite(evals[-1]["val_reward"])
+
+
+def test_reward_function_gets_the_record_fields_and_dp_shard2_matches(tmp_path):
+    """rl.reward receives the prompt record's other fields ("answer"); two FSDP ranks draw the same
+    rollouts as one process (seeds follow the sample, not the rank) and compute the same losses."""
+    common = ["--rl.reward=rl_rewards:needs_answer", "--train.steps=2"]
+    assert rl_main(tmp_path / "one", *common) == 0
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    cmd = [sys.executable, "-m", "loom.cli", "rl", "--config", "tiny-grpo", "--run-dir", str(tmp_path / "two"),
+           "--nproc", "2", *[f"--{o}" for o in RL], *common, "--parallel.dp_shard=2", "--train.micro_batch=8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (one, one_evals), (two, two_evals) = rows(tmp_path / "one"), rows(tmp_path / "two")
+    for a, b in zip(one, two):
+        for key in ("reward", "response_length", "uniform_groups"):
+            assert a[key] == b[key], (a["step"], key)
+        for key in ("loss", "grad_norm", "clip_fraction"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), (a["step"], key, a[key], b[key])
+    assert one_evals[-1]["val_reward"] == two_evals[-1]["val_reward"]
+
+
+@pytest.mark.slow
+def test_tp2_matches_single_process(tmp_path):
+    assert rl_main(tmp_path / "one", "--train.steps=2") == 0
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    cmd = [sys.executable, "-m", "loom.cli", "rl", "--config", "tiny-grpo", "--run-dir", str(tmp_path / "two"),
+           "--nproc", "2", *[f"--{o}" for o in RL], "--train.steps=2", "--parallel.tp=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (one, _), (two, _) = rows(tmp_path / "one"), rows(tmp_path / "two")
+    for a, b in zip(one, two):
+        assert a["reward"] == b["reward"]
+        for key in ("loss", "grad_norm"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rl.reward=no_such_module:f"], "cannot import 'no_such_module'"),
+    (["--rl.reward=rl_rewards:missing"], "has no function 'missing'"),
+    (["--rl.reward=justaname"], "must be package.module:function"),
+    (["--parallel.pp=2"], "parallel.pp=2"),
+    (["--rl.group_size=5"], "multiple of rl.group_size=5"),
+    (["--rl.clip_low=1.5"], "rl.clip_low=1.5"),
+    (["--train.seq_len=3"], "leaves no room for a prompt"),
+])
+def test_bad_rl_settings_exit_2(tmp_path, capsys, extra, message):
+    assert rl_main(tmp_path / "run", *extra) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_rl_without_prompts_exits_2(tmp_path, capsys):
+    assert main(["rl", "--config", "tiny", "--run-dir", str(tmp_path / "run")]) == 2
+    assert "loom rl needs rl.prompts" in capsys.readouterr().err
+
+
+def test_bad_prompt_record_names_the_line(tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "x"}\n')
+    assert rl_main(tmp_path / "run", f"--rl.prompts={bad}") == 2
+    err = capsys.readouterr().err
+    assert f"{bad}, line 2" in err and "\"prompt\"" in err
