@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all venv bench clean
+.PHONY: demo demo-rl test test-all venv bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m loom.demo
+
+# SFT then GRPO on CPU (bench/rl_demo.py): writes bench/results/rl_demo.json and .png.
+demo-rl: $(STAMP)
+	$(PY) bench/rl_demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" --durations=25 tests

@@ -118,8 +118,9 @@ LAYOUTS = {
 
 # In `make test-all` only (the suite's 20-minute budget on 2 cores): compositions that the cases left in `make test`
 # cover piecewise — tp2-sp-dp_shard2 covers tp with data parallelism; cp2 and pp2-cp2 cover cp and cp with
-# another dimension; dp_shard2 and hsdp2x2 cover sharding.
-SLOW_LAYOUTS = {"tp4-sp", "tp2-dp_replicate2", "cp2-tp2-sp", "dp_shard4", "cp2-dp_shard2"}
+# another dimension; dp_shard2 and hsdp2x2 cover sharding (and hsdp2x2 replication); tp2 and tp2-sp-dp_shard2 cover
+# tp with and without SP.
+SLOW_LAYOUTS = {"tp4-sp", "tp2-dp_replicate2", "cp2-tp2-sp", "dp_shard4", "cp2-dp_shard2", "tp2-sp", "dp_replicate2"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n for n in LAYOUTS])
@@ -164,7 +165,8 @@ def least_bubble(layout: list[str]) -> float:
     return (p - 1) / (v * m) / 2
 
 
-SLOW_PIPE_LAYOUTS = {"pp2-tp2-sp", "pp2-dp_shard2"}  # make test-all: tp2-pp2-dp_shard2 covers both
+# make test-all: tp2-pp2-dp_shard2 covers the first two; the pp2 cases and tp2-pp2-dp_shard2 cover 1F1B (pp4-1f1b).
+SLOW_PIPE_LAYOUTS = {"pp2-tp2-sp", "pp2-dp_shard2", "pp4-1f1b"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_PIPE_LAYOUTS else n

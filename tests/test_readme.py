@@ -96,11 +96,15 @@ def test_readme_command_passes_loom_checks(line, argv, scratch):
     from loom.parallel.dims import validate_layout
 
     args, extra = build_parser().parse_known_args(argv)  # a bad option or value exits 2 here
-    if args.command not in ("train", "sft", "rm", "dpo"):
+    if args.command not in ("train", "sft", "rm", "dpo", "rl"):
         assert not extra, f"README.md line {line}: unrecognised arguments {extra}"
         return
     cfg = load_config(args.config, split_overrides(extra))
     validate_layout(cfg, args.nproc * args.nnodes)
+    if args.command == "rl":
+        from loom.post.rl import check
+
+        check(cfg)
     if cfg.recompute.mode == "budget" and cfg.parallel.tp == 1:
         plan_budget(cfg)  # on the meta device, as the trainer plans a rank without tensor parallelism
 

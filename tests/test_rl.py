@@ -90,6 +90,19 @@ def test_engine_equals_policy_after_training(tmp_path):
     assert changed == len(list(trainer.engine.model.parameters()))
 
 
+def test_resumed_run_continues_as_the_uninterrupted_one(grpo_run, tmp_path):
+    """Rollout seeds follow the step, prompts the run's stream, weights and optimizer the checkpoint: a run
+    stopped after step 2 and resumed computes step 3 as a run that never stopped."""
+    run = tmp_path / "run"
+    assert rl_main(run, "--train.steps=2", "--checkpoint.save_final=true") == 0
+    assert rl_main(run, "--train.steps=3", "--checkpoint.resume=true") == 0
+    steps, evals = rows(run)
+    whole, _ = rows(grpo_run)  # the same settings for 25 steps (a constant learning rate)
+    assert [r["step"] for r in steps] == [1, 2, 3] and [e["step"] for e in evals] == [0, 2, 3]
+    assert steps[2]["reward"] == whole[2]["reward"]
+    assert math.isclose(steps[2]["loss"], whole[2]["loss"], rel_tol=1e-5, abs_tol=1e-7)
+
+
 def test_rows_align_labels_mask_and_rollout_logprobs():
     done = [Completion(prompt=[5, 6, 7], tokens=[8, 0], logprobs=[-0.5, -0.25]),
             Completion(prompt=[9], tokens=[4, 3, 0], logprobs=[-1.0, -2.0, -3.0])]
@@ -111,11 +124,37 @@ def test_task_held_out_problems_are_never_trained_on():
     assert tasks.exact_match("1+2=", " 3\n", "3") == 1.0 and tasks.exact_match("1+2=", "33", "3") == 0.0
 
 
+def test_noisy_labeller_corrupts_sft_answers_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOM_CACHE", str(tmp_path))
+
+    def load(role):
+        path = tasks.materialise("addition_noisy:2000", role, "test")
+        return [json.loads(x) for x in open(path)]
+    for role, key, wrong_share in (("sft", "completion", (0.35, 0.45)), ("rl", "answer", (0, 0)),
+                                   ("valid", "answer", (0, 0))):
+        records = load(role)
+        wrong = sum(int(r[key]) != eval(r["prompt"][:-1]) for r in records) / len(records)
+        assert wrong_share[0] <= wrong <= wrong_share[1], (role, wrong)
+
+
 def test_kl_reference_starts_at_zero_and_grows(tmp_path):
     assert rl_main(tmp_path / "run", "--rl.kl_coef=0.1", "--rl.kl_estimator=k3") == 0
     steps, _ = rows(tmp_path / "run")
     assert abs(steps[0]["kl"]) < 1e-6  # step 1: the policy is the reference
     assert steps[-1]["kl"] > 1e-5
+
+
+def test_uniform_groups_dropped_and_a_step_without_any_makes_no_update(tmp_path):
+    """rl.drop_uniform_groups: groups whose rewards are all equal leave the loss; a step where every group is
+    uniform (here: exact match of the sum, which a random policy never produces) updates nothing."""
+    assert rl_main(tmp_path / "run", "--rl.drop_uniform_groups=true", "--rl.reward=loom.post.tasks:exact_match",
+                   "--train.steps=2") == 0
+    steps, _ = rows(tmp_path / "run")
+    for r in steps:
+        assert r["uniform_groups"] == 1.0 and r["reward"] == 0.0
+        assert r["optimizer_steps"] == 0 and r["grad_norm"] == 0.0 and r["loss"] == 0.0
+    assert rl_main(tmp_path / "kept", "--rl.reward=loom.post.tasks:exact_match", "--train.steps=2") == 0
+    assert all(r["optimizer_steps"] == 1 for r in rows(tmp_path / "kept")[0])
 
 
 def test_ppo_value_head_epochs_minibatches_and_truncated_is(tmp_path):

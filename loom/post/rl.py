@@ -54,6 +54,7 @@ from loom.models.losses import IGNORE, HeadInput
 from loom.parallel.distributed import all_reduce_sum, local
 from loom.post import losses as L
 from loom.post import tasks
+from loom.train.schedule import lr_at
 from loom.train.trainer import Trainer
 
 EXAMPLE = '{"prompt": "12+30=", "answer": "42"}'
@@ -466,6 +467,11 @@ class RLTrainer(Trainer):
         flat = all_reduce_sum(flat) / self.layout.tp
         return [s / c if c > 0 else float("nan") for s, c in flat.tolist()]
 
+    def _global_sum(self, value) -> float:
+        """This rank's number summed over the data-parallel ranks (tensor-parallel replicas counted once)."""
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        return (all_reduce_sum(t) / self.layout.tp).item()
+
     def _global_max(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         if self.layout.distributed:
@@ -512,8 +518,12 @@ class RLTrainer(Trainer):
         for _ in range(rl.epochs):
             for m in range(rl.minibatches):
                 part = {k: v[m * size:(m + 1) * size] for k, v in batch.items()}
-                outs.append(self.optimizer_step(part))
+                if self._global_sum(self.loss.count(part)) > 0:
+                    outs.append(self.optimizer_step(part))
         times["training_s"] = time.perf_counter() - t0
+        if not outs:  # every group left out (rl.drop_uniform_groups): nothing to learn from, no update
+            outs = [{"loss": 0.0, "grad_norm": 0.0, "lr": lr_at(step, cfg.optim, t.steps),
+                     "skipped_steps": self.control.skipped_steps}]
 
         t0 = time.perf_counter()
         self.engine.refit(self.model)
@@ -523,7 +533,8 @@ class RLTrainer(Trainer):
         last = outs[-1]
         out = {k: float(np.mean([o[k] for o in outs])) for k in outs[0] if isinstance(outs[0][k], (int, float))
                and k not in ("lr", "skipped_steps")}
-        out.update(lr=last["lr"], skipped_steps=last["skipped_steps"], optimizer_steps=len(outs))
+        out.update(lr=last["lr"], skipped_steps=last["skipped_steps"], optimizer_steps=len(outs) if "clip_fraction" in last
+                   else 0)
         return {**out, **metrics, **times}
 
     def _advantages(self, batch: dict, score: torch.Tensor, old_values) -> dict:
@@ -572,7 +583,7 @@ class RLTrainer(Trainer):
         values = dict(zip(keys, self._global_mean(pairs)))
         values["reward_std"] = max(values.pop("reward_sq") - values["reward"] ** 2, 0.0) ** 0.5
         values["prob_ratio_max"] = self._global_max(ratio.max().item() if ratio.numel() else 1.0)
-        values["generated_tokens"] = int(self._global_mean([(tokens, 1)])[0])
+        values["generated_tokens"] = int(self._global_sum(tokens))
         return values
 
     def timed_step(self) -> dict:

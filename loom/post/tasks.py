@@ -9,6 +9,10 @@ every length is equally likely. Deterministic in (N, seed): the SFT set (seed 0)
 is held out: the held-out prompts are drawn among those only and the training sets never hold one, so no
 evaluation prompt is ever trained on, whatever the sizes.
 
+`addition_noisy:N` is the same problems with a noisy labeller: in SFT sets 40% of the completions are wrong
+(the sum plus or minus 1 to 9): the situation a verifier and RL are for. As RL or held-out prompts the
+answers are the true sums.
+
 `exact_match(prompt, completion, answer)` is the reward: 1.0 when the completion, without surrounding
 white space, is the answer, else 0.0.
 """
@@ -23,7 +27,8 @@ from pathlib import Path
 from loom.errors import UserError
 
 DIGITS = 2
-TASKS = ("addition",)
+TASKS = ("addition", "addition_noisy")
+NOISE = 0.4  # addition_noisy: the share of SFT completions that are wrong
 SEEDS = {"sft": 0, "rl": 1, "valid": 2}
 VERSION = 2  # of the generator: part of the cached file's name
 
@@ -68,6 +73,10 @@ def parse(spec: str, where: str) -> tuple[str, int] | None:
 def write(path: Path, name: str, n: int, role: str) -> Path:
     """Write `n` problems of task `name` for `role` ("sft", "rl" or "valid") as .jsonl, atomically."""
     problems = addition(n, SEEDS[role], role == "valid")
+    if name == "addition_noisy" and role == "sft":  # a noisy labeller: 40% of the answers are off by 1 to 9
+        rng = random.Random(SEEDS[role] + 100)
+        problems = [(p, str(abs(int(a) + rng.choice([-1, 1]) * rng.randint(1, 9))) if rng.random() < NOISE else a)
+                    for p, a in problems]
     key = "completion" if role == "sft" else "answer"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

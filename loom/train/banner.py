@@ -44,6 +44,15 @@ def epoch_steps(dataset, global_batch: int) -> dict[int, str]:
     return out
 
 
+def command(cfg) -> str:
+    """The recipe a config runs, as its subcommand's name."""
+    if cfg.rl.prompts:
+        return "rl"
+    if cfg.pref.data:
+        return cfg.pref.recipe if cfg.pref.recipe != "auto" else "dpo"
+    return "sft" if cfg.sft.data else "train"
+
+
 def banner(cfg, layout, params: int, train_data, run_dir, resumed_from, valid_source: str) -> str:
     p, t = cfg.parallel, cfg.train
     tokens_per_step = t.global_batch * t.seq_len
@@ -64,7 +73,7 @@ def banner(cfg, layout, params: int, train_data, run_dir, resumed_from, valid_so
     layout_text = ", ".join(sizes) or "one process"
     micro = t.global_batch // (p.dp * t.micro_batch)
     lines = [
-        f"loom {'sft' if getattr(cfg, 'sft', None) and cfg.sft.data else 'train'}: {cfg.name}, {params / 1e6:,.1f}M parameters ({cfg.model.layers} layers, hidden "
+        f"loom {command(cfg)}: {cfg.name}, {params / 1e6:,.1f}M parameters ({cfg.model.layers} layers, hidden "
         f"{cfg.model.hidden}), {t.dtype}, recompute={cfg.recompute.mode}",
         f"  layout       {layout_text} ({layout.world_size} process{'es' if layout.world_size > 1 else ''} on "
         f"{cfg.train.device if cfg.train.device != 'auto' else 'the default device'})",
