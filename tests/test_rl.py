@@ -169,10 +169,16 @@ def test_ppo_value_head_epochs_minibatches_and_truncated_is(tmp_path):
     assert math.isfinite(evals[-1]["val_reward"])
 
 
-def test_reward_function_gets_the_record_fields_and_dp_shard2_matches(tmp_path):
+PPO = ["--rl.algorithm=ppo", "--rl.group_size=1", "--rl.kl_coef=0.05", "--rl.epochs=2", "--rl.minibatches=2"]
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_reward_function_gets_the_record_fields_and_dp_shard2_matches(tmp_path, algorithm):
     """rl.reward receives the prompt record's other fields ("answer"); two FSDP ranks draw the same
-    rollouts as one process (seeds follow the sample, not the rank) and compute the same losses."""
-    common = ["--rl.reward=rl_rewards:needs_answer", "--train.steps=2"]
+    rollouts as one process (seeds follow the sample, not the rank) and compute the same losses. PPO with
+    two minibatches: a minibatch is the same groups in every layout."""
+    common = ["--rl.reward=rl_rewards:needs_answer" if algorithm == "grpo" else "--rl.reward=rl_rewards:ones",
+              "--train.steps=2", *(PPO if algorithm == "ppo" else [])]
     assert rl_main(tmp_path / "one", *common) == 0
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
     cmd = [sys.executable, "-m", "loom.cli", "rl", "--config", "tiny-grpo", "--run-dir", str(tmp_path / "two"),
@@ -181,9 +187,9 @@ def test_reward_function_gets_the_record_fields_and_dp_shard2_matches(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (one, one_evals), (two, two_evals) = rows(tmp_path / "one"), rows(tmp_path / "two")
     for a, b in zip(one, two):
-        for key in ("reward", "response_length", "uniform_groups"):
+        for key in ("reward", "response_length"):
             assert a[key] == b[key], (a["step"], key)
-        for key in ("loss", "grad_norm", "clip_fraction"):
+        for key in ("loss", "grad_norm", "clip_fraction", *(["value_loss"] if algorithm == "ppo" else [])):
             assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), (a["step"], key, a[key], b[key])
     assert one_evals[-1]["val_reward"] == two_evals[-1]["val_reward"]
 

@@ -362,9 +362,10 @@ def check(cfg: Config) -> None:
         raise UserError(f"train.global_batch / rl.group_size = {prompts} prompts per step must divide among the {dp} "
                         "data-parallel ranks (a group never straddles ranks)")
     per_rank = t.global_batch // dp
-    if per_rank % rl.minibatches or (per_rank // rl.minibatches) % t.micro_batch:
-        raise UserError(f"each rank's {per_rank} sequences per step must split into rl.minibatches={rl.minibatches} "
-                        f"minibatches of whole train.micro_batch={t.micro_batch} micro-batches")
+    if (prompts // dp) % rl.minibatches or (per_rank // rl.minibatches) % t.micro_batch:
+        raise UserError(f"each rank's {prompts // dp} prompts ({per_rank} sequences) per step must split into "
+                        f"rl.minibatches={rl.minibatches} minibatches of whole groups and whole "
+                        f"train.micro_batch={t.micro_batch} micro-batches")
     if t.loss_chunk:
         raise UserError(f"train.loss_chunk={t.loss_chunk}: loom rl computes whole logits; set train.loss_chunk=0")
     if rl.reward:
@@ -512,12 +513,14 @@ class RLTrainer(Trainer):
         score = rewards["reward"].float()
         stats = self._advantages(batch, score, old_values)
         metrics = self._rollout_metrics(rewards, done, mask, delta, stats)
-        rows = batch["input_ids"].shape[0]
-        size = rows // rl.minibatches
+        # Minibatch m holds the groups whose index in the global batch is m modulo rl.minibatches: the same
+        # sequences in every layout (a rank's contiguous share would mix others' under data parallelism).
+        group_of_row = (first + torch.arange(per_rank)).repeat_interleave(rl.group_size)
         outs = []
         for _ in range(rl.epochs):
             for m in range(rl.minibatches):
-                part = {k: v[m * size:(m + 1) * size] for k, v in batch.items()}
+                pick = (group_of_row % rl.minibatches == m).nonzero()[:, 0]
+                part = {k: v[pick] for k, v in batch.items()}
                 if self._global_sum(self.loss.count(part)) > 0:
                     outs.append(self.optimizer_step(part))
         times["training_s"] = time.perf_counter() - t0
