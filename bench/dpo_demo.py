@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from loom.provenance import stamp  # noqa: E402
+from plotting import finish, pyplot, running_mean  # noqa: E402
 
 
 def main() -> int:
@@ -56,27 +57,15 @@ def main() -> int:
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}: held-out accuracy " + ", ".join(f"{e['step']}: {e['val_accuracy']:.3f}" for e in evals))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return 0
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([e["step"] for e in evals], [e["val_accuracy"] for e in evals], "o-", label="held-out pair accuracy")
-    window = 10
-    smooth = [sum(r["accuracy"] for r in steps[max(0, i - window + 1):i + 1]) / len(steps[max(0, i - window + 1):i + 1])
-              for i in range(len(steps))]
-    ax.plot([r["step"] for r in steps], smooth, alpha=0.6, label=f"training batch accuracy ({window}-step mean)")
+    ax.plot([r["step"] for r in steps], running_mean([r["accuracy"] for r in steps], 10), alpha=0.6,
+            label="training batch accuracy (10-step mean)")
     ax.axhline(0.5, color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("step")
-    ax.set_ylabel("preference accuracy")
-    ax.set_title("loom dpo --config tiny-dpo (CPU)")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=100)
-    print(f"wrote {out.with_suffix('.png')}")
+    finish(fig, ax, out, "loom dpo --config tiny-dpo (CPU)", "step", "preference accuracy")
     return 0
 
 

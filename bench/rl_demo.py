@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from loom.provenance import stamp  # noqa: E402
+from plotting import finish, pyplot, running_mean  # noqa: E402
 
 PHASES = ("generation_s", "reward_s", "logprobs_s", "training_s", "refit_s")
 QUIET = ["--log.progress=none", "--log.tensorboard=false"]
@@ -79,28 +80,16 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}: held-out exact match greedy {start['val_reward']:.3f} -> {end['val_reward']:.3f}, sampled "
           f"{start['val_reward_sampled']:.3f} -> {end['val_reward_sampled']:.3f}; SFT {sft_s:.0f} s + RL {rl_s:.0f} s")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return 0
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([e["step"] for e in evals], [e["val_reward"] for e in evals], "o-", label="held-out accuracy, greedy")
     ax.plot([e["step"] for e in evals], [e["val_reward_sampled"] for e in evals], "s-",
             label="held-out accuracy, sampled (T=1)")
-    window = 20
-    smooth = [sum(r["reward"] for r in steps[max(0, i - window + 1):i + 1]) / len(steps[max(0, i - window + 1):i + 1])
-              for i in range(len(steps))]
-    ax.plot([r["step"] for r in steps], smooth, alpha=0.6, label=f"training reward ({window}-step mean)")
-    ax.set_xlabel("GRPO step (step 0: the SFT model)")
-    ax.set_ylabel("exact match")
-    ax.set_title("loom rl --config tiny-grpo (CPU)")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=100)
-    print(f"wrote {out.with_suffix('.png')}")
+    ax.plot([r["step"] for r in steps], running_mean([r["reward"] for r in steps], 20), alpha=0.6,
+            label="training reward (20-step mean)")
+    finish(fig, ax, out, "loom rl --config tiny-grpo (CPU)", "GRPO step (step 0: the SFT model)", "exact match")
     return 0
 
 

@@ -590,12 +590,7 @@ class RLTrainer(Trainer):
         return values
 
     def timed_step(self) -> dict:
-        self.beacon.mark(f"step {self.state.step + 1}: rl")
-        t0 = time.perf_counter()
-        out = self.train_step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        out, dt = self.clocked_step("rl")
         return {"step": self.state.step, **out, "tokens_per_s": out["generated_tokens"] / out["generation_s"],
                 "memory_gib": self.memory_gib(), "step_time_s": dt}
 

@@ -257,14 +257,18 @@ class Trainer:
         self.beacon.mark(f"step {self.state.step}: checkpoint save")
         return self.checkpointer.save(self.state)
 
-    def timed_step(self) -> dict:
-        """One optimizer step and its metrics row."""
-        self.beacon.mark(f"step {self.state.step + 1}: train")
+    def clocked_step(self, what: str) -> tuple[dict, float]:
+        """`train_step()` and its wall time (the device synchronised), marked for hang reports as `what`."""
+        self.beacon.mark(f"step {self.state.step + 1}: {what}")
         t0 = time.perf_counter()
         out = self.train_step()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        return out, time.perf_counter() - t0
+
+    def timed_step(self) -> dict:
+        """One optimizer step and its metrics row."""
+        out, dt = self.clocked_step("train")
         tps = self.tokens_per_step / dt
         tflops = tps * self.flops_per_token / 1e12 / self.layout.world_size  # per device
         return {"step": self.state.step, **out, "tokens": self.state.consumed_samples * self.cfg.train.seq_len,
