@@ -128,8 +128,10 @@ def trial(i: int, steps: int, reference: list[float], work: Path, rng: random.Ra
     result = {"trial": i, "mode": mode, "processes_killed": killed, "killed_after_steps": steps_done(run_dir),
               **check_latest(run_dir)}
     t0 = time.time()
-    resumed = subprocess.run(command(run_dir, steps, mode, "--checkpoint.resume=true"), cwd=ROOT, env=env,
-                             capture_output=True, text=True)
+    # Killed before its first checkpoint committed: nothing to resume, so the same command starts again (partial
+    # .tmp-* directories do not count as checkpoints) and must still reproduce the reference.
+    again = ("--checkpoint.resume=true",) if result.get("latest") is not None else ()
+    resumed = subprocess.run(command(run_dir, steps, mode, *again), cwd=ROOT, env=env, capture_output=True, text=True)
     result["resume_exit_code"] = resumed.returncode
     result["resume_s"] = round(time.time() - t0, 1)
     if resumed.returncode != 0:

@@ -173,3 +173,15 @@ def test_sigkill_while_checkpointing_every_step_one_process(tmp_path):
 @pytest.mark.slow  # ~90 s: three 2-process runs killed and resumed
 def test_sigkill_while_checkpointing_every_step_two_processes(tmp_path):
     _kill_stress(tmp_path, nproc=2, trials=3, steps=12)
+
+
+def test_a_save_killed_before_it_committed_does_not_block_starting_again(tmp_path, capsys):
+    """A run killed during its first save leaves only `.tmp-step-N/`: the same command starts again (and its
+    first save removes the partial directory); a committed checkpoint still makes it refuse (exit 2)."""
+    ckpt = tmp_path / "r" / "checkpoints"
+    (ckpt / ".tmp-step-1").mkdir(parents=True)
+    args = ["train", "--config", "tiny", *[f"--{o}" for o in SMALL], "--train.steps=1", "--run-dir", str(tmp_path / "r")]
+    assert main(args) == 0
+    assert not (ckpt / ".tmp-step-1").exists() and (ckpt / "step-1").is_dir()
+    assert main(args) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err

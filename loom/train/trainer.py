@@ -114,7 +114,11 @@ class Trainer:
                 f"(it should be the directory of the run to continue) or drop --checkpoint.resume=true to start a "
                 "new run (nothing was changed)"
             )
-        if not (cfg.checkpoint.resume or restarted) and self.ckpt_root.is_dir() and any(self.ckpt_root.iterdir()):
+        # Partial `.tmp-*` / `.old-*` directories of a save killed before it committed are not checkpoints (the next
+        # save removes them): a run killed before its first checkpoint starts again with the same command.
+        saved = [p for p in self.ckpt_root.iterdir() if not p.name.startswith((".tmp-", ".old-"))] \
+            if self.ckpt_root.is_dir() else []
+        if not (cfg.checkpoint.resume or restarted) and saved:
             raise UserError(
                 f"{self.run_dir} already holds checkpoints; pass --checkpoint.resume=true to continue that run "
                 "or choose another --run-dir (nothing was changed)"
