@@ -235,3 +235,26 @@ def test_bad_prompt_record_names_the_line(tmp_path, capsys):
     assert rl_main(tmp_path / "run", f"--rl.prompts={bad}") == 2
     err = capsys.readouterr().err
     assert f"{bad}, line 2" in err and "\"prompt\"" in err
+
+
+def test_reward_model_rewards_add_to_the_callable_and_ignore_padding(tmp_path):
+    """rl.reward_model: a `loom rm` run's scores, times rl.reward_model_coef, are added to rl.reward's; a
+    batch of ragged sequences is scored as each sequence alone."""
+    from loom.post.rl import Rewards
+
+    rm_dir = tmp_path / "rm"
+    model = [o for o in RL if o.startswith("model.")] + ["model.max_seq_len=256"]
+    assert main(["rm", "--config", "tiny-rm", "--run-dir", str(rm_dir), *[f"--{o}" for o in model],
+                 "--train.steps=1", "--train.seq_len=256", "--pref.data=synthetic:40", "--log.progress=none",
+                 "--log.tensorboard=false"]) == 0
+    assert rl_main(tmp_path / "run", f"--rl.reward_model={rm_dir}", "--rl.reward_model_coef=0.5",
+                   "--train.steps=1") == 0
+    (row,), _ = rows(tmp_path / "run")
+    assert row["reward_model"] != 0
+    assert row["reward"] == pytest.approx(row["reward_fn"] + 0.5 * row["reward_model"], abs=1e-6)
+    cfg = load_config("tiny-grpo", [*RL, f"rl.reward_model={rm_dir}"])
+    rewards = Rewards(cfg, None, torch.device("cpu"))
+    sequences = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]]
+    together = rewards.score(sequences)
+    alone = torch.cat([rewards.score([s]) for s in sequences])
+    assert torch.allclose(together, alone, atol=1e-5) and together.std() > 0
