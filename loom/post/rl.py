@@ -112,6 +112,13 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def part(self, lo: int, hi: int, source: str, too_long: int = 0) -> "PromptSet":
+        """Prompts lo..hi-1 of this set, as a set of their own (`too_long`: left out before, for the banner)."""
+        out = PromptSet.__new__(PromptSet)
+        out.texts, out.ids, out.fields = self.texts[lo:hi], self.ids[lo:hi], self.fields[lo:hi]
+        out.too_long, out.source = too_long, source
+        return out
+
     def summary(self) -> str:
         dropped = f"; {self.too_long} longer prompts left out" if self.too_long else ""
         return f"{len(self)} prompts ({self.source}){dropped}"
@@ -121,10 +128,13 @@ class PromptSet:
 
     def take(self, start: int, count: int, seed: int) -> list[int]:
         """Prompt indices [start, start + count) of the run's stream: shuffled passes over the set."""
+        orders: dict[int, np.ndarray] = {}
         out = []
         for k in range(start, start + count):
             epoch, i = divmod(k, len(self))
-            out.append(int(self.order(epoch, seed)[i]))
+            if epoch not in orders:
+                orders[epoch] = self.order(epoch, seed)
+            out.append(int(orders[epoch][i]))
         return out
 
     def epoch_steps(self, global_batch: int) -> dict[int, str]:
@@ -151,11 +161,8 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer):
     if vhi <= vlo:
         raise UserError(f"data.split={cfg.data.split} leaves no held-out prompts of the {len(train)} in rl.prompts; "
                         "give rl.valid_prompts or a split with a validation share, e.g. 90,10")
-    valid = PromptSet.__new__(PromptSet)
-    valid.texts, valid.ids, valid.fields = train.texts[vlo:vhi], train.ids[vlo:vhi], train.fields[vlo:vhi]
-    valid.too_long, valid.source = 0, f"data.split={cfg.data.split}: prompts {vlo}..{vhi - 1} of rl.prompts"
-    for name in ("texts", "ids", "fields"):
-        setattr(train, name, getattr(train, name)[lo:hi])
+    valid = train.part(vlo, vhi, f"data.split={cfg.data.split}: prompts {vlo}..{vhi - 1} of rl.prompts")
+    train = train.part(lo, hi, train.source, train.too_long)
     return train, valid
 
 
@@ -282,7 +289,7 @@ class PolicyLoss:
         total = self._agg(per_token, mask)
         _, clipped = L.clipped_policy_losses(logp.detach(), old, batch["advantages"], mask, rl.clip_low,
                                              rl.clip_high, rl.ratio)
-        stats = {"clip_fraction": self._agg(clipped, mask),
+        stats = {"policy_loss": total.detach(), "clip_fraction": self._agg(clipped, mask),
                  "ratio": self._agg(torch.exp(logp.detach() - old), mask)}
         if "ref_logp" in batch:
             stats["kl"] = self._agg(L.kl_estimate(logp.detach(), batch["ref_logp"], rl.kl_estimator), mask)
@@ -291,8 +298,6 @@ class PolicyLoss:
             value_sum = self._agg(value_loss, mask)
             stats["value_loss"] = value_sum.detach()
             total = total + rl.value_coef * value_sum
-        stats["policy_loss"] = (total - rl.value_coef * stats["value_loss"]).detach() if values is not None \
-            else total.detach()
         for k, v in stats.items():
             self.sums[k] = self.sums[k] + v if k in self.sums else v
         return total
@@ -442,6 +447,12 @@ class RLTrainer(Trainer):
         texts = [self.tokenizer.decode([t for t in c.tokens if t not in stop]) for c in done]
         return prompts, done, texts
 
+    def score(self, data: PromptSet, indices: list[int], repeat: int, prompts, done, texts) -> dict:
+        """The rewards (`Rewards`) of `rollouts(data, indices, repeat, ...)`'s completions."""
+        prompt_texts = [data.texts[i] for i in indices for _ in range(repeat)]
+        fields = [data.fields[i] for i in indices for _ in range(repeat)]
+        return self.rewards(prompt_texts, texts, fields, [p + c.tokens for p, c in zip(prompts, done)])
+
     @torch.no_grad()
     def _forward_logp(self, model: nn.Module, batch: dict, values: bool = False):
         """Per-token log-probs of the labels (and PPO's values) without gradients, micro-batch by micro-batch."""
@@ -494,9 +505,7 @@ class RLTrainer(Trainer):
         times["generation_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        fields = [self.train_data.fields[i] for i in indices for _ in range(rl.group_size)]
-        prompt_texts = [self.train_data.texts[i] for i in indices for _ in range(rl.group_size)]
-        rewards = self.rewards(prompt_texts, texts, fields, [p + c.tokens for p, c in zip(prompts, done)])
+        rewards = self.score(self.train_data, indices, rl.group_size, prompts, done, texts)
         times["reward_s"] = time.perf_counter() - t0
 
         batch = rows_of(prompts, done, t.seq_len, self.tokenizer.eod_id or 0)
@@ -524,20 +533,18 @@ class RLTrainer(Trainer):
                 if self._global_sum(self.loss.count(part)) > 0:
                     outs.append(self.optimizer_step(part))
         times["training_s"] = time.perf_counter() - t0
+        updates = len(outs)
         if not outs:  # every group left out (rl.drop_uniform_groups): nothing to learn from, no update
             outs = [{"loss": 0.0, "grad_norm": 0.0, "lr": lr_at(step, cfg.optim, t.steps),
                      "skipped_steps": self.control.skipped_steps}]
 
-        t0 = time.perf_counter()
-        self.engine.refit(self.model)
-        times["refit_s"] = time.perf_counter() - t0
+        times["refit_s"] = self.engine.refit(self.model)
         self.state.step += 1
         self.state.consumed_samples += t.global_batch
         last = outs[-1]
         out = {k: float(np.mean([o[k] for o in outs])) for k in outs[0] if isinstance(outs[0][k], (int, float))
                and k not in ("lr", "skipped_steps")}
-        out.update(lr=last["lr"], skipped_steps=last["skipped_steps"], optimizer_steps=len(outs) if "clip_fraction" in last
-                   else 0)
+        out.update(lr=last["lr"], skipped_steps=last["skipped_steps"], optimizer_steps=updates)
         return {**out, **metrics, **times}
 
     def _advantages(self, batch: dict, score: torch.Tensor, old_values) -> dict:
@@ -604,12 +611,11 @@ class RLTrainer(Trainer):
         mine = list(range(layout.dp_rank, len(data), layout.dp_size))
         sums = [(0.0, 0)] * 3
         if mine:
-            texts, fields = [data.texts[i] for i in mine], [data.fields[i] for i in mine]
-            prompts, done, completions = self.rollouts(data, mine, 1, None, greedy=True)
-            greedy = self.rewards(texts, completions, fields, [p + c.tokens for p, c in zip(prompts, done)])
+            done = self.rollouts(data, mine, 1, None, greedy=True)
+            greedy = self.score(data, mine, 1, *done)
             seeds = [rollout_seed(self.cfg.train.seed, -1, i) for i in mine]
-            prompts, sampled, completions = self.rollouts(data, mine, 1, seeds, greedy=False)
-            hot = self.rewards(texts, completions, fields, [p + c.tokens for p, c in zip(prompts, sampled)])
+            hot = self.score(data, mine, 1, *self.rollouts(data, mine, 1, seeds, greedy=False))
+            done = done[1]
             sums = [(greedy["reward"].sum().item(), len(mine)), (hot["reward"].sum().item(), len(mine)),
                     (sum(len(c.tokens) for c in done), len(mine))]
         reward, sampled_reward, length = self._global_mean(sums)
