@@ -137,6 +137,19 @@ def test_noisy_labeller_corrupts_sft_answers_only(tmp_path, monkeypatch):
         assert wrong_share[0] <= wrong <= wrong_share[1], (role, wrong)
 
 
+def test_carryless_labeller_drops_carries_in_sft_answers_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOM_CACHE", str(tmp_path))
+    assert [tasks.carryless(p) for p in ("38+45=", "7+5=", "99+99=", "12+3=", "5+95=")] == ["73", "2", "88", "15", "90"]
+    for role, key in (("sft", "completion"), ("rl", "answer"), ("valid", "answer")):
+        records = [json.loads(x) for x in open(tasks.materialise("addition_carryless:2000", role, "test"))]
+        carry = [r for r in records if tasks.carryless(r["prompt"]) != str(eval(r["prompt"][:-1]))]
+        assert 0.35 < len(carry) / len(records) < 0.65
+        # Problems without a carry keep their true sum; with one, the SFT labeller drops it 60% of the time.
+        assert all(int(r[key]) == eval(r["prompt"][:-1]) for r in records if r not in carry)
+        dropped = sum(r[key] == tasks.carryless(r["prompt"]) for r in carry) / len(carry)
+        assert (0.54 < dropped < 0.66) if role == "sft" else dropped == 0, (role, dropped)
+
+
 def test_kl_reference_starts_at_zero_and_grows(tmp_path):
     assert rl_main(tmp_path / "run", "--rl.kl_coef=0.1", "--rl.kl_estimator=k3") == 0
     steps, _ = rows(tmp_path / "run")

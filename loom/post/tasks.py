@@ -10,8 +10,11 @@ is held out: the held-out prompts are drawn among those only and the training se
 evaluation prompt is ever trained on, whatever the sizes.
 
 `addition_noisy:N` is the same problems with a noisy labeller: in SFT sets 40% of the completions are wrong
-(the sum plus or minus 1 to 9): the situation a verifier and RL are for. As RL or held-out prompts the
-answers are the true sums.
+(the sum plus or minus 1 to 9). `addition_carryless:N` has a labeller with a systematic error instead: on
+60% of the problems whose sum needs a carry, the SFT completion drops every carry (38+45= -> "73", 7+5= ->
+"2"), so a model fine-tuned on it learns the carry-less answer as the likelier one where a carry is due,
+while the true sum keeps 40% of the mass: the situation a verifier and RL are for (the RL demo,
+bench/rl_demo.py). As RL or held-out prompts both tasks carry the true sums.
 
 `exact_match(prompt, completion, answer)` is the reward: 1.0 when the completion, without surrounding
 white space, is the answer, else 0.0.
@@ -27,8 +30,9 @@ from pathlib import Path
 from loom.errors import UserError
 
 DIGITS = 2
-TASKS = ("addition", "addition_noisy")
+TASKS = ("addition", "addition_noisy", "addition_carryless")
 NOISE = 0.4  # addition_noisy: the share of SFT completions that are wrong
+CARRYLESS = 0.6  # addition_carryless: the share of SFT problems with a carry whose completion drops it
 SEEDS = {"sft": 0, "rl": 1, "valid": 2}
 VERSION = 2  # of the generator: part of the cached file's name
 
@@ -55,6 +59,14 @@ def addition(n: int, seed: int, valid: bool):
     return out
 
 
+def carryless(prompt: str) -> str:
+    """The digit-wise sum of "A+B=" with every carry dropped: 38+45= -> "73", 7+5= -> "2"."""
+    a, b = prompt.rstrip("=").split("+")
+    width = max(len(a), len(b))
+    digits = [(int(x) + int(y)) % 10 for x, y in zip(a.zfill(width), b.zfill(width))]
+    return str(int("".join(map(str, digits))))
+
+
 def exact_match(prompt: str, completion: str, answer: str, **_) -> float:
     """1.0 when the completion (white space stripped) is exactly the answer, else 0.0."""
     return float(completion.strip() == str(answer).strip())
@@ -77,6 +89,9 @@ def write(path: Path, name: str, n: int, role: str) -> Path:
         rng = random.Random(SEEDS[role] + 100)
         problems = [(p, str(abs(int(a) + rng.choice([-1, 1]) * rng.randint(1, 9))) if rng.random() < NOISE else a)
                     for p, a in problems]
+    if name == "addition_carryless" and role == "sft":  # a labeller who forgets carries, 60% of the time
+        rng = random.Random(SEEDS[role] + 200)
+        problems = [(p, carryless(p) if carryless(p) != a and rng.random() < CARRYLESS else a) for p, a in problems]
     key = "completion" if role == "sft" else "answer"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
