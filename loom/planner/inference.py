@@ -3,7 +3,12 @@
 Prefill runs the prompt through the same forward-kernel model as training (compute-bound). Decode is one
 token per sequence per step: every stage reads its weights once and each sequence's KV cache, so a step
 costs max(bytes / HBM bandwidth, FLOPs / matmul rate) plus two TP all-reduces per layer (latency-bound
-at these message sizes) and the kernel gaps. One batch is in flight (latency-optimal); pipeline stages
+at these message sizes) and the kernel gaps. A measured profile (`loom plan --profile-hardware`) refines
+both ends: each weight streams at the rate its `decode_gbps` table measured for few-row products of that
+shape at this batch (on a CPU far below the memory bandwidth: the GEMM library, not the memory, limits
+them; dense models), the
+key/values at the rate the engine's decode attention measured (`decode_attention_gbps`), and the gaps are
+the generation engine's own measured cost per layer and per step (`engine_overhead_us`). One batch is in flight (latency-optimal); pipeline stages
 therefore add capacity, not speed. Request latency = prefill + output_len x decode step at the mean
 context length; throughput = output tokens per second per GPU over all replicas.
 """
@@ -13,8 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from loom.planner.costmodel import (GIB, CONTEXT_GIB, Workload, collective_time, embedding_params, head_params,
-                                    layer_params, layer_times, p2p_time, stage_layers)
+from loom.planner.costmodel import (GIB, CONTEXT_GIB, Workload, collective_time, embedding_params, gemm_time,
+                                    head_params, layer_params, layer_times, p2p_time, stage_layers)
 from loom.planner.search import tp_options
 
 
@@ -46,7 +51,8 @@ class InferenceEstimate:
 
 def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int, output_len: int) -> InferenceEstimate:
     cfg, gpu = w.model, w.gpu
-    weight_bytes = 1 if w.precision == "fp8" else 2
+    weight_bytes = {"fp8": 1, "fp32": 4}.get(w.precision, 2)
+    kv_bytes = 4 if w.precision == "fp32" else 2  # the cache keeps the activation dtype (16-bit under fp8)
     n_layers = stage_layers(cfg, pp)
     # The fullest stage: the embedding on the first, the final norm and LM head on the last (a tied head is
     # the embedding itself when both are on one stage, its own copy otherwise).
@@ -55,7 +61,7 @@ def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int
     stage_params = (n_layers * layer_params(cfg) + ends) / tp
     weights = stage_params * weight_bytes
     kv_heads_local = max(1, cfg.kv_heads // tp)  # heads are replicated when tp exceeds them
-    kv_per_token_layer = 2 * kv_heads_local * cfg.head_dim * 2  # K and V, 16-bit
+    kv_per_token_layer = 2 * kv_heads_local * cfg.head_dim * kv_bytes  # K and V
     context = input_len + output_len
     kv_cache = batch * context * n_layers * kv_per_token_layer
     # One layer's working set at a time, and fp32 logits for the last position only (all a prompt needs
@@ -67,17 +73,31 @@ def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int
     fwd = layer_times(pw, tp, 1, batch, tp > 1, "none").fwd
     stage_fwd = n_layers * sum(fwd.values())
     act = batch * input_len * cfg.hidden * 2
-    prefill = pp * stage_fwd + (pp - 1) * p2p_time(gpu, act, tp * pp <= gpu.node_size)
+    head = gemm_time(gpu, "bf16" if w.precision == "fp8" else w.precision, batch, cfg.vocab_size // tp, cfg.hidden)
+    overhead = gpu.engine_overhead_us
+    # The engine's own cost of a forward step (measured per layer and per step), when the profile has it.
+    step_gaps = (n_layers * overhead["layer"] + overhead["step"]) * 1e-6 if overhead else 0.0
+    prefill = pp * (stage_fwd + step_gaps) + head + (pp - 1) * p2p_time(gpu, act, tp * pp <= gpu.node_size)
     # Decode step at the mean context.
     mean_ctx = input_len + output_len / 2
-    bytes_read = n_layers * (layer_params(cfg) / tp * weight_bytes + batch * mean_ctx * kv_per_token_layer)
-    bytes_read += cfg.vocab_size * cfg.hidden / tp * weight_bytes  # the LM head, on the last stage
+    weights_read = (n_layers * layer_params(cfg) + cfg.vocab_size * cfg.hidden) / tp * weight_bytes  # + LM head
+    kv_read = n_layers * batch * mean_ctx * kv_per_token_layer
     flops = 2 * batch * (n_layers * layer_params(cfg) / tp + cfg.vocab_size * cfg.hidden / tp) \
         + 4 * batch * n_layers * (cfg.heads / tp) * cfg.head_dim * mean_ctx
     rate = gpu.peak(w.precision) * 1e12 * gpu.matmul_efficiency.get(w.precision, 0.7)
-    compute = max(bytes_read / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency), flops / rate)
+    hbm = gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency
+    kv_rate = gpu.decode_attention_gbps.get(w.precision, 0) * 1e9 or hbm
+    if gpu.decode_gbps.get(w.precision) and not cfg.moe_layers:
+        # A profile measured how fast few-row products stream each weight shape at this batch.
+        per_layer = sum(c * o * i * weight_bytes / decode_rate(gpu, w.precision, batch, o, i)
+                        for c, o, i in linear_shapes(cfg, tp))
+        head_s = cfg.vocab_size // tp * cfg.hidden * weight_bytes / decode_rate(
+            gpu, w.precision, batch, cfg.vocab_size // tp, cfg.hidden)
+        compute = max(n_layers * per_layer + head_s + kv_read / kv_rate, flops / rate)
+    else:
+        compute = max((weights_read + kv_read) / hbm, flops / rate)
     comm = n_layers * 2 * collective_time(gpu, "all_reduce", batch * cfg.hidden * 2, tp, tp <= gpu.node_size) if tp > 1 else 0.0
-    gaps = n_layers * 16 * gpu.kernel_overhead_us * 1e-6
+    gaps = step_gaps if overhead else n_layers * 16 * gpu.kernel_overhead_us * 1e-6
     decode = pp * (compute + comm + gaps) + (pp - 1) * p2p_time(gpu, batch * cfg.hidden * 2, tp * pp <= gpu.node_size)
     latency = prefill + output_len * decode
     replicas = w.gpus // (tp * pp)
@@ -85,6 +105,32 @@ def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int
     return InferenceEstimate(tp=tp, pp=pp, batch=batch, replicas=replicas, prefill_s=prefill, decode_step_s=decode,
                              request_latency_s=latency, tokens_per_s_per_gpu=throughput, weights_gib=weights / GIB,
                              kv_cache_gib=kv_cache / GIB, total_gib=total / GIB, fits=total <= w.usable_bytes)
+
+
+def decode_rate(gpu, precision: str, rows: int, n: int, k: int) -> float | None:
+    """Bytes per second at which a product of `rows` rows streams an n x k weight, from the profile's measured
+    `decode_gbps` table: the measured weight shape nearest in log space, interpolated in log rows between the
+    measured row counts either side (the nearest one beyond them); None without a table."""
+    table = gpu.decode_gbps.get(precision)
+    if not table:
+        return None
+    shape = min({(tn, tk) for _, tn, tk, _ in table},
+                key=lambda s: math.log(n / s[0]) ** 2 + math.log(k / s[1]) ** 2)
+    curve = sorted((m, r) for m, tn, tk, r in table if (tn, tk) == shape)
+    if rows <= curve[0][0]:
+        return curve[0][1] * 1e9
+    for (m0, r0), (m1, r1) in zip(curve, curve[1:]):
+        if rows <= m1:
+            t = math.log(rows / m0) / math.log(m1 / m0)
+            return (r0 + t * (r1 - r0)) * 1e9
+    return curve[-1][1] * 1e9
+
+
+def linear_shapes(cfg, tp: int) -> list[tuple[int, int, int]]:
+    """(count, out, in) of one dense layer's linear weights on a tensor-parallel rank."""
+    q, kv = cfg.heads * cfg.head_dim // tp, max(1, cfg.kv_heads // tp) * cfg.head_dim
+    mlp = [(2 if cfg.mlp == "swiglu" else 1, cfg.ffn_hidden // tp, cfg.hidden), (1, cfg.hidden, cfg.ffn_hidden // tp)]
+    return [(1, q, cfg.hidden), (2, kv, cfg.hidden), (1, cfg.hidden, q), *mlp]
 
 
 def search_inference(w: Workload, input_len: int, output_len: int, max_batch: int) -> list[InferenceEstimate]:
