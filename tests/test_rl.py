@@ -208,17 +208,22 @@ def test_reward_function_gets_the_record_fields_and_dp_shard2_matches(tmp_path, 
 
 
 @pytest.mark.slow
-def test_tp2_matches_single_process(tmp_path):
-    assert rl_main(tmp_path / "one", "--train.steps=2") == 0
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_tp2_matches_single_process(tmp_path, algorithm):
+    """Two tensor-parallel ranks (the engine sharded the same way) compute one process's losses; PPO's value
+    head is replicated over the group and its value loss matches too."""
+    common = ["--train.steps=2", *(PPO if algorithm == "ppo" else [])]
+    assert rl_main(tmp_path / "one", *common) == 0
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
     cmd = [sys.executable, "-m", "loom.cli", "rl", "--config", "tiny-grpo", "--run-dir", str(tmp_path / "two"),
-           "--nproc", "2", *[f"--{o}" for o in RL], "--train.steps=2", "--parallel.tp=2"]
+           "--nproc", "2", *[f"--{o}" for o in RL], *common, "--parallel.tp=2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (one, _), (two, _) = rows(tmp_path / "one"), rows(tmp_path / "two")
+    assert len(one) == len(two) == 2
     for a, b in zip(one, two):
         assert a["reward"] == b["reward"]
-        for key in ("loss", "grad_norm"):
+        for key in ("loss", "grad_norm", *(["value_loss"] if algorithm == "ppo" else [])):
             assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), (a["step"], key, a[key], b[key])
 
 

@@ -185,6 +185,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
         "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
     }
     top["norm"] = SequenceParallel() if sp else Replicated()
+    # Heads a recipe added on top of the trunk (the reward model's `score`, PPO's `value`: the modules of
+    # `model.fresh_parameters`) read the final hidden state, replicated here: every rank holds the whole head.
+    for name in dict.fromkeys(p.split(".")[0] for p in getattr(model, "fresh_parameters", ())):
+        top[name] = Replicated(use_local_output=True)
     if model.pos_embeddings is not None:
         # Learned positions: the [seq, hidden] rows, cut to this rank's sequence chunk under SP.
         top["pos_embeddings"] = Replicated(Shard(0) if sp else Replicate(), use_local_output=True)

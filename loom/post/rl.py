@@ -353,9 +353,6 @@ def check(cfg: Config) -> None:
         if getattr(par, name) > 1:
             raise UserError(f"parallel.{name}={getattr(par, name)}: loom rl runs the policy with data and tensor "
                             f"parallelism (parallel.dp_shard, dp_replicate, tp) for now; set parallel.{name}=1")
-    if rl.algorithm == "ppo" and par.tp > 1:
-        raise UserError("rl.algorithm=ppo with parallel.tp > 1: the value head is not tensor-parallel yet; use "
-                        "data parallelism (parallel.dp_shard, dp_replicate) for PPO, or rl.algorithm=grpo")
     if par.sp:
         raise UserError("parallel.sp=true: loom rl does not run sequence parallelism yet; set parallel.sp=false")
     dp = par.dp_shard * par.dp_replicate
