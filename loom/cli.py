@@ -134,6 +134,10 @@ def cmd_plan(args, extra) -> int:
 
     if extra:
         raise UserError(f"unrecognised arguments {' '.join(extra)}; see `loom plan --help`")
+    if args.profile_hardware:
+        from loom.infer.probe import measure
+
+        return run(args, engine_probe=measure)
     return run(args)
 
 

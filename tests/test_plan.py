@@ -452,11 +452,18 @@ def test_profile_hardware_round_trip(tmp_path):
     assert r.returncode == 0, r.stderr
     prof = json.loads(out.read_text())
     assert prof["gemm"]["fp32"] and prof["hbm_gbps"] > 0 and prof["peak_tflops"]["fp32"] > 0
+    # The decode measurements: the streaming table (rows, n, k, GB/s) and the engine's own costs.
+    assert prof["decode_gbps"]["fp32"] and all(len(row) == 4 and row[3] > 0 for row in prof["decode_gbps"]["fp32"])
+    assert prof["decode_attention_gbps"]["fp32"] > 0 and prof["engine_overhead_us"]["layer"] > 0
     r = run_cli("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(out), "--precision", "fp32",
                 "--global-batch", "16", "--json", "--top", "1")
     assert r.returncode == 0, r.stderr
     best = json.loads(r.stdout)["candidates"][0]
     assert best["step_time_s"] > 0 and best["fits"]
+    r = run_cli("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(out), "--precision", "fp32", "--inference",
+                "--batch", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    assert all(c["decode_ms_per_token"] > 0 for c in json.loads(r.stdout)["candidates"])
 
 
 def test_memory_margin_keeps_headroom_free():

@@ -143,11 +143,13 @@ def build_workload(args):
                     loss_chunk=args.loss_chunk), args.model
 
 
-def run(args) -> int:
+def run(args, engine_probe=None) -> int:
+    """`loom plan`. `engine_probe`: `profile_hardware`'s measurement of the generation engine (the CLI passes
+    `loom.infer.probe.measure`; the planner does not import the engine)."""
     if args.profile_hardware:
         from loom.planner.profile import profile_hardware
 
-        prof = profile_hardware(args.profile_hardware, args.internode_gbps, quick=args.quick)
+        prof = profile_hardware(args.profile_hardware, args.internode_gbps, quick=args.quick, engine_probe=engine_probe)
         print(f"wrote {args.profile_hardware}: {prof['name']}, peaks {prof['peak_tflops']} TFLOP/s, "
               f"memory {prof['hbm_gbps']} GB/s, collectives {prof['nvlink_gbps']} GB/s")
         return 0

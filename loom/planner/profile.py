@@ -1,8 +1,10 @@
 """`loom plan --profile-hardware OUT.json`: measure this machine and write a profile for `--gpu OUT.json`.
 
 Measured: GEMM throughput over a grid of shapes for each 16-bit dtype (fp32 too on a CPU), fused
-attention forward+backward, memory bandwidth (a large device copy), and all-reduce bus bandwidth between
-local processes (gloo on CPU, nccl between GPUs). Datasheet-only numbers that one machine cannot show
+attention forward+backward, memory bandwidth (a large device copy), all-reduce bus bandwidth between
+local processes (gloo on CPU, nccl between GPUs), the weight-streaming rate of few-row (decode) products
+per weight shape, and, through `loom.infer.probe`, the generation engine's decode attention rate and its
+own cost per layer and per step. Datasheet-only numbers that one machine cannot show
 (network bandwidth between nodes) come from `--internode-gbps`. Measured rates are stored as peaks with
 efficiency 1, and the GEMM table replaces the default efficiency curve.
 """
@@ -122,48 +124,6 @@ def decode_rates(device: str, dtype: torch.dtype, quick: bool = False) -> list[l
     return out
 
 
-def decode_attention_gbps(device: str, dtype: torch.dtype) -> float:
-    """Key/value bytes per second that the generation engine's decode attention (`KVSlab.attend`: write the
-    new token's keys and values, attend over the slot's cache) gets through, at one query per sequence and
-    two query heads per key/value head."""
-    from loom.infer.engine import KVSlab
-
-    b, kv_heads, d, ctx = (32, 8, 128, 2048) if device == "cuda" else (8, 4, 64, 512)
-    slab = KVSlab([0], b, kv_heads, ctx, d, dtype, device)
-    slab.bind(list(range(b)), torch.full((b, 1), ctx - 1))
-    q = torch.randn(b, 2 * kv_heads, 1, d, device=device, dtype=dtype)
-    k, v = (torch.randn(b, kv_heads, 1, d, device=device, dtype=dtype) for _ in range(2))
-    with torch.no_grad():
-        t = _timeit(lambda: slab.attend(0, q, k, v), device)
-    return round(2 * b * kv_heads * ctx * d * q.element_size() / t / 1e9, 3)
-
-
-def engine_overheads(device: str, quick: bool = False) -> tuple[float, float]:
-    """(per layer, per step) microseconds that loom's engine spends on one decode step beyond its kernels'
-    work: measured on Llama models too small for compute to matter (hidden 64), with 1 and 5 layers, batch 1
-    (each time the best of three);
-    the slope is the per-layer cost (dispatch of a layer's ops), the intercept the step's (embedding, head,
-    sampling, bookkeeping)."""
-    from loom.config import ModelConfig
-    from loom.infer.engine import Engine, SamplingParams
-    from loom.models.llama import build_model
-
-    times = {}
-    for layers in (1, 5):
-        cfg = ModelConfig(layers=layers, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=64, max_seq_len=96)
-        torch.manual_seed(0)
-        engine = Engine(build_model(cfg).to(device).eval(), max_batch=1, max_len=96)
-        prompt = [[1, 2, 3, 4]]
-
-        def run(n):
-            return min(_timeit(lambda: engine.generate(prompt, SamplingParams(max_new_tokens=n)), device,
-                               min_time=0.2) for _ in range(1 if quick else 3))
-
-        times[layers] = (run(65) - run(1)) / 64
-    per_layer = (times[5] - times[1]) / 4
-    return round(1e6 * per_layer, 2), round(1e6 * (times[1] - per_layer), 2)
-
-
 def _allreduce_worker(rank: int, world: int, port: int, backend: str, nbytes: int, out):
     import torch.distributed as dist
 
@@ -200,7 +160,9 @@ def collective_bandwidth(world: int, backend: str) -> float | None:
     return queue.get(timeout=5) if not queue.empty() else None
 
 
-def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = False) -> dict:
+def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = False, engine_probe=None) -> dict:
+    """Measure this machine and write the profile to `out`. `engine_probe(device, dtype, quick)`, when given
+    (the CLI passes `loom.infer.probe.measure`), adds the generation engine's own measured costs."""
     if out.suffix != ".json":
         raise UserError(f"--profile-hardware {out}: the profile is JSON; give a path ending in .json")
     cuda = torch.cuda.is_available()
@@ -239,8 +201,7 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
         "internode_gbps": internode_gbps, "sms": sms, "node_size": max(1, local),
         "kernel_overhead_us": round(kernel_overhead_us(device), 3),
         "decode_gbps": {attn_key: decode_rates(device, dtypes[attn_key], quick=quick)},
-        "engine_overhead_us": dict(zip(("layer", "step"), engine_overheads(device, quick))),
-        "decode_attention_gbps": {attn_key: decode_attention_gbps(device, dtypes[attn_key])},
+        **(engine_probe(device, dtypes[attn_key], quick) if engine_probe is not None else {}),
         "gemm": gemm, "source": f"measured by loom plan --profile-hardware (torch {torch.__version__})",
     }
     tmp = out.with_name(out.name + ".tmp")
