@@ -127,9 +127,16 @@ class KVSlab:
         gqa = q.shape[1] != keys.shape[1]
         if gqa and q.device.type == "cpu":
             # CPU SDPA with a mask and enable_gqa takes a slow path (torch 2.13: 15 ms against 0.3 ms for one
-            # decode query over 150 keys): give every query head its own copy of its key/value head instead.
-            rep = q.shape[1] // keys.shape[1]
-            keys, values, gqa = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), False
+            # decode query over 150 keys), and copying each key/value head for its query heads costs a copy of
+            # the cache per layer and step. Instead the query heads that share a key/value head become more
+            # queries of it: [rows, kv_heads, rep * seq, d] against the cache as it is, each query keeping its
+            # own position's mask.
+            rows, heads, seq, d = q.shape
+            kv_heads = keys.shape[1]
+            rep = heads // kv_heads
+            mask = self.mask.expand(rows, 1, seq, self.keys).repeat(1, 1, rep, 1) if rep > 1 else self.mask
+            out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, rep * seq, d), keys, values, attn_mask=mask)
+            return out.view(rows, heads, seq, d)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=gqa)
 
     def data_ptrs(self) -> list[int]:
