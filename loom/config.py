@@ -327,6 +327,17 @@ def split_ranges(shares: tuple[float, float, float], documents: int):
     return (cut[0], cut[1]), (cut[1], cut[2]), (cut[2], cut[3])
 
 
+def check_data_lists(section: str, obj, train: str, valid: str, files: str, what: str) -> None:
+    """A recipe's training and held-out data lists: no empty entry, and held-out data only beside training
+    data. `files` says what an entry may be, `what` what the training list holds."""
+    for name in (train, valid):
+        if any(not str(p).strip() for p in getattr(obj, name)):
+            raise UserError(f"{section}.{name}={getattr(obj, name)} holds an empty path; give {files}")
+    if getattr(obj, valid) and not getattr(obj, train):
+        raise UserError(f"{section}.{valid} is set but {section}.{train} is empty; give the training {what} in "
+                        f"{section}.{train}")
+
+
 @dataclass
 class SFTConfig:
     """Supervised fine-tuning (loom/post/sft.py): non-empty `sft.data` makes a run an SFT run."""
@@ -344,12 +355,8 @@ class SFTConfig:
     overlong: Literal["truncate", "drop"] = "truncate"
 
     def validate(self) -> None:
-        for name in ("data", "valid_data"):
-            if any(not str(p).strip() for p in getattr(self, name)):
-                raise UserError(f"sft.{name}={getattr(self, name)} holds an empty path; give .jsonl files or "
-                                "prefixes written by `loom preprocess --sft`")
-        if self.valid_data and not self.data:
-            raise UserError("sft.valid_data is set but sft.data is empty; give the training examples in sft.data")
+        check_data_lists("sft", self, "data", "valid_data", ".jsonl files or prefixes written by `loom preprocess "
+                         "--sft`", "examples")
 
 
 @dataclass
@@ -367,12 +374,8 @@ class PrefConfig:
     beta: float = 0.1  # DPO/IPO temperature
 
     def validate(self) -> None:
-        for name in ("data", "valid_data"):
-            if any(not str(p).strip() for p in getattr(self, name)):
-                raise UserError(f"pref.{name}={getattr(self, name)} holds an empty path; give .jsonl files of "
-                                "{\"prompt\", \"chosen\", \"rejected\"} records or synthetic:N")
-        if self.valid_data and not self.data:
-            raise UserError("pref.valid_data is set but pref.data is empty; give the training pairs in pref.data")
+        check_data_lists("pref", self, "data", "valid_data", ".jsonl files of {\"prompt\", \"chosen\", \"rejected\"} "
+                         "records or synthetic:N", "pairs")
         if not (self.beta > 0 and math.isfinite(self.beta)):
             raise UserError(f"pref.beta={self.beta} must be a finite number > 0 (DPO's usual values: 0.01 to 0.5)")
 
@@ -429,12 +432,8 @@ class RLConfig:
     engine_batch: int = 64  # engine slots: sequences decoded together
 
     def validate(self) -> None:
-        for name in ("prompts", "valid_prompts"):
-            if any(not str(p).strip() for p in getattr(self, name)):
-                raise UserError(f"rl.{name}={getattr(self, name)} holds an empty path; give .jsonl files of "
-                                "{\"prompt\": ...} records or addition:N")
-        if self.valid_prompts and not self.prompts:
-            raise UserError("rl.valid_prompts is set but rl.prompts is empty; give the training prompts in rl.prompts")
+        check_data_lists("rl", self, "prompts", "valid_prompts", ".jsonl files of {\"prompt\": ...} records or "
+                         "addition:N", "prompts")
         if self.prompts and not (self.reward or self.reward_model):
             raise UserError("an RL run needs a reward: rl.reward=package.module:function (e.g. "
                             "loom.post.tasks:exact_match) and/or rl.reward_model=RUN_OR_CHECKPOINT")

@@ -134,8 +134,8 @@ class KVSlab:
             rows, heads, seq, d = q.shape
             kv_heads = keys.shape[1]
             rep = heads // kv_heads
-            mask = self.mask.expand(rows, 1, seq, self.keys).repeat(1, 1, rep, 1) if rep > 1 else self.mask
-            out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, rep * seq, d), keys, values, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, rep * seq, d), keys, values,
+                                                 attn_mask=self.mask.repeat(1, 1, rep, 1))
             return out.view(rows, heads, seq, d)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=gqa)
 

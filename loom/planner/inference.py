@@ -6,10 +6,10 @@ costs max(bytes / HBM bandwidth, FLOPs / matmul rate) plus two TP all-reduces pe
 at these message sizes) and the kernel gaps. A measured profile (`loom plan --profile-hardware`) refines
 both ends: each weight streams at the rate its `decode_gbps` table measured for few-row products of that
 shape at this batch (on a CPU far below the memory bandwidth: the GEMM library, not the memory, limits
-them; dense models), the
-key/values at the rate the engine's decode attention measured (`decode_attention_gbps`), and the gaps are
-the generation engine's own measured cost per layer and per step (`engine_overhead_us`). One batch is in flight (latency-optimal); pipeline stages
-therefore add capacity, not speed. Request latency = prefill + output_len x decode step at the mean
+them; dense models), the key/values at the rate the engine's decode attention measured
+(`decode_attention_gbps`), and the gaps are the generation engine's own measured cost per layer and per
+step (`engine_overhead_us`). One batch is in flight (latency-optimal); pipeline stages therefore add
+capacity, not speed. Request latency = prefill + output_len x decode step at the mean
 context length; throughput = output tokens per second per GPU over all replicas.
 """
 

@@ -91,7 +91,7 @@ def write(path: Path, name: str, n: int, role: str) -> Path:
                     for p, a in problems]
     if name == "addition_carryless" and role == "sft":  # a labeller who forgets carries, 60% of the time
         rng = random.Random(SEEDS[role] + 200)
-        problems = [(p, carryless(p) if carryless(p) != a and rng.random() < CARRYLESS else a) for p, a in problems]
+        problems = [(p, c if (c := carryless(p)) != a and rng.random() < CARRYLESS else a) for p, a in problems]
     key = "completion" if role == "sft" else "answer"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
