@@ -290,6 +290,26 @@ def test_bad_input_exits_2(args, needle):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("key, value, needle", [
+    ("decode_gbps", {"fp32": [[1, 512, 12.5]]}, "decode_gbps must map precisions to rows [rows, n, k, GB/s]"),
+    ("decode_attention_gbps", {"fp32": "fast"}, "decode_attention_gbps must map precisions to positive GB/s"),
+    ("engine_overhead_us", {"layer": 450.0}, "engine_overhead_us must be"),
+])
+def test_malformed_decode_profile_keys_exit_2(tmp_path, key, value, needle):
+    profile = {"name": "x", "memory_gib": 16, "peak_tflops": {"fp32": 0.1}, "hbm_gbps": 20, "nvlink_gbps": 5,
+               "internode_gbps": 5, "sms": 2, key: value}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    r = run_cli("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(path), "--precision", "fp32", "--inference")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    profile[key] = {"decode_gbps": {"fp32": [[1, 512, 512, 12.5]]}, "decode_attention_gbps": {"fp32": 4.3},
+                    "engine_overhead_us": {"layer": 450.0, "step": 300.0}}[key]
+    path.write_text(json.dumps(profile))
+    r = run_cli("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(path), "--precision", "fp32", "--inference")
+    assert r.returncode == 0, r.stderr
+
+
 def test_default_search_offers_only_what_loom_runs():
     r = run_cli("plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch", "64", "--json", "--top", "50")
     assert r.returncode == 0, r.stderr

@@ -113,5 +113,26 @@ def load_gpu(spec: str) -> GPU:
     if not isinstance(data["peak_tflops"], dict) or not data["peak_tflops"] or not all(
             isinstance(v, (int, float)) and v > 0 for v in data["peak_tflops"].values()):
         raise UserError(f"--gpu {spec}: peak_tflops must map precisions to positive TFLOP/s, e.g. {{\"bf16\": 312}}")
+    _check_decode_keys(spec, data)
     data.setdefault("source", str(path))
     return GPU(**data)
+
+
+def _check_decode_keys(spec: str, data: dict) -> None:
+    """The optional decode measurements of a profile, in the shapes `loom plan --profile-hardware` writes."""
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+    table = data.get("decode_gbps", {})
+    if not (isinstance(table, dict) and all(isinstance(rows, list) and all(
+            isinstance(r, list) and len(r) == 4 and all(map(number, r)) for r in rows) for rows in table.values())):
+        raise UserError(f"--gpu {spec}: decode_gbps must map precisions to rows [rows, n, k, GB/s] of positive "
+                        "numbers, e.g. {\"fp32\": [[1, 512, 512, 12.5]]}")
+    rates = data.get("decode_attention_gbps", {})
+    if not (isinstance(rates, dict) and all(map(number, rates.values()))):
+        raise UserError(f"--gpu {spec}: decode_attention_gbps must map precisions to positive GB/s, e.g. {{\"fp32\": 4.3}}")
+    overhead = data.get("engine_overhead_us", {})
+    if overhead and not (isinstance(overhead, dict) and set(overhead) == {"layer", "step"}
+                         and all(isinstance(v, (int, float)) for v in overhead.values())):
+        raise UserError(f"--gpu {spec}: engine_overhead_us must be {{\"layer\": us, \"step\": us}}, e.g. "
+                        "{\"layer\": 450.0, \"step\": 300.0}")
