@@ -6,7 +6,10 @@ size B (1, 16, 64) gets B ragged prompts (16 to 64 tokens) and greedy decoding o
 tokens with no stop token, so both produce exactly B x new tokens: tokens/s = B x new / wall time of the
 whole call (prefill included). transformers runs the way a user batches it: left-padded prompts with their
 attention mask, `do_sample=False`, SDPA attention. loom's engine gets max_batch = B and the prompts as they
-are. Rounds alternate which goes first; each figure is total tokens over total time, and the JSON keeps
+are, twice: eager, and with `compile=True` (decode steps through torch.compile, batch and key length in
+buckets). Each engine is built once per batch size and reused across rounds, as a server or an RL loop
+keeps its engine; the compiled engine's first generation (which compiles) is timed apart and reported as
+`compiled_first_generation_s`. Rounds rotate which goes first; each figure is total tokens over total time, and the JSON keeps
 every round, the load average before and after (the ratio is only as good as the machine was quiet), and
 the fraction of sequences whose greedy tokens agree. On a shared machine wall time swings with the load, so
 tokens per CPU-second of this process (`time.process_time`) are reported beside it.
@@ -38,6 +41,7 @@ import loom  # noqa: E402
 from loom.infer.engine import Engine, SamplingParams  # noqa: E402
 from loom.provenance import stamp  # noqa: E402
 
+MAX_NEW = 64  # room the engines leave for new tokens (set from --new)
 SHAPE = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
              intermediate_size=1024, vocab_size=16000, max_position_embeddings=256, tie_word_embeddings=False)
 
@@ -76,10 +80,22 @@ def run_hf(hf, prompts, new) -> tuple[float, float, list[list[int]]]:
     return time.perf_counter() - start, time.process_time() - cpu, [row[:n] for row, n in zip(out[:, width:].tolist(), news)]
 
 
-def run_loom(model, prompts, new) -> tuple[float, float, list[list[int]]]:
+ENGINES: dict = {}
+
+
+def engine_for(model, batch: int, compile: bool) -> Engine:
+    """One engine per batch size and mode, kept across rounds as a server or an RL loop keeps it (a compiled
+    engine would otherwise recompile). Slots 0..batch-1, room for the longest prompt and completion."""
+    key = (batch, compile)
+    if key not in ENGINES:
+        ENGINES[key] = Engine(model, max_batch=batch, max_len=64 + MAX_NEW, compile=compile)
+    return ENGINES[key]
+
+
+def run_loom(model, prompts, new, compile: bool = False) -> tuple[float, float, list[list[int]]]:
     news = new if isinstance(new, list) else [new] * len(prompts)
+    engine = engine_for(model, len(prompts), compile)
     start, cpu = time.perf_counter(), time.process_time()
-    engine = Engine(model, max_batch=len(prompts), max_len=max(map(len, prompts)) + max(news))
     done = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in news])
     return time.perf_counter() - start, time.process_time() - cpu, [d.tokens for d in done]
 
@@ -91,6 +107,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "generate_cpu.json"))
     args = parser.parse_args()
+    global MAX_NEW
+    MAX_NEW = max(args.new, 64)
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         hf = build(Path(tmp))
@@ -98,41 +116,49 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     run_hf(hf, prompts_for(2, 99), 4)  # warm both up
     run_loom(model, prompts_for(2, 99), 4)
-    rows = []
+    names = ["loom", "loom_compiled", "transformers"]
+    runners = {"loom": lambda p, n: run_loom(model, p, n), "loom_compiled": lambda p, n: run_loom(model, p, n, True),
+               "transformers": lambda p, n: run_hf(hf, p, n)}
+    rows, compile_s = [], {}
     cases = [(b, b, args.new) for b in map(int, args.batches.split(","))]
     cases.append(("ragged", 16, [8 + (56 * i) // 15 for i in range(16)]))
     for label, batch, new in cases:
         prompts = prompts_for(batch, batch)
-        seconds = {"loom": [], "transformers": []}
-        cpu = {"loom": [], "transformers": []}
-        agree = None
+        if batch not in compile_s:  # the compiled engine's first generation compiles its decode graphs
+            start = time.perf_counter()
+            run_loom(model, prompts, MAX_NEW, True)
+            compile_s[batch] = round(time.perf_counter() - start, 1)
+        seconds = {name: [] for name in names}
+        cpu = {name: [] for name in names}
+        agree = {}
         for r in range(args.rounds):
-            order = ["loom", "transformers"] if r % 2 == 0 else ["transformers", "loom"]
+            order = names[r % 3:] + names[:r % 3]  # each goes first in turn
             outs = {}
             for name in order:
-                run = run_loom if name == "loom" else run_hf
-                t, c, outs[name] = run(model if name == "loom" else hf, prompts, new)
+                t, c, outs[name] = runners[name](prompts, new)
                 seconds[name].append(round(t, 3))
                 cpu[name].append(round(c, 3))
-            agree = sum(a == b for a, b in zip(outs["loom"], outs["transformers"])) / batch
+            for name in ("loom", "loom_compiled"):
+                agree[name] = sum(a == b for a, b in zip(outs[name], outs["transformers"])) / batch
         tokens = (sum(new) if isinstance(new, list) else batch * new) * args.rounds
-        row = {"batch": label, "new_tokens": new, "prompt_tokens_first_8": [len(p) for p in prompts][:8],
-               "loom_tokens_per_s": round(tokens / sum(seconds["loom"]), 1),
-               "transformers_tokens_per_s": round(tokens / sum(seconds["transformers"]), 1),
-               "loom_tokens_per_cpu_s": round(tokens / sum(cpu["loom"]), 1),
-               "transformers_tokens_per_cpu_s": round(tokens / sum(cpu["transformers"]), 1),
-               "seconds": seconds, "cpu_seconds": cpu, "greedy_sequences_equal": agree}
-        row["ratio"] = round(row["loom_tokens_per_s"] / row["transformers_tokens_per_s"], 2)
-        row["cpu_ratio"] = round(row["loom_tokens_per_cpu_s"] / row["transformers_tokens_per_cpu_s"], 2)
+        row = {"batch": label, "new_tokens": new, "prompt_tokens_first_8": [len(p) for p in prompts][:8]}
+        for name in names:
+            row[f"{name}_tokens_per_s"] = round(tokens / sum(seconds[name]), 1)
+            row[f"{name}_tokens_per_cpu_s"] = round(tokens / sum(cpu[name]), 1)
+        row.update(seconds=seconds, cpu_seconds=cpu, greedy_sequences_equal=agree)
+        for name in ("loom", "loom_compiled"):
+            suffix = "" if name == "loom" else "_compiled"
+            row["ratio" + suffix] = round(row[f"{name}_tokens_per_s"] / row["transformers_tokens_per_s"], 2)
+            row["cpu_ratio" + suffix] = round(row[f"{name}_tokens_per_cpu_s"] / row["transformers_tokens_per_cpu_s"], 2)
         rows.append(row)
-        print(f"batch {label!s:>6}: loom {row['loom_tokens_per_s']:7.1f} tok/s ({row['loom_tokens_per_cpu_s']:7.1f} per "
-              f"cpu-s)  transformers {row['transformers_tokens_per_s']:7.1f} tok/s "
-              f"({row['transformers_tokens_per_cpu_s']:7.1f})  ratio {row['ratio']:.2f} (cpu {row['cpu_ratio']:.2f})  "
-              f"greedy equal {agree:.2f}", flush=True)
+        print(f"batch {label!s:>6}: loom {row['loom_tokens_per_s']:7.1f} tok/s, compiled "
+              f"{row['loom_compiled_tokens_per_s']:7.1f}, transformers {row['transformers_tokens_per_s']:7.1f}; "
+              f"ratio {row['ratio']:.2f} / compiled {row['ratio_compiled']:.2f} (per cpu-s {row['cpu_ratio']:.2f} / "
+              f"{row['cpu_ratio_compiled']:.2f}); greedy equal {agree}", flush=True)
     import transformers
 
     result = {"benchmark": "generate_cpu", "model": dict(SHAPE, parameters=params), "dtype": "float32",
-              "rows": rows, "load_average_1min_before_after": [load_before, os.getloadavg()[0]],
+              "rows": rows, "compiled_first_generation_s": compile_s, "load_average_1min_before_after": [load_before, os.getloadavg()[0]],
               "transformers": transformers.__version__,
               **stamp("python bench/generate_cpu.py " + " ".join(sys.argv[1:]))}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -91,6 +91,51 @@ def test_greedy_equals_transformers_generate_under_continuous_batching(models, k
         assert got.tokens == ref[:n]
 
 
+def test_prefill_packs_ragged_prompts_without_padding(models):
+    """The linear layers of a prefill see the admitted prompts end to end (no padding rows); each request
+    continues as it would alone."""
+    _, path = models["qwen2"]
+    model = loom.load_model(path)
+    seen = []
+    model.layers["0"].attention.wq.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    prompts = ragged_prompts(6, seed=4)
+    assert len(set(map(len, prompts))) > 2
+    done = Engine(model, max_batch=6, max_len=40).generate(prompts, SamplingParams(max_new_tokens=3))
+    assert seen == [(1, sum(map(len, prompts)), 64), (6, 1, 64), (6, 1, 64)]
+    for prompt, got in zip(prompts, done):
+        alone = Engine(model, max_batch=1, max_len=40).generate([prompt], SamplingParams(max_new_tokens=3))[0]
+        assert alone.tokens == got.tokens
+        assert max(abs(a - b) for a, b in zip(alone.logprobs, got.logprobs)) < 1e-5
+
+
+def test_compiled_decode_equals_eager_and_follows_a_refit(models, tmp_path):
+    """compile=True: decode steps run through torch.compile in batch and key-length buckets, with idle slots
+    padded in; tokens and log-probs equal the eager engine's, a handful of graphs serve every step, and a
+    refit reaches the compiled graphs (they read the parameters in place)."""
+    from torch._dynamo.utils import counters
+
+    _, path = models["llama"]
+    prompts = ragged_prompts(10, seed=5)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_new_tokens=2 + (5 * i) % 13, seed=i)
+              for i in range(10)]
+    eager = Engine(loom.load_model(path), max_batch=4, max_len=48).generate(prompts, params)
+    engine = Engine(loom.load_model(path), max_batch=4, max_len=48, compile=True)
+    engine.KEY_BLOCK = 16  # several key-length buckets within max_len
+    counters.clear()
+    got = engine.generate(prompts, params)
+    assert engine.stats["compiled_steps"] == engine.stats["decode_steps"] > 10
+    assert 1 <= counters["stats"]["unique_graphs"] <= 4  # buckets, not one graph per step
+    assert [d.tokens for d in got] == [d.tokens for d in eager]
+    assert max(abs(a - b) for x, y in zip(got, eager) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
+    path_b = tmp_path / "llama-new"
+    hf_model("llama", seed=11).save_pretrained(path_b)
+    new_model = loom.load_model(path_b)
+    engine.refit(new_model)
+    after = engine.generate(prompts, params)
+    fresh = Engine(new_model, max_batch=4, max_len=48).generate(prompts, params)
+    assert [d.tokens for d in after] == [d.tokens for d in fresh] != [d.tokens for d in got]
+
+
 def test_logprobs_equal_training_forward(models):
     """Log-probs of sampled (not only argmax) tokens equal the training forward's per-token -cross-entropy."""
     _, path = models["qwen3"]

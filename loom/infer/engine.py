@@ -9,7 +9,8 @@ from the command line.
 
 How it works. The slab holds, per layer, keys and values of shape [slots, kv_heads, max_len, head_dim],
 allocated once. A request owns one slot from its prefill to its last token. Each step the engine either
-prefills waiting prompts into free slots (ragged prompts right-padded into one batch) or decodes one token
+prefills waiting prompts into free slots (ragged prompts packed end to end into one row, so the linear
+layers see no padding; only attention spreads them out per slot) or decodes one token
 for every busy slot; a slot freed by a finished request is refilled by the next waiting prompt at once
 (continuous batching). Row b of a forward belongs to slot `rows[b]` and its tokens sit at `positions[b]`:
 rotary positions come from there, keys and values are written there, and a query at position p attends
@@ -103,6 +104,8 @@ class KVSlab:
         self.rows = self.positions = self.mask = None
         self.prefix = 0  # > 0: the rows are slots 0..prefix-1 in order (read the slab without copying)
         self.keys = 0  # key positions a query can see: 0..keys-1
+        self.packed = None  # a packed prefill: (row of each token, its position), see bind_packed
+        self._folded = None  # (rep, the mask repeated for rep query heads per key/value head)
 
     def bind(self, rows: list[int], positions: torch.Tensor) -> None:
         """Row b of the next forward is slot rows[b]; its tokens sit at positions[b] ([rows, seq])."""
@@ -111,16 +114,49 @@ class KVSlab:
         self.positions = positions.to(device)
         self.prefix = len(rows) if rows == list(range(len(rows))) else 0
         self.keys = int(positions.max()) + 1
+        self.packed = self._folded = None
         # Query at position p sees keys 0..p of its own slot: [rows, 1, seq, keys].
         self.mask = (torch.arange(self.keys, device=device) <= self.positions[..., None]).unsqueeze(1)
 
+    def bind_static(self, positions: torch.Tensor, mask: torch.Tensor) -> None:
+        """For a compiled decode step: the rows are slots 0..rows-1 and every size comes from the tensors'
+        shapes (no Python number that a compiled graph would specialise on). positions [rows, 1]; mask
+        [rows, 1, q, keys], True where a query may attend (q = 1, or the query heads per key/value head
+        when the CPU folds them into queries, see `attend`)."""
+        self.rows, self.positions, self.mask, self.packed = None, positions, mask, None
+        self._folded = (mask.shape[2], mask) if mask.shape[2] > 1 else None
+        self.prefix = self.keys = -1  # sizes are taken from q and the mask
+
+    def bind_packed(self, rows: list[int], lengths: list[int]) -> torch.Tensor:
+        """The next forward is one packed row: the prompts of slots `rows` (lengths[b] tokens each, from
+        position 0) laid end to end, no padding. Returns the tokens' positions [1, total] for the model's
+        rotary tables. The linear layers see only real tokens; `attend` spreads queries, keys and values
+        out per slot for the attention itself and packs the output back."""
+        device = next(iter(self.k.values())).device
+        self.rows = torch.tensor(rows, device=device)
+        self.prefix = len(rows) if rows == list(range(len(rows))) else 0
+        self.keys = max(lengths)
+        counts = torch.tensor(lengths, device=device)
+        row_of = torch.repeat_interleave(torch.arange(len(rows), device=device), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        pos_of = torch.arange(int(counts.sum()), device=device) - starts[row_of]
+        self.packed = (row_of, pos_of)
+        self.positions = pos_of[None]
+        self.mask = None
+        return self.positions
+
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [rows, heads, seq, d], k/v [rows, kv_heads, seq, d] -> attention output [rows, heads, seq, d]."""
+        if self.packed is not None:
+            return self._attend_packed(layer_id, q, k, v)
         K, V = self.k[layer_id], self.v[layer_id]
-        where = (self.rows[:, None], slice(None), self.positions)  # -> [rows, seq, kv_heads, d]
+        rows = torch.arange(q.shape[0], device=q.device) if self.rows is None else self.rows
+        where = (rows[:, None], slice(None), self.positions)  # -> [rows, seq, kv_heads, d]
         K[where] = k.transpose(1, 2).to(K.dtype)
         V[where] = v.transpose(1, 2).to(V.dtype)
-        if self.prefix:
+        if self.rows is None:  # bind_static
+            keys, values = K[:q.shape[0], :, :self.mask.shape[-1]], V[:q.shape[0], :, :self.mask.shape[-1]]
+        elif self.prefix:
             keys, values = K[:self.prefix, :, :self.keys], V[:self.prefix, :, :self.keys]
         else:
             keys, values = K[self.rows, :, :self.keys], V[self.rows, :, :self.keys]
@@ -134,10 +170,33 @@ class KVSlab:
             rows, heads, seq, d = q.shape
             kv_heads = keys.shape[1]
             rep = heads // kv_heads
+            if self._folded is None or self._folded[0] != rep:  # once per step, not per layer
+                self._folded = (rep, self.mask.repeat(1, 1, rep, 1))
             out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, rep * seq, d), keys, values,
-                                                 attn_mask=self.mask.repeat(1, 1, rep, 1))
+                                                 attn_mask=self._folded[1])
             return out.view(rows, heads, seq, d)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=gqa)
+
+    def _attend_packed(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [1, heads, total, d], k/v [1, kv_heads, total, d] of a packed prefill (`bind_packed`). Keys and
+        values go straight to their slots; the queries are spread to [rows, heads, longest, d] and attend
+        causally to their own slot's keys 0..p, all written by this prefill. A padding query (past its
+        prompt's end) sees only its own slot too and its output is dropped when packing back."""
+        K, V = self.k[layer_id], self.v[layer_id]
+        row_of, pos_of = self.packed
+        slots = self.rows[row_of]
+        K[slots, :, pos_of] = k[0].transpose(0, 1).to(K.dtype)  # [total, kv_heads, d]
+        V[slots, :, pos_of] = v[0].transpose(0, 1).to(V.dtype)
+        if self.prefix:
+            keys, values = K[:self.prefix, :, :self.keys], V[:self.prefix, :, :self.keys]
+        else:
+            keys, values = K[self.rows, :, :self.keys], V[self.rows, :, :self.keys]
+        heads, d = q.shape[1], q.shape[3]
+        spread = q.new_zeros(len(self.rows), self.keys, heads, d)
+        spread[row_of, pos_of] = q[0].transpose(0, 1)
+        out = F.scaled_dot_product_attention(spread.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+                                             is_causal=True, enable_gqa=heads != keys.shape[1])
+        return out.transpose(1, 2)[row_of, pos_of].transpose(0, 1)[None]
 
     def data_ptrs(self) -> list[int]:
         return [t.data_ptr() for t in (*self.k.values(), *self.v.values())]
@@ -190,9 +249,19 @@ class Engine:
     """Generates for many requests at once on one model (or one tensor-parallel shard of it).
 
     `max_batch`: slots, the most sequences decoded together. `max_len`: the longest prompt + completion
-    (at most the model's max_seq_len). `seed`: where requests without their own seed get one."""
+    (at most the model's max_seq_len). `seed`: where requests without their own seed get one.
 
-    def __init__(self, model: nn.Module, max_batch: int = 16, max_len: int | None = None, seed: int = 0):
+    `compile=True` runs decode steps through `torch.compile` with shapes from a few buckets: the batch is
+    padded to the next power of two (at most max_batch) of the highest busy slot, and the keys a step reads
+    to the next multiple of `KEY_BLOCK` (at most max_len), so a handful of graphs serve every step. On CUDA
+    it compiles with mode "reduce-overhead", i.e. replays a CUDA graph per bucket; the slab's tensors are
+    marked as static addresses and a refit copies into the parameters in place, so the graphs stay valid.
+    Prefill (ragged, packed) stays eager. The first steps of each bucket pay for compilation."""
+
+    KEY_BLOCK = 64
+
+    def __init__(self, model: nn.Module, max_batch: int = 16, max_len: int | None = None, seed: int = 0,
+                 compile: bool = False):
         cfg = model.cfg
         max_len = cfg.max_seq_len if max_len is None else max_len
         if max_batch < 1 or not 2 <= max_len <= cfg.max_seq_len:
@@ -207,8 +276,17 @@ class Engine:
                            weight.device)
         self.device = weight.device
         self._seeds = torch.Generator().manual_seed(seed)
-        self.stats = {"prefill_steps": 0, "decode_steps": 0, "refills": 0, "decoded_tokens": 0}
+        self.stats = {"prefill_steps": 0, "decode_steps": 0, "refills": 0, "decoded_tokens": 0, "compiled_steps": 0}
         self.last_refit_s: float | None = None
+        heads = local_tensor(attention.wq.weight).shape[0] // attention.head_dim
+        # CPU decode attention folds the query heads of a key/value head into queries (KVSlab.attend).
+        self._fold = heads // kv_heads if self.device.type == "cpu" and heads != kv_heads else 1
+        self._compiled = None
+        if compile:
+            for t in (*self.slab.k.values(), *self.slab.v.values()):
+                torch._dynamo.mark_static_address(t)
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self._compiled = torch.compile(self._static_decode, mode=mode)
 
     # --- generation -----------------------------------------------------------------------------------------
 
@@ -260,30 +338,63 @@ class Engine:
         return results
 
     def _prefill(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
+        """The admitted prompts as one packed row (no padding through the linear layers)."""
         lengths = [len(seq.out.prompt) for seq in seqs]
-        width = max(lengths)
-        tokens = torch.zeros(len(rows), width, dtype=torch.long)  # right-padded; padding is never attended
-        for b, seq in enumerate(seqs):
-            tokens[b, :lengths[b]] = torch.tensor(seq.out.prompt)
-        positions = torch.arange(width).expand(len(rows), width)
+        tokens = torch.tensor([t for seq in seqs for t in seq.out.prompt])[None]
+        positions = self.slab.bind_packed(rows, lengths)
         self.stats["prefill_steps"] += 1
-        return self._step(rows, seqs, tokens, positions, torch.tensor(lengths) - 1)
+        last = torch.cumsum(torch.tensor(lengths), 0) - 1
+        return self._forward(seqs, tokens, positions, torch.zeros_like(last), last)
+
+    def _static_decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The compiled decode step: slots 0..rows-1, one token each -> final hidden states [rows, hidden]."""
+        self.slab.bind_static(positions, mask)
+        return self.model(tokens, cache=self.slab, positions=positions, return_hidden=True)[:, 0]
+
+    def _bucket(self, n: int) -> int:
+        size = 1
+        while size < n:
+            size *= 2
+        return min(size, self.max_batch)
+
+    def _decode_compiled(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
+        """A decode step over slots 0..bucket-1: an idle slot in that range decodes token 0 at position 0
+        of its own slot, which nothing reads (a request prefills position 0 of its slot before reading it)."""
+        size = self._bucket(rows[-1] + 1)
+        tokens = torch.zeros(size, 1, dtype=torch.long)
+        positions = torch.zeros(size, 1, dtype=torch.long)
+        for r, seq in zip(rows, seqs):
+            tokens[r, 0], positions[r, 0] = seq.out.tokens[-1], seq.length
+            seq.length += 1
+        keys = min(self.max_len, -(-(int(positions.max()) + 1) // self.KEY_BLOCK) * self.KEY_BLOCK)
+        mask = (torch.arange(keys) <= positions[..., None]).unsqueeze(1).repeat(1, 1, self._fold, 1)
+        self.stats["decode_steps"] += 1
+        self.stats["compiled_steps"] += 1
+        self.stats["decoded_tokens"] += len(rows)
+        hidden = self._compiled(tokens.to(self.device), positions.to(self.device), mask.to(self.device))
+        return self._sample(seqs, hidden[torch.tensor(rows, device=self.device)])
 
     def _decode(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
+        if self._compiled is not None:
+            return self._decode_compiled(rows, seqs)
         tokens = torch.tensor([[seq.out.tokens[-1]] for seq in seqs])
         positions = torch.tensor([[seq.length] for seq in seqs])
         for seq in seqs:
             seq.length += 1
         self.stats["decode_steps"] += 1
         self.stats["decoded_tokens"] += len(rows)
-        return self._step(rows, seqs, tokens, positions, torch.zeros(len(rows), dtype=torch.long))
-
-    def _step(self, rows, seqs, tokens, positions, last) -> list[_Sequence]:
-        """One forward over `rows`; sample each row's next token from its logits at position `last[b]`."""
         self.slab.bind(rows, positions)
+        return self._forward(seqs, tokens, positions, torch.arange(len(rows)), torch.zeros(len(rows), dtype=torch.long))
+
+    def _forward(self, seqs, tokens, positions, row, column) -> list[_Sequence]:
+        """One forward of the bound slab; request b samples its next token from the logits at
+        [row[b], column[b]] of the output."""
         hidden = local(self.model(tokens.to(self.device), cache=self.slab, positions=positions.to(self.device),
                                   return_hidden=True))
-        hidden = hidden[torch.arange(len(rows), device=self.device), last.to(self.device)]
+        return self._sample(seqs, hidden[row.to(self.device), column.to(self.device)])
+
+    def _sample(self, seqs, hidden) -> list[_Sequence]:
+        """hidden [requests, hidden] (after the final norm) -> each request's next token, appended."""
         logits = head_logits(self.model.output, hidden)
         tokens, sampled_lp = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         logprobs = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
