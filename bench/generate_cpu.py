@@ -19,6 +19,11 @@ sequences stop at different points. transformers decodes the batch until its lon
 the caller cuts each row; loom's engine stops each request at its own length and refills its slot. Both
 count only the tokens the requests asked for.
 
+At batch 16 the JSON's `decode_step_ms` splits out one decode step (prefill and first token taken out)
+for each contestant, beside the floor set by the weight products alone on this machine: no engine that
+reads each weight once per step through the same GEMM library can be more than `transformers_over_floor`
+times faster than transformers here.
+
     .venv/bin/python bench/generate_cpu.py [--rounds 2] [--new 64] [--batches 1,16,64]
 """
 
@@ -100,6 +105,50 @@ def run_loom(model, prompts, new, compile: bool = False) -> tuple[float, float, 
     return time.perf_counter() - start, time.process_time() - cpu, [d.tokens for d in done]
 
 
+@torch.no_grad()
+def gemm_floor_ms(model, batch: int, reps: int = 5) -> float:
+    """Milliseconds per decode step spent in the weight products alone: every linear layer of the model on
+    `batch` rows, in layer order (each weight read from memory once per step, as a decode step reads it),
+    then the LM head as the engine computes it. Median of `reps` passes after one warm-up."""
+    from loom.infer.engine import head_logits
+
+    linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "output"]
+    inputs = {m.in_features: torch.randn(batch, m.in_features) for m in linears}
+    hidden = torch.randn(batch, model.cfg.hidden)
+
+    def one_step():
+        for m in linears:
+            m(inputs[m.in_features])
+        head_logits(model.output, hidden)
+
+    one_step()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        one_step()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[reps // 2] * 1e3
+
+
+def decode_steps(runners, model, batch: int, new: int, rounds: int) -> dict:
+    """Milliseconds per decode step for each contestant at `batch`: (time for `new` tokens - time for 1 token)
+    / (new - 1), i.e. with the prefill and the first token taken out, medians over `rounds`; beside them the
+    weight products' floor (`gemm_floor_ms`) and the ratio transformers / floor, the most any engine that
+    reads every weight in these products once per step could gain over transformers here."""
+    prompts = prompts_for(batch, batch)
+    out = {}
+    for name, run in runners.items():
+        per = []
+        for _ in range(rounds):
+            one, _, _ = run(prompts, 1)
+            full, _, _ = run(prompts, new)
+            per.append((full - one) / (new - 1) * 1e3)
+        out[name] = round(sorted(per)[rounds // 2], 2)
+    out["weight_products_floor"] = round(gemm_floor_ms(model, batch), 2)
+    out["transformers_over_floor"] = round(out["transformers"] / out["weight_products_floor"], 2)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -120,7 +169,8 @@ def main() -> None:
     runners = {"loom": lambda p, n: run_loom(model, p, n), "loom_compiled": lambda p, n: run_loom(model, p, n, True),
                "transformers": lambda p, n: run_hf(hf, p, n)}
     rows, compile_s = [], {}
-    cases = [(b, b, args.new) for b in map(int, args.batches.split(","))]
+    batches = [int(b) for b in args.batches.split(",")]
+    cases = [(b, b, args.new) for b in batches]
     cases.append(("ragged", 16, [8 + (56 * i) // 15 for i in range(16)]))
     for label, batch, new in cases:
         prompts = prompts_for(batch, batch)
@@ -155,10 +205,14 @@ def main() -> None:
               f"{row['loom_compiled_tokens_per_s']:7.1f}, transformers {row['transformers_tokens_per_s']:7.1f}; "
               f"ratio {row['ratio']:.2f} / compiled {row['ratio_compiled']:.2f} (per cpu-s {row['cpu_ratio']:.2f} / "
               f"{row['cpu_ratio_compiled']:.2f}); greedy equal {agree}", flush=True)
+    steps = {b: decode_steps(runners, model, b, args.new, args.rounds) for b in (16,) if b in batches}
+    for b, row in steps.items():
+        print(f"decode step at batch {b} (ms): {row}", flush=True)
     import transformers
 
     result = {"benchmark": "generate_cpu", "model": dict(SHAPE, parameters=params), "dtype": "float32",
-              "rows": rows, "compiled_first_generation_s": compile_s, "load_average_1min_before_after": [load_before, os.getloadavg()[0]],
+              "rows": rows, "compiled_first_generation_s": compile_s,
+              "decode_step_ms": steps, "load_average_1min_before_after": [load_before, os.getloadavg()[0]],
               "transformers": transformers.__version__,
               **stamp("python bench/generate_cpu.py " + " ".join(sys.argv[1:]))}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

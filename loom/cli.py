@@ -172,7 +172,7 @@ def cmd_generate(args, extra) -> int:
                              () if tok.eod_id is None else (tok.eod_id,), args.seed + n) for n in range(len(ids))]
     # The slab holds what these requests can reach, not the model's whole context.
     max_len = min(context, max(map(len, ids)) + args.max_new_tokens)
-    engine = Engine(model, max_batch=min(args.max_batch, len(ids)), max_len=max_len)
+    engine = Engine(model, max_batch=min(args.max_batch, len(ids)), max_len=max_len, compile=args.compile)
     if args.input is None:
         return _print_completion(args, tok, ids[0], engine.generate(ids, params)[0], context)
     return _generate_file(args, tok, texts, ids, params, engine)
@@ -359,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "in the same order: prompt, completion (text), tokens (generated ids), logprobs (one per token, "
                    "log-softmax of the model's logits at temperature 1), finish_reason")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (default 16)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode through torch.compile in batch buckets (CUDA graphs on a GPU); pays off on long "
+                        "batches, the first steps compile")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")

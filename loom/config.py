@@ -430,6 +430,7 @@ class RLConfig:
     top_k: int = 0
     max_new_tokens: int = 16  # train.seq_len must hold the longest prompt plus this
     engine_batch: int = 64  # engine slots: sequences decoded together
+    engine_compile: bool = False  # decode steps through torch.compile in batch buckets (CUDA graphs on a GPU)
 
     def validate(self) -> None:
         check_data_lists("rl", self, "prompts", "valid_prompts", ".jsonl files of {\"prompt\": ...} records or "

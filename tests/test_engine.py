@@ -248,7 +248,8 @@ def test_sampling_distribution_follows_temperature_top_k_top_p():
 # --- tensor parallelism -------------------------------------------------------------------------------------
 
 
-def test_tensor_parallel_engine_equals_one_process(models, tmp_path):
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_tensor_parallel_engine_equals_one_process(models, tmp_path, compile):
     """tp=2 (heads, MLP and vocabulary split over 2 gloo ranks), refit from the new weights held FSDP-sharded
     over the same ranks: the tokens and log-probs of one process with the new weights (the old weights give
     other tokens, so the refit did reshard them)."""
@@ -260,7 +261,7 @@ def test_tensor_parallel_engine_equals_one_process(models, tmp_path):
     old = [d.tokens for d in Engine(loom.load_model(path), max_batch=3, max_len=40).generate(prompts, params)]
     want = Engine(loom.load_model(new_path), max_batch=3, max_len=40).generate(prompts, params)
     assert [d.tokens for d in want] != old
-    for kv_local, placements, tokens, logprobs in run_ranks(2, generate_tp, path, new_path, prompts, params):
+    for kv_local, placements, tokens, logprobs in run_ranks(2, generate_tp, path, new_path, prompts, params, compile):
         assert kv_local == 1  # 2 key/value heads over 2 ranks
         assert placements == {"(Shard(dim=0),)"}  # the new weights came FSDP-sharded
         assert tokens == [d.tokens for d in want]

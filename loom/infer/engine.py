@@ -371,7 +371,7 @@ class Engine:
         self.stats["decode_steps"] += 1
         self.stats["compiled_steps"] += 1
         self.stats["decoded_tokens"] += len(rows)
-        hidden = self._compiled(tokens.to(self.device), positions.to(self.device), mask.to(self.device))
+        hidden = local(self._compiled(tokens.to(self.device), positions.to(self.device), mask.to(self.device)))
         return self._sample(seqs, hidden[torch.tensor(rows, device=self.device)])
 
     def _decode(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
