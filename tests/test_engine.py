@@ -271,15 +271,19 @@ def test_tensor_parallel_engine_equals_one_process(models, tmp_path, compile):
 # --- loom generate --input / --output ----------------------------------------------------------------------
 
 
-def test_generate_file_writes_contract_records_in_order(models, tmp_path, capsys):
+@pytest.mark.parametrize("flags", [[], pytest.param(["--compile"], marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_generate_file_writes_contract_records_in_order(models, tmp_path, capsys, monkeypatch, flags):
     _, path = models["llama"]
+    built = []
+    monkeypatch.setattr(Engine, "_bucket", lambda self, n, f=Engine._bucket: built.append(n) or f(self, n))
     prompts = [" ".join(f"w{i}" for i in p) for p in ragged_prompts(7, seed=8)]
     src = tmp_path / "prompts.jsonl"
     src.write_text("".join(json.dumps({"prompt": p, "id": n}) + "\n" for n, p in enumerate(prompts)) + "\n")
     out = tmp_path / "out" / "done.jsonl"
     assert main(["generate", "--checkpoint", str(path), "--input", str(src), "--output", str(out),
-                 "--max-new-tokens", "6", "--max-batch", "3"]) == 0
+                 "--max-new-tokens", "6", "--max-batch", "3", *flags]) == 0
     assert "wrote 7 completions" in capsys.readouterr().out
+    assert bool(built) == bool(flags)  # decode steps went through the compiled path only with --compile
     records = [json.loads(line) for line in out.read_text().splitlines()]
     want = Engine(loom.load_model(path), max_batch=2, max_len=30).generate(
         [[int(w[1:]) for w in p.split()] for p in prompts], SamplingParams(max_new_tokens=6))

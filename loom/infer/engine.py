@@ -30,8 +30,9 @@ Tensor parallelism: pass a model sharded by `loom.parallel.tensor.apply_tensor_p
 the same engine loop on the same requests); the slab holds this rank's key/value heads and the logits are
 gathered before sampling, so every rank samples the same tokens.
 
-GPU: nothing here is CPU-specific, but the CUDA-graph decode and on-device stop tracking are not written
-yet; the engine has only been run on CPU.
+GPU: nothing here is CPU-specific, and `compile=True` decodes through CUDA graphs per bucket there, but
+the engine has only been run on CPU; on-device stop tracking is not written yet (each step reads its
+tokens back to the host).
 """
 
 from __future__ import annotations
