@@ -181,6 +181,10 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
         local = 2
     shapes = [(m, n, k) for m in dims for n in dims for k in dims]
+    if not cuda and not quick:
+        # Prefill-sized row counts (batch x prompt tokens): at 4096 rows the operands outgrow the caches and
+        # a CPU's rate differs from the 1024-row one by 5-35% (2-core EPYC); nearest-shape lookup needs them.
+        shapes += [(4096, n, k) for n in dims for k in dims]
     gemm = {key: gemm_table(device, dt, shapes) for key, dt in dtypes.items()}
     if cuda and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(0) >= (8, 9):
         try:
