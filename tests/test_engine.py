@@ -72,8 +72,9 @@ def test_greedy_equals_transformers_generate_under_continuous_batching(models, k
     new = [3 + (7 * i) % 11 for i in range(16)]  # different lengths: slots free at different steps
     engine = Engine(loom.load_model(path), max_batch=5, max_len=48)
     done = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in new])
-    # 16 requests through 5 slots: slots were refilled while other sequences were still decoding.
-    assert engine.stats["refills"] >= 11 and engine.stats["prefill_steps"] > 1
+    # 16 requests through 5 slots: slots were refilled while other sequences were still decoding, and in the
+    # tail requests were moved down into freed slots (keys and values with them).
+    assert engine.stats["refills"] >= 11 and engine.stats["prefill_steps"] > 1 and engine.stats["moves"] > 0
     assert [d.finish_reason for d in done] == ["length"] * 16 and [len(d.tokens) for d in done] == new
     # transformers' greedy search: the whole batch left-padded with its attention mask (one call), and two
     # prompts alone; a greedy continuation is a prefix of any longer one.
@@ -122,9 +123,14 @@ def test_compiled_decode_equals_eager_and_follows_a_refit(models, tmp_path):
     engine = Engine(loom.load_model(path), max_batch=4, max_len=48, compile=True)
     engine.KEY_BLOCK = 16  # several key-length buckets within max_len
     counters.clear()
+    sizes = []
+    compiled = engine._compiled
+    engine._compiled = lambda tokens, *rest: sizes.append(tokens.shape[0]) or compiled(tokens, *rest)
     got = engine.generate(prompts, params)
-    assert engine.stats["compiled_steps"] == engine.stats["decode_steps"] > 10
-    assert 1 <= counters["stats"]["unique_graphs"] <= 4  # buckets, not one graph per step
+    assert engine.stats["compiled_steps"] == engine.stats["decode_steps"] == len(sizes) > 10
+    assert 1 <= counters["stats"]["unique_graphs"] <= 3  # batch and keys dynamic: not one graph per bucket
+    # Each step's bucket is sized by its busy requests (moved down into freed slots), not the highest slot.
+    assert engine.stats["moves"] > 0 and {1, 2, 4} <= set(sizes)
     assert [d.tokens for d in got] == [d.tokens for d in eager]
     assert max(abs(a - b) for x, y in zip(got, eager) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
     path_b = tmp_path / "llama-new"

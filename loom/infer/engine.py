@@ -162,12 +162,12 @@ class KVSlab:
         else:
             keys, values = K[self.rows, :, :self.keys], V[self.rows, :, :self.keys]
         gqa = q.shape[1] != keys.shape[1]
-        if gqa and q.device.type == "cpu":
-            # CPU SDPA with a mask and enable_gqa takes a slow path (torch 2.13: 15 ms against 0.3 ms for one
-            # decode query over 150 keys), and copying each key/value head for its query heads costs a copy of
-            # the cache per layer and step. Instead the query heads that share a key/value head become more
-            # queries of it: [rows, kv_heads, rep * seq, d] against the cache as it is, each query keeping its
-            # own position's mask.
+        if gqa:
+            # SDPA with a mask and enable_gqa takes a slow path (CPU, torch 2.13: 15 ms against 0.3 ms for one
+            # decode query over 150 keys; on CUDA only the math kernel takes both), and copying each key/value
+            # head for its query heads costs a copy of the cache per layer and step. Instead the query heads
+            # that share a key/value head become more queries of it: [rows, kv_heads, rep * seq, d] against
+            # the cache as it is, each query keeping its own position's mask.
             rows, heads, seq, d = q.shape
             kv_heads = keys.shape[1]
             rep = heads // kv_heads
@@ -198,6 +198,12 @@ class KVSlab:
         out = F.scaled_dot_product_attention(spread.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
                                              is_causal=True, enable_gqa=heads != keys.shape[1])
         return out.transpose(1, 2)[row_of, pos_of].transpose(0, 1)[None]
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot src's keys and values of every layer into slot dst (in place: addresses stay)."""
+        for cache in (self.k, self.v):
+            for t in cache.values():
+                t[dst].copy_(t[src])
 
     def data_ptrs(self) -> list[int]:
         return [t.data_ptr() for t in (*self.k.values(), *self.v.values())]
@@ -253,13 +259,16 @@ class Engine:
     (at most the model's max_seq_len). `seed`: where requests without their own seed get one.
 
     `compile=True` runs decode steps through `torch.compile` with shapes from a few buckets: the batch is
-    padded to the next power of two (at most max_batch) of the highest busy slot, and the keys a step reads
-    to the next multiple of `KEY_BLOCK` (at most max_len), so a handful of graphs serve every step. On CUDA
+    padded to the next power of two (at most max_batch) of the busy slots (requests are moved down into
+    freed slots first, see `_compact`), and the keys a step reads to the next multiple of `KEY_BLOCK`
+    (`CUDA_KEY_BLOCK` on a GPU; at most max_len); the batch and key dimensions are marked dynamic, so one
+    or two compiled graphs serve every step (on CUDA one recorded graph per bucket). On CUDA
     it compiles with mode "reduce-overhead", i.e. replays a CUDA graph per bucket; the slab's tensors are
     marked as static addresses and a refit copies into the parameters in place, so the graphs stay valid.
     Prefill (ragged, packed) stays eager. The first steps of each bucket pay for compilation."""
 
     KEY_BLOCK = 64
+    CUDA_KEY_BLOCK = 256  # fewer key-length buckets where each bucket is a recorded CUDA graph
 
     def __init__(self, model: nn.Module, max_batch: int = 16, max_len: int | None = None, seed: int = 0,
                  compile: bool = False):
@@ -277,11 +286,12 @@ class Engine:
                            weight.device)
         self.device = weight.device
         self._seeds = torch.Generator().manual_seed(seed)
-        self.stats = {"prefill_steps": 0, "decode_steps": 0, "refills": 0, "decoded_tokens": 0, "compiled_steps": 0}
+        self.stats = {"prefill_steps": 0, "decode_steps": 0, "refills": 0, "decoded_tokens": 0, "compiled_steps": 0,
+                      "moves": 0}
         self.last_refit_s: float | None = None
         heads = local_tensor(attention.wq.weight).shape[0] // attention.head_dim
-        # CPU decode attention folds the query heads of a key/value head into queries (KVSlab.attend).
-        self._fold = heads // kv_heads if self.device.type == "cpu" and heads != kv_heads else 1
+        # Decode attention folds the query heads of a key/value head into queries (KVSlab.attend).
+        self._fold = heads // kv_heads
         self._compiled = None
         if compile:
             for t in (*self.slab.k.values(), *self.slab.v.values()):
@@ -334,9 +344,24 @@ class Engine:
                 self.stats["refills"] += len(admitted) if busy else 0
                 finish(self._prefill(admitted, [slots[s] for s in admitted]))
             active = [s for s, seq in enumerate(slots) if seq is not None]
+            if active and active[-1] >= len(active):  # holes below a busy slot (nothing waits to fill them)
+                self._compact(slots)
+                active = list(range(len(active)))
             if active:
                 finish(self._decode(active, [slots[s] for s in active]))
         return results
+
+    def _compact(self, slots: list) -> None:
+        """Move the requests above the first len(busy) slots into the free slots below, keys and values
+        with them: a decode step then covers slots 0..busy-1 (the slab read in place, a compiled step's
+        bucket sized by the busy count, not by the highest busy slot)."""
+        busy = sum(seq is not None for seq in slots)
+        holes = [s for s in range(busy) if slots[s] is None]
+        movers = [s for s in range(busy, len(slots)) if slots[s] is not None]
+        for dst, src in zip(holes, movers):
+            self.slab.move(src, dst)
+            slots[dst], slots[src] = slots[src], None
+        self.stats["moves"] += len(movers)
 
     def _prefill(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
         """The admitted prompts as one packed row (no padding through the linear layers)."""
@@ -361,14 +386,18 @@ class Engine:
     def _decode_compiled(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
         """A decode step over slots 0..bucket-1: an idle slot in that range decodes token 0 at position 0
         of its own slot, which nothing reads (a request prefills position 0 of its slot before reading it)."""
-        size = self._bucket(rows[-1] + 1)
+        size = self._bucket(max(rows) + 1)
         tokens = torch.zeros(size, 1, dtype=torch.long)
         positions = torch.zeros(size, 1, dtype=torch.long)
         for r, seq in zip(rows, seqs):
             tokens[r, 0], positions[r, 0] = seq.out.tokens[-1], seq.length
             seq.length += 1
-        keys = min(self.max_len, -(-(int(positions.max()) + 1) // self.KEY_BLOCK) * self.KEY_BLOCK)
+        block = self.KEY_BLOCK if self.device.type == "cpu" else self.CUDA_KEY_BLOCK
+        keys = min(self.max_len, -(-(int(positions.max()) + 1) // block) * block)
         mask = (torch.arange(keys) <= positions[..., None]).unsqueeze(1).repeat(1, 1, self._fold, 1)
+        for t in (tokens, positions, mask):  # one graph for every bucket (sizes 1 aside), not one per bucket
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(mask, 3)
         self.stats["decode_steps"] += 1
         self.stats["compiled_steps"] += 1
         self.stats["decoded_tokens"] += len(rows)
