@@ -298,6 +298,29 @@ class Engine:
                 torch._dynamo.mark_static_address(t)
             mode = "reduce-overhead" if self.device.type == "cuda" else None
             self._compiled = torch.compile(self._static_decode, mode=mode)
+            self.warmup()
+
+    @torch.no_grad()
+    def warmup(self) -> float:
+        """Compile (and on CUDA record) the decode step for every batch and key-length bucket now, as a server
+        does at start, instead of in the middle of a generation; returns the seconds it took. Writes only
+        position 0 of idle slots: call it while no generation runs."""
+        start = time.perf_counter()
+        block = self.KEY_BLOCK if self.device.type == "cpu" else self.CUDA_KEY_BLOCK
+        sizes = sorted({self._bucket(n) for n in range(1, self.max_batch + 1)})
+        for keys in sorted({min(self.max_len, k) for k in range(block, self.max_len + block, block)}):
+            for size in sizes:
+                tokens, positions = (torch.zeros(size, 1, dtype=torch.long) for _ in range(2))  # not aliased
+                mask = (torch.arange(keys) <= positions[..., None]).unsqueeze(1).repeat(1, 1, self._fold, 1)
+                self._run_compiled(tokens, positions, mask)
+        self.stats["warmup_s"] = time.perf_counter() - start
+        return self.stats["warmup_s"]
+
+    def _run_compiled(self, tokens, positions, mask) -> torch.Tensor:
+        for t in (tokens, positions, mask):  # one graph for every bucket (sizes 1 aside), not one per bucket
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(mask, 3)
+        return local(self._compiled(tokens.to(self.device), positions.to(self.device), mask.to(self.device)))
 
     # --- generation -----------------------------------------------------------------------------------------
 
@@ -395,13 +418,10 @@ class Engine:
         block = self.KEY_BLOCK if self.device.type == "cpu" else self.CUDA_KEY_BLOCK
         keys = min(self.max_len, -(-(int(positions.max()) + 1) // block) * block)
         mask = (torch.arange(keys) <= positions[..., None]).unsqueeze(1).repeat(1, 1, self._fold, 1)
-        for t in (tokens, positions, mask):  # one graph for every bucket (sizes 1 aside), not one per bucket
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        torch._dynamo.maybe_mark_dynamic(mask, 3)
         self.stats["decode_steps"] += 1
         self.stats["compiled_steps"] += 1
         self.stats["decoded_tokens"] += len(rows)
-        hidden = local(self._compiled(tokens.to(self.device), positions.to(self.device), mask.to(self.device)))
+        hidden = self._run_compiled(tokens, positions, mask)
         return self._sample(seqs, hidden[torch.tensor(rows, device=self.device)])
 
     def _decode(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
