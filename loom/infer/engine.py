@@ -8,10 +8,11 @@ from the command line.
     engine.refit(trainer_model)                 # new weights, same slab
 
 How it works. The slab holds, per layer, keys and values of shape [slots, kv_heads, max_len, head_dim],
-allocated once. A request owns one slot from its prefill to its last token. Each step the engine either
-prefills waiting prompts into free slots (ragged prompts packed end to end into one row, so the linear
-layers see no padding; only attention spreads them out per slot) or decodes one token
-for every busy slot; a slot freed by a finished request is refilled by the next waiting prompt at once
+allocated once. A request owns a slot from its prefill to its last token (moved down, keys and values
+with it, when lower slots free up and nothing waits: `_compact`). Each round the engine prefills waiting
+prompts into free slots (ragged prompts packed end to end into one row, so the linear
+layers see no padding; only attention spreads them out per slot), then decodes one
+token for every busy slot; a slot freed by a finished request is refilled by the next waiting prompt at once
 (continuous batching). Row b of a forward belongs to slot `rows[b]` and its tokens sit at `positions[b]`:
 rotary positions come from there, keys and values are written there, and a query at position p attends
 to keys 0..p of its own slot only, so neither padding nor another slot's (or an earlier request's) stale
