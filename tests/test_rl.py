@@ -90,6 +90,20 @@ def test_engine_equals_policy_after_training(tmp_path):
     assert changed == len(list(trainer.engine.model.parameters()))
 
 
+@pytest.mark.slow
+def test_compiled_engine_in_the_loop_matches_the_trainer(tmp_path):
+    """rl.engine_compile: every rollout decode step runs through the compiled graphs, refitted after each
+    update, and its log-probs stay the trainer's."""
+    cfg = load_config("tiny-grpo", [*RL, "train.steps=3", "rl.engine_compile=true"])
+    cfg.validate()
+    trainer = RLTrainer(cfg, tmp_path / "run", quiet=True)
+    trainer.fit()
+    stats = trainer.engine.stats
+    assert stats["compiled_steps"] == stats["decode_steps"] > 0 and stats["warmup_s"] > 0
+    steps, _ = rows(tmp_path / "run")
+    assert len(steps) == 3 and all(r["logp_abs_diff"] < 1e-4 for r in steps)
+
+
 def test_resumed_run_continues_as_the_uninterrupted_one(grpo_run, tmp_path):
     """Rollout seeds follow the step, prompts the run's stream, weights and optimizer the checkpoint: a run
     stopped after step 2 and resumed computes step 3 as a run that never stopped."""
