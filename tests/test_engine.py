@@ -120,12 +120,12 @@ def test_compiled_decode_equals_eager_and_follows_a_refit(models, tmp_path, monk
     params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_new_tokens=2 + (5 * i) % 13, seed=i)
               for i in range(10)]
     eager = Engine(loom.load_model(path), max_batch=4, max_len=48).generate(prompts, params)
-    monkeypatch.setattr(Engine, "KEY_BLOCK", 16)  # key-length buckets 16, 32, 48
+    monkeypatch.setattr(Engine, "KEY_BLOCK", 24)  # key-length buckets 24 and 48
     counters.clear()
     engine = Engine(loom.load_model(path), max_batch=4, max_len=48, compile=True)  # compiles every bucket now
     warm = counters["stats"]["unique_graphs"]
-    # 3 batch x 3 key buckets, but batch and keys are dynamic: fewer graphs than buckets
-    assert 1 <= warm <= 5 and engine.stats["warmup_s"] > 0
+    # 3 batch x 2 key buckets, but batch and keys are dynamic: fewer graphs than buckets
+    assert warm <= 2 and engine.stats["warmup_s"] > 0  # batch 1, and every other bucket
     sizes = []
     compiled = engine._compiled
     engine._compiled = lambda tokens, *rest: sizes.append(tokens.shape[0]) or compiled(tokens, *rest)

@@ -283,8 +283,10 @@ class Engine:
         weight = local_tensor(next(model.parameters()))
         attention = next(iter(model.layers.values())).attention
         kv_heads = local_tensor(attention.wk.weight).shape[0] // attention.head_dim  # this rank's, under TP
-        self.slab = KVSlab(model.layers.keys(), max_batch, kv_heads, max_len, attention.head_dim, weight.dtype,
-                           weight.device)
+        # One position beyond max_len that nothing reaches: a step's keys (at most max_len) never span the
+        # whole slab, so a compiled step does not specialise on "keys == slab length" (one graph fewer).
+        self.slab = KVSlab(model.layers.keys(), max_batch, kv_heads, max_len + 1, attention.head_dim,
+                           weight.dtype, weight.device)
         self.device = weight.device
         self._seeds = torch.Generator().manual_seed(seed)
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "refills": 0, "decoded_tokens": 0, "compiled_steps": 0,
