@@ -158,10 +158,8 @@ class KVSlab:
         V[where] = v.transpose(1, 2).to(V.dtype)
         if self.rows is None:  # bind_static
             keys, values = K[:q.shape[0], :, :self.mask.shape[-1]], V[:q.shape[0], :, :self.mask.shape[-1]]
-        elif self.prefix:
-            keys, values = K[:self.prefix, :, :self.keys], V[:self.prefix, :, :self.keys]
         else:
-            keys, values = K[self.rows, :, :self.keys], V[self.rows, :, :self.keys]
+            keys, values = self._bound(K), self._bound(V)
         gqa = q.shape[1] != keys.shape[1]
         if gqa:
             # SDPA with a mask and enable_gqa takes a slow path (CPU, torch 2.13: 15 ms against 0.3 ms for one
@@ -189,16 +187,19 @@ class KVSlab:
         slots = self.rows[row_of]
         K[slots, :, pos_of] = k[0].transpose(0, 1).to(K.dtype)  # [total, kv_heads, d]
         V[slots, :, pos_of] = v[0].transpose(0, 1).to(V.dtype)
-        if self.prefix:
-            keys, values = K[:self.prefix, :, :self.keys], V[:self.prefix, :, :self.keys]
-        else:
-            keys, values = K[self.rows, :, :self.keys], V[self.rows, :, :self.keys]
+        keys, values = self._bound(K), self._bound(V)
         heads, d = q.shape[1], q.shape[3]
         spread = q.new_zeros(len(self.rows), self.keys, heads, d)
         spread[row_of, pos_of] = q[0].transpose(0, 1)
         out = F.scaled_dot_product_attention(spread.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
                                              is_causal=True, enable_gqa=heads != keys.shape[1])
         return out.transpose(1, 2)[row_of, pos_of].transpose(0, 1)[None]
+
+    def _bound(self, cache: torch.Tensor) -> torch.Tensor:
+        """Key positions 0..keys-1 of the bound rows' slots: a view when they are slots 0..n-1, else a copy."""
+        if self.prefix:
+            return cache[:self.prefix, :, :self.keys]
+        return cache[self.rows, :, :self.keys]
 
     def move(self, src: int, dst: int) -> None:
         """Copy slot src's keys and values of every layer into slot dst (in place: addresses stay)."""
@@ -309,17 +310,23 @@ class Engine:
         does at start, instead of in the middle of a generation; returns the seconds it took. Writes only
         position 0 of idle slots: call it while no generation runs."""
         start = time.perf_counter()
-        block = self.KEY_BLOCK if self.device.type == "cpu" else self.CUDA_KEY_BLOCK
         sizes = sorted({self._bucket(n) for n in range(1, self.max_batch + 1)})
-        for keys in sorted({min(self.max_len, k) for k in range(block, self.max_len + block, block)}):
+        for keys in sorted({self._key_bucket(n) for n in range(1, self.max_len + 1)}):
             for size in sizes:
                 tokens, positions = (torch.zeros(size, 1, dtype=torch.long) for _ in range(2))  # not aliased
-                mask = (torch.arange(keys) <= positions[..., None]).unsqueeze(1).repeat(1, 1, self._fold, 1)
-                self._run_compiled(tokens, positions, mask)
+                self._run_compiled(tokens, positions, keys)
         self.stats["warmup_s"] = time.perf_counter() - start
         return self.stats["warmup_s"]
 
-    def _run_compiled(self, tokens, positions, mask) -> torch.Tensor:
+    def _key_bucket(self, n: int) -> int:
+        """Key positions a compiled step reads when it needs n: the next multiple of the device's block."""
+        block = self.KEY_BLOCK if self.device.type == "cpu" else self.CUDA_KEY_BLOCK
+        return min(self.max_len, -(-n // block) * block)
+
+    def _run_compiled(self, tokens, positions, keys: int) -> torch.Tensor:
+        """The compiled step on slots 0..rows-1 reading `keys` key positions; its mask is folded for the
+        query heads of each key/value head (KVSlab.attend)."""
+        mask = (torch.arange(keys) <= positions[..., None]).unsqueeze(1).repeat(1, 1, self._fold, 1)
         for t in (tokens, positions, mask):  # one graph for every bucket (sizes 1 aside), not one per bucket
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(mask, 3)
@@ -418,13 +425,10 @@ class Engine:
         for r, seq in zip(rows, seqs):
             tokens[r, 0], positions[r, 0] = seq.out.tokens[-1], seq.length
             seq.length += 1
-        block = self.KEY_BLOCK if self.device.type == "cpu" else self.CUDA_KEY_BLOCK
-        keys = min(self.max_len, -(-(int(positions.max()) + 1) // block) * block)
-        mask = (torch.arange(keys) <= positions[..., None]).unsqueeze(1).repeat(1, 1, self._fold, 1)
         self.stats["decode_steps"] += 1
         self.stats["compiled_steps"] += 1
         self.stats["decoded_tokens"] += len(rows)
-        hidden = self._run_compiled(tokens, positions, mask)
+        hidden = self._run_compiled(tokens, positions, self._key_bucket(int(positions.max()) + 1))
         return self._sample(seqs, hidden[torch.tensor(rows, device=self.device)])
 
     def _decode(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
