@@ -152,8 +152,9 @@ def cmd_generate(args, extra) -> int:
     if (args.prompt is None) == (args.input is None) or (args.input is None) != (args.output is None):
         raise UserError("give either --prompt TEXT (prints its continuation) or --input prompts.jsonl together with "
                         "--output out.jsonl (batch mode)")
-    if args.max_new_tokens < 1 or args.max_batch < 1:
-        raise UserError(f"--max-new-tokens={args.max_new_tokens} and --max-batch={args.max_batch} must be >= 1")
+    if args.max_new_tokens < 1 or args.max_batch < 1 or args.sync_every < 1:
+        raise UserError(f"--max-new-tokens={args.max_new_tokens}, --max-batch={args.max_batch} and "
+                        f"--sync-every={args.sync_every} must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise UserError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
     texts = [args.prompt] if args.input is None else read_prompts(args.input)
@@ -172,7 +173,8 @@ def cmd_generate(args, extra) -> int:
                              () if tok.eod_id is None else (tok.eod_id,), args.seed + n) for n in range(len(ids))]
     # The slab holds what these requests can reach, not the model's whole context.
     max_len = min(context, max(map(len, ids)) + args.max_new_tokens)
-    engine = Engine(model, max_batch=min(args.max_batch, len(ids)), max_len=max_len, compile=args.compile)
+    engine = Engine(model, max_batch=min(args.max_batch, len(ids)), max_len=max_len, compile=args.compile,
+                    sync_every=args.sync_every)
     if args.input is None:
         return _print_completion(args, tok, ids[0], engine.generate(ids, params)[0], context)
     return _generate_file(args, tok, texts, ids, params, engine)
@@ -362,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="decode through torch.compile in batch buckets (CUDA graphs on a GPU); pays off on long "
                         "batches, the first steps compile")
+    p.add_argument("--sync-every", type=int, default=8,
+                   help="decode steps run on the device between reads back to the host (default 8; 1 reads after "
+                        "every step, which refills a slot freed by a stop token soonest)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")

@@ -431,6 +431,7 @@ class RLConfig:
     max_new_tokens: int = 16  # train.seq_len must hold the longest prompt plus this
     engine_batch: int = 64  # engine slots: sequences decoded together
     engine_compile: bool = False  # decode steps through torch.compile in batch buckets (CUDA graphs on a GPU)
+    engine_sync_every: int = 8  # decode steps the engine runs on the device between reads back to the host
 
     def validate(self) -> None:
         check_data_lists("rl", self, "prompts", "valid_prompts", ".jsonl files of {\"prompt\": ...} records or "
@@ -440,7 +441,7 @@ class RLConfig:
                             "loom.post.tasks:exact_match) and/or rl.reward_model=RUN_OR_CHECKPOINT")
         if self.reward and ":" not in self.reward:
             raise UserError(f"rl.reward={self.reward!r} must be package.module:function, e.g. loom.post.tasks:exact_match")
-        for name in ("group_size", "epochs", "minibatches", "max_new_tokens", "engine_batch"):
+        for name in ("group_size", "epochs", "minibatches", "max_new_tokens", "engine_batch", "engine_sync_every"):
             _positive(f"rl.{name}", getattr(self, name))
         for name in ("std_eps", "kl_coef", "tis_cap", "value_clip", "value_coef", "temperature", "clip_low",
                      "clip_high"):

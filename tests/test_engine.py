@@ -215,6 +215,47 @@ def test_stop_tokens_and_context_end(models):
         engine.generate([list(range(20))])
 
 
+def test_decode_windows_read_back_once_and_track_stops_on_the_device(models, monkeypatch):
+    """sync_every=8: decode steps run back to back, sampling and stop matching on the device, and the host
+    reads a window back once (counted here by patching every tensor-to-Python conversion). The tokens and
+    log-probs equal those of an engine that reads back after every step, with stop tokens that land inside
+    windows, greedy and sampled requests, and slots refilled from a queue."""
+    _, path = models["llama"]
+    model = loom.load_model(path)
+    prompts = ragged_prompts(12, seed=9)
+    free = Engine(model, max_batch=4, max_len=48, sync_every=1).generate(prompts, SamplingParams(max_new_tokens=20))
+    # each request stops at a token of its own free run: ends at different steps, inside windows
+    params = [SamplingParams(temperature=0.0 if i % 3 else 0.9, top_p=0.95, max_new_tokens=6 + (5 * i) % 15,
+                             stop_token_ids=(free[i].tokens[2 + (3 * i) % 9], 7), seed=i) for i in range(12)]
+    reads = {"n": 0}
+    for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            reads["n"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    runs = {}
+    for every in (1, 8):
+        engine = Engine(model, max_batch=4, max_len=48, sync_every=every)
+        reads["n"] = 0
+        runs[every] = (engine.generate(prompts, params), dict(engine.stats), reads["n"])
+    monkeypatch.undo()
+    (step, stats1, reads1), (window, stats8, reads8) = runs[1], runs[8]
+    assert [d.tokens for d in window] == [d.tokens for d in step]
+    assert [d.finish_reason for d in window] == [d.finish_reason for d in step]
+    assert {d.finish_reason for d in window} == {"stop", "length"}
+    assert max(abs(a - b) for x, y in zip(window, step) for a, b in zip(x.logprobs + x.sampling_logprobs,
+                                                                        y.logprobs + y.sampling_logprobs)) < 1e-5
+    assert stats1["windows"] == stats1["decode_steps"] and stats1["discarded_tokens"] == 0
+    assert stats8["decode_steps"] >= 3 * stats8["windows"]
+    assert stats8["discarded_tokens"] > 0  # requests that stopped inside a window decoded on until its end
+    # host reads: a few per prefill (packing) and one per window, none per decode step
+    assert reads8 <= 2 * stats8["prefill_steps"] + stats8["windows"] < stats8["decode_steps"]
+    assert reads1 >= stats1["decode_steps"]
+
+
 def test_sampling_distribution_follows_temperature_top_k_top_p():
     """The log-probability reported for each draw is that of the intended distribution, computed here
     independently; and the draws themselves follow it (1500 draws per case, within 5 standard deviations)."""
@@ -319,3 +360,11 @@ def test_generate_file_bad_input_exits_2_naming_file_and_line(models, tmp_path, 
     err = capsys.readouterr().err
     assert needle in err and str(src) in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == (["in.jsonl"] if content is not None else [])
+
+
+@pytest.mark.parametrize("flag", ["--sync-every", "--max-batch", "--max-new-tokens"])
+def test_generate_bad_counts_exit_2_naming_the_flag(models, tmp_path, capsys, flag):
+    _, path = models["llama"]
+    assert main(["generate", "--checkpoint", str(path), "--prompt", "w1 w2", flag, "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}=0" in err and "must be >= 1" in err, err

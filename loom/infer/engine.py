@@ -11,9 +11,9 @@ How it works. The slab holds, per layer, keys and values of shape [slots, kv_hea
 allocated once. A request owns a slot from its prefill to its last token (moved down, keys and values
 with it, when lower slots free up and nothing waits: `_compact`). Each round the engine prefills waiting
 prompts into free slots (ragged prompts packed end to end into one row, so the linear
-layers see no padding; only attention spreads them out per slot), then decodes one
-token for every busy slot; a slot freed by a finished request is refilled by the next waiting prompt at once
-(continuous batching). Row b of a forward belongs to slot `rows[b]` and its tokens sit at `positions[b]`:
+layers see no padding; only attention spreads them out per slot), then decodes a window of up to
+`sync_every` tokens for every busy slot, back to back on the device (`_decode`); a slot freed by a finished
+request is refilled by the next waiting prompt at the window's end (continuous batching). Row b of a forward belongs to slot `rows[b]` and its tokens sit at `positions[b]`:
 rotary positions come from there, keys and values are written there, and a query at position p attends
 to keys 0..p of its own slot only, so neither padding nor another slot's (or an earlier request's) stale
 entries are ever seen. The model needs no engine code beyond calling `cache.attend` (loom/models/llama.py).
@@ -31,9 +31,16 @@ Tensor parallelism: pass a model sharded by `loom.parallel.tensor.apply_tensor_p
 the same engine loop on the same requests); the slab holds this rank's key/value heads and the logits are
 gathered before sampling, so every rank samples the same tokens.
 
+Host reads. Within a decode window nothing comes back to the host: sampling (`Sampler`, with every
+request's uniforms drawn up front from its own generator) and stop-token matching run on the device,
+positions advance by one per step without being read, and the window's tokens and log-probs come back in
+one copy at its end. A window ends early when some request reaches max_new_tokens or max_len, so those
+slots are refilled at once; a request that hits a stop token inside a window decodes on (in its own slot)
+until the window ends and its extra tokens are dropped (`stats["discarded_tokens"]`). `sync_every=1` reads
+back after every step.
+
 GPU: nothing here is CPU-specific, and `compile=True` decodes through CUDA graphs per bucket there, but
-the engine has only been run on CPU; on-device stop tracking is not written yet (each step reads its
-tokens back to the host).
+the engine has only been run on CPU.
 """
 
 from __future__ import annotations
@@ -108,14 +115,17 @@ class KVSlab:
         self.keys = 0  # key positions a query can see: 0..keys-1
         self.packed = None  # a packed prefill: (row of each token, its position), see bind_packed
         self._folded = None  # (rep, the mask repeated for rep query heads per key/value head)
+        self._rows = None  # the list `rows` was made from (bind)
 
-    def bind(self, rows: list[int], positions: torch.Tensor) -> None:
-        """Row b of the next forward is slot rows[b]; its tokens sit at positions[b] ([rows, seq])."""
+    def bind(self, rows: list[int], positions: torch.Tensor, keys: int | None = None) -> None:
+        """Row b of the next forward is slot rows[b]; its tokens sit at positions[b] ([rows, seq]). `keys`:
+        one past the highest position, if the caller knows it (else read back from `positions`)."""
         device = next(iter(self.k.values())).device
-        self.rows = torch.tensor(rows, device=device)
+        if self._rows != rows:  # a decode window binds the same rows every step: one copy
+            self.rows, self._rows = torch.tensor(rows, device=device), list(rows)
         self.positions = positions.to(device)
         self.prefix = len(rows) if rows == list(range(len(rows))) else 0
-        self.keys = int(positions.max()) + 1
+        self.keys = int(positions.max()) + 1 if keys is None else keys
         self.packed = self._folded = None
         # Query at position p sees keys 0..p of its own slot: [rows, 1, seq, keys].
         self.mask = (torch.arange(self.keys, device=device) <= self.positions[..., None]).unsqueeze(1)
@@ -125,7 +135,7 @@ class KVSlab:
         shapes (no Python number that a compiled graph would specialise on). positions [rows, 1]; mask
         [rows, 1, q, keys], True where a query may attend (q = 1, or the query heads per key/value head
         when the CPU folds them into queries, see `attend`)."""
-        self.rows, self.positions, self.mask, self.packed = None, positions, mask, None
+        self.rows, self.positions, self.mask, self.packed, self._rows = None, positions, mask, None, None
         self._folded = (mask.shape[2], mask) if mask.shape[2] > 1 else None
         self.prefix = self.keys = -1  # sizes are taken from q and the mask
 
@@ -135,7 +145,7 @@ class KVSlab:
         rotary tables. The linear layers see only real tokens; `attend` spreads queries, keys and values
         out per slot for the attention itself and packs the output back."""
         device = next(iter(self.k.values())).device
-        self.rows = torch.tensor(rows, device=device)
+        self.rows, self._rows = torch.tensor(rows, device=device), None
         self.prefix = len(rows) if rows == list(range(len(rows))) else 0
         self.keys = max(lengths)
         counts = torch.tensor(lengths, device=device)
@@ -221,37 +231,62 @@ class _Sequence:
         self.length = len(prompt)  # tokens whose keys and values are in the slot
 
 
+class Sampler:
+    """Per-request sampling of a fixed set of requests for `steps` consecutive decode steps, entirely on the
+    logits' device: the per-request settings become tensors once, and each hot (temperature > 0) request's
+    uniforms for all the steps are drawn from its own generator up front (one per token, in order, so a
+    request samples the same tokens however many steps a window holds) and moved in one copy. Greedy rows
+    take the argmax (log-probability 0: a point mass); the others apply temperature, then top-k, then top-p
+    (the smallest set of most likely tokens holding top_p of the mass), and invert the CDF at their uniform."""
+
+    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator], steps: int, vocab: int,
+                 device):
+        self.hot = [i for i, p in enumerate(params) if p.temperature > 0]
+        self.sorts = False
+        if not self.hot:
+            return
+        hot = [params[i] for i in self.hot]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in hot]
+        self.sorts = min(top_k) < vocab or min(p.top_p for p in hot) < 1
+        settings = torch.tensor([[p.temperature, k, p.top_p] for p, k in zip(hot, top_k)], dtype=torch.float64)
+        uniforms = torch.stack([torch.rand(steps, generator=generators[i]) for i in self.hot])
+        settings, uniforms = settings.to(device), uniforms.to(device)
+        self.idx = torch.tensor(self.hot, device=device)
+        self.temperature = settings[:, :1].float()
+        self.kth = settings[:, 1:2].long() - 1
+        self.top_p = settings[:, 2:].float()
+        self.uniforms = uniforms  # [hot, steps]
+        self.vocab = vocab
+
+    def __call__(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [rows, vocab] (fp32) at window step `step` -> (token [rows], its log-probability under the
+        distribution it was drawn from)."""
+        tokens = logits.argmax(-1)
+        chosen = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+        if not self.hot:
+            return tokens, chosen
+        x = logits[self.idx] / self.temperature
+        order = None
+        if self.sorts:
+            x, order = x.sort(dim=-1, descending=True)
+            kth = x.gather(1, self.kth)
+            x = x.masked_fill(x < kth, float("-inf"))  # ties with the k-th logit stay, as in transformers
+            probs = x.softmax(-1)
+            x = x.masked_fill((probs.cumsum(-1) - probs > self.top_p) & (self.top_p < 1), float("-inf"))
+        logp = x.log_softmax(-1)
+        cdf = logp.exp().cumsum(-1)
+        u = self.uniforms[:, step:step + 1]
+        pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=self.vocab - 1)
+        chosen[self.idx] = logp.gather(1, pick)[:, 0]
+        tokens[self.idx] = pick[:, 0] if order is None else order.gather(1, pick)[:, 0]
+        return tokens, chosen
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [rows, vocab] (fp32) -> (token [rows], its log-probability under the distribution it was drawn
-    from). Greedy rows take the argmax (log-probability 0: a point mass); the others apply temperature, then
-    top-k, then top-p (the smallest set of most likely tokens holding top_p of the mass), and invert the
-    CDF at one uniform drawn from their own generator."""
-    tokens = logits.argmax(-1)
-    chosen = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
-    hot = [i for i, p in enumerate(params) if p.temperature > 0]
-    if not hot:
-        return tokens, chosen
-    vocab = logits.shape[-1]
-    idx = torch.tensor(hot, device=logits.device)
-    x = logits[idx] / torch.tensor([params[i].temperature for i in hot], device=logits.device)[:, None]
-    top_k = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in hot]
-    top_p = [params[i].top_p for i in hot]
-    order = None
-    if min(top_k) < vocab or min(top_p) < 1:
-        x, order = x.sort(dim=-1, descending=True)
-        kth = x.gather(1, torch.tensor(top_k, device=x.device)[:, None] - 1)
-        x = x.masked_fill(x < kth, float("-inf"))  # ties with the k-th logit stay, as in transformers
-        p = torch.tensor(top_p, device=x.device)[:, None]
-        probs = x.softmax(-1)
-        x = x.masked_fill((probs.cumsum(-1) - probs > p) & (p < 1), float("-inf"))
-    logp = x.log_softmax(-1)
-    cdf = logp.exp().cumsum(-1)
-    u = torch.stack([torch.rand((), generator=generators[i]) for i in hot]).to(x.device)[:, None]
-    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
-    chosen[idx] = logp.gather(1, pick)[:, 0]
-    tokens[idx] = pick[:, 0] if order is None else order.gather(1, pick)[:, 0]
-    return tokens, chosen
+    """One step of `Sampler`: logits [rows, vocab] (fp32) -> (token [rows], its log-probability under the
+    distribution it was drawn from); each hot row draws one uniform from its generator."""
+    return Sampler(params, generators, 1, logits.shape[-1], logits.device)(logits, 0)
 
 
 class Engine:
@@ -259,6 +294,8 @@ class Engine:
 
     `max_batch`: slots, the most sequences decoded together. `max_len`: the longest prompt + completion
     (at most the model's max_seq_len). `seed`: where requests without their own seed get one.
+    `sync_every`: decode steps run on the device between reads back to the host (see the module's "Host
+    reads"); a request's tokens do not depend on it.
 
     `compile=True` runs decode steps through `torch.compile` with shapes from a few buckets: the batch is
     padded to the next power of two (at most max_batch) of the busy slots (requests are moved down into
@@ -273,12 +310,14 @@ class Engine:
     CUDA_KEY_BLOCK = 256  # fewer key-length buckets where each bucket is a recorded CUDA graph
 
     def __init__(self, model: nn.Module, max_batch: int = 16, max_len: int | None = None, seed: int = 0,
-                 compile: bool = False):
+                 compile: bool = False, sync_every: int = 8):
         cfg = model.cfg
         max_len = cfg.max_seq_len if max_len is None else max_len
-        if max_batch < 1 or not 2 <= max_len <= cfg.max_seq_len:
-            raise UserError(f"Engine(max_batch={max_batch}, max_len={max_len}): max_batch must be >= 1 and max_len "
-                            f"in [2, {cfg.max_seq_len}] (the model's max_seq_len)")
+        if max_batch < 1 or not 2 <= max_len <= cfg.max_seq_len or sync_every < 1:
+            raise UserError(f"Engine(max_batch={max_batch}, max_len={max_len}, sync_every={sync_every}): max_batch "
+                            f"and sync_every must be >= 1 and max_len in [2, {cfg.max_seq_len}] (the model's "
+                            "max_seq_len)")
+        self.sync_every = sync_every
         self.model = model.eval()
         self.max_batch, self.max_len, self.vocab = max_batch, max_len, cfg.vocab_size
         weight = local_tensor(next(model.parameters()))
@@ -290,8 +329,8 @@ class Engine:
                            weight.dtype, weight.device)
         self.device = weight.device
         self._seeds = torch.Generator().manual_seed(seed)
-        self.stats = {"prefill_steps": 0, "decode_steps": 0, "refills": 0, "decoded_tokens": 0, "compiled_steps": 0,
-                      "moves": 0}
+        self.stats = {"prefill_steps": 0, "decode_steps": 0, "windows": 0, "refills": 0, "decoded_tokens": 0,
+                      "discarded_tokens": 0, "compiled_steps": 0, "moves": 0}
         self.last_refit_s: float | None = None
         heads = local_tensor(attention.wq.weight).shape[0] // attention.head_dim
         # Decode attention folds the query heads of a key/value head into queries (KVSlab.attend).
@@ -313,7 +352,7 @@ class Engine:
         sizes = sorted({self._bucket(n) for n in range(1, self.max_batch + 1)})
         for keys in sorted({self._key_bucket(n) for n in range(1, self.max_len + 1)}):
             for size in sizes:
-                tokens, positions = (torch.zeros(size, 1, dtype=torch.long) for _ in range(2))  # not aliased
+                tokens, positions = (torch.zeros(size, 1, dtype=torch.long, device=self.device) for _ in range(2))
                 self._run_compiled(tokens, positions, keys)
         self.stats["warmup_s"] = time.perf_counter() - start
         return self.stats["warmup_s"]
@@ -326,11 +365,12 @@ class Engine:
     def _run_compiled(self, tokens, positions, keys: int) -> torch.Tensor:
         """The compiled step on slots 0..rows-1 reading `keys` key positions; its mask is folded for the
         query heads of each key/value head (KVSlab.attend)."""
-        mask = (torch.arange(keys) <= positions[..., None]).unsqueeze(1).repeat(1, 1, self._fold, 1)
+        mask = (torch.arange(keys, device=positions.device) <= positions[..., None]).unsqueeze(1)
+        mask = mask.repeat(1, 1, self._fold, 1)
         for t in (tokens, positions, mask):  # one graph for every bucket (sizes 1 aside), not one per bucket
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(mask, 3)
-        return local(self._compiled(tokens.to(self.device), positions.to(self.device), mask.to(self.device)))
+        return local(self._compiled(tokens, positions, mask))
 
     # --- generation -----------------------------------------------------------------------------------------
 
@@ -397,13 +437,17 @@ class Engine:
         self.stats["moves"] += len(movers)
 
     def _prefill(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
-        """The admitted prompts as one packed row (no padding through the linear layers)."""
+        """The admitted prompts as one packed row (no padding through the linear layers); each request's
+        first token comes from the logits at its prompt's last position."""
         lengths = [len(seq.out.prompt) for seq in seqs]
         tokens = torch.tensor([t for seq in seqs for t in seq.out.prompt])[None]
         positions = self.slab.bind_packed(rows, lengths)
         self.stats["prefill_steps"] += 1
-        last = torch.cumsum(torch.tensor(lengths), 0) - 1
-        return self._forward(seqs, tokens, positions, torch.zeros_like(last), last)
+        last = (torch.cumsum(torch.tensor(lengths), 0) - 1).to(self.device)
+        hidden = local(self.model(tokens.to(self.device), cache=self.slab, positions=positions, return_hidden=True))
+        sampler = Sampler([s.params for s in seqs], [s.generator for s in seqs], 1, self.vocab, self.device)
+        self._emit(seqs, [self._pick(hidden[0, last], sampler, 0)], self._stop_table(seqs), 1, fed=0)
+        return seqs
 
     def _static_decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The compiled decode step: slots 0..rows-1, one token each -> final hidden states [rows, hidden]."""
@@ -416,57 +460,105 @@ class Engine:
             size *= 2
         return min(size, self.max_batch)
 
-    def _decode_compiled(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
-        """A decode step over slots 0..bucket-1: an idle slot in that range decodes token 0 at position 0
-        of its own slot, which nothing reads (a request prefills position 0 of its slot before reading it)."""
-        size = self._bucket(max(rows) + 1)
+    def _decode(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
+        """A window of decode steps for the busy slots `rows`, run back to back on the device; the host reads
+        the window's tokens and log-probs back once, at its end.
+
+        The window is `sync_every` steps, cut to the fewest steps any request still has before max_new_tokens
+        or max_len: a request that ends by length or context ends on the window's last step, and its slot is
+        refilled at once. Sampling (`Sampler`) and stop tracking run on the device: each step feeds the
+        tokens the previous step sampled, and the first stop token of each request is found there after the
+        window. A request that stops earlier keeps decoding (its slot alone, nothing it writes is read by any
+        other request) until the window ends; the host keeps its tokens up to the stop.
+        Positions need no read-back: every request advances one position per step.
+
+        With `compile=True` each step runs the compiled graph of its bucket: the batch padded to the
+        next power of two of max(rows) + 1 (an idle slot in that range decodes token 0 at position 0 of its
+        own slot, which nothing reads: a request prefills position 0 of its slot before reading it)."""
+        budget = [min(s.params.max_new_tokens - len(s.out.tokens), self.max_len - len(s.out.prompt) - len(s.out.tokens))
+                  for s in seqs]
+        steps = max(1, min(self.sync_every, *budget))
+        sampler = Sampler([s.params for s in seqs], [s.generator for s in seqs], steps, self.vocab, self.device)
+        size = self._bucket(max(rows) + 1) if self._compiled is not None else len(rows)
+        where = torch.tensor(rows) if self._compiled is not None else torch.arange(len(rows))
         tokens = torch.zeros(size, 1, dtype=torch.long)
         positions = torch.zeros(size, 1, dtype=torch.long)
-        for r, seq in zip(rows, seqs):
-            tokens[r, 0], positions[r, 0] = seq.out.tokens[-1], seq.length
-            seq.length += 1
-        self.stats["decode_steps"] += 1
-        self.stats["compiled_steps"] += 1
-        self.stats["decoded_tokens"] += len(rows)
-        hidden = self._run_compiled(tokens, positions, self._key_bucket(int(positions.max()) + 1))
-        return self._sample(seqs, hidden[torch.tensor(rows, device=self.device)])
-
-    def _decode(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
-        if self._compiled is not None:
-            return self._decode_compiled(rows, seqs)
-        tokens = torch.tensor([[seq.out.tokens[-1]] for seq in seqs])
-        positions = torch.tensor([[seq.length] for seq in seqs])
-        for seq in seqs:
-            seq.length += 1
-        self.stats["decode_steps"] += 1
-        self.stats["decoded_tokens"] += len(rows)
-        self.slab.bind(rows, positions)
-        return self._forward(seqs, tokens, positions, torch.arange(len(rows)), torch.zeros(len(rows), dtype=torch.long))
-
-    def _forward(self, seqs, tokens, positions, row, column) -> list[_Sequence]:
-        """One forward of the bound slab; request b samples its next token from the logits at
-        [row[b], column[b]] of the output."""
-        hidden = local(self.model(tokens.to(self.device), cache=self.slab, positions=positions.to(self.device),
-                                  return_hidden=True))
-        return self._sample(seqs, hidden[row.to(self.device), column.to(self.device)])
-
-    def _sample(self, seqs, hidden) -> list[_Sequence]:
-        """hidden [requests, hidden] (after the final norm) -> each request's next token, appended."""
-        logits = head_logits(self.model.output, hidden)
-        tokens, sampled_lp = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        logprobs = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
-        for seq, t, lp, slp in zip(seqs, tokens.tolist(), logprobs.tolist(), sampled_lp.tolist()):
-            out, p = seq.out, seq.params
-            out.tokens.append(t)
-            out.logprobs.append(lp)
-            out.sampling_logprobs.append(slp)
-            if t in p.stop_token_ids:
-                out.finish_reason = "stop"
-            elif len(out.tokens) >= p.max_new_tokens:
-                out.finish_reason = "length"
-            elif len(out.prompt) + len(out.tokens) >= self.max_len:
-                out.finish_reason = "context"
+        tokens[where, 0] = torch.tensor([s.out.tokens[-1] for s in seqs])
+        positions[where, 0] = torch.tensor([s.length for s in seqs])
+        advance = torch.zeros(size, 1, dtype=torch.long)
+        advance[where] = 1
+        # one copy to the device per window (idle bucket rows stay at position 0)
+        tokens, positions, advance, where = (t.to(self.device) for t in (tokens, positions, advance, where))
+        stops = self._stop_table(seqs)
+        first = max(s.length for s in seqs)
+        out = []
+        for step in range(steps):
+            keys = first + step + 1  # key positions the furthest request reads
+            if self._compiled is not None:
+                hidden = self._run_compiled(tokens, positions, self._key_bucket(keys))[where]
+                self.stats["compiled_steps"] += 1
+            else:
+                self.slab.bind(rows, positions, keys=keys)
+                hidden = local(self.model(tokens, cache=self.slab, positions=positions, return_hidden=True))[:, 0]
+            token, logprob, sampled = self._pick(hidden, sampler, step)
+            out.append((token, logprob, sampled))
+            if step + 1 < steps:
+                tokens[where, 0] = token
+                positions += advance
+        kept = self._emit(seqs, out, stops, steps, fed=steps)
+        self.stats["decode_steps"] += steps
+        self.stats["windows"] += 1
+        self.stats["decoded_tokens"] += kept
+        self.stats["discarded_tokens"] += len(seqs) * steps - kept  # decoded past a stop within a window
         return seqs
+
+    def _stop_table(self, seqs: list[_Sequence]) -> torch.Tensor | None:
+        """[requests, most stop tokens] on the device, padded with -1 (never a token); None if none stop."""
+        width = max(len(s.params.stop_token_ids) for s in seqs)
+        if not width:
+            return None
+        rows = [list(s.params.stop_token_ids) + [-1] * (width - len(s.params.stop_token_ids)) for s in seqs]
+        return torch.tensor(rows, device=self.device)
+
+    def _pick(self, hidden, sampler: Sampler, step: int):
+        """hidden [requests, hidden] (after the final norm) -> next token, its log-prob under the raw logits
+        (temperature 1) and under the distribution it was sampled from; all on the device."""
+        logits = head_logits(self.model.output, hidden)
+        token, sampled = sampler(logits, step)
+        return token, logits.log_softmax(-1).gather(1, token[:, None])[:, 0], sampled
+
+    def _emit(self, seqs: list[_Sequence], out: list, stops, steps: int, fed: int) -> int:
+        """Append each request's tokens of a window (`out`: per step, tokens / log-probs / sampling log-probs
+        of every request) up to the first that ends it; `fed`: tokens the window wrote into each slot. The
+        stop tokens are matched on the device; the host reads the whole window back in one copy. Returns
+        the tokens kept."""
+        tokens = torch.stack([o[0] for o in out], 1)  # [requests, steps]
+        columns = [tokens.double(), torch.stack([o[1] for o in out], 1).double(),
+                   torch.stack([o[2] for o in out], 1).double()]
+        if stops is not None:
+            hit = (tokens[:, :, None] == stops[:, None, :]).any(-1)
+            first = torch.where(hit.any(1), hit.int().argmax(1), steps)  # the first stop token's step, or steps
+            columns.append(first.double()[:, None])
+        table = torch.cat(columns, 1).tolist()  # the window's one read-back
+        kept = 0
+        for seq, row in zip(seqs, table):
+            out, p = seq.out, seq.params
+            stop_at = int(row[3 * steps]) if stops is not None else steps
+            for step in range(steps):
+                out.tokens.append(int(row[step]))
+                out.logprobs.append(row[steps + step])
+                out.sampling_logprobs.append(row[2 * steps + step])
+                kept += 1
+                if step == stop_at:
+                    out.finish_reason = "stop"
+                elif len(out.tokens) >= p.max_new_tokens:
+                    out.finish_reason = "length"
+                elif len(out.prompt) + len(out.tokens) >= self.max_len:
+                    out.finish_reason = "context"
+                if out.finish_reason:
+                    break
+            seq.length += fed
+        return kept
 
     # --- weights --------------------------------------------------------------------------------------------
 

@@ -398,7 +398,7 @@ class RLTrainer(Trainer):
 
             apply_tensor_parallel(engine_model, self.layout.submesh("tp"), sp=False)
         self.engine = Engine(engine_model, max_batch=rl.engine_batch, max_len=engine_max_len(cfg), seed=cfg.train.seed,
-                             compile=rl.engine_compile)
+                             compile=rl.engine_compile, sync_every=rl.engine_sync_every)
         self.engine.refit(self.model)
         self.reference = self._build_reference() if rl.kl_coef else None
         self.rewards = Rewards(cfg, self.tokenizer, self.device)
