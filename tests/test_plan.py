@@ -294,6 +294,8 @@ def test_bad_input_exits_2(args, needle):
     ("decode_gbps", {"fp32": [[1, 512, 12.5]]}, "decode_gbps must map precisions to rows [rows, n, k, GB/s]"),
     ("decode_attention_gbps", {"fp32": "fast"}, "decode_attention_gbps must map precisions to positive GB/s"),
     ("engine_overhead_us", {"layer": 450.0}, "engine_overhead_us must be"),
+    ("elementwise_gbps", {"fp32": [[1e6]]}, "elementwise_gbps must map precisions to rows"),
+    ("decode_stream_scale", {"fp32": [[1e6, -1.0]]}, "decode_stream_scale must map precisions to rows"),
 ])
 def test_malformed_decode_profile_keys_exit_2(tmp_path, key, value, needle):
     profile = {"name": "x", "memory_gib": 16, "peak_tflops": {"fp32": 0.1}, "hbm_gbps": 20, "nvlink_gbps": 5,
@@ -304,7 +306,8 @@ def test_malformed_decode_profile_keys_exit_2(tmp_path, key, value, needle):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert needle in r.stderr and "Traceback" not in r.stderr
     profile[key] = {"decode_gbps": {"fp32": [[1, 512, 512, 12.5]]}, "decode_attention_gbps": {"fp32": 4.3},
-                    "engine_overhead_us": {"layer": 450.0, "step": 300.0}}[key]
+                    "engine_overhead_us": {"layer": 450.0, "step": 300.0}, "elementwise_gbps": {"fp32": [[1e6, 9.0]]},
+                    "decode_stream_scale": {"fp32": [[1e6, 2.0], [1e8, 1.0]]}}[key]
     path.write_text(json.dumps(profile))
     r = run_cli("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(path), "--precision", "fp32", "--inference")
     assert r.returncode == 0, r.stderr
@@ -438,6 +441,43 @@ def test_inference_decode_uses_a_profiles_measured_rates_and_engine_overheads():
         + (4 * 500 + 100) * 1e-6
     assert est.decode_step_s == pytest.approx(expected, rel=1e-9)
     assert est.kv_cache_gib * GIB == 4 * 4 * (128 + 32) * (2 * 4 * 64 * 4)
+    # A model small enough to stay partly cached between steps streams its weights faster by the profile's
+    # factor at its weight bytes (log-interpolated): here 54 MB between 8 MB (x3) and 128 MB (x1).
+    weight_bytes = 4 * (4 * layer_params(cfg) + 4096 * 512)
+    factor = 3 + (1 - 3) * math.log(weight_bytes / 8e6) / math.log(128e6 / 8e6)
+    scaled = dataclasses.replace(gpu, decode_stream_scale={"fp32": [[8e6, 3.0], [128e6, 1.0]]})
+    est = evaluate_inference(Workload(cfg, 128, 4, 1, scaled, precision="fp32"), 1, 1, 4, 128, 32)
+    assert est.decode_step_s == pytest.approx(expected - (4 * layer_bytes / small + 4 * 4096 * 512 / big) * (1 - 1 / factor),
+                                              rel=1e-9)
+
+
+def test_elementwise_term_uses_the_profiles_measured_rate():
+    """With a profile's elementwise table, a layer's elementwise time is the bytes the cost model counts
+    over the rate measured at that working set (log-interpolated); without one, over the memory bandwidth."""
+    import dataclasses
+    import math
+
+    from loom.config import ModelConfig
+    from loom.planner.costmodel import elementwise_bytes_per_token, layer_times
+
+    cfg = ModelConfig(layers=4, hidden=512, heads=8, kv_heads=4, ffn_hidden=1376, vocab_size=4096, max_seq_len=1024)
+    per_token = elementwise_bytes_per_token(cfg, "fp32")
+    # two norms (2h), two adds (3h), SwiGLU (3f), rotary on q and k ((a + g) d, twice), 4 bytes each
+    assert per_token == 4 * (2 * 2 * 512 + 2 * 3 * 512 + 3 * 1376 + 2 * (8 + 4) * 64)
+    base = dataclasses.replace(PRESETS["h100"], peak_tflops={"fp32": 1000.0}, hbm_gbps=40.0, hbm_efficiency=1.0)
+    measured = dataclasses.replace(base, elementwise_gbps={"fp32": [[1e7, 9.0], [4e8, 4.0]]})
+    for gpu, tokens in ((base, 1024), (measured, 1024), (measured, 8)):
+        w = Workload(cfg, 128, tokens // 128 or 1, 1, gpu, precision="fp32")
+        got = layer_times(dataclasses.replace(w, seq_len=min(128, tokens)), 1, 1, max(1, tokens // 128), False, "none")
+        nbytes = tokens * per_token
+        if gpu is base:
+            rate = 40.0
+        elif nbytes <= 1e7:
+            rate = 9.0
+        else:
+            rate = 9 + (4 - 9) * math.log(nbytes / 1e7) / math.log(4e8 / 1e7)
+        assert got.fwd["elementwise"] == pytest.approx(nbytes / (rate * 1e9), rel=1e-9)
+        assert got.bwd["elementwise"] == pytest.approx(2 * nbytes / (rate * 1e9), rel=1e-9)
 
 
 def test_inference_memory_counts_every_weight_once_and_the_last_logits(tmp_path):
@@ -475,6 +515,10 @@ def test_profile_hardware_round_trip(tmp_path):
     # The decode measurements: the streaming table (rows, n, k, GB/s) and the engine's own costs.
     assert prof["decode_gbps"]["fp32"] and all(len(row) == 4 and row[3] > 0 for row in prof["decode_gbps"]["fp32"])
     assert prof["decode_attention_gbps"]["fp32"] > 0 and prof["engine_overhead_us"]["layer"] > 0
+    # loom's own layer's elementwise rate ([bytes, GB/s]) and the small-model streaming factor ([bytes, x])
+    assert all(len(row) == 2 and row[0] > 0 and row[1] > 0 for row in prof["elementwise_gbps"]["fp32"])
+    scale = prof["decode_stream_scale"]["fp32"]
+    assert len(scale) >= 2 and all(f > 0 for _, f in scale) and scale[-1][1] == 1.0  # the reference size
     r = run_cli("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(out), "--precision", "fp32",
                 "--global-batch", "16", "--json", "--top", "1")
     assert r.returncode == 0, r.stderr

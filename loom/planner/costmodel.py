@@ -9,8 +9,9 @@ Time of one micro-batch on one pipeline stage is the sum of
                kernel (tiles of 128x128 spread over the SMs), or the memory roofline if that is slower;
   attention    the s x s part: fused kernel FLOPs (causal half) over `attention_efficiency`, or with
                "math" attention two batched GEMMs plus the softmax/mask/dropout traffic;
-  elementwise  norms, residual adds, activation functions, RoPE, dropout: bytes over HBM bandwidth
-               (backward moves twice the forward bytes);
+  elementwise  norms, residual adds, activation functions, RoPE, dropout: bytes over HBM bandwidth, or
+               over the rate a profile measured for loom's own layer at that working set (a CPU's
+               are compute-bound) (backward moves twice the forward bytes);
   tp_comm      tensor-parallel all-reduces (or all-gather + reduce-scatter with SP) that are not
                overlapped, over NVLink when the group fits in a node, else the network;
   overhead     the gap between dependent kernels;
@@ -265,6 +266,53 @@ class LayerTimes:
     bwd: dict  # including recomputation
 
 
+def elementwise_bytes_per_token(cfg: ModelConfig, prec: str, tp: int = 1, sp: bool = False, moe: bool = False) -> float:
+    """Bytes the elementwise ops of one layer's forward move per token on a rank: two norms, two residual
+    adds (replicated over tp unless SP splits the sequence), the MLP's activation function and rotary
+    embedding (split over tp), dropout and fp8 casts when present."""
+    h, d, a, g, f = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
+    half = 4 if prec == "fp32" else 2  # bytes of an activation element
+    per_token_hidden = 2 * (2 * h * half) + 2 * (3 * h * half)  # two norms, two residual adds
+    if cfg.dropout > 0:
+        per_token_hidden += 2 * (2 * h * half + h)
+    per_token_split = (3 if cfg.mlp == "swiglu" else 2) * f * half if not moe else 0.0  # activation function
+    if cfg.position == "rope":
+        per_token_split += 2 * (a + g) * d * half
+    fp8_cast = 0.0
+    if prec == "fp8":
+        # Every linear input (forward) and output gradient (backward) is scaled and cast to fp8, plus a
+        # transposed fp8 copy for the weight gradient: 4 bytes moved per input element over forward and
+        # backward together. Half is counted here, in the forward's bytes; backward's 2x gives the rest.
+        inputs_per_token = h + a * d / tp + h + f / tp  # QKV, out-proj, fc1, fc2 inputs on this rank
+        fp8_cast = 4 * inputs_per_token / 2
+    return per_token_hidden / (tp if sp else 1) + per_token_split / tp + fp8_cast
+
+
+def _elementwise_time(gpu: GPU, prec: str, nbytes: float) -> float:
+    """Seconds for a layer's elementwise ops that move `nbytes` (as `elementwise_bytes_per_token` counts
+    them): at the rate a profile measured for loom's own layer at the nearest working-set size (on a CPU
+    these ops are compute- and dispatch-bound, far below the memory bandwidth, and faster while the
+    working set fits in cache), else at the memory bandwidth."""
+    table = gpu.elementwise_gbps.get(prec) or gpu.elementwise_gbps.get("bf16" if prec == "fp8" else "")
+    if not table or nbytes <= 0:
+        return _bytes_time(gpu, nbytes)
+    return nbytes / (log_interpolate(table, nbytes) * 1e9)
+
+
+def log_interpolate(table, x: float) -> float | None:
+    """The value of a [[x, y], ...] table at x, linear in log x between the rows either side (the end
+    rows' values beyond them); None without a table."""
+    if not table:
+        return None
+    curve = sorted(table)
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
+    return curve[-1][1]
+
+
 def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool, moe: bool = False,
                    ep: int = 1) -> tuple[dict, dict]:
     """Forward time terms of one layer (`moe`: a mixture-of-experts layer with experts over `ep` ranks), and
@@ -299,22 +347,7 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool, moe: bool 
         flops = 2 * 2 * mbs * heads * s * w.seq_len * d / 2
         peak16 = gpu.peak("bf16" if prec == "fp8" else prec)
         core = {"attention": flops / (peak16 * 1e12 * gpu.attention_efficiency), "elementwise": 0.0}
-    # Elementwise traffic per token, in bytes. Replicated over tp unless SP splits the sequence.
-    hid_div = tp if sp else 1
-    per_token_hidden = 2 * (2 * h * half) + 2 * (3 * h * half)  # two norms, two residual adds
-    if cfg.dropout > 0:
-        per_token_hidden += 2 * (2 * h * half + h)
-    per_token_split = (3 if cfg.mlp == "swiglu" else 2) * f * half if not moe else 0.0  # activation function
-    if cfg.position == "rope":
-        per_token_split += 2 * (a + g) * d * half
-    fp8_cast = 0.0
-    if prec == "fp8":
-        # Every linear input (forward) and output gradient (backward) is scaled and cast to fp8, plus a
-        # transposed fp8 copy for the weight gradient: 4 bytes moved per input element over forward and
-        # backward together. Half is counted here, in the forward's bytes; backward's 2x gives the rest.
-        inputs_per_token = h + a * d / tp + h + f / tp  # QKV, out-proj, fc1, fc2 inputs on this rank
-        fp8_cast = 4 * inputs_per_token / 2
-    elementwise = _bytes_time(gpu, tokens * (per_token_hidden / hid_div + per_token_split / tp + fp8_cast))
+    elementwise = _elementwise_time(gpu, prec, tokens * elementwise_bytes_per_token(cfg, prec, tp, sp, moe))
     if moe_terms:
         elementwise += moe_terms["elementwise"]
     tp_comm = 0.0

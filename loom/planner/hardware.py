@@ -56,6 +56,12 @@ class GPU:
     decode_gbps: dict = field(default_factory=dict)
     engine_overhead_us: dict = field(default_factory=dict)
     decode_attention_gbps: dict = field(default_factory=dict)
+    # Measured by a profile: precision -> [[bytes, GB/s], ...], the rate of loom's own layer's elementwise
+    # ops (norms, residual adds, activation, rotary) at working sets of `bytes` (costmodel accounting).
+    elementwise_gbps: dict = field(default_factory=dict)
+    # precision -> [[bytes, factor], ...]: few-row products stream a model whose weights total `bytes`
+    # this many times faster than `decode_gbps` (part of a small model stays cached between steps).
+    decode_stream_scale: dict = field(default_factory=dict)
     source: str = "preset"
 
     def peak(self, precision: str) -> float:
@@ -128,6 +134,12 @@ def _check_decode_keys(spec: str, data: dict) -> None:
             isinstance(r, list) and len(r) == 4 and all(map(number, r)) for r in rows) for rows in table.values())):
         raise UserError(f"--gpu {spec}: decode_gbps must map precisions to rows [rows, n, k, GB/s] of positive "
                         "numbers, e.g. {\"fp32\": [[1, 512, 512, 12.5]]}")
+    for key, example in (("elementwise_gbps", "[[bytes, GB/s], ...], e.g. {\"fp32\": [[5e6, 9.4], [2e8, 3.7]]}"),
+                         ("decode_stream_scale", "[[bytes, factor], ...], e.g. {\"fp32\": [[8e6, 2.1], [1.3e8, 1.0]]}")):
+        table = data.get(key, {})
+        if not (isinstance(table, dict) and all(isinstance(rows, list) and rows and all(
+                isinstance(r, list) and len(r) == 2 and all(map(number, r)) for r in rows) for rows in table.values())):
+            raise UserError(f"--gpu {spec}: {key} must map precisions to rows of positive numbers {example}")
     rates = data.get("decode_attention_gbps", {})
     if not (isinstance(rates, dict) and all(map(number, rates.values()))):
         raise UserError(f"--gpu {spec}: decode_attention_gbps must map precisions to positive GB/s, e.g. {{\"fp32\": 4.3}}")

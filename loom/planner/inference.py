@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass, replace
 
 from loom.planner.costmodel import (GIB, CONTEXT_GIB, Workload, collective_time, embedding_params, gemm_time,
-                                    head_params, layer_params, layer_times, p2p_time, stage_layers)
+                                    head_params, layer_params, layer_times, log_interpolate, p2p_time,
+                                    stage_layers)
 from loom.planner.search import tp_options
 
 
@@ -89,10 +90,12 @@ def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int
     kv_rate = gpu.decode_attention_gbps.get(w.precision, 0) * 1e9 or hbm
     if gpu.decode_gbps.get(w.precision) and not cfg.moe_layers:
         # A profile measured how fast few-row products stream each weight shape at this batch.
+        # ... scaled up when the model is small enough that part of it stays cached from step to step.
+        scale = log_interpolate(gpu.decode_stream_scale.get(w.precision), weights_read) or 1.0
         per_layer = sum(c * o * i * weight_bytes / decode_rate(gpu, w.precision, batch, o, i)
-                        for c, o, i in linear_shapes(cfg, tp))
+                        for c, o, i in linear_shapes(cfg, tp)) / scale
         head_s = cfg.vocab_size // tp * cfg.hidden * weight_bytes / decode_rate(
-            gpu, w.precision, batch, cfg.vocab_size // tp, cfg.hidden)
+            gpu, w.precision, batch, cfg.vocab_size // tp, cfg.hidden) / scale
         compute = max(n_layers * per_layer + head_s + kv_read / kv_rate, flops / rate)
     else:
         compute = max((weights_read + kv_read) / hbm, flops / rate)

@@ -3,7 +3,8 @@
 Measured: GEMM throughput over a grid of shapes for each 16-bit dtype (fp32 too on a CPU), fused
 attention forward+backward, memory bandwidth (a large device copy), all-reduce bus bandwidth between
 local processes (gloo on CPU, nccl between GPUs), the weight-streaming rate of few-row (decode) products
-per weight shape, and, through `loom.infer.probe`, the generation engine's decode attention rate and its
+per weight shape, the rate of loom's own layer's elementwise ops at a few working-set sizes, and, through
+`loom.infer.probe`, the generation engine's decode attention rate and its
 own cost per layer and per step. Datasheet-only numbers that one machine cannot show
 (network bandwidth between nodes) come from `--internode-gbps`. Measured rates are stored as peaks with
 efficiency 1, and the GEMM table replaces the default efficiency curve.
@@ -39,11 +40,24 @@ def _timeit(fn, device: str, min_time: float = 0.2, warmup: int = 2) -> float:
 
 
 def gemm_table(device: str, dtype: torch.dtype, shapes) -> list[list[float]]:
+    """[[m, n, k, TFLOP/s], ...] of x @ W^T with x [m, k] and W [n, k], as a linear layer computes it. On a
+    CPU in fp32 the product cycles over copies of W that together outgrow the last-level cache, so each W comes
+    from memory as a model's weights do (each is read once per forward); hot-cache figures ran 10-20%
+    faster at 128 rows on a 2-core EPYC."""
+    import torch.nn.functional as F
+
     rows = []
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        t = _timeit(lambda: a @ b, device)
+        cold = device == "cpu" and dtype == torch.float32  # (a CPU's bf16 products are too slow to repeat)
+        copies = max(1, (1 << 26) // (n * k * 4)) if cold else 1
+        weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies)]
+
+        def run():
+            for w in weights:
+                F.linear(a, w)
+
+        t = _timeit(run, device) / copies
         rows.append([m, n, k, round(2 * m * n * k / t / 1e12, 4)])
     return rows
 
@@ -122,6 +136,32 @@ def decode_rates(device: str, dtype: torch.dtype, quick: bool = False) -> list[l
                     out.append([m, n, k, round(len(weights) * nbytes / _timeit(step, device, min_time=0.1) / 1e9, 3)])
                 del weights
     return out
+
+
+def decode_stream_scale(device: str, dtype: torch.dtype, quick: bool = False) -> list[list[float]]:
+    """[[bytes, factor], ...]: how much faster few-row products stream their weights when a decode step's
+    weights total only `bytes` (cycled over, as step after step reads the same model) than at the size
+    `decode_rates` streams (larger than any last-level cache). A model smaller than a few times the
+    cache keeps part of its weights cached from one step to the next; a large one gets factor 1."""
+    import torch.nn.functional as F
+
+    sizes = (1 << 24, 1 << 26, 1 << 28, 1 << 30) if device == "cuda" else (1 << 23, 1 << 24, 1 << 25, 1 << 26, 1 << 27)
+    reference = sizes[-1]
+    n = k = 1024
+    nbytes = n * k * torch.finfo(dtype).bits // 8
+    rates = {}
+    with torch.no_grad():
+        x = torch.randn(1, k, device=device, dtype=dtype)
+        for size in (sizes[::2] if quick else sizes):
+            weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(max(1, size // nbytes))]
+
+            def step():
+                for w in weights:
+                    F.linear(x, w)
+
+            rates[size] = len(weights) * nbytes / _timeit(step, device, min_time=0.1)
+            del weights
+    return [[float(size), round(rate / rates[reference], 3)] for size, rate in sorted(rates.items())]
 
 
 def _allreduce_worker(rank: int, world: int, port: int, backend: str, nbytes: int, out):
@@ -205,6 +245,8 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
         "internode_gbps": internode_gbps, "sms": sms, "node_size": max(1, local),
         "kernel_overhead_us": round(kernel_overhead_us(device), 3),
         "decode_gbps": {attn_key: decode_rates(device, dtypes[attn_key], quick=quick)},
+        "decode_stream_scale": {attn_key: decode_stream_scale(device, dtypes[attn_key], quick=quick)},
+        "elementwise_gbps": {attn_key: elementwise_rates(device, dtypes[attn_key], quick=quick)},
         **(engine_probe(device, dtypes[attn_key], quick) if engine_probe is not None else {}),
         "gemm": gemm, "source": f"measured by loom plan --profile-hardware (torch {torch.__version__})",
     }
@@ -212,3 +254,46 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
     tmp.write_text(json.dumps(profile, indent=1))
     tmp.replace(out)
     return profile
+
+
+def elementwise_rates(device: str, dtype: torch.dtype, quick: bool = False) -> list[list[float]]:
+    """[[bytes, GB/s], ...]: how fast loom's own layer gets through its elementwise ops (norms, residual adds,
+    SwiGLU's activation, rotary embedding and what else runs between its products), at a few working-set
+    sizes. A one-layer Llama's forward runs under torch's profiler; the self time of every op that is not a
+    matrix product, attention or the embedding is the elementwise time, and the bytes are what the cost
+    model counts for those ops (`costmodel.elementwise_bytes_per_token`, plus the final norm)."""
+    from loom.config import ModelConfig
+    from loom.models.llama import build_model
+    from loom.planner.costmodel import elementwise_bytes_per_token
+
+    tokens = (2048, 16384) if device == "cuda" else (128, 1024, 4096)
+    if quick:
+        tokens = tokens[:1]
+    prec = "fp32" if dtype == torch.float32 else "bf16"
+    skip = ("mm", "bmm", "addmm", "linear", "matmul", "embedding", "index_select")
+    out = []
+    for n in tokens:
+        cfg = ModelConfig(layers=1, hidden=1024, heads=16, kv_heads=8, ffn_hidden=2816, vocab_size=256, max_seq_len=n)
+        torch.manual_seed(0)
+        model = build_model(cfg).to(device=device, dtype=dtype).eval()
+        ids = torch.randint(0, cfg.vocab_size, (1, n), device=device)
+        nbytes = n * (elementwise_bytes_per_token(cfg, prec) + 2 * cfg.hidden * (4 if prec == "fp32" else 2))
+        best = None
+        with torch.no_grad():
+            for _ in range(2):
+                model(ids)  # warm-up
+            for _ in range(1 if quick else 3):
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if device == "cuda"
+                                                        else torch.profiler.ProfilerActivity.CPU]) as prof:
+                    model(ids)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                seconds = 0.0
+                for e in prof.key_averages():
+                    name = e.key.removeprefix("aten::")
+                    if name in skip or "attention" in name or "flash" in name or "cutlass" in name or "gemm" in name:
+                        continue
+                    seconds += (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) * 1e-6
+                best = seconds if best is None else min(best, seconds)
+        out.append([float(nbytes), round(nbytes / max(best, 1e-9) / 1e9, 3)])
+    return out
