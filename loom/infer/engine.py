@@ -445,8 +445,7 @@ class Engine:
         self.stats["prefill_steps"] += 1
         last = (torch.cumsum(torch.tensor(lengths), 0) - 1).to(self.device)
         hidden = local(self.model(tokens.to(self.device), cache=self.slab, positions=positions, return_hidden=True))
-        sampler = Sampler([s.params for s in seqs], [s.generator for s in seqs], 1, self.vocab, self.device)
-        self._emit(seqs, [self._pick(hidden[0, last], sampler, 0)], self._stop_table(seqs), 1, fed=0)
+        self._emit(seqs, [self._pick(hidden[0, last], self._sampler(seqs, 1), 0)], self._stop_table(seqs), 1, fed=0)
         return seqs
 
     def _static_decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -478,7 +477,7 @@ class Engine:
         budget = [min(s.params.max_new_tokens - len(s.out.tokens), self.max_len - len(s.out.prompt) - len(s.out.tokens))
                   for s in seqs]
         steps = max(1, min(self.sync_every, *budget))
-        sampler = Sampler([s.params for s in seqs], [s.generator for s in seqs], steps, self.vocab, self.device)
+        sampler = self._sampler(seqs, steps)
         size = self._bucket(max(rows) + 1) if self._compiled is not None else len(rows)
         where = torch.tensor(rows) if self._compiled is not None else torch.arange(len(rows))
         tokens = torch.zeros(size, 1, dtype=torch.long)
@@ -511,6 +510,9 @@ class Engine:
         self.stats["decoded_tokens"] += kept
         self.stats["discarded_tokens"] += len(seqs) * steps - kept  # decoded past a stop within a window
         return seqs
+
+    def _sampler(self, seqs: list[_Sequence], steps: int) -> Sampler:
+        return Sampler([s.params for s in seqs], [s.generator for s in seqs], steps, self.vocab, self.device)
 
     def _stop_table(self, seqs: list[_Sequence]) -> torch.Tensor | None:
         """[requests, most stop tokens] on the device, padded with -1 (never a token); None if none stop."""

@@ -293,7 +293,7 @@ def _elementwise_time(gpu: GPU, prec: str, nbytes: float) -> float:
     them): at the rate a profile measured for loom's own layer at the nearest working-set size (on a CPU
     these ops are compute- and dispatch-bound, far below the memory bandwidth, and faster while the
     working set fits in cache), else at the memory bandwidth."""
-    table = gpu.elementwise_gbps.get(prec) or gpu.elementwise_gbps.get("bf16" if prec == "fp8" else "")
+    table = gpu.elementwise_gbps.get("bf16" if prec == "fp8" else prec)  # fp8 runs these ops in bf16
     if not table or nbytes <= 0:
         return _bytes_time(gpu, nbytes)
     return nbytes / (log_interpolate(table, nbytes) * 1e9)

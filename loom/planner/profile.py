@@ -39,25 +39,30 @@ def _timeit(fn, device: str, min_time: float = 0.2, warmup: int = 2) -> float:
     return elapsed / reps
 
 
+def _linear_pass(x: torch.Tensor, weights: list, device: str, min_time: float = 0.2) -> float:
+    """Seconds for F.linear(x, w) over every w in `weights`, one after another (copies that together
+    outgrow the caches make each product read its weight from memory)."""
+    import torch.nn.functional as F
+
+    def run():
+        for w in weights:
+            F.linear(x, w)
+
+    return _timeit(run, device, min_time=min_time)
+
+
 def gemm_table(device: str, dtype: torch.dtype, shapes) -> list[list[float]]:
     """[[m, n, k, TFLOP/s], ...] of x @ W^T with x [m, k] and W [n, k], as a linear layer computes it. On a
     CPU in fp32 the product cycles over copies of W that together outgrow the last-level cache, so each W comes
     from memory as a model's weights do (each is read once per forward); hot-cache figures ran 10-20%
     faster at 128 rows on a 2-core EPYC."""
-    import torch.nn.functional as F
-
     rows = []
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
         cold = device == "cpu" and dtype == torch.float32  # (a CPU's bf16 products are too slow to repeat)
         copies = max(1, (1 << 26) // (n * k * 4)) if cold else 1
         weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies)]
-
-        def run():
-            for w in weights:
-                F.linear(a, w)
-
-        t = _timeit(run, device) / copies
+        t = _linear_pass(a, weights, device) / copies
         rows.append([m, n, k, round(2 * m * n * k / t / 1e12, 4)])
     return rows
 
@@ -112,8 +117,6 @@ def decode_rates(device: str, dtype: torch.dtype, quick: bool = False) -> list[l
     through a product with a few rows, outside autograd, as the generation engine runs it. Each shape is timed
     over enough copies of its weight to exceed any last-level cache, so every weight comes from memory, as a
     model's do in every decode step."""
-    import torch.nn.functional as F
-
     if device == "cuda":
         dims, rows, stream = (1024, 4096, 16384), (1, 16, 64, 256), 1 << 30
     else:
@@ -128,12 +131,8 @@ def decode_rates(device: str, dtype: torch.dtype, quick: bool = False) -> list[l
                 weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(-(-stream // nbytes))]
                 for m in rows:
                     x = torch.randn(m, k, device=device, dtype=dtype)
-
-                    def step():
-                        for w in weights:
-                            F.linear(x, w)
-
-                    out.append([m, n, k, round(len(weights) * nbytes / _timeit(step, device, min_time=0.1) / 1e9, 3)])
+                    seconds = _linear_pass(x, weights, device, min_time=0.1)
+                    out.append([m, n, k, round(len(weights) * nbytes / seconds / 1e9, 3)])
                 del weights
     return out
 
@@ -143,8 +142,6 @@ def decode_stream_scale(device: str, dtype: torch.dtype, quick: bool = False) ->
     weights total only `bytes` (cycled over, as step after step reads the same model) than at the size
     `decode_rates` streams (larger than any last-level cache). A model smaller than a few times the
     cache keeps part of its weights cached from one step to the next; a large one gets factor 1."""
-    import torch.nn.functional as F
-
     sizes = (1 << 24, 1 << 26, 1 << 28, 1 << 30) if device == "cuda" else (1 << 23, 1 << 24, 1 << 25, 1 << 26, 1 << 27)
     reference = sizes[-1]
     n = k = 1024
@@ -154,12 +151,7 @@ def decode_stream_scale(device: str, dtype: torch.dtype, quick: bool = False) ->
         x = torch.randn(1, k, device=device, dtype=dtype)
         for size in (sizes[::2] if quick else sizes):
             weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(max(1, size // nbytes))]
-
-            def step():
-                for w in weights:
-                    F.linear(x, w)
-
-            rates[size] = len(weights) * nbytes / _timeit(step, device, min_time=0.1)
+            rates[size] = len(weights) * nbytes / _linear_pass(x, weights, device, min_time=0.1)
             del weights
     return [[float(size), round(rate / rates[reference], 3)] for size, rate in sorted(rates.items())]
 
