@@ -293,9 +293,12 @@ def test_bad_input_exits_2(args, needle):
 @pytest.mark.parametrize("key, value, needle", [
     ("decode_gbps", {"fp32": [[1, 512, 12.5]]}, "decode_gbps must map precisions to rows [rows, n, k, GB/s]"),
     ("decode_attention_gbps", {"fp32": "fast"}, "decode_attention_gbps must map precisions to positive GB/s"),
+    ("decode_attention_gbps", {"fp32": [[1e6, 0.0]]}, "or to rows [[bytes, GB/s], ...]"),
     ("engine_overhead_us", {"layer": 450.0}, "engine_overhead_us must be"),
+    ("engine_overhead_us", {"layer": 450.0, "step": 300.0, "rows": 7.0}, "optionally \"row\""),
     ("elementwise_gbps", {"fp32": [[1e6]]}, "elementwise_gbps must map precisions to rows"),
     ("decode_stream_scale", {"fp32": [[1e6, -1.0]]}, "decode_stream_scale must map precisions to rows"),
+    ("prefill_attention_tflops", {"fp32": 0.02}, "prefill_attention_tflops must map precisions to rows"),
 ])
 def test_malformed_decode_profile_keys_exit_2(tmp_path, key, value, needle):
     profile = {"name": "x", "memory_gib": 16, "peak_tflops": {"fp32": 0.1}, "hbm_gbps": 20, "nvlink_gbps": 5,
@@ -305,9 +308,10 @@ def test_malformed_decode_profile_keys_exit_2(tmp_path, key, value, needle):
     r = run_cli("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(path), "--precision", "fp32", "--inference")
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert needle in r.stderr and "Traceback" not in r.stderr
-    profile[key] = {"decode_gbps": {"fp32": [[1, 512, 512, 12.5]]}, "decode_attention_gbps": {"fp32": 4.3},
-                    "engine_overhead_us": {"layer": 450.0, "step": 300.0}, "elementwise_gbps": {"fp32": [[1e6, 9.0]]},
-                    "decode_stream_scale": {"fp32": [[1e6, 2.0], [1e8, 1.0]]}}[key]
+    profile[key] = {"decode_gbps": {"fp32": [[1, 512, 512, 12.5]]}, "decode_attention_gbps": {"fp32": [[1e6, 4.3]]},
+                    "engine_overhead_us": {"layer": 450.0, "step": 300.0, "row": 7.0},
+                    "elementwise_gbps": {"fp32": [[1e6, 9.0]]}, "decode_stream_scale": {"fp32": [[1e6, 2.0], [1e8, 1.0]]},
+                    "prefill_attention_tflops": {"fp32": [[128, 0.02], [512, 0.03]]}}[key]
     path.write_text(json.dumps(profile))
     r = run_cli("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(path), "--precision", "fp32", "--inference")
     assert r.returncode == 0, r.stderr
@@ -413,32 +417,43 @@ def test_inference_pareto_front_and_decode_physics():
 
 
 def test_inference_decode_uses_a_profiles_measured_rates_and_engine_overheads():
-    """With a profile's decode table, attention rate and engine overheads, a decode step is each weight over
-    the streaming rate measured for its shape at that batch (log-interpolated in rows) + key/values over the
-    attention rate + the engine's per-layer and per-step costs; fp32 weights and caches are 4 bytes."""
+    """With a profile's decode table, attention rates, elementwise rates and engine overheads, a decode step is
+    each weight over the streaming rate measured for its shape at that batch (log-interpolated in rows) +
+    key/values over the attention rate measured for a read of one layer's size (log-interpolated in bytes) +
+    the batch's elementwise bytes over their measured rate + the engine's per-layer, per-step and per-sequence
+    costs; fp32 weights and caches are 4 bytes."""
     import dataclasses
     import math
 
     from loom.config import ModelConfig
-    from loom.planner.inference import decode_rate, evaluate_inference
+    from loom.planner.costmodel import elementwise_bytes_per_token
+    from loom.planner.inference import attention_rate, decode_rate, evaluate_inference
 
     cfg = ModelConfig(layers=4, hidden=512, heads=8, kv_heads=4, ffn_hidden=1376, vocab_size=4096, max_seq_len=1024,
                       tie_embeddings=False)
     table = [[1, 512, 512, 10.0], [16, 512, 512, 4.0], [1, 4096, 512, 20.0], [16, 4096, 512, 8.0]]
     gpu = dataclasses.replace(PRESETS["h100"], peak_tflops={"fp32": 1000.0}, decode_gbps={"fp32": table},
-                              decode_attention_gbps={"fp32": 2.0}, engine_overhead_us={"layer": 500.0, "step": 100.0})
+                              decode_attention_gbps={"fp32": [[2.5e5, 1.0], [4e6, 3.0]]},
+                              elementwise_gbps={"fp32": [[1e5, 2.0], [1e7, 6.0]]},
+                              engine_overhead_us={"layer": 500.0, "step": 100.0, "row": 10.0})
     small = (10 + (4 - 10) * math.log(4) / math.log(16)) * 1e9  # 512-ish shapes at 4 rows
     big = (20 + (8 - 20) * math.log(4) / math.log(16)) * 1e9  # the 4096 x 512 head
     assert decode_rate(gpu, "fp32", 4, 256, 512) == pytest.approx(small)
     assert decode_rate(gpu, "fp32", 4, 4096, 512) == pytest.approx(big)
     assert decode_rate(gpu, "fp32", 64, 512, 512) == 4e9 and decode_rate(gpu, "bf16", 4, 512, 512) is None
+    kv_layer = 4 * (128 + 16) * (2 * 4 * 64 * 4)  # 4 sequences at the mean context, K and V, one layer
+    kv_rate = (1 + (3 - 1) * math.log(kv_layer / 2.5e5) / math.log(4e6 / 2.5e5)) * 1e9
+    assert attention_rate(gpu, "fp32", kv_layer) == pytest.approx(kv_rate)
+    assert attention_rate(dataclasses.replace(gpu, decode_attention_gbps={"fp32": 2.0}), "fp32", kv_layer) == 2e9
+    ew_bytes = 4 * elementwise_bytes_per_token(cfg, "fp32")
+    ew_rate = (2 + (6 - 2) * math.log(ew_bytes / 1e5) / math.log(1e7 / 1e5)) * 1e9
     w = Workload(cfg, 128, 4, 1, gpu, precision="fp32")
     est = evaluate_inference(w, 1, 1, 4, 128, 32)
     # wq 512x512, wk/wv 256x512, wo 512x512 and the three MLP weights (1376x512 twice, 512x1376) all sit
     # nearest the 512 x 512 entry; the head nearest 4096 x 512.
     layer_bytes = 4 * layer_params(cfg) - 4 * 2 * 512  # less the two norms' weights
-    expected = 4 * layer_bytes / small + 4 * 4096 * 512 / big + 4 * 4 * (128 + 16) * (2 * 4 * 64 * 4) / 2e9 \
-        + (4 * 500 + 100) * 1e-6
+    expected = 4 * layer_bytes / small + 4 * 4096 * 512 / big + 4 * kv_layer / kv_rate + 4 * ew_bytes / ew_rate \
+        + (4 * 500 + 100 + 4 * 10) * 1e-6
     assert est.decode_step_s == pytest.approx(expected, rel=1e-9)
     assert est.kv_cache_gib * GIB == 4 * 4 * (128 + 32) * (2 * 4 * 64 * 4)
     # A model small enough to stay partly cached between steps streams its weights faster by the profile's
@@ -449,6 +464,30 @@ def test_inference_decode_uses_a_profiles_measured_rates_and_engine_overheads():
     est = evaluate_inference(Workload(cfg, 128, 4, 1, scaled, precision="fp32"), 1, 1, 4, 128, 32)
     assert est.decode_step_s == pytest.approx(expected - (4 * layer_bytes / small + 4 * 4096 * 512 / big) * (1 - 1 / factor),
                                               rel=1e-9)
+
+
+def test_inference_prefill_attention_uses_the_engines_measured_rate():
+    """With a profile's `prefill_attention_tflops`, prefill's attention is the causal half of the score and
+    context FLOPs over the rate measured for the engine's packed prefill at that prompt length
+    (log-interpolated); the other terms are unchanged."""
+    import dataclasses
+    import math
+
+    from loom.config import ModelConfig
+    from loom.planner.costmodel import layer_times
+    from loom.planner.inference import evaluate_inference
+
+    cfg = ModelConfig(layers=4, hidden=512, heads=8, kv_heads=4, ffn_hidden=1376, vocab_size=4096, max_seq_len=1024)
+    base = dataclasses.replace(PRESETS["h100"], peak_tflops={"fp32": 1.0})
+    measured = dataclasses.replace(base, prefill_attention_tflops={"fp32": [[128, 0.02], [512, 0.04]]})
+    for prompt in (128, 256):
+        w = Workload(cfg, prompt, 8, 1, base, precision="fp32")
+        before = evaluate_inference(w, 1, 1, 8, prompt, 16).prefill_s
+        after = evaluate_inference(dataclasses.replace(w, gpu=measured), 1, 1, 8, prompt, 16).prefill_s
+        old = layer_times(dataclasses.replace(w, seq_len=prompt), 1, 1, 8, False, "none").fwd["attention"]
+        rate = 0.02 + (0.04 - 0.02) * math.log(prompt / 128) / math.log(512 / 128)
+        new = 2 * 2 * 8 * 8 * prompt * prompt * 64 / 2 / (rate * 1e12)
+        assert after - before == pytest.approx(4 * (new - old), rel=1e-9)
 
 
 def test_elementwise_term_uses_the_profiles_measured_rate():
@@ -514,7 +553,12 @@ def test_profile_hardware_round_trip(tmp_path):
     assert prof["gemm"]["fp32"] and prof["hbm_gbps"] > 0 and prof["peak_tflops"]["fp32"] > 0
     # The decode measurements: the streaming table (rows, n, k, GB/s) and the engine's own costs.
     assert prof["decode_gbps"]["fp32"] and all(len(row) == 4 and row[3] > 0 for row in prof["decode_gbps"]["fp32"])
-    assert prof["decode_attention_gbps"]["fp32"] > 0 and prof["engine_overhead_us"]["layer"] > 0
+    assert prof["engine_overhead_us"]["layer"] > 0 and prof["engine_overhead_us"]["row"] >= 0
+    # the engine's decode attention by bytes read ([bytes, GB/s]) and its packed prefill attention by prompt
+    # length ([tokens, TFLOP/s])
+    for key in ("decode_attention_gbps", "prefill_attention_tflops"):
+        rows = prof[key]["fp32"]
+        assert len(rows) >= 2 and all(len(row) == 2 and row[0] > 0 and row[1] > 0 for row in rows)
     # loom's own layer's elementwise rate ([bytes, GB/s]) and the small-model streaming factor ([bytes, x])
     assert all(len(row) == 2 and row[0] > 0 and row[1] > 0 for row in prof["elementwise_gbps"]["fp32"])
     scale = prof["decode_stream_scale"]["fp32"]

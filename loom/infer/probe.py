@@ -1,8 +1,12 @@
 """The generation engine's own costs, measured for a hardware profile (`loom plan --profile-hardware`; the
 CLI hands `measure` to the profiler, which sits beside this package and does not import it).
 
-- `decode_attention_gbps`: the key/value bytes per second of the engine's decode attention;
-- `engine_overhead_us`: what a decode step costs beyond its kernels' work, per layer and per step.
+- `decode_attention_gbps`: the key/value bytes per second of the engine's decode attention, per size of one
+  layer's cache read ([[bytes, GB/s], ...]);
+- `prefill_attention_tflops`: the rate of the engine's packed prefill attention, per prompt length
+  ([[tokens, TFLOP/s], ...]);
+- `engine_overhead_us`: what a decode step costs beyond its kernels' work, per layer, per step and per
+  sequence in the batch.
 """
 
 from __future__ import annotations
@@ -20,41 +24,78 @@ def _seconds(fn, min_time: float = 0.2) -> float:
     return Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_time).median
 
 
-def decode_attention_gbps(device: str, dtype: torch.dtype) -> float:
-    """Key/value bytes per second that the engine's decode attention (`KVSlab.attend`: write the new token's
-    keys and values, attend over the slot's cache) gets through, at one query per sequence and two query
-    heads per key/value head."""
-    b, kv_heads, d, ctx = (32, 8, 128, 2048) if device == "cuda" else (8, 4, 64, 512)
-    slab = KVSlab([0], b, kv_heads, ctx, d, dtype, device)
-    slab.bind(list(range(b)), torch.full((b, 1), ctx - 1))
-    q = torch.randn(b, 2 * kv_heads, 1, d, device=device, dtype=dtype)
-    k, v = (torch.randn(b, kv_heads, 1, d, device=device, dtype=dtype) for _ in range(2))
-    with torch.no_grad():
-        t = _seconds(lambda: slab.attend(0, q, k, v))
-    return round(2 * b * kv_heads * ctx * d * q.element_size() / t / 1e9, 3)
+def decode_attention_gbps(device: str, dtype: torch.dtype, quick: bool = False) -> list[list[float]]:
+    """[[bytes, GB/s], ...]: key/value bytes per second that the engine's decode attention (`KVSlab.attend`:
+    write the new token's keys and values, attend over the slot's cache) gets through, at one query per
+    sequence and two query heads per key/value head, by the bytes one call reads (one layer's cache of the
+    batch). Small reads are dominated by the call's fixed costs, reads that outgrow the caches by memory, so
+    the rate is measured at several sizes: more sequences at a fixed context (CPU, 2-core EPYC, torch 2.13:
+    3.0 / 9.8 / 11.3 / 5.7 GB/s at 0.3 / 2.4 / 9.4 / 17 MB)."""
+    kv_heads, d = (8, 128) if device == "cuda" else (4, 64)
+    ctx = 1024 if device == "cuda" else 128
+    table = []
+    for b in (1, 8, 32, 128):
+        slab = KVSlab([0], b, kv_heads, ctx, d, dtype, device)
+        slab.bind(list(range(b)), torch.full((b, 1), ctx - 1))
+        q = torch.randn(b, 2 * kv_heads, 1, d, device=device, dtype=dtype)
+        k, v = (torch.randn(b, kv_heads, 1, d, device=device, dtype=dtype) for _ in range(2))
+        nbytes = 2 * b * kv_heads * ctx * d * q.element_size()
+        with torch.no_grad():
+            t = _seconds(lambda: slab.attend(0, q, k, v), 0.1 if quick else 0.2)
+        table.append([float(nbytes), round(nbytes / t / 1e9, 3)])
+    return table
+
+
+def prefill_attention_tflops(device: str, dtype: torch.dtype, quick: bool = False) -> list[list[float]]:
+    """[[prompt tokens, TFLOP/s], ...]: the causal-half FLOPs per second of the engine's packed prefill attention
+    (`KVSlab.attend` on a `bind_packed` row: write the keys and values to their slots, spread the queries per
+    slot, attend causally, pack the output back), at a few prompt lengths with the batch making up a fixed
+    number of tokens; two query heads per key/value head. Training's attention rate (forward and backward,
+    no cache) does not describe it: on a 2-core EPYC (torch 2.13) this ran at 0.021 TFLOP/s at 128 tokens
+    and 0.031 at 512 where a training step's attention ran at 0.06."""
+    kv_heads, d, total = (8, 128, 16384) if device == "cuda" else (4, 64, 4096)
+    lengths = (512, 2048, 8192) if device == "cuda" else (128, 512, 2048)
+    table = []
+    for s in lengths[:2] if quick else lengths:
+        b = max(1, total // s)
+        slab = KVSlab([0], b, kv_heads, s, d, dtype, device)
+        slab.bind_packed(list(range(b)), [s] * b)
+        q = torch.randn(1, 2 * kv_heads, b * s, d, device=device, dtype=dtype)
+        k, v = (torch.randn(1, kv_heads, b * s, d, device=device, dtype=dtype) for _ in range(2))
+        with torch.no_grad():
+            t = _seconds(lambda: slab.attend(0, q, k, v), 0.1 if quick else 0.2)
+        table.append([s, round(2 * 2 * b * 2 * kv_heads * s * s * d / 2 / t / 1e12, 5)])
+    return table
 
 
 def engine_overheads(device: str, quick: bool = False) -> dict[str, float]:
-    """{"layer": us, "step": us} that the engine spends on one decode step beyond its kernels' work: measured
-    on Llama models too small for compute to matter (hidden 64) with 1 and 5 layers, batch 1, each time the
-    best of three (one when `quick`). The slope is the per-layer cost (dispatching a layer's ops), the
-    intercept the step's (embedding, head, sampling, bookkeeping)."""
+    """{"layer": us, "step": us, "row": us} that the engine spends on a decode step beyond its kernels' work:
+    measured on Llama models too small for compute to matter (hidden 64), each time the best of three (one
+    when `quick`). With 1 and 5 layers at batch 1, the slope is the per-layer cost (dispatching a layer's
+    ops) and the intercept the step's (embedding, head, sampling, bookkeeping); with 1 layer at batch 1 and
+    16, the slope is the cost per sequence in the batch (its sampling, gathers and scatters, the host's
+    bookkeeping of its tokens)."""
     per_token = {}
-    for layers in (1, 5):
+    for layers, batch in ((1, 1), (5, 1), (1, 16)):
         cfg = ModelConfig(layers=layers, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=64, max_seq_len=96)
         torch.manual_seed(0)
-        engine = Engine(build_model(cfg).to(device).eval(), max_batch=1, max_len=96)
+        engine = Engine(build_model(cfg).to(device).eval(), max_batch=batch, max_len=96)
+        prompts = [[1, 2, 3, 4]] * batch
 
         def run(n):
-            return min(_seconds(lambda: engine.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=n)))
+            return min(_seconds(lambda: engine.generate(prompts, SamplingParams(max_new_tokens=n)))
                        for _ in range(1 if quick else 3))
 
-        per_token[layers] = (run(65) - run(1)) / 64
-    layer = (per_token[5] - per_token[1]) / 4
-    return {"layer": round(1e6 * layer, 2), "step": round(1e6 * (per_token[1] - layer), 2)}
+        per_token[layers, batch] = (run(65) - run(1)) / 64
+    layer = (per_token[5, 1] - per_token[1, 1]) / 4
+    row = max(0.0, (per_token[1, 16] - per_token[1, 1]) / 15)
+    return {"layer": round(1e6 * layer, 2), "step": round(1e6 * (per_token[1, 1] - layer - row), 2),
+            "row": round(1e6 * row, 2)}
 
 
 def measure(device: str, dtype: torch.dtype, quick: bool = False) -> dict:
     """The profile keys this module measures, for `profile_hardware(engine_probe=measure)`."""
+    key = "bf16" if dtype == torch.bfloat16 else "fp32"
     return {"engine_overhead_us": engine_overheads(device, quick),
-            "decode_attention_gbps": {"bf16" if dtype == torch.bfloat16 else "fp32": decode_attention_gbps(device, dtype)}}
+            "decode_attention_gbps": {key: decode_attention_gbps(device, dtype, quick)},
+            "prefill_attention_tflops": {key: prefill_attention_tflops(device, dtype, quick)}}

@@ -288,7 +288,7 @@ def elementwise_bytes_per_token(cfg: ModelConfig, prec: str, tp: int = 1, sp: bo
     return per_token_hidden / (tp if sp else 1) + per_token_split / tp + fp8_cast
 
 
-def _elementwise_time(gpu: GPU, prec: str, nbytes: float) -> float:
+def elementwise_time(gpu: GPU, prec: str, nbytes: float) -> float:
     """Seconds for a layer's elementwise ops that move `nbytes` (as `elementwise_bytes_per_token` counts
     them): at the rate a profile measured for loom's own layer at the nearest working-set size (on a CPU
     these ops are compute- and dispatch-bound, far below the memory bandwidth, and faster while the
@@ -347,7 +347,7 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool, moe: bool 
         flops = 2 * 2 * mbs * heads * s * w.seq_len * d / 2
         peak16 = gpu.peak("bf16" if prec == "fp8" else prec)
         core = {"attention": flops / (peak16 * 1e12 * gpu.attention_efficiency), "elementwise": 0.0}
-    elementwise = _elementwise_time(gpu, prec, tokens * elementwise_bytes_per_token(cfg, prec, tp, sp, moe))
+    elementwise = elementwise_time(gpu, prec, tokens * elementwise_bytes_per_token(cfg, prec, tp, sp, moe))
     if moe_terms:
         elementwise += moe_terms["elementwise"]
     tp_comm = 0.0

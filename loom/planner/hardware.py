@@ -50,9 +50,10 @@ class GPU:
     kernel_overhead_us: float = 2.0  # GPU idle time between two dependent kernels
     gemm: dict = field(default_factory=dict)  # measured table: precision -> [[m, n, k, tflops], ...]
     # Measured by a profile: precision -> [[rows, n, k, GB/s], ...], the weight bytes per second an n x k
-    # weight streams through a few-row (decode) product; {"layer": us, "step": us}, the generation engine's own cost of a decode
-    # step beyond its kernels' work (dispatch per layer; embedding, head, sampling per step); precision ->
-    # GB/s, the key/value bytes per second of the engine's decode attention.
+    # weight streams through a few-row (decode) product; {"layer": us, "step": us, "row": us}, the generation
+    # engine's own cost of a decode step beyond its kernels' work (dispatch per layer; embedding, head,
+    # sampling per step; per sequence in the batch); precision -> [[bytes, GB/s], ...] (or one GB/s), the
+    # key/value bytes per second of the engine's decode attention by the bytes of one layer's cache read.
     decode_gbps: dict = field(default_factory=dict)
     engine_overhead_us: dict = field(default_factory=dict)
     decode_attention_gbps: dict = field(default_factory=dict)
@@ -62,6 +63,8 @@ class GPU:
     # precision -> [[bytes, factor], ...]: few-row products stream a model whose weights total `bytes`
     # this many times faster than `decode_gbps` (part of a small model stays cached between steps).
     decode_stream_scale: dict = field(default_factory=dict)
+    # precision -> [[prompt tokens, TFLOP/s], ...]: the generation engine's packed prefill attention.
+    prefill_attention_tflops: dict = field(default_factory=dict)
     source: str = "preset"
 
     def peak(self, precision: str) -> float:
@@ -135,16 +138,20 @@ def _check_decode_keys(spec: str, data: dict) -> None:
         raise UserError(f"--gpu {spec}: decode_gbps must map precisions to rows [rows, n, k, GB/s] of positive "
                         "numbers, e.g. {\"fp32\": [[1, 512, 512, 12.5]]}")
     for key, example in (("elementwise_gbps", "[[bytes, GB/s], ...], e.g. {\"fp32\": [[5e6, 9.4], [2e8, 3.7]]}"),
-                         ("decode_stream_scale", "[[bytes, factor], ...], e.g. {\"fp32\": [[8e6, 2.1], [1.3e8, 1.0]]}")):
+                         ("decode_stream_scale", "[[bytes, factor], ...], e.g. {\"fp32\": [[8e6, 2.1], [1.3e8, 1.0]]}"),
+                         ("prefill_attention_tflops", "[[tokens, TFLOP/s], ...], e.g. {\"fp32\": [[128, 0.021], [512, 0.031]]}")):
         table = data.get(key, {})
         if not (isinstance(table, dict) and all(isinstance(rows, list) and rows and all(
                 isinstance(r, list) and len(r) == 2 and all(map(number, r)) for r in rows) for rows in table.values())):
             raise UserError(f"--gpu {spec}: {key} must map precisions to rows of positive numbers {example}")
     rates = data.get("decode_attention_gbps", {})
-    if not (isinstance(rates, dict) and all(map(number, rates.values()))):
-        raise UserError(f"--gpu {spec}: decode_attention_gbps must map precisions to positive GB/s, e.g. {{\"fp32\": 4.3}}")
+    if not (isinstance(rates, dict) and all(number(r) or (isinstance(r, list) and r and all(
+            isinstance(row, list) and len(row) == 2 and all(map(number, row)) for row in r)) for r in rates.values())):
+        raise UserError(f"--gpu {spec}: decode_attention_gbps must map precisions to positive GB/s or to rows "
+                        "[[bytes, GB/s], ...] of positive numbers, e.g. {\"fp32\": [[3e5, 3.0], [9e6, 11.3]]}")
     overhead = data.get("engine_overhead_us", {})
-    if overhead and not (isinstance(overhead, dict) and set(overhead) == {"layer", "step"}
+    if overhead and not (isinstance(overhead, dict) and {"layer", "step"} <= set(overhead) <= {"layer", "step", "row"}
                          and all(isinstance(v, (int, float)) for v in overhead.values())):
-        raise UserError(f"--gpu {spec}: engine_overhead_us must be {{\"layer\": us, \"step\": us}}, e.g. "
-                        "{\"layer\": 450.0, \"step\": 300.0}")
+        raise UserError(f"--gpu {spec}: engine_overhead_us must be {{\"layer\": us, \"step\": us}} and optionally "
+                        "\"row\" (per sequence in the batch), e.g. "
+                        "{\"layer\": 450.0, \"step\": 300.0, \"row\": 7.0}")

@@ -1,14 +1,17 @@
 """Inference layouts: TP x PP x batch, prefill and decode latency, throughput, KV cache, the Pareto front.
 
-Prefill runs the prompt through the same forward-kernel model as training (compute-bound). Decode is one
+Prefill runs the prompt through the same forward-kernel model as training (compute-bound), its attention
+at the rate a profile measured for the engine's packed prefill at that prompt length
+(`prefill_attention_tflops`) when it has one. Decode is one
 token per sequence per step: every stage reads its weights once and each sequence's KV cache, so a step
 costs max(bytes / HBM bandwidth, FLOPs / matmul rate) plus two TP all-reduces per layer (latency-bound
 at these message sizes) and the kernel gaps. A measured profile (`loom plan --profile-hardware`) refines
 both ends: each weight streams at the rate its `decode_gbps` table measured for few-row products of that
 shape at this batch (on a CPU far below the memory bandwidth: the GEMM library, not the memory, limits
-them; dense models), the key/values at the rate the engine's decode attention measured
-(`decode_attention_gbps`), and the gaps are the generation engine's own measured cost per layer and per
-step (`engine_overhead_us`). One batch is in flight (latency-optimal); pipeline stages therefore add
+them; dense models), the key/values at the rate the engine's decode attention measured for a read of
+that size (`decode_attention_gbps`), the batch's elementwise ops at the rate measured for loom's layer
+(`elementwise_gbps`, as in prefill), and the gaps are the generation engine's own measured cost per layer,
+per step and per sequence (`engine_overhead_us`). One batch is in flight (latency-optimal); pipeline stages therefore add
 capacity, not speed. Request latency = prefill + output_len x decode step at the mean
 context length; throughput = output tokens per second per GPU over all replicas.
 """
@@ -18,9 +21,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from loom.planner.costmodel import (GIB, CONTEXT_GIB, Workload, collective_time, embedding_params, gemm_time,
-                                    head_params, layer_params, layer_times, log_interpolate, p2p_time,
-                                    stage_layers)
+from loom.planner.costmodel import (GIB, CONTEXT_GIB, Workload, collective_time, elementwise_bytes_per_token,
+                                    elementwise_time, embedding_params, gemm_time, head_params, layer_params,
+                                    layer_times, log_interpolate, p2p_time, stage_layers)
 from loom.planner.search import tp_options
 
 
@@ -72,6 +75,11 @@ def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int
     # Prefill: the forward of every stage, one after another, plus the LM head on the last stage's last token.
     pw = replace(w, seq_len=input_len)
     fwd = layer_times(pw, tp, 1, batch, tp > 1, "none").fwd
+    engine_attention = log_interpolate(gpu.prefill_attention_tflops.get("bf16" if w.precision == "fp8" else w.precision),
+                                       input_len)
+    if engine_attention:  # the engine's own packed prefill attention, measured at this prompt length
+        fwd = {**fwd, "attention": 2 * 2 * batch * (cfg.heads // tp) * input_len ** 2 * cfg.head_dim / 2
+               / (engine_attention * 1e12)}
     stage_fwd = n_layers * sum(fwd.values())
     act = batch * input_len * cfg.hidden * 2
     head = gemm_time(gpu, "bf16" if w.precision == "fp8" else w.precision, batch, cfg.vocab_size // tp, cfg.hidden)
@@ -87,7 +95,7 @@ def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int
         + 4 * batch * n_layers * (cfg.heads / tp) * cfg.head_dim * mean_ctx
     rate = gpu.peak(w.precision) * 1e12 * gpu.matmul_efficiency.get(w.precision, 0.7)
     hbm = gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency
-    kv_rate = gpu.decode_attention_gbps.get(w.precision, 0) * 1e9 or hbm
+    kv_rate = attention_rate(gpu, w.precision, kv_read / n_layers) or hbm
     if gpu.decode_gbps.get(w.precision) and not cfg.moe_layers:
         # A profile measured how fast few-row products stream each weight shape at this batch.
         # ... scaled up when the model is small enough that part of it stays cached from step to step.
@@ -100,14 +108,26 @@ def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int
     else:
         compute = max((weights_read + kv_read) / hbm, flops / rate)
     comm = n_layers * 2 * collective_time(gpu, "all_reduce", batch * cfg.hidden * 2, tp, tp <= gpu.node_size) if tp > 1 else 0.0
-    gaps = step_gaps if overhead else n_layers * 16 * gpu.kernel_overhead_us * 1e-6
-    decode = pp * (compute + comm + gaps) + (pp - 1) * p2p_time(gpu, batch * cfg.hidden * 2, tp * pp <= gpu.node_size)
+    gaps = step_gaps + batch * overhead.get("row", 0.0) * 1e-6 if overhead else n_layers * 16 * gpu.kernel_overhead_us * 1e-6
+    # The batch's tokens through the elementwise ops (norms, adds, activation, rotary), as in prefill.
+    elementwise = n_layers * elementwise_time(gpu, w.precision, batch * elementwise_bytes_per_token(cfg, w.precision, tp))
+    decode = pp * (compute + elementwise + comm + gaps) + (pp - 1) * p2p_time(gpu, batch * cfg.hidden * 2, tp * pp <= gpu.node_size)
     latency = prefill + output_len * decode
     replicas = w.gpus // (tp * pp)
     throughput = replicas * batch * output_len / latency / w.gpus
     return InferenceEstimate(tp=tp, pp=pp, batch=batch, replicas=replicas, prefill_s=prefill, decode_step_s=decode,
                              request_latency_s=latency, tokens_per_s_per_gpu=throughput, weights_gib=weights / GIB,
                              kv_cache_gib=kv_cache / GIB, total_gib=total / GIB, fits=total <= w.usable_bytes)
+
+
+def attention_rate(gpu, precision: str, nbytes: float) -> float | None:
+    """Bytes per second of the engine's decode attention reading `nbytes` of one layer's keys and values, from
+    the profile's `decode_attention_gbps` (a [[bytes, GB/s], ...] table, log-interpolated; or one rate);
+    None without a measurement."""
+    rate = gpu.decode_attention_gbps.get(precision)
+    if not rate:
+        return None
+    return (log_interpolate(rate, nbytes) if isinstance(rate, list) else rate) * 1e9
 
 
 def decode_rate(gpu, precision: str, rows: int, n: int, k: int) -> float | None:
