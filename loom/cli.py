@@ -361,9 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "in the same order: prompt, completion (text), tokens (generated ids), logprobs (one per token, "
                    "log-softmax of the model's logits at temperature 1), finish_reason")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (default 16)")
-    p.add_argument("--compile", action="store_true",
-                   help="decode through torch.compile in batch buckets (CUDA graphs on a GPU); pays off on long "
-                        "batches, the first steps compile")
+    p.add_argument("--compile", nargs="?", const=True, default=False, choices=["frozen"],
+                   help="decode through torch.compile in batch buckets (CUDA graphs on a GPU), compiled before the "
+                        "first request; '--compile frozen' (CPU) freezes the weights into the compiled step so that "
+                        "inductor's CPU GEMM template runs the products (slower to start, faster to decode)")
     p.add_argument("--sync-every", type=int, default=8,
                    help="decode steps run on the device between reads back to the host (default 8; 1 reads after "
                         "every step, which refills a slot freed by a stop token soonest)")

@@ -145,6 +145,35 @@ def test_compiled_decode_equals_eager_and_follows_a_refit(models, tmp_path, monk
     assert [d.tokens for d in after] == [d.tokens for d in fresh] != [d.tokens for d in got]
 
 
+def test_frozen_compile_equals_eager_through_the_gemm_template_and_refits(models, tmp_path):
+    """compile="frozen" (CPU): the weights are constants of the compiled step, whose products run through
+    inductor's CPU GEMM template (chosen by timing); tokens and log-probs equal the eager engine's, and a
+    refit, which must compile afresh (the packed weights are copies), gives a fresh engine's outputs."""
+    from torch._dynamo.utils import counters
+
+    _, path = models["llama"]
+    prompts = ragged_prompts(5, seed=6)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_new_tokens=3 + 2 * i, seed=i) for i in range(5)]
+    eager = Engine(loom.load_model(path), max_batch=2, max_len=40).generate(prompts, params)
+    counters.clear()
+    engine = Engine(loom.load_model(path), max_batch=1, max_len=40, compile="frozen")  # one bucket: one graph
+    # products through the template (where its timing beat the ATen product)
+    assert counters["inductor"]["cpp_templated_kernel_counter"] > 0
+    got = engine.generate(prompts, params)
+    assert engine.stats["compiled_steps"] == engine.stats["decode_steps"] > 5
+    assert [d.tokens for d in got] == [d.tokens for d in eager]
+    assert max(abs(a - b) for x, y in zip(got, eager) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
+    path_b = tmp_path / "llama-new"
+    hf_model("llama", seed=11).save_pretrained(path_b)
+    new_model = loom.load_model(path_b)
+    engine.refit(new_model)
+    after = engine.generate(prompts, params)
+    fresh = Engine(new_model, max_batch=2, max_len=40).generate(prompts, params)
+    assert [d.tokens for d in after] == [d.tokens for d in fresh] != [d.tokens for d in got]
+    with pytest.raises(UserError, match="give False, True or"):
+        Engine(new_model, compile="fast")
+
+
 def test_logprobs_equal_training_forward(models):
     """Log-probs of sampled (not only argmax) tokens equal the training forward's per-token -cross-entropy."""
     _, path = models["qwen3"]

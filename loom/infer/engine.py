@@ -47,10 +47,12 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import nn
 
@@ -289,6 +291,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return Sampler(params, generators, 1, logits.shape[-1], logits.device)(logits, 0)
 
 
+# compile="frozen": the weights become constants of the compiled step (inductor's freezing), so that its
+# CPU GEMM template (generated micro-kernels over weights packed once, chosen by timing against the ATen
+# product) can run the products. The switches are inductor's global config, so they are set only while the
+# step runs (where it compiles); torch.compile(options=...) does not reach freezing.
+FROZEN_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
 class Engine:
     """Generates for many requests at once on one model (or one tensor-parallel shard of it).
 
@@ -304,7 +313,14 @@ class Engine:
     or two compiled graphs serve every step (on CUDA one recorded graph per bucket). On CUDA
     it compiles with mode "reduce-overhead", i.e. replays a CUDA graph per bucket; the slab's tensors are
     marked as static addresses and a refit copies into the parameters in place, so the graphs stay valid.
-    Prefill (ragged, packed) stays eager. The first steps of each bucket pay for compilation."""
+    Prefill (ragged, packed) stays eager. The first steps of each bucket pay for compilation.
+
+    `compile="frozen"` (CPU, one process) freezes the weights into the compiled step, LM head included, so
+    that inductor's CPU GEMM template runs the products with micro-kernels over weights packed once, each
+    chosen by timing it against the ATen product (max-autotune): one graph per batch bucket, compiled at
+    construction (about a minute for a 22M-parameter model on 2 cores), a packed copy of the weights
+    beside the model's, and a refit compiles afresh (its time is the compile's). For serving and batch
+    generation; an RL loop that refits every step wants compile=True."""
 
     KEY_BLOCK = 64
     CUDA_KEY_BLOCK = 256  # fewer key-length buckets where each bucket is a recorded CUDA graph
@@ -336,12 +352,30 @@ class Engine:
         # Decode attention folds the query heads of a key/value head into queries (KVSlab.attend).
         self._fold = heads // kv_heads
         self._compiled = None
+        if compile not in (False, True, "frozen"):
+            raise UserError(f"Engine(compile={compile!r}): give False, True or \"frozen\"")
+        self._frozen = compile == "frozen"
+        if self._frozen and (self.device.type != "cpu" or hasattr(weight, "device_mesh")):
+            raise UserError("Engine(compile=\"frozen\") is the CPU path for one process (weights frozen into the "
+                            "compiled step); on a GPU or under tensor parallelism use compile=True")
         if compile:
             for t in (*self.slab.k.values(), *self.slab.v.values()):
                 torch._dynamo.mark_static_address(t)
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
-            self._compiled = torch.compile(self._static_decode, mode=mode)
+            self._compiled = self._compile()
             self.warmup()
+
+    def _compile(self):
+        """The compiled decode step. Frozen: a copy of `_static_decode` with its own code object, so that its
+        compiled graphs (which hold this model's weights, packed) are cached apart from every other engine's
+        and a refit can start afresh."""
+        if not self._frozen:
+            return torch.compile(self._static_decode, mode="reduce-overhead" if self.device.type == "cuda" else None)
+        fn = Engine._static_decode
+        fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        # One graph per batch bucket (with key length dynamic): room for them all in dynamo's per-code limit.
+        buckets = len({self._bucket(n) for n in range(1, self.max_batch + 1)})
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * buckets)
+        return torch.compile(types.MethodType(fresh, self))
 
     @torch.no_grad()
     def warmup(self) -> float:
@@ -367,9 +401,12 @@ class Engine:
         query heads of each key/value head (KVSlab.attend)."""
         mask = (torch.arange(keys, device=positions.device) <= positions[..., None]).unsqueeze(1)
         mask = mask.repeat(1, 1, self._fold, 1)
+        torch._dynamo.maybe_mark_dynamic(mask, 3)
+        if self._frozen:  # one graph per batch bucket: the GEMM template needs a static row count
+            with inductor_config.patch(FROZEN_OPTIONS):
+                return self._compiled(tokens, positions, mask)
         for t in (tokens, positions, mask):  # one graph for every bucket (sizes 1 aside), not one per bucket
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        torch._dynamo.maybe_mark_dynamic(mask, 3)
         return local(self._compiled(tokens, positions, mask))
 
     # --- generation -----------------------------------------------------------------------------------------
@@ -449,9 +486,11 @@ class Engine:
         return seqs
 
     def _static_decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The compiled decode step: slots 0..rows-1, one token each -> final hidden states [rows, hidden]."""
+        """The compiled decode step: slots 0..rows-1, one token each -> final hidden states [rows, hidden] (frozen:
+        the head's fp32 logits [rows, vocab], its product from the frozen weight too)."""
         self.slab.bind_static(positions, mask)
-        return self.model(tokens, cache=self.slab, positions=positions, return_hidden=True)[:, 0]
+        hidden = self.model(tokens, cache=self.slab, positions=positions, return_hidden=True)[:, 0]
+        return self.model.output(hidden).float() if self._frozen else hidden
 
     def _bucket(self, n: int) -> int:
         size = 1
@@ -493,13 +532,15 @@ class Engine:
         out = []
         for step in range(steps):
             keys = first + step + 1  # key positions the furthest request reads
+            logits = None
             if self._compiled is not None:
                 hidden = self._run_compiled(tokens, positions, self._key_bucket(keys))[where]
+                logits, hidden = (hidden, None) if self._frozen else (None, hidden)
                 self.stats["compiled_steps"] += 1
             else:
                 self.slab.bind(rows, positions, keys=keys)
                 hidden = local(self.model(tokens, cache=self.slab, positions=positions, return_hidden=True))[:, 0]
-            token, logprob, sampled = self._pick(hidden, sampler, step)
+            token, logprob, sampled = self._pick(hidden, sampler, step, logits)
             out.append((token, logprob, sampled))
             if step + 1 < steps:
                 tokens[where, 0] = token
@@ -522,10 +563,11 @@ class Engine:
         rows = [list(s.params.stop_token_ids) + [-1] * (width - len(s.params.stop_token_ids)) for s in seqs]
         return torch.tensor(rows, device=self.device)
 
-    def _pick(self, hidden, sampler: Sampler, step: int):
-        """hidden [requests, hidden] (after the final norm) -> next token, its log-prob under the raw logits
-        (temperature 1) and under the distribution it was sampled from; all on the device."""
-        logits = head_logits(self.model.output, hidden)
+    def _pick(self, hidden, sampler: Sampler, step: int, logits=None):
+        """hidden [requests, hidden] (after the final norm), or the head's `logits` already -> next token, its
+        log-prob under the raw logits (temperature 1) and under the distribution it was sampled from; all on
+        the device."""
+        logits = head_logits(self.model.output, hidden) if logits is None else logits
         token, sampled = sampler(logits, step)
         return token, logits.log_softmax(-1).gather(1, token[:, None])[:, 0], sampled
 
@@ -594,6 +636,9 @@ class Engine:
                 p.to_local().copy_(src.to_local())
             else:
                 p.copy_(src)
+        if self._frozen:  # the compiled step holds packed copies of the old weights: compile it afresh
+            self._compiled = self._compile()
+            self.warmup()
         self.last_refit_s = time.perf_counter() - start
         log.info("refit: %d tensors in %.3f s", len(params), self.last_refit_s)
         return self.last_refit_s
