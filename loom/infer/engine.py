@@ -534,7 +534,8 @@ class Engine:
             keys = first + step + 1  # key positions the furthest request reads
             logits = None
             if self._compiled is not None:
-                hidden = self._run_compiled(tokens, positions, self._key_bucket(keys))[where]
+                hidden = self._run_compiled(tokens, positions, self._key_bucket(keys))
+                hidden = hidden if size == len(rows) else hidden[where]  # every bucket row busy: no gather
                 logits, hidden = (hidden, None) if self._frozen else (None, hidden)
                 self.stats["compiled_steps"] += 1
             else:
@@ -569,7 +570,7 @@ class Engine:
         the device."""
         logits = head_logits(self.model.output, hidden) if logits is None else logits
         token, sampled = sampler(logits, step)
-        return token, logits.log_softmax(-1).gather(1, token[:, None])[:, 0], sampled
+        return token, logits.gather(1, token[:, None])[:, 0] - logits.logsumexp(-1), sampled
 
     def _emit(self, seqs: list[_Sequence], out: list, stops, steps: int, fed: int) -> int:
         """Append each request's tokens of a window (`out`: per step, tokens / log-probs / sampling log-probs
