@@ -109,6 +109,20 @@ def test_prefill_packs_ragged_prompts_without_padding(models):
         assert max(abs(a - b) for a, b in zip(alone.logprobs, got.logprobs)) < 1e-5
 
 
+def assert_equal_then_refit(engine, eager, got, prompts, params, tmp_path):
+    """`got` (the engine's) equals the eager engine's tokens and log-probs (1e-5); after a refit to other
+    weights the engine gives a fresh eager engine's tokens on them, which differ from before."""
+    assert [d.tokens for d in got] == [d.tokens for d in eager]
+    assert max(abs(a - b) for x, y in zip(got, eager) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
+    path_b = tmp_path / "llama-new"
+    hf_model("llama", seed=11).save_pretrained(path_b)
+    new_model = loom.load_model(path_b)
+    engine.refit(new_model)
+    after = engine.generate(prompts, params)
+    fresh = Engine(new_model, max_batch=engine.max_batch, max_len=engine.max_len).generate(prompts, params)
+    assert [d.tokens for d in after] == [d.tokens for d in fresh] != [d.tokens for d in got]
+
+
 def test_compiled_decode_equals_eager_and_follows_a_refit(models, tmp_path, monkeypatch):
     """compile=True: decode steps run through torch.compile in batch and key-length buckets, with idle slots
     padded in; tokens and log-probs equal the eager engine's, a handful of graphs serve every step, and a
@@ -134,15 +148,7 @@ def test_compiled_decode_equals_eager_and_follows_a_refit(models, tmp_path, monk
     assert counters["stats"]["unique_graphs"] == warm  # nothing compiled mid-generation
     # Each step's bucket is sized by its busy requests (moved down into freed slots), not the highest slot.
     assert engine.stats["moves"] > 0 and {1, 2, 4} <= set(sizes)
-    assert [d.tokens for d in got] == [d.tokens for d in eager]
-    assert max(abs(a - b) for x, y in zip(got, eager) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
-    path_b = tmp_path / "llama-new"
-    hf_model("llama", seed=11).save_pretrained(path_b)
-    new_model = loom.load_model(path_b)
-    engine.refit(new_model)
-    after = engine.generate(prompts, params)
-    fresh = Engine(new_model, max_batch=4, max_len=48).generate(prompts, params)
-    assert [d.tokens for d in after] == [d.tokens for d in fresh] != [d.tokens for d in got]
+    assert_equal_then_refit(engine, eager, got, prompts, params, tmp_path)
 
 
 def test_frozen_compile_equals_eager_through_the_gemm_template_and_refits(models, tmp_path):
@@ -161,17 +167,9 @@ def test_frozen_compile_equals_eager_through_the_gemm_template_and_refits(models
     assert counters["inductor"]["cpp_templated_kernel_counter"] > 0
     got = engine.generate(prompts, params)
     assert engine.stats["compiled_steps"] == engine.stats["decode_steps"] > 5
-    assert [d.tokens for d in got] == [d.tokens for d in eager]
-    assert max(abs(a - b) for x, y in zip(got, eager) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
-    path_b = tmp_path / "llama-new"
-    hf_model("llama", seed=11).save_pretrained(path_b)
-    new_model = loom.load_model(path_b)
-    engine.refit(new_model)
-    after = engine.generate(prompts, params)
-    fresh = Engine(new_model, max_batch=2, max_len=40).generate(prompts, params)
-    assert [d.tokens for d in after] == [d.tokens for d in fresh] != [d.tokens for d in got]
+    assert_equal_then_refit(engine, eager, got, prompts, params, tmp_path)
     with pytest.raises(UserError, match="give False, True or"):
-        Engine(new_model, compile="fast")
+        Engine(engine.model, compile="fast")
 
 
 def test_logprobs_equal_training_forward(models):
