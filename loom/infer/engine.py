@@ -373,8 +373,7 @@ class Engine:
         fn = Engine._static_decode
         fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         # One graph per batch bucket (with key length dynamic): room for them all in dynamo's per-code limit.
-        buckets = len({self._bucket(n) for n in range(1, self.max_batch + 1)})
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * buckets)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self._batch_buckets()))
         return torch.compile(types.MethodType(fresh, self))
 
     @torch.no_grad()
@@ -383,13 +382,16 @@ class Engine:
         does at start, instead of in the middle of a generation; returns the seconds it took. Writes only
         position 0 of idle slots: call it while no generation runs."""
         start = time.perf_counter()
-        sizes = sorted({self._bucket(n) for n in range(1, self.max_batch + 1)})
         for keys in sorted({self._key_bucket(n) for n in range(1, self.max_len + 1)}):
-            for size in sizes:
+            for size in self._batch_buckets():
                 tokens, positions = (torch.zeros(size, 1, dtype=torch.long, device=self.device) for _ in range(2))
                 self._run_compiled(tokens, positions, keys)
         self.stats["warmup_s"] = time.perf_counter() - start
         return self.stats["warmup_s"]
+
+    def _batch_buckets(self) -> list[int]:
+        """Every batch size a compiled step runs at (`_bucket` of 1..max_batch)."""
+        return sorted({self._bucket(n) for n in range(1, self.max_batch + 1)})
 
     def _key_bucket(self, n: int) -> int:
         """Key positions a compiled step reads when it needs n: the next multiple of the device's block."""
@@ -482,7 +484,8 @@ class Engine:
         self.stats["prefill_steps"] += 1
         last = (torch.cumsum(torch.tensor(lengths), 0) - 1).to(self.device)
         hidden = local(self.model(tokens.to(self.device), cache=self.slab, positions=positions, return_hidden=True))
-        self._emit(seqs, [self._pick(hidden[0, last], self._sampler(seqs, 1), 0)], self._stop_table(seqs), 1, fed=0)
+        logits = head_logits(self.model.output, hidden[0, last])
+        self._emit(seqs, [self._pick(logits, self._sampler(seqs, 1), 0)], self._stop_table(seqs), 1, fed=0)
         return seqs
 
     def _static_decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -532,16 +535,16 @@ class Engine:
         out = []
         for step in range(steps):
             keys = first + step + 1  # key positions the furthest request reads
-            logits = None
             if self._compiled is not None:
-                hidden = self._run_compiled(tokens, positions, self._key_bucket(keys))
-                hidden = hidden if size == len(rows) else hidden[where]  # every bucket row busy: no gather
-                logits, hidden = (hidden, None) if self._frozen else (None, hidden)
+                x = self._run_compiled(tokens, positions, self._key_bucket(keys))
+                x = x if size == len(rows) else x[where]  # every bucket row busy: no gather
+                logits = x if self._frozen else head_logits(self.model.output, x)  # frozen: the step's own head
                 self.stats["compiled_steps"] += 1
             else:
                 self.slab.bind(rows, positions, keys=keys)
                 hidden = local(self.model(tokens, cache=self.slab, positions=positions, return_hidden=True))[:, 0]
-            token, logprob, sampled = self._pick(hidden, sampler, step, logits)
+                logits = head_logits(self.model.output, hidden)
+            token, logprob, sampled = self._pick(logits, sampler, step)
             out.append((token, logprob, sampled))
             if step + 1 < steps:
                 tokens[where, 0] = token
@@ -564,11 +567,9 @@ class Engine:
         rows = [list(s.params.stop_token_ids) + [-1] * (width - len(s.params.stop_token_ids)) for s in seqs]
         return torch.tensor(rows, device=self.device)
 
-    def _pick(self, hidden, sampler: Sampler, step: int, logits=None):
-        """hidden [requests, hidden] (after the final norm), or the head's `logits` already -> next token, its
-        log-prob under the raw logits (temperature 1) and under the distribution it was sampled from; all on
-        the device."""
-        logits = head_logits(self.model.output, hidden) if logits is None else logits
+    def _pick(self, logits, sampler: Sampler, step: int):
+        """The head's fp32 logits [requests, vocab] -> next token, its log-prob under the raw logits (temperature
+        1) and under the distribution it was sampled from; all on the device."""
         token, sampled = sampler(logits, step)
         return token, logits.gather(1, token[:, None])[:, 0] - logits.logsumexp(-1), sampled
 

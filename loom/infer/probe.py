@@ -24,6 +24,16 @@ def _seconds(fn, min_time: float = 0.2) -> float:
     return Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_time).median
 
 
+def _attend_seconds(slab: KVSlab, rows: int, seq: int, kv_heads: int, d: int, quick: bool) -> float:
+    """Median seconds of the bound slab's `attend` on random q [rows, 2 kv_heads, seq, d] and k, v [rows,
+    kv_heads, seq, d] (two query heads per key/value head) in the slab's dtype and device."""
+    like = slab.k[0]
+    q = torch.randn(rows, 2 * kv_heads, seq, d, device=like.device, dtype=like.dtype)
+    k, v = (torch.randn(rows, kv_heads, seq, d, device=like.device, dtype=like.dtype) for _ in range(2))
+    with torch.no_grad():
+        return _seconds(lambda: slab.attend(0, q, k, v), 0.1 if quick else 0.2)
+
+
 def decode_attention_gbps(device: str, dtype: torch.dtype, quick: bool = False) -> list[list[float]]:
     """[[bytes, GB/s], ...]: key/value bytes per second that the engine's decode attention (`KVSlab.attend`:
     write the new token's keys and values, attend over the slot's cache) gets through, at one query per
@@ -37,11 +47,8 @@ def decode_attention_gbps(device: str, dtype: torch.dtype, quick: bool = False) 
     for b in (1, 8, 32, 128):
         slab = KVSlab([0], b, kv_heads, ctx, d, dtype, device)
         slab.bind(list(range(b)), torch.full((b, 1), ctx - 1))
-        q = torch.randn(b, 2 * kv_heads, 1, d, device=device, dtype=dtype)
-        k, v = (torch.randn(b, kv_heads, 1, d, device=device, dtype=dtype) for _ in range(2))
-        nbytes = 2 * b * kv_heads * ctx * d * q.element_size()
-        with torch.no_grad():
-            t = _seconds(lambda: slab.attend(0, q, k, v), 0.1 if quick else 0.2)
+        t = _attend_seconds(slab, b, 1, kv_heads, d, quick)
+        nbytes = 2 * b * kv_heads * ctx * d * slab.k[0].element_size()
         table.append([float(nbytes), round(nbytes / t / 1e9, 3)])
     return table
 
@@ -60,10 +67,7 @@ def prefill_attention_tflops(device: str, dtype: torch.dtype, quick: bool = Fals
         b = max(1, total // s)
         slab = KVSlab([0], b, kv_heads, s, d, dtype, device)
         slab.bind_packed(list(range(b)), [s] * b)
-        q = torch.randn(1, 2 * kv_heads, b * s, d, device=device, dtype=dtype)
-        k, v = (torch.randn(1, kv_heads, b * s, d, device=device, dtype=dtype) for _ in range(2))
-        with torch.no_grad():
-            t = _seconds(lambda: slab.attend(0, q, k, v), 0.1 if quick else 0.2)
+        t = _attend_seconds(slab, 1, b * s, kv_heads, d, quick)
         table.append([s, round(2 * 2 * b * 2 * kv_heads * s * s * d / 2 / t / 1e12, 5)])
     return table
 
