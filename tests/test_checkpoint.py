@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import ROOT, SMALL
@@ -109,6 +110,7 @@ def test_hung_rank_becomes_an_error_naming_it(tmp_path):
     assert len(losses(tmp_path / "r")) == 2
 
 
+@pytest.mark.slow  # 2 x 2 processes, ~25 s: the watchdog that names a hung rank is in make test (the test above)
 def test_rank_hung_while_loading_a_checkpoint_is_named(tmp_path):
     """A hang at start-up (here: rank 1 never starts loading the checkpoint to resume from) is named too."""
     run = tmp_path / "r"

@@ -165,8 +165,10 @@ def least_bubble(layout: list[str]) -> float:
     return (p - 1) / (v * m) / 2
 
 
-# make test-all: tp2-pp2-dp_shard2 covers the first two; the pp2 cases and tp2-pp2-dp_shard2 cover 1F1B (pp4-1f1b).
-SLOW_PIPE_LAYOUTS = {"pp2-tp2-sp", "pp2-dp_shard2", "pp4-1f1b"}
+# make test-all (the 20-minute budget): tp2-pp2-dp_shard2 (8 processes, ~55 s) is covered piecewise by pp2-tp2-sp
+# (pp with tp and SP) and pp2-cp2 (pp with a sharded-gradient dimension) beside tp2-sp-dp_shard2; pp2-dp_shard2 by
+# pp2-cp2 and dp_shard2; pp4-1f1b by the pp2 1F1B cases.
+SLOW_PIPE_LAYOUTS = {"tp2-pp2-dp_shard2", "pp2-dp_shard2", "pp4-1f1b"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_PIPE_LAYOUTS else n
