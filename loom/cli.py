@@ -77,11 +77,9 @@ def cmd_train(args, extra) -> int:
     elif module is not None:
         recipe = module.recipe(cfg)
     if (args.nproc > 1 or args.nnodes > 1) and not in_worker():
-        from loom.train.trainer import default_run_dir
-
         if args.nnodes > 1 and not args.run_dir:
             raise UserError("--nnodes > 1 needs an explicit --run-dir on storage every node shares")
-        run_dir = args.run_dir or default_run_dir(cfg)
+        run_dir = args.run_dir or cfg.default_run_dir()
         if recipe:  # tokenize the examples once, here, before the workers start
             from loom.data.loader import load_tokenizer
 

@@ -559,6 +559,13 @@ class Config:
     def to_toml(self) -> str:
         return dumps_toml(self.to_dict())
 
+    def default_run_dir(self) -> Path:
+        """runs/NAME-YYYYmmdd-HHMMSS: where a run without --run-dir writes (here, not in the trainer, so that
+        the launcher finds it without importing the training stack before its workers start)."""
+        from datetime import datetime
+
+        return Path("runs") / f"{self.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
 
 SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "name"]
 

@@ -108,3 +108,28 @@ def test_corrupt_checkpoint_on_resume_keeps_latest(capsys, tmp_path):
                    "--checkpoint.resume=true"], "__0_0.distcp", "damaged")
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-6"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-6"]
+
+
+def test_the_launcher_starts_workers_without_the_training_stack():
+    """`loom train --nproc N` reaches torchrun without importing the trainer (its checkpoint and DTensor imports
+    cost every multi-process run ~2 s before the workers start); the run directory it passes on is the default
+    runs/NAME-TIME one."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = """
+import sys
+from unittest import mock
+import loom.launch
+from loom.cli import main
+with mock.patch("loom.launch.launch", return_value=0) as launch:
+    assert main(["train", "--config", "tiny", "--nproc", "2"]) == 0
+run_dir = launch.call_args.args[1][4]
+print(run_dir, "loom.train.trainer" in sys.modules, "torch.distributed.checkpoint" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir, trainer, dcp = proc.stdout.split()
+    assert run_dir.startswith("runs/tiny-") and (trainer, dcp) == ("False", "False")

@@ -21,7 +21,6 @@ import resource
 import shlex
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -62,10 +61,6 @@ def valid_source(cfg: Config, val_data) -> str:
     return f"data.paths ({', '.join(cfg.data.paths)})"
 
 
-def default_run_dir(cfg: Config) -> Path:
-    return Path("runs") / f"{cfg.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-
-
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, quiet: bool = False,
                  loss: Loss | None = None, datasets=None, extend_model=None, setup=None):
@@ -77,7 +72,7 @@ class Trainer:
         their means logged with each step and, prefixed val_, with each evaluation (loom/post/pref.py)."""
         self.extend_model, self.setup = extend_model, setup
         self.cfg = cfg
-        self.run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
+        self.run_dir = Path(run_dir) if run_dir else cfg.default_run_dir()
         self.ckpt_root = self.run_dir / "checkpoints"
         self.quiet = quiet
         self.make_datasets = datasets or build_datasets
