@@ -114,7 +114,7 @@ def _children(pid):
 def test_killed_worker_is_restarted_and_run_completes_like_undisturbed(tmp_path):
     import os
 
-    args = ["train", "--config", "tiny", *[f"--{o}" for o in SMALL], "--train.steps=40", "--checkpoint.interval=2",
+    args = ["train", "--config", "tiny", *[f"--{o}" for o in SMALL], "--train.steps=24", "--checkpoint.interval=2",
             "--parallel.dp_shard=2", "--nproc", "2"]
     full = tmp_path / "full"
     assert subprocess.run([sys.executable, "-m", "loom.cli", *args, "--run-dir", str(full)], cwd=ROOT,
@@ -132,7 +132,7 @@ def test_killed_worker_is_restarted_and_run_completes_like_undisturbed(tmp_path)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert losses(run_dir)[-1] == pytest.approx(losses(full)[-1], rel=1e-6)
-    assert len(losses(run_dir)) == 40
+    assert len(losses(run_dir)) == 24
 
 
 def test_killed_worker_without_restarts_stops_promptly(tmp_path):

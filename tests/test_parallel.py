@@ -118,9 +118,10 @@ LAYOUTS = {
 
 # In `make test-all` only (the suite's 20-minute budget on 2 cores): compositions that the cases left in `make test`
 # cover piecewise — tp2-sp-dp_shard2 covers tp with data parallelism; cp2 and pp2-cp2 cover cp and cp with
-# another dimension; dp_shard2 and hsdp2x2 cover sharding (and hsdp2x2 replication); tp2 and tp2-sp-dp_shard2 cover
-# tp with and without SP.
-SLOW_LAYOUTS = {"tp4-sp", "tp2-dp_replicate2", "cp2-tp2-sp", "dp_shard4", "cp2-dp_shard2", "tp2-sp", "dp_replicate2"}
+# another dimension; dp_shard2 and hsdp2x2 cover sharding (and hsdp2x2 replication); tp2-sp-dp_shard2 covers tp
+# with SP, and test_resume_across_layouts (tp2 x pp2, final weights against one process) tp without it.
+SLOW_LAYOUTS = {"tp4-sp", "tp2-dp_replicate2", "cp2-tp2-sp", "dp_shard4", "cp2-dp_shard2", "tp2-sp", "dp_replicate2",
+                "tp2"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n for n in LAYOUTS])
@@ -165,10 +166,11 @@ def least_bubble(layout: list[str]) -> float:
     return (p - 1) / (v * m) / 2
 
 
-# make test-all (the 20-minute budget): tp2-pp2-dp_shard2 (8 processes, ~55 s) is covered piecewise by pp2-tp2-sp
-# (pp with tp and SP) and pp2-cp2 (pp with a sharded-gradient dimension) beside tp2-sp-dp_shard2; pp2-dp_shard2 by
-# pp2-cp2 and dp_shard2; pp4-1f1b by the pp2 1F1B cases.
-SLOW_PIPE_LAYOUTS = {"tp2-pp2-dp_shard2", "pp2-dp_shard2", "pp4-1f1b"}
+# make test-all (the 20-minute budget): tp2-pp2-dp_shard2 (8 processes, ~55 s) and pp2-tp2-sp (4 processes) are
+# covered piecewise by test_resume_across_layouts (tp2 x pp2, its final weights against one process), tp2-sp-dp_shard2
+# (SP) and pp2-cp2 (pp with a sharded-gradient dimension); pp2-dp_shard2 by pp2-cp2 and dp_shard2; pp4-1f1b by the
+# pp2 1F1B cases; pp2-interleaved (one chunk per rank) by pp2-vpp2-interleaved, the interleaving itself.
+SLOW_PIPE_LAYOUTS = {"tp2-pp2-dp_shard2", "pp2-tp2-sp", "pp2-dp_shard2", "pp4-1f1b", "pp2-interleaved"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_PIPE_LAYOUTS else n

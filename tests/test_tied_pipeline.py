@@ -26,8 +26,11 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "pp2-dp_shard2" else n
-                                  for n in LAYOUTS])  # 4 processes: make test-all
+# make test-all (the 20-minute budget): pp2-dp_shard2 (4 processes), and pp2-interleaved, covered piecewise by
+# pp2-1f1b (embedding and head on different ranks), pp2-zero_bubble (two chunks per rank, the tied pair on one rank)
+# and test_parallel's pp2-vpp2-interleaved (the interleaved schedule)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("pp2-dp_shard2", "pp2-interleaved")
+                                  else n for n in LAYOUTS])
 def test_tied_pipeline_matches_single_process(name, tied_reference, tmp_path):
     nproc, layout = LAYOUTS[name]
     launch(tmp_path / "run", nproc, *layout, base=TIED)
