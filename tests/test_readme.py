@@ -56,6 +56,13 @@ def ids(commands):
 
 
 CHEAP = [c for c in COMMANDS if runs_in_seconds(c[1])]
+
+
+def measures_on_many_ranks(argv: list[str]) -> bool:
+    """`loom memory --nproc N` (N > 2) measures in N processes (~15 s on 2 cores): make test-all, as
+    test_memory's 4-rank measurement; the 2-rank one and the launcher's `loom memory --nproc 4` path
+    (test_rules) are in make test."""
+    return argv[:1] == ["memory"] and "--nproc" in argv and int(argv[argv.index("--nproc") + 1]) > 2
 CHECKED = [c for c in COMMANDS if not runs_in_seconds(c[1])]
 
 
@@ -83,7 +90,8 @@ def test_readme_commands_are_found():
     assert len(CHEAP) >= 8 and len(CHECKED) >= 20
 
 
-@pytest.mark.parametrize("line, argv", CHEAP, ids=ids(CHEAP))
+@pytest.mark.parametrize("line, argv", [pytest.param(*c, marks=pytest.mark.slow) if measures_on_many_ranks(c[1]) else c
+                                        for c in CHEAP], ids=ids(CHEAP))
 def test_cheap_readme_command_runs_as_written(line, argv, scratch, capsys):
     code = run_loom(argv)
     assert code == 0, f"README.md line {line}: loom {shlex.join(argv)} exited {code}\n{capsys.readouterr().err[-3000:]}"
