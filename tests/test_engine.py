@@ -395,3 +395,24 @@ def test_generate_bad_counts_exit_2_naming_the_flag(models, tmp_path, capsys, fl
     assert main(["generate", "--checkpoint", str(path), "--prompt", "w1 w2", flag, "0"]) == 2
     err = capsys.readouterr().err
     assert f"{flag}=0" in err and "must be >= 1" in err, err
+
+
+@pytest.mark.slow  # three frozen graphs (batch buckets 1, 2, 4), each autotuned: ~2 min cold on 2 cores
+def test_frozen_engine_gathers_busy_rows_out_of_a_larger_bucket(models):
+    """compile="frozen" with max_batch=4: three busy requests run in the 4-row bucket, and the frozen step's
+    logits, argmax and log-sum-exp are gathered back to those rows; tokens and log-probs equal the eager
+    engine's."""
+    _, path = models["llama"]
+    prompts = ragged_prompts(7, seed=8)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_new_tokens=2 + (5 * i) % 11, seed=i)
+              for i in range(7)]
+    eager = Engine(loom.load_model(path), max_batch=4, max_len=40).generate(prompts, params)
+    engine = Engine(loom.load_model(path), max_batch=4, max_len=40, compile="frozen")
+    busy = []
+    compiled = engine._compiled
+    engine._compiled = lambda tokens, positions, mask: busy.append((tokens.shape[0], int((positions > 0).sum()))) \
+        or compiled(tokens, positions, mask)
+    got = engine.generate(prompts, params)
+    assert any(size == 4 and rows == 3 for size, rows in busy), busy  # a step gathered 3 of 4 rows
+    assert [d.tokens for d in got] == [d.tokens for d in eager]
+    assert max(abs(a - b) for x, y in zip(got, eager) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5

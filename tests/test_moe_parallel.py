@@ -28,8 +28,9 @@ def references(tmp_path_factory):
 CASES = [("top2of8", "parallel.dp_shard=2"), ("top2of8", "parallel.dp_replicate=2"),
          ("sinkhorn_top1", "parallel.dp_shard=2"), ("sinkhorn_top1", "parallel.dp_replicate=2"),
          ("sigmoid_bias", "parallel.dp_shard=2")]
-# make test-all (the 20-minute budget): each router stays in make test under one data-parallel style, and each
-# style under two routers; the router's statistics are reduced over the data-parallel group either way.
+# make test-all (the 20-minute budget): each router stays in make test under one data-parallel style (dp_shard under
+# top2of8 and sigmoid_bias, dp_replicate under sinkhorn_top1); the router's statistics are reduced over the
+# data-parallel group either way.
 SLOW = {("top2of8", "parallel.dp_replicate=2"), ("sinkhorn_top1", "parallel.dp_shard=2")}
 
 

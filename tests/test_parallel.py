@@ -102,7 +102,7 @@ def assert_same_run(run_dir, reference, rtol=1e-5):
 LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sp=true"]),
-    "tp4-sp": (4, ["parallel.tp=4", "parallel.sp=true"]),  # slow: tp2-sp and tp4 without SP cover it
+    "tp4-sp": (4, ["parallel.tp=4", "parallel.sp=true"]),  # slow: tp2-sp-dp_shard2 covers tp with SP
     "dp_replicate2": (2, ["parallel.dp_replicate=2"]),
     "dp_shard2": (2, ["parallel.dp_shard=2"]),
     "dp_shard4": (4, ["parallel.dp_shard=4"]),
@@ -185,7 +185,7 @@ def test_pipeline_layout_matches_single_process(name, pipe_reference, tmp_path):
     assert sum(bubbles) / len(bubbles) > least_bubble(layout), bubbles
 
 
-@pytest.mark.slow  # 4 processes for 60 s; tp=2 (with and without SP) stays in make test
+@pytest.mark.slow  # 4 processes for 60 s; tp=2 with SP (tp2-sp-dp_shard2) and without (the resume test) stay in make test
 def test_tp4_without_sp_and_gpt_architecture(tmp_path):
     """GPT-3 style (LayerNorm with bias, GELU, learned positions, biases) under tp=4 and tp=2+SP."""
     gpt = ["model.norm=layernorm", "model.mlp=gelu", "model.position=learned", "model.bias=true"]

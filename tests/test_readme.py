@@ -60,8 +60,8 @@ CHEAP = [c for c in COMMANDS if runs_in_seconds(c[1])]
 
 def measures_on_many_ranks(argv: list[str]) -> bool:
     """`loom memory --nproc N` (N > 2) measures in N processes (~15 s on 2 cores): make test-all, as
-    test_memory's 4-rank measurement; the 2-rank one and the launcher's `loom memory --nproc 4` path
-    (test_rules) are in make test."""
+    test_memory's 4-rank measurement. In make test: the 2-rank measurement in real processes (test_memory)
+    and the launcher's `loom memory --nproc 4` arguments (test_rules, torchrun faked)."""
     return argv[:1] == ["memory"] and "--nproc" in argv and int(argv[argv.index("--nproc") + 1]) > 2
 CHECKED = [c for c in COMMANDS if not runs_in_seconds(c[1])]
 

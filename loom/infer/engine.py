@@ -398,9 +398,10 @@ class Engine:
         block = self.KEY_BLOCK if self.device.type == "cpu" else self.CUDA_KEY_BLOCK
         return min(self.max_len, -(-n // block) * block)
 
-    def _run_compiled(self, tokens, positions, keys: int) -> torch.Tensor:
-        """The compiled step on slots 0..rows-1 reading `keys` key positions; its mask is folded for the
-        query heads of each key/value head (KVSlab.attend)."""
+    def _run_compiled(self, tokens, positions, keys: int):
+        """The compiled step on slots 0..rows-1 reading `keys` key positions (`_static_decode`: hidden states,
+        or frozen, the head's logits with their argmax and log-sum-exp); its mask is folded for the query heads
+        of each key/value head (KVSlab.attend)."""
         mask = (torch.arange(keys, device=positions.device) <= positions[..., None]).unsqueeze(1)
         mask = mask.repeat(1, 1, self._fold, 1)
         torch._dynamo.maybe_mark_dynamic(mask, 3)
