@@ -7,18 +7,21 @@ Everything derives from the architecture (`ModelConfig`), the layout, and the ha
 Time of one micro-batch on one pipeline stage is the sum of
   gemm         linear-layer matmuls: 2mnk / (peak x ceiling), plus the expected half-wave tail of the
                kernel (tiles of 128x128 spread over the SMs), or the memory roofline if that is slower;
-  attention    the s x s part: fused kernel FLOPs (causal half) over `attention_efficiency`, or with
-               "math" attention two batched GEMMs plus the softmax/mask/dropout traffic;
+  attention    the s x s part: fused kernel FLOPs (causal half) over the efficiency of the kernel that runs
+               it (torch SDPA's FlashAttention-2 for loom, Transformer Engine's cuDNN attention for
+               Megatron), or with "math" attention two batched GEMMs plus the softmax/mask/dropout traffic;
   elementwise  norms, residual adds, activation functions, RoPE, dropout: bytes over HBM bandwidth, or
                over the rate a profile measured for loom's own layer at that working set (a CPU's
                are compute-bound) (backward moves twice the forward bytes);
   tp_comm      tensor-parallel all-reduces (or all-gather + reduce-scatter with SP) that are not
-               overlapped, over NVLink when the group fits in a node, else the network;
+               overlapped, over NVLink when the group fits in a node, else the network (every collective
+               across nodes moves one network port per group rank in a node: rail-optimised clusters);
   overhead     the gap between dependent kernels;
 forward and backward (with recomputation's extra forward work). A step is then
   pipeline     (m + bubble) micro-batch slots of the slowest stage, bubble = (p-1)/v for 1F1B and
                interleaved, (p-1)/3 for zero-bubble; plus P2P transfers;
   dp_comm      the part of gradient reduction / parameter gathering not hidden behind backward;
+  fsdp_copy    FSDP2's copies into and out of its flat collective buffers, on the compute stream;
   optimizer    the AdamW update, bytes over HBM bandwidth.
 """
 
@@ -72,10 +75,20 @@ class Workload:
     # train.loss_chunk; fused linear cross-entropy elsewhere): one chunk's logits alive instead of the
     # micro-batch's, for one more head forward. 0: whole micro-batch.
     loss_chunk: int = 0
+    # Attention kernel: "sdpa" (torch's scaled_dot_product_attention, flash backend: FlashAttention-2, what
+    # loom runs), "fused" (Transformer Engine's cuDNN fused attention), or "auto": fused when the framework
+    # is megatron, else sdpa.
+    attention_kernel: str = "auto"
 
     @property
     def usable_bytes(self) -> float:
         return (self.gpu.memory_gib - self.memory_margin_gib) * GIB
+
+    @property
+    def attention_efficiency(self) -> float:
+        """The fraction of the 16-bit peak this workload's fused attention kernel sustains."""
+        fused = self.attention_kernel == "fused" or (self.attention_kernel == "auto" and self.framework == "megatron")
+        return (self.gpu.fused_attention_efficiency or self.gpu.attention_efficiency) if fused else self.gpu.attention_efficiency
 
 
 @dataclass(frozen=True)
@@ -241,11 +254,24 @@ def _bytes_time(gpu: GPU, nbytes: float) -> float:
     return nbytes / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)
 
 
-def collective_time(gpu: GPU, kind: str, nbytes: float, n: int, intra_node: bool) -> float:
-    """Ring all-reduce / all-gather / reduce-scatter of `nbytes` (the full tensor) over n ranks."""
+def members_per_node(gpu: GPU, stride: int, size: int) -> int:
+    """Ranks of a group of `size` ranks, `stride` apart in the world (tp innermost, as loom's mesh), that
+    share one node."""
+    return max(1, min(size, gpu.node_size // stride))
+
+
+def collective_time(gpu: GPU, kind: str, nbytes: float, n: int, per_node: int) -> float:
+    """Ring all-reduce / all-gather / reduce-scatter of `nbytes` (the full tensor) over n ranks, `per_node`
+    of them in each node. Inside a node: NVLink. Across nodes the cluster is rail-optimised (DGX/HGX: one
+    network port per GPU): NCCL runs one ring per port, each crossing every node boundary once, so a group
+    with k ranks per node moves k ports' bandwidth between nodes (capped by NVLink, which the rings also
+    cross). nccl-tests all-reduce over 8-GPU H100 nodes with 8 x 400 Gb/s NDR reaches 400-450 GB/s bus
+    bandwidth, where one port is 50 GB/s; a group with one rank per node (dp across tp=8 nodes) gets one port."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    bw = (gpu.nvlink_gbps if intra_node else gpu.internode_gbps) * 1e9 * gpu.collective_efficiency
+    intra_node = per_node >= n
+    link = gpu.nvlink_gbps if intra_node else min(gpu.nvlink_gbps, per_node * gpu.internode_gbps)
+    bw = link * 1e9 * gpu.collective_efficiency
     factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
     latency = gpu.collective_latency_us * 1e-6 * (2 if kind == "all_reduce" else 1) * (1 if intra_node else 2)
     return latency + factor * nbytes / bw
@@ -346,25 +372,25 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool, moe: bool 
         # Fused attention computes only the causal half of the score matrix.
         flops = 2 * 2 * mbs * heads * s * w.seq_len * d / 2
         peak16 = gpu.peak("bf16" if prec == "fp8" else prec)
-        core = {"attention": flops / (peak16 * 1e12 * gpu.attention_efficiency), "elementwise": 0.0}
+        core = {"attention": flops / (peak16 * 1e12 * w.attention_efficiency), "elementwise": 0.0}
     elementwise = elementwise_time(gpu, prec, tokens * elementwise_bytes_per_token(cfg, prec, tp, sp, moe))
     if moe_terms:
         elementwise += moe_terms["elementwise"]
     tp_comm = 0.0
     if tp > 1:
         act = tokens * h * half
-        intra = tp <= gpu.node_size
+        per_node = members_per_node(gpu, 1, tp)
         if sp:
-            tp_comm = 2 * (collective_time(gpu, "all_gather", act, tp, intra)
-                           + collective_time(gpu, "reduce_scatter", act, tp, intra))
+            tp_comm = 2 * (collective_time(gpu, "all_gather", act, tp, per_node)
+                           + collective_time(gpu, "reduce_scatter", act, tp, per_node))
         else:
-            tp_comm = 2 * collective_time(gpu, "all_reduce", act, tp, intra)
+            tp_comm = 2 * collective_time(gpu, "all_reduce", act, tp, per_node)
     # Context parallelism as loom runs it: the keys and values of the whole sequence all-gathered over the cp
     # group before attention (their gradients reduce-scattered in backward), not overlapped with compute.
     cp_comm = 0.0
     if cp > 1:
         kv = 2 * mbs * w.seq_len * (g // tp if g >= tp else 1) * d * half
-        cp_comm = collective_time(gpu, "all_gather", kv, cp, cp * tp <= gpu.node_size)
+        cp_comm = collective_time(gpu, "all_gather", kv, cp, members_per_node(gpu, tp, cp))
     kernels = 14 + (4 if cfg.attention == "math" else 1) + (2 if cfg.dropout > 0 else 0) + (6 if cp > 1 else 0)
     if moe_terms:
         kernels += moe_terms["kernels"]
@@ -465,7 +491,7 @@ def head_times(w: Workload, tp: int, cp: int, mbs: int) -> tuple[float, float]:
     if w.loss_chunk and w.loss_chunk < tokens:  # backward recomputes each chunk's logits first
         bwd += fwd
     if tp > 1:  # loss-parallel: max and sum-exp all-reduces of tokens floats
-        fwd += 2 * collective_time(gpu, "all_reduce", tokens * 4, tp, tp <= gpu.node_size)
+        fwd += 2 * collective_time(gpu, "all_reduce", tokens * 4, tp, members_per_node(gpu, 1, tp))
     return fwd, bwd
 
 
@@ -773,8 +799,9 @@ def step_time(w: Workload, lay: Layout) -> dict:
 
     def coll(kind: str, per_param: float) -> float:
         """One collective over the dense parameters and one over the routed experts' expert-dp group."""
-        return (collective_time(gpu, kind, per_param * dense, group, _intra(gpu, lay.tp, group))
-                + collective_time(gpu, kind, per_param * experts, egroup, _intra(gpu, lay.tp * lay.ep, egroup)))
+        return (collective_time(gpu, kind, per_param * dense, group, members_per_node(gpu, lay.tp, group))
+                + collective_time(gpu, kind, per_param * experts, egroup,
+                                  members_per_node(gpu, lay.tp * lay.ep, egroup)))
 
     if group > 1:
         bwd_mb = sum(lt.bwd.values()) * n_layers
@@ -796,12 +823,20 @@ def step_time(w: Workload, lay: Layout) -> dict:
                 # Pipeline stages gather their weights once per step and keep them; the schedule reduces
                 # gradients after the stage's last backward, with no backward left to hide behind.
                 dp_comm = hidden_gather + grad
+                gathers, reduces = 1, 1
             else:
                 # 16-bit weights gathered before each layer's forward and backward of every micro-batch
                 # (prefetched, overlapping the previous layer); gradients reduce-scattered every
                 # micro-batch (sharded accumulation) or after the last one.
                 sharded = grads_stay_sharded(w.grad_accum, lay.pp, m)
                 dp_comm = m * (hidden_gather + max(gather - bwd_mb, gather / n_layers)) + (m if sharded else 1) * hidden_grad
+                gathers, reduces = 2 * m, (m if sharded else 1)
+            # FSDP2's copies (torch's fully_shard, which loom and PyTorch-native trainers run), on the compute
+            # stream: each all-gather's flat output is copied into the unsharded parameters
+            # (split_with_sizes_copy: 2 bytes read, 2 written per element) and each reduce-scatter's input
+            # is the unsharded 16-bit gradients concatenated into a flat fp32 buffer (chunk_cat: 2 read, 4
+            # written). NCCL's collectives overlap compute; these copies do not.
+            step["fsdp_copy"] = _bytes_time(gpu, (dense + experts) * (4 * gathers + 6 * reduces))
     step["dp_comm"] = dp_comm
     # AdamW: read param, grad, two moments; write param, moments (and a 16-bit copy); over the local shard.
     if lay.dp_style == "replicate":

@@ -8,9 +8,14 @@ Every number here is a property of the hardware, never of a particular training 
   chip at its sustained clocks). Published microbenchmarks put A100 bf16 near 0.8-0.9 and H100/H200 near
   0.75-0.8 (power-limited clocks; this workplace measured ~790 TFLOP/s bf16 on an H200) and fp8 lower
   still. Smaller GEMMs are slower than this ceiling through the wave-tail model in `costmodel.py`.
-- `attention_efficiency`: fraction of the 16-bit peak that fused (flash) attention sustains, forward and
-  backward together (FlashAttention-2 reports 50-70% on A100 forward and ~45% backward; cuDNN/FA3 on Hopper
-  ~40-60%).
+- `attention_efficiency`: fraction of the 16-bit peak that the attention loom runs sustains, forward and
+  backward together: torch's scaled_dot_product_attention, whose default backend order puts its flash
+  backend (FlashAttention-2 kernels) first (`torch._C._get_sdp_priority_order()`: flash, efficient, math,
+  cuDNN). FlashAttention-2 reports 50-70% on A100 forward and ~45% backward, and reaches only 35% of an
+  H100's peak (Shah et al. 2024, FlashAttention-3, abstract).
+- `fused_attention_efficiency`: the same for Transformer Engine's fused (cuDNN) attention that
+  Megatron-Core runs, which uses Hopper's asynchronous tensor cores as FlashAttention-3 does (FA3: up to
+  75% forward on H100; cuDNN/FA3 forward and backward together ~40-60%); 0 means `attention_efficiency`.
 - `hbm_gbps` and `hbm_efficiency`: datasheet memory bandwidth and the fraction elementwise kernels reach.
 - `nvlink_gbps`: NVLink bandwidth per GPU per direction inside the node (`node_size` GPUs);
   `internode_gbps`: network bandwidth per GPU per direction (one NIC per GPU);
@@ -44,6 +49,7 @@ class GPU:
     node_size: int = 8
     matmul_efficiency: dict = field(default_factory=dict)  # precision -> fraction of peak
     attention_efficiency: float = 0.5
+    fused_attention_efficiency: float = 0.0
     hbm_efficiency: float = 0.8
     collective_efficiency: float = 0.8
     collective_latency_us: float = 10.0  # fixed cost of one collective (launch + NCCL protocol)
@@ -83,7 +89,8 @@ _AMPERE = dict(peak_tflops=dict(PEAK_TFLOPS["a100"]), matmul_efficiency={"bf16":
                nvlink_gbps=300.0, internode_gbps=25.0, sms=108, attention_efficiency=0.5)
 _HOPPER = dict(peak_tflops=dict(PEAK_TFLOPS["h100"]),
                matmul_efficiency={"bf16": 0.78, "fp16": 0.78, "fp8": 0.62},
-               nvlink_gbps=450.0, internode_gbps=50.0, sms=132, attention_efficiency=0.45)
+               nvlink_gbps=450.0, internode_gbps=50.0, sms=132, attention_efficiency=0.35,
+               fused_attention_efficiency=0.45)
 
 PRESETS: dict[str, GPU] = {
     "a100-40gb": GPU(name="a100-40gb", memory_gib=39.6, hbm_gbps=1555.0, **_AMPERE),

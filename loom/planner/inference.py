@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 
 from loom.planner.costmodel import (GIB, CONTEXT_GIB, Workload, collective_time, elementwise_bytes_per_token,
                                     elementwise_time, embedding_params, gemm_time, head_params, layer_params,
-                                    layer_times, log_interpolate, p2p_time, stage_layers)
+                                    layer_times, log_interpolate, members_per_node, p2p_time,
+                                    stage_layers)
 from loom.planner.search import tp_options
 
 
@@ -107,7 +108,7 @@ def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int
         compute = max(n_layers * per_layer + head_s + kv_read / kv_rate, flops / rate)
     else:
         compute = max((weights_read + kv_read) / hbm, flops / rate)
-    comm = n_layers * 2 * collective_time(gpu, "all_reduce", batch * cfg.hidden * 2, tp, tp <= gpu.node_size) if tp > 1 else 0.0
+    comm = n_layers * 2 * collective_time(gpu, "all_reduce", batch * cfg.hidden * 2, tp, members_per_node(gpu, 1, tp)) if tp > 1 else 0.0
     gaps = step_gaps + batch * overhead.get("row", 0.0) * 1e-6 if overhead else n_layers * 16 * gpu.kernel_overhead_us * 1e-6
     # The batch's tokens through the elementwise ops (norms, adds, activation, rotary), as in prefill.
     elementwise = n_layers * elementwise_time(gpu, w.precision, batch * elementwise_bytes_per_token(cfg, w.precision, tp))
