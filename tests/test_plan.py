@@ -95,6 +95,29 @@ def test_collectives_across_nodes_use_every_network_port_of_the_group():
     params = total_params(m)  # fp32 gradients all-reduced once per step, overlapped with the last backward
     assert flat.time_terms["dp_comm"] >= collective_time(gpu, "all_reduce", 4 * params, 64, 8) / m.layers
     assert flat.time_terms["dp_comm"] < collective_time(gpu, "all_reduce", 4 * params, 64, 1) / 4
+    # The groups' strides in loom's mesh (pp, dp_replicate, dp_shard, cp, tp; tp innermost): a data-parallel
+    # group across tp=8 nodes has one rank per node, across tp=2 four; a cp group at tp=8 crosses nodes too.
+    from loom.planner.costmodel import layer_times
+    mw = Workload(m, 8192, 128, 64, gpu, framework="megatron", grad_dtype="bfloat16")
+    for tp, ports in ((8, 1), (2, 4)):
+        lay = Layout(tp=tp, dp=64 // tp, micro_batch=1, sp=True, recompute="full", dp_style="distopt")
+        lt = layer_times(mw, tp, 1, 1, True, "none")
+        fwd, bwd = sum(lt.fwd.values()) * m.layers, sum(lt.bwd.values()) * m.layers
+
+        def exposed(k):  # distopt: bf16 reduce-scatter behind backward, bf16 all-gather behind forward
+            grad = collective_time(gpu, "reduce_scatter", 2 * params / tp, 64 // tp, k)
+            gather = collective_time(gpu, "all_gather", 2 * params / tp, 64 // tp, k)
+            return max(grad - bwd, grad / m.layers) + max(gather - fwd, gather / m.layers)
+
+        got = evaluate(mw, lay).time_terms["dp_comm"]
+        assert got == pytest.approx(exposed(ports), rel=1e-9)
+        assert got != pytest.approx(exposed(8 if ports == 1 else 1), rel=1e-3)
+    wl = Workload(m, 8192, 128, 64, gpu)
+    kv = 2 * 8192 * 1 * m.head_dim * 2  # 8 kv heads over tp=8: one per rank
+    assert layer_times(wl, 8, 2, 1, True, "none").fwd["cp_comm"] == pytest.approx(
+        collective_time(gpu, "all_gather", kv, 2, 1), rel=1e-12)
+    assert layer_times(wl, 4, 2, 1, True, "none").fwd["cp_comm"] == pytest.approx(
+        collective_time(gpu, "all_gather", 2 * 8192 * 2 * m.head_dim * 2, 2, 2), rel=1e-12)
 
 
 def test_attention_kernel_follows_the_framework_that_runs_it():
@@ -119,38 +142,67 @@ def test_attention_kernel_follows_the_framework_that_runs_it():
     assert sdpa.fwd["attention"] == pytest.approx(flops / (989e12 * 0.35), rel=1e-3)
     assert fused.fwd["attention"] == pytest.approx(flops / (989e12 * 0.45), rel=1e-3) == forced.fwd["attention"]
     assert sdpa.fwd["gemm"] == fused.fwd["gemm"]
+    # A layout only Megatron runs (its distributed optimizer) is priced with Megatron's kernel.
+    w = Workload(m, 8192, 64, 8, gpu)
+    lay = dict(dp=8, micro_batch=1, recompute="full")
+    mb = 64 // 8
+    per_layer = lambda t: (t.fwd["attention"] + t.bwd["attention"]) * m.layers * mb  # noqa: E731
+    full_fused = layer_times(Workload(m, 8192, 64, 8, gpu, attention_kernel="fused"), 1, 1, 1, False, "full")
+    full_sdpa = layer_times(w, 1, 1, 1, False, "full")
+    assert evaluate(w, Layout(dp_style="distopt", **lay)).time_terms["attention"] == pytest.approx(per_layer(full_fused))
+    assert evaluate(w, Layout(dp_style="fsdp", **lay)).time_terms["attention"] == pytest.approx(per_layer(full_sdpa))
     a100 = PRESETS["a100-80gb"]
     assert layer_times(Workload(m, 8192, 8, 8, a100), 1, 1, 1, False, "none").fwd["attention"] == pytest.approx(
         layer_times(Workload(m, 8192, 8, 8, a100, framework="megatron"), 1, 1, 1, False, "none").fwd["attention"])
 
 
 def test_fsdp2_copies_are_priced_on_the_compute_stream():
-    """torch's fully_shard copies each all-gather's flat output into the unsharded parameters (2 bytes read and
-    written per element) and concatenates each micro-batch's 16-bit gradients into an fp32 reduce-scatter
-    buffer (2 read, 4 written). Per step without pipelining: 2 gathers (forward, backward) and one reduce per
-    micro-batch; with pipelining one each; replicated data parallelism and Megatron's distributed optimizer
-    copy nothing."""
+    """torch's fully_shard copies, on the compute stream (torch/distributed/fsdp/_fully_shard): each unshard
+    copies the all-gather's flat bf16 output into the parameters (2 read + 2 written per element; a shard group
+    of one casts the fp32 parameter and copies it instead: 4 + 2 + 2 + 2); without pipelining every block but
+    the last gathers again for backward, the last block and the root (embedding, norm, head) once; a pipeline
+    stage once per step. Gradients: chunk_cat of the bf16 gradients into the fp32 reduce-scatter buffer on each
+    micro-batch (2 read, 4 written) when they stay sharded; else cast to fp32 on the first micro-batch (6), added
+    in on each later one (10) and copied fp32 into the buffer at the end (8). Replicated data parallelism is
+    fully_shard over a shard group of one in loom; Megatron (distopt, or --framework megatron) and stacks with
+    flat in-place buffers (fsdp2=False) copy nothing."""
+    from loom.planner.costmodel import _shapes, fsdp2_copy_bytes, local_params, model_sizes
+
     gpu = PRESETS["h100"]
-    m = load_config("llama3-8b").model
-    w = Workload(m, 8192, 64, 8, gpu)
+    m_cfg = load_config("llama3-8b").model
+    w = Workload(m_cfg, 8192, 64, 8, gpu)
     hbm = gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency
-    params = total_params(m)
+    params = total_params(m_cfg)
+    z = model_sizes(w)
+    once = params - m_cfg.layers * z["dense_layer"] + z["dense_layer"]  # root + last block: gathered once
     mb = 64 // 8  # micro-batches per step at mbs 1
-    fsdp = evaluate(w, Layout(dp=8, micro_batch=1, recompute="full", dp_style="fsdp"))
-    assert fsdp.time_terms["fsdp_copy"] == pytest.approx(params * (4 * 2 * mb + 6 * mb) / hbm, rel=1e-9)
-    once = evaluate(Workload(m, 8192, 64, 8, gpu, grad_accum="unsharded"),
-                    Layout(dp=8, micro_batch=1, recompute="full", dp_style="fsdp"))
-    assert once.time_terms["fsdp_copy"] == pytest.approx(params * (4 * 2 * mb + 6) / hbm, rel=1e-9)
-    piped = evaluate(w, Layout(pp=2, dp=4, micro_batch=1, recompute="full", dp_style="fsdp"))
-    from loom.planner.costmodel import _shapes, local_params
-    lay = Layout(pp=2, dp=4, micro_batch=1, recompute="full", dp_style="fsdp")
-    largest = max(sum(local_params(w, lay, s)) for s in _shapes(w, lay))
-    assert piped.time_terms["fsdp_copy"] == pytest.approx(largest * (4 + 6) / hbm, rel=1e-9)
-    for style in ("replicate", "distopt"):
-        assert evaluate(w, Layout(dp=8, micro_batch=1, recompute="full", dp_style=style)).time_terms.get(
-            "fsdp_copy", 0.0) == 0.0
+
+    def copy(lay, workload=w):
+        return evaluate(workload, lay).time_terms.get("fsdp_copy", 0.0)
+
+    fsdp = Layout(dp=8, micro_batch=1, recompute="full", dp_style="fsdp")
+    assert copy(fsdp) == pytest.approx((mb * 4 * (2 * params - once) + mb * 6 * params) / hbm, rel=1e-9)
+    unsharded = Workload(m_cfg, 8192, 64, 8, gpu, grad_accum="unsharded")
+    assert copy(fsdp, unsharded) == pytest.approx(
+        (mb * 4 * (2 * params - once) + params * (6 + (mb - 1) * 10 + 8)) / hbm, rel=1e-9)
+    replicate = Layout(dp=8, micro_batch=1, recompute="full", dp_style="replicate")  # shard group of one
+    assert copy(replicate) == pytest.approx(
+        (mb * 10 * (2 * params - once) + params * (6 + (mb - 1) * 10 + 8)) / hbm, rel=1e-9)
+    piped = Layout(pp=2, dp=4, micro_batch=1, recompute="full", dp_style="fsdp")
+    largest = max(sum(local_params(w, piped, s)) for s in _shapes(w, piped))
+    m2 = 64 // 4
+    assert copy(piped) == pytest.approx(largest * (4 + 6 + (m2 - 1) * 10 + 8) / hbm, rel=1e-9)
+    fp32 = Workload(m_cfg, 8192, 64, 8, gpu, precision="fp32")  # fp32 compute (a CPU profile's): 4-byte elements
+    assert fsdp2_copy_bytes(fp32, fsdp, params, 0.0, mb) == pytest.approx(
+        mb * 8 * (2 * params - once) + mb * 8 * params, rel=1e-9)
+    # Nothing for Megatron's optimizer, Megatron's DDP, flat in-place buffers, or one data-parallel rank.
+    assert copy(Layout(dp=8, micro_batch=1, recompute="full", dp_style="distopt")) == 0.0
+    assert copy(replicate, Workload(m_cfg, 8192, 64, 8, gpu, framework="megatron")) == 0.0
+    assert copy(fsdp, Workload(m_cfg, 8192, 64, 8, gpu, fsdp2=False)) == 0.0
+    assert copy(Layout(tp=8, dp=1, micro_batch=1, recompute="full", dp_style="fsdp")) == 0.0
     # It is part of the step, not hidden behind compute.
-    assert fsdp.step_time_s == pytest.approx(sum(fsdp.time_terms.values()), rel=1e-12)
+    est = evaluate(w, fsdp)
+    assert est.step_time_s == pytest.approx(sum(est.time_terms.values()), rel=1e-12)
 
 
 def test_recompute_costs_what_the_paper_says():
@@ -225,8 +277,11 @@ def test_uneven_split_balances_the_lm_head_and_prices_the_slowest_rank():
     from loom.planner.costmodel import head_times, layer_times
     from loom.planner.search import split_options
 
+    from dataclasses import replace
+
     w = _big_vocab_workload()
-    lt = layer_times(w, 2, 1, 1, True, "none")
+    # distopt layouts run Megatron's (fused) attention kernel
+    lt = layer_times(replace(w, attention_kernel="fused"), 2, 1, 1, True, "none")
     layer = sum(lt.fwd.values()) + sum(lt.bwd.values())
     head = sum(head_times(w, 2, 1, 1))
     assert 1.5 < head / layer < 3  # the premise: the head is worth about two layers
@@ -331,7 +386,10 @@ def test_full_recompute_layers_count_per_chunk_as_loom_applies_them():
     w = _big_vocab_workload()
     base = dict(tp=2, pp=4, vpp=2, dp=4, sp=True, dp_style="distopt", schedule="interleaved")
     none, one = evaluate(w, Layout(**base)), evaluate(w, Layout(**base, recompute="full", recompute_layers=1))
-    lt, ft = layer_times(w, 2, 1, 1, True, "none"), layer_times(w, 2, 1, 1, True, "full")
+    from dataclasses import replace
+
+    fused = replace(w, attention_kernel="fused")  # distopt layouts run Megatron's attention kernel
+    lt, ft = layer_times(fused, 2, 1, 1, True, "none"), layer_times(fused, 2, 1, 1, True, "full")
     extra = sum(ft.fwd.values()) + sum(ft.bwd.values()) - sum(lt.fwd.values()) - sum(lt.bwd.values())
     m = 16
     compute = ("gemm", "attention", "elementwise", "tp_comm", "overhead")

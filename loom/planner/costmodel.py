@@ -28,7 +28,7 @@ forward and backward (with recomputation's extra forward work). A step is then
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from loom.config import ModelConfig
@@ -79,6 +79,11 @@ class Workload:
     # loom runs), "fused" (Transformer Engine's cuDNN fused attention), or "auto": fused when the framework
     # is megatron, else sdpa.
     attention_kernel: str = "auto"
+    # Data parallelism through torch's fully_shard (FSDP2, per-parameter buffers: loom and PyTorch-native
+    # trainers), whose copies into and out of its flat collective buffers run on the compute stream
+    # (fsdp2_copy_bytes); False for a stack that gathers and reduces flat buffers in place (FSDP1's flat
+    # parameters, Megatron's distributed optimizer).
+    fsdp2: bool = True
 
     @property
     def usable_bytes(self) -> float:
@@ -752,13 +757,21 @@ def _intra(gpu: GPU, stride: int, size: int) -> bool:
     return stride * size <= gpu.node_size
 
 
+@lru_cache(maxsize=1024)
+def _with_fused_attention(w: Workload) -> Workload:
+    """`w` with Transformer Engine's fused attention (one object per workload, so the caches keyed on it hold)."""
+    return replace(w, attention_kernel="fused")
+
+
 def step_time(w: Workload, lay: Layout) -> dict:
     cfg, gpu = w.model, w.gpu
     m = w.global_batch // (lay.dp * lay.micro_batch)
     base = "selective" if lay.recompute == "selective" else "none"
-    lt = layer_times(w, lay.tp, lay.cp, lay.micro_batch, lay.sp, base, lay.ep)
-    ft = layer_times(w, lay.tp, lay.cp, lay.micro_batch, lay.sp, "full", lay.ep) if lay.recompute == "full" else None
-    hf, hb = head_times(w, lay.tp, lay.cp, lay.micro_batch)
+    # A layout only Megatron runs (its distributed optimizer) runs Megatron's attention kernel too.
+    kw = _with_fused_attention(w) if lay.dp_style == "distopt" and w.attention_kernel == "auto" else w
+    lt = layer_times(kw, lay.tp, lay.cp, lay.micro_batch, lay.sp, base, lay.ep)
+    ft = layer_times(kw, lay.tp, lay.cp, lay.micro_batch, lay.sp, "full", lay.ep) if lay.recompute == "full" else None
+    hf, hb = head_times(kw, lay.tp, lay.cp, lay.micro_batch)
     # A micro-batch's forward + backward on each pipeline rank; the slowest rank sets the pace.
     shapes = _shapes(w, lay)
     terms, per_mb, n_layers = {}, -1.0, 0
@@ -823,20 +836,14 @@ def step_time(w: Workload, lay: Layout) -> dict:
                 # Pipeline stages gather their weights once per step and keep them; the schedule reduces
                 # gradients after the stage's last backward, with no backward left to hide behind.
                 dp_comm = hidden_gather + grad
-                gathers, reduces = 1, 1
             else:
                 # 16-bit weights gathered before each layer's forward and backward of every micro-batch
                 # (prefetched, overlapping the previous layer); gradients reduce-scattered every
                 # micro-batch (sharded accumulation) or after the last one.
                 sharded = grads_stay_sharded(w.grad_accum, lay.pp, m)
                 dp_comm = m * (hidden_gather + max(gather - bwd_mb, gather / n_layers)) + (m if sharded else 1) * hidden_grad
-                gathers, reduces = 2 * m, (m if sharded else 1)
-            # FSDP2's copies (torch's fully_shard, which loom and PyTorch-native trainers run), on the compute
-            # stream: each all-gather's flat output is copied into the unsharded parameters
-            # (split_with_sizes_copy: 2 bytes read, 2 written per element) and each reduce-scatter's input
-            # is the unsharded 16-bit gradients concatenated into a flat fp32 buffer (chunk_cat: 2 read, 4
-            # written). NCCL's collectives overlap compute; these copies do not.
-            step["fsdp_copy"] = _bytes_time(gpu, (dense + experts) * (4 * gathers + 6 * reduces))
+        if w.fsdp2 and lay.dp_style in ("fsdp", "replicate") and not priced_as_megatron(w, lay):
+            step["fsdp_copy"] = _bytes_time(gpu, fsdp2_copy_bytes(w, lay, dense, experts, m))
     step["dp_comm"] = dp_comm
     # AdamW: read param, grad, two moments; write param, moments (and a 16-bit copy); over the local shard.
     if lay.dp_style == "replicate":
@@ -846,6 +853,46 @@ def step_time(w: Workload, lay: Layout) -> dict:
     moment = 2 if w.state_dtype == "bfloat16" else 4
     step["optimizer"] = _bytes_time(gpu, shard * (4 + 4 + 2 * moment + 4 + 2 * moment + 2))
     return step
+
+
+def fsdp2_copy_bytes(w: Workload, lay: Layout, dense: float, experts: float, m: int) -> float:
+    """Bytes torch's fully_shard (FSDP2: loom's fsdp style, and its replicate style, which is fully_shard over
+    a shard group of the cp ranks) copies on the compute stream in one step, for a rank holding `dense` and
+    `experts` parameters before data-parallel sharding; NCCL's collectives overlap compute, these copies do
+    not (torch/distributed/fsdp/_fully_shard):
+    - each unshard copies the all-gather's flat output into the unsharded parameters
+      (split_with_sizes_copy: e bytes read and written per element, e the compute dtype's size); a shard group
+      of one skips the collective but casts the fp32 parameter to the compute dtype and copies it (4 + 3e);
+    - without pipelining, blocks reshard after forward and gather again for backward; the last block and the
+      root (embedding, final norm, head) gather once per micro-batch; a pipeline stage gathers once per step;
+    - each reduction concatenates the unsharded gradients into the flat fp32 reduce-scatter buffer
+      (chunk_cat: e read, 4 written) on every micro-batch when gradients stay sharded; otherwise the first
+      micro-batch's gradients are cast to fp32 (e + 4), each later one is added in (4 + e read, 4 written),
+      and the last chunk_cat copies fp32 (8)."""
+    cfg = w.model
+    e = 4 if w.precision == "fp32" else 2
+    if lay.dp_style == "replicate":
+        shard_dense, shard_experts = lay.cp, max(1, lay.cp // lay.ep)
+    else:
+        shard_dense, shard_experts = lay.dp * lay.cp, max(1, lay.dp * lay.cp // lay.ep)
+
+    def unshard(n: int) -> float:
+        return 2 * e if n > 1 else 4 + 3 * e
+
+    once = dense * unshard(shard_dense) + experts * unshard(shard_experts)
+    if lay.pp > 1:
+        gathers = once
+    else:
+        z = model_sizes(w)
+        root = (z["total"] - z["experts"] - cfg.layers * z["dense_layer"]) / lay.tp
+        single = (root + z["dense_layer"] / lay.tp) * unshard(shard_dense) + z["expert_layer"] / lay.ep * unshard(shard_experts)
+        gathers = m * (2 * once - single)
+    local = dense + experts
+    if shard_dense > 1 and grads_stay_sharded(w.grad_accum, lay.pp, m):
+        reduces = m * local * (e + 4)
+    else:
+        reduces = local * ((e + 4) + (m - 1) * (8 + e) + (8 if m > 1 else 0))
+    return gathers + reduces
 
 
 def evaluate(w: Workload, lay: Layout, mem: dict | None = None) -> Estimate:

@@ -11,8 +11,9 @@ Every number here is a property of the hardware, never of a particular training 
 - `attention_efficiency`: fraction of the 16-bit peak that the attention loom runs sustains, forward and
   backward together: torch's scaled_dot_product_attention, whose default backend order puts its flash
   backend (FlashAttention-2 kernels) first (`torch._C._get_sdp_priority_order()`: flash, efficient, math,
-  cuDNN). FlashAttention-2 reports 50-70% on A100 forward and ~45% backward, and reaches only 35% of an
-  H100's peak (Shah et al. 2024, FlashAttention-3, abstract).
+  cuDNN). FlashAttention-2 reports 50-70% on A100 forward and ~45% backward, and its forward reaches only
+  35% of an H100's peak (Shah et al. 2024, FlashAttention-3, abstract); the presets apply that forward
+  figure to both passes, so loom's attention on Hopper is if anything priced fast.
 - `fused_attention_efficiency`: the same for Transformer Engine's fused (cuDNN) attention that
   Megatron-Core runs, which uses Hopper's asynchronous tensor cores as FlashAttention-3 does (FA3: up to
   75% forward on H100; cuDNN/FA3 forward and backward together ~40-60%); 0 means `attention_efficiency`.

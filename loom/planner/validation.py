@@ -95,11 +95,12 @@ def published_runs() -> dict:
     def meta(gpus, tflops, cp=1, seq=8192):
         batch = 16 * 2**20 // seq  # 16M tokens per step
         w = Workload(llama3_405b if seq == 8192 else llama(126, 16384, 128, 8, 53248, 128256, seq),
-                     seq, batch, gpus, h100, framework="loom", attention_kernel="fused")
+                     seq, batch, gpus, h100, framework="loom", attention_kernel="fused", fsdp2=False)
         return (w, dict(tp=8, pp=16, cp=cp, dp=gpus // (128 * cp), dp_style="fsdp"),
                 flops_seconds(w.model, batch, seq, tflops, gpus),
                 f"Llama 3 paper (Dubey et al. 2024), Table 4: {gpus} H100, bf16, {tflops} TFLOP/s/GPU, Meta's "
-                "FSDP + 4D parallelism (its own stack, attention kernel not stated: priced at the fused rate); "
+                "FSDP + 4D parallelism (its own stack, 2024: FSDP's flat parameters, no FSDP2 buffer copies; "
+                "attention kernel not stated: priced at the fused rate); "
                 "step time from TFLOP/s with loom's FLOP count")
     return {
         "narayanan-1.7b": (
