@@ -5,7 +5,14 @@
    time with `--gpu PROFILE --precision fp32`;
 3. `loom train` runs the same setting for a few steps; the median step time after warm-up is compared.
 
-Usage: python bench/plan_vs_measured_cpu.py [--steps 6]   -> bench/results/plan_vs_measured_cpu.{json,md}
+A shared machine's speed drifts between minutes by as much as the errors being measured (GEMM rates of
+the same shape 40% apart in profiles taken ten minutes apart), so the three steps run in `--cycles`
+cycles, each with a fresh profile just before its training runs; each cell reports the median of its
+cycles' predictions and measurements, and the JSON keeps every cycle. The last cycle's profile is kept as
+bench/results/cpu_profile_train.json.
+
+Usage: python bench/plan_vs_measured_cpu.py [--steps 6] [--cycles 3]
+       -> bench/results/plan_vs_measured_cpu.{json,md}
 """
 
 from __future__ import annotations
@@ -38,13 +45,8 @@ def _footer(result: dict) -> str:
             f"{result['date']}: `{result['command']}`\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=6)
-    args = parser.parse_args()
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    profile = out_dir / "cpu_profile.json"
+def cycle(profile: Path, steps: int) -> list[dict]:
+    """A fresh profile, then every setting predicted from it and trained."""
     r = loom("plan", "--profile-hardware", str(profile))
     if r.returncode:
         sys.exit(r.stderr)
@@ -53,14 +55,17 @@ def main() -> None:
         plan = ["--mlp", "swiglu", "--norm", "rmsnorm", "--layers", "4", "--hidden", "512", "--heads", "8", "--kv-heads", "4", "--ffn", "1376",
                 "--vocab", "4096", "--gpus", "1", "--gpu", str(profile), "--precision", "fp32", "--seq", str(seq),
                 "--global-batch", str(mbs)]
-        r = loom("plan", *plan, "--layout", f"tp=1,pp=1,dp=1,mbs={mbs},recompute={rec}", "--json")
+        # loom train's recompute.mode=full recomputes every layer; fix that too (the search would otherwise pick
+        # the fewest recomputed layers that fit)
+        every = ",recompute_layers=0" if rec == "full" else ""
+        r = loom("plan", *plan, "--layout", f"tp=1,pp=1,dp=1,mbs={mbs},recompute={rec}{every}", "--json")
         if r.returncode:
             sys.exit(r.stderr)
         cand = json.loads(r.stdout)["candidates"][0]
         with tempfile.TemporaryDirectory() as tmp:
             r = loom("train", "--config", "tiny", "--run-dir", tmp, *MODEL, f"--train.seq_len={seq}",
                      f"--train.micro_batch={mbs}", f"--train.global_batch={mbs}", f"--recompute.mode={rec}",
-                     f"--train.steps={args.steps}", "--train.dtype=float32", "--train.device=cpu", "--train.eval_samples=1",
+                     f"--train.steps={steps}", "--train.dtype=float32", "--train.device=cpu", "--train.eval_samples=1",
                      "--checkpoint.save_final=false", "--log.progress=none", "--data.corpus_max_bytes=2000000")
             if r.returncode:
                 sys.exit(r.stderr[-3000:])
@@ -70,14 +75,34 @@ def main() -> None:
         rows.append({"micro_batch": mbs, "recompute": rec, "seq_len": seq, "predicted_s": cand["step_time_s"],
                      "measured_s": round(measured, 5), "error": round(cand["step_time_s"] / measured - 1, 4),
                      "predicted_terms_s": cand["time_s"]})
-        print(rows[-1])
-    result = {"what": "planner prediction vs loom train, one process on this CPU, fp32", "rows": rows,
-              "mean_abs_error": round(statistics.mean(abs(r["error"]) for r in rows), 4),
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--cycles", type=int, default=3)
+    args = parser.parse_args()
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cycles = [cycle(out_dir / "cpu_profile_train.json", args.steps) for _ in range(args.cycles)]
+    rows = []
+    for i, (mbs, rec, seq) in enumerate(SETTINGS):
+        predicted = statistics.median(c[i]["predicted_s"] for c in cycles)
+        measured = statistics.median(c[i]["measured_s"] for c in cycles)
+        rows.append({"micro_batch": mbs, "recompute": rec, "seq_len": seq, "predicted_s": round(predicted, 5),
+                     "measured_s": round(measured, 5), "error": round(predicted / measured - 1, 4),
+                     "cycle_errors": [c[i]["error"] for c in cycles]})
+    result = {"what": "planner prediction vs loom train, one process on this CPU, fp32; medians over cycles "
+                      "(each a fresh profile, then every setting)", "rows": rows,
+              "mean_abs_error": round(statistics.mean(abs(r["error"]) for r in rows), 4), "cycles": cycles,
               **stamp(" ".join(["python", "bench/plan_vs_measured_cpu.py"] + sys.argv[1:]))}
     (out_dir / "plan_vs_measured_cpu.json").write_text(json.dumps(result, indent=1))
-    lines = ["| micro-batch | recompute | seq | predicted s | measured s | error |", "|---|---|---|---|---|---|"]
+    lines = ["| micro-batch | recompute | seq | predicted s | measured s | error | each cycle |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['micro_batch']} | {r['recompute']} | {r['seq_len']} | {r['predicted_s']:.4f} | {r['measured_s']:.4f} | "
-              f"{100 * r['error']:+.1f}% |" for r in rows]
+              f"{100 * r['error']:+.1f}% | {', '.join(f'{100 * e:+.0f}%' for e in r['cycle_errors'])} |" for r in rows]
     (out_dir / "plan_vs_measured_cpu.md").write_text("\n".join(lines) + f"\n\nmean |error| {100 * result['mean_abs_error']:.1f}%\n" + _footer(result))
     print("\n".join(lines))
 
