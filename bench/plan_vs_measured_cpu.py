@@ -41,7 +41,8 @@ def loom(*args, **kw):
 
 def _footer(result: dict) -> str:
     m = result["machine"]
-    return (f"\n{m['cpu']}, {m['cores']} cores, torch {result['torch']}, commit {result['commit'][:10]}, "
+    commit = result["commit"][:10] + ("-dirty" if result["commit"].endswith("-dirty") else "")
+    return (f"\n{m['cpu']}, {m['cores']} cores, torch {result['torch']}, commit {commit}, "
             f"{result['date']}: `{result['command']}`\n")
 
 
@@ -83,26 +84,35 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--cycles", type=int, default=3)
+    parser.add_argument("--summarize", action="store_true",
+                        help="re-summarise the cycles already in bench/results/plan_vs_measured_cpu.json (no runs)")
     args = parser.parse_args()
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    cycles = [cycle(out_dir / "cpu_profile_train.json", args.steps) for _ in range(args.cycles)]
+    if args.summarize:
+        result = json.loads((out_dir / "plan_vs_measured_cpu.json").read_text())
+        cycles = result["cycles"]
+    else:
+        cycles = [cycle(out_dir / "cpu_profile_train.json", args.steps) for _ in range(args.cycles)]
+        result = stamp(" ".join(["python", "bench/plan_vs_measured_cpu.py"] + sys.argv[1:]))
+    # Each cell: the median of its cycles' own errors (each cycle's prediction against what was measured
+    # right after its profile), beside the medians of the predictions and of the measurements.
     rows = []
     for i, (mbs, rec, seq) in enumerate(SETTINGS):
-        predicted = statistics.median(c[i]["predicted_s"] for c in cycles)
-        measured = statistics.median(c[i]["measured_s"] for c in cycles)
-        rows.append({"micro_batch": mbs, "recompute": rec, "seq_len": seq, "predicted_s": round(predicted, 5),
-                     "measured_s": round(measured, 5), "error": round(predicted / measured - 1, 4),
+        rows.append({"micro_batch": mbs, "recompute": rec, "seq_len": seq,
+                     "predicted_s": round(statistics.median(c[i]["predicted_s"] for c in cycles), 5),
+                     "measured_s": round(statistics.median(c[i]["measured_s"] for c in cycles), 5),
+                     "error": round(statistics.median(c[i]["error"] for c in cycles), 4),
                      "cycle_errors": [c[i]["error"] for c in cycles]})
-    result = {"what": "planner prediction vs loom train, one process on this CPU, fp32; medians over cycles "
-                      "(each a fresh profile, then every setting)", "rows": rows,
-              "mean_abs_error": round(statistics.mean(abs(r["error"]) for r in rows), 4), "cycles": cycles,
-              **stamp(" ".join(["python", "bench/plan_vs_measured_cpu.py"] + sys.argv[1:]))}
+    result.update({"what": "planner prediction vs loom train, one process on this CPU, fp32; per cell the median "
+                           "over cycles (each a fresh profile, then every setting) of the cycle's error",
+                   "rows": rows, "mean_abs_error": round(statistics.mean(abs(r["error"]) for r in rows), 4),
+                   "cycles": cycles})
     (out_dir / "plan_vs_measured_cpu.json").write_text(json.dumps(result, indent=1))
-    lines = ["| micro-batch | recompute | seq | predicted s | measured s | error | each cycle |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| micro-batch | recompute | seq | predicted s (median) | measured s (median) | error (median of cycles) "
+             "| each cycle |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['micro_batch']} | {r['recompute']} | {r['seq_len']} | {r['predicted_s']:.4f} | {r['measured_s']:.4f} | "
-              f"{100 * r['error']:+.1f}% | {', '.join(f'{100 * e:+.0f}%' for e in r['cycle_errors'])} |" for r in rows]
+              f"{100 * r['error']:+.1f}% | {', '.join(f'{100 * e:+.1f}%' for e in r['cycle_errors'])} |" for r in rows]
     (out_dir / "plan_vs_measured_cpu.md").write_text("\n".join(lines) + f"\n\nmean |error| {100 * result['mean_abs_error']:.1f}%\n" + _footer(result))
     print("\n".join(lines))
 

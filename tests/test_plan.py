@@ -192,9 +192,11 @@ def test_fsdp2_copies_are_priced_on_the_compute_stream():
     largest = max(sum(local_params(w, piped, s)) for s in _shapes(w, piped))
     m2 = 64 // 4
     assert copy(piped) == pytest.approx(largest * (4 + 6 + (m2 - 1) * 10 + 8) / hbm, rel=1e-9)
-    fp32 = Workload(m_cfg, 8192, 64, 8, gpu, precision="fp32")  # fp32 compute (a CPU profile's): 4-byte elements
+    fp32 = Workload(m_cfg, 8192, 64, 8, gpu, precision="fp32")  # no mixed precision (a CPU's): copies, no casts
     assert fsdp2_copy_bytes(fp32, fsdp, params, 0.0, mb) == pytest.approx(
         mb * 8 * (2 * params - once) + mb * 8 * params, rel=1e-9)
+    assert fsdp2_copy_bytes(fp32, replicate, params, 0.0, mb) == pytest.approx(
+        mb * 8 * (2 * params - once) + 8 * params, rel=1e-9)  # autograd accumulates fp32 gradients itself
     # Nothing for Megatron's optimizer, Megatron's DDP, flat in-place buffers, or one data-parallel rank.
     assert copy(Layout(dp=8, micro_batch=1, recompute="full", dp_style="distopt")) == 0.0
     assert copy(replicate, Workload(m_cfg, 8192, 64, 8, gpu, framework="megatron")) == 0.0

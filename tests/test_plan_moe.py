@@ -50,6 +50,13 @@ def test_experts_are_sharded_by_ep_and_their_states_by_the_expert_data_parallel_
         # FSDP: everything sharded the same way, so the expert states do not depend on ep.
         fsdp = memory(w, Layout(dp=64, ep=ep, dp_style="fsdp"))
         assert fsdp["params"] == pytest.approx(4 * (dense / 64 + experts / ep / (64 // ep)), rel=1e-9)
+        # loom's replicate style replicates the dense part but fully_shards the routed experts over the
+        # expert-data-parallel ranks all the same (loom/parallel/data.py): fp32 weights, gradients, moments.
+        # Without expert parallelism the experts are part of their blocks: replicated too.
+        rep = memory(w, Layout(dp=64, ep=ep, dp_style="replicate"))
+        expert_shard = experts / ep / (64 // ep) if ep > 1 else experts
+        assert rep["params"] == pytest.approx(4 * (dense + expert_shard), rel=1e-9), ep
+        assert rep["optimizer"] == pytest.approx(8 * (dense + expert_shard), rel=1e-9), ep
 
 
 def test_all_to_all_and_expert_gemms_follow_the_token_arithmetic():

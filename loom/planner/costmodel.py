@@ -708,19 +708,20 @@ def memory(w: Workload, lay: Layout) -> dict:
     grad_bytes = 2 if mega and w.grad_dtype == "bfloat16" else 4
     sharded = grads_stay_sharded(w.grad_accum, lay.pp, m)
 
-    def states(local: float, group: int, cp: int) -> tuple[float, float, float]:
+    def states(local: float, group: int, cp: int, style: str = lay.dp_style,
+               grads_sharded: bool = sharded) -> tuple[float, float, float]:
         """(weights, gradients, optimizer) bytes of `local` parameters sharded over `group` ranks (the dp x cp
         ranks for dense parameters, the expert-data-parallel ranks for routed experts)."""
-        if lay.dp_style == "replicate" and mega:  # Megatron without distopt: 16-bit weights, fp32 master copy
+        if style == "replicate" and mega:  # Megatron without distopt: 16-bit weights, fp32 master copy
             return 2 * local, grad_bytes * local, (4 + moment_bytes) * local
-        if lay.dp_style == "replicate":  # loom: fp32 master weights, fp32 gradients, moments, all replicated
+        if style == "replicate":  # loom: fp32 master weights, fp32 gradients, moments, all replicated
             # (with cp > 1 loom shards over the cp ranks, HSDP with dp_shard_cp = cp: gradients as FSDP's)
             cp_grads = cp if sharded else 1
             return 4 * local / cp, 4 * local / cp_grads, moment_bytes * local / cp
-        if lay.dp_style == "distopt":  # Megatron: 16-bit weights + fp32 grads replicated; master + moments split
+        if style == "distopt":  # Megatron: 16-bit weights + fp32 grads replicated; master + moments split
             return 2 * local, grad_bytes * local, (4 + moment_bytes) * local / group
         # fsdp (loom dp_shard): everything split; gradients sharded or whole between micro-batches
-        out = 4 * local / group, 4 * local / (group if sharded else 1), moment_bytes * local / group
+        out = 4 * local / group, 4 * local / (group if grads_sharded else 1), moment_bytes * local / group
         if lay.pp > 1:  # a stage keeps its gathered compute-dtype weights through the step (no reshard)
             out = out[0] + act_bytes * local, out[1], out[2]
         return out
@@ -730,7 +731,13 @@ def memory(w: Workload, lay: Layout) -> dict:
         dense, experts = local_params(w, lay, shape)
         dp = lay.dp * lay.cp  # the cp ranks join the shard group (loom's dp_shard_cp, Megatron's dp x cp)
         d_state = states(dense, dp, lay.cp)
-        e_state = states(experts, dp // lay.ep, max(1, lay.cp // lay.ep)) if experts else (0.0, 0.0, 0.0)
+        # Under expert parallelism loom shards routed experts over the expert-data-parallel ranks with
+        # fully_shard whatever the style (loom/parallel/data.py): replicate replicates only the dense part.
+        e_style = "fsdp" if lay.dp_style == "replicate" and not mega and lay.ep > 1 else lay.dp_style
+        # (loom reduces every micro-batch only when the dense shard group has more than one rank: under
+        # replicate that is cp > 1, loom/train/steps.py)
+        e_state = (states(experts, dp // lay.ep, max(1, lay.cp // lay.ep), e_style,
+                          sharded and (lay.dp_style != "replicate" or lay.cp > 1)) if experts else (0.0, 0.0, 0.0))
         params, grads, optim = (a + b for a, b in zip(d_state, e_state))
         activations = shape.held_layers * per_layer
         if lay.recompute == "full":  # k layers of every chunk keep only their input
@@ -846,8 +853,9 @@ def step_time(w: Workload, lay: Layout) -> dict:
             step["fsdp_copy"] = _bytes_time(gpu, fsdp2_copy_bytes(w, lay, dense, experts, m))
     step["dp_comm"] = dp_comm
     # AdamW: read param, grad, two moments; write param, moments (and a 16-bit copy); over the local shard.
-    if lay.dp_style == "replicate":
-        shard = dense / lay.cp + experts / max(1, lay.cp // lay.ep)
+    if lay.dp_style == "replicate":  # loom's replicate still shards the routed experts over the edp ranks
+        shard = dense / lay.cp + experts / (egroup if lay.ep > 1 and not priced_as_megatron(w, lay)
+                                            else max(1, lay.cp // lay.ep))
     else:
         shard = dense / group + experts / egroup
     moment = 2 if w.state_dtype == "bfloat16" else 4
@@ -868,16 +876,18 @@ def fsdp2_copy_bytes(w: Workload, lay: Layout, dense: float, experts: float, m: 
     - each reduction concatenates the unsharded gradients into the flat fp32 reduce-scatter buffer
       (chunk_cat: e read, 4 written) on every micro-batch when gradients stay sharded; otherwise the first
       micro-batch's gradients are cast to fp32 (e + 4), each later one is added in (4 + e read, 4 written),
-      and the last chunk_cat copies fp32 (8)."""
+      and the last chunk_cat copies fp32 (8).
+    In fp32 (no mixed precision: a CPU's) there is no cast: an unshard is a copy (8) and gradients accumulate
+    in autograd, so only the chunk_cat (8) per reduction is FSDP's. Under expert parallelism routed experts
+    are fully_shard over the expert-data-parallel ranks in both styles; replicate's dense shard group (and
+    its experts' without expert parallelism) is the cp ranks."""
     cfg = w.model
     e = 4 if w.precision == "fp32" else 2
-    if lay.dp_style == "replicate":
-        shard_dense, shard_experts = lay.cp, max(1, lay.cp // lay.ep)
-    else:
-        shard_dense, shard_experts = lay.dp * lay.cp, max(1, lay.dp * lay.cp // lay.ep)
+    shard_dense = lay.cp if lay.dp_style == "replicate" else lay.dp * lay.cp
+    shard_experts = lay.dp * lay.cp // lay.ep if lay.ep > 1 else shard_dense
 
     def unshard(n: int) -> float:
-        return 2 * e if n > 1 else 4 + 3 * e
+        return 2 * e if n > 1 or e == 4 else 4 + 3 * e
 
     once = dense * unshard(shard_dense) + experts * unshard(shard_experts)
     if lay.pp > 1:
@@ -890,6 +900,8 @@ def fsdp2_copy_bytes(w: Workload, lay: Layout, dense: float, experts: float, m: 
     local = dense + experts
     if shard_dense > 1 and grads_stay_sharded(w.grad_accum, lay.pp, m):
         reduces = m * local * (e + 4)
+    elif e == 4:
+        reduces = local * 8
     else:
         reduces = local * ((e + 4) + (m - 1) * (8 + e) + (8 if m > 1 else 0))
     return gathers + reduces
