@@ -7,8 +7,9 @@
 
 A shared machine's speed drifts between minutes by as much as the errors being measured (GEMM rates of
 the same shape 40% apart in profiles taken ten minutes apart), so the three steps run in `--cycles`
-cycles, each with a fresh profile just before its training runs; each cell reports the median of its
-cycles' predictions and measurements, and the JSON keeps every cycle. The last cycle's profile is kept as
+cycles, each with a fresh profile just before its training runs; each cell's error is the median of its
+cycles' own errors (the medians of predictions and measurements are listed beside it), and the JSON keeps
+every cycle (`--summarize` re-renders them without running). The last cycle's profile is kept as
 bench/results/cpu_profile_train.json.
 
 Usage: python bench/plan_vs_measured_cpu.py [--steps 6] [--cycles 3]

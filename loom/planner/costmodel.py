@@ -731,13 +731,11 @@ def memory(w: Workload, lay: Layout) -> dict:
         dense, experts = local_params(w, lay, shape)
         dp = lay.dp * lay.cp  # the cp ranks join the shard group (loom's dp_shard_cp, Megatron's dp x cp)
         d_state = states(dense, dp, lay.cp)
-        # Under expert parallelism loom shards routed experts over the expert-data-parallel ranks with
-        # fully_shard whatever the style (loom/parallel/data.py): replicate replicates only the dense part.
+        # loom's replicate style still fully_shards routed experts over the edp ranks (loom_shard_groups)
+        dense_group, expert_group = loom_shard_groups(lay)
         e_style = "fsdp" if lay.dp_style == "replicate" and not mega and lay.ep > 1 else lay.dp_style
-        # (loom reduces every micro-batch only when the dense shard group has more than one rank: under
-        # replicate that is cp > 1, loom/train/steps.py)
-        e_state = (states(experts, dp // lay.ep, max(1, lay.cp // lay.ep), e_style,
-                          sharded and (lay.dp_style != "replicate" or lay.cp > 1)) if experts else (0.0, 0.0, 0.0))
+        e_state = (states(experts, expert_group if e_style == "fsdp" else dp // lay.ep, max(1, lay.cp // lay.ep),
+                          e_style, sharded and dense_group > 1) if experts else (0.0, 0.0, 0.0))
         params, grads, optim = (a + b for a, b in zip(d_state, e_state))
         activations = shape.held_layers * per_layer
         if lay.recompute == "full":  # k layers of every chunk keep only their input
@@ -762,6 +760,16 @@ def memory(w: Workload, lay: Layout) -> dict:
 
 def _intra(gpu: GPU, stride: int, size: int) -> bool:
     return stride * size <= gpu.node_size
+
+
+def loom_shard_groups(lay: Layout) -> tuple[int, int]:
+    """The ranks loom's fully_shard splits a rank's dense parameters and its routed experts over
+    (loom/parallel): dp x cp for the fsdp style, the cp ranks for replicate (HSDP over dp_shard_cp); under
+    expert parallelism the routed experts over the expert-data-parallel ranks (dp x cp / ep) whatever the
+    style, else with the dense part. Gradients are reduced every micro-batch only when the dense group has
+    more than one rank (loom/train/steps.py)."""
+    dense = lay.cp if lay.dp_style == "replicate" else lay.dp * lay.cp
+    return dense, (lay.dp * lay.cp // lay.ep if lay.ep > 1 else dense)
 
 
 @lru_cache(maxsize=1024)
@@ -854,8 +862,8 @@ def step_time(w: Workload, lay: Layout) -> dict:
     step["dp_comm"] = dp_comm
     # AdamW: read param, grad, two moments; write param, moments (and a 16-bit copy); over the local shard.
     if lay.dp_style == "replicate":  # loom's replicate still shards the routed experts over the edp ranks
-        shard = dense / lay.cp + experts / (egroup if lay.ep > 1 and not priced_as_megatron(w, lay)
-                                            else max(1, lay.cp // lay.ep))
+        shard = dense / lay.cp + experts / (max(1, lay.cp // lay.ep) if priced_as_megatron(w, lay)
+                                            else loom_shard_groups(lay)[1])
     else:
         shard = dense / group + experts / egroup
     moment = 2 if w.state_dtype == "bfloat16" else 4
@@ -878,13 +886,10 @@ def fsdp2_copy_bytes(w: Workload, lay: Layout, dense: float, experts: float, m: 
       micro-batch's gradients are cast to fp32 (e + 4), each later one is added in (4 + e read, 4 written),
       and the last chunk_cat copies fp32 (8).
     In fp32 (no mixed precision: a CPU's) there is no cast: an unshard is a copy (8) and gradients accumulate
-    in autograd, so only the chunk_cat (8) per reduction is FSDP's. Under expert parallelism routed experts
-    are fully_shard over the expert-data-parallel ranks in both styles; replicate's dense shard group (and
-    its experts' without expert parallelism) is the cp ranks."""
+    in autograd, so only the chunk_cat (8) per reduction is FSDP's. Shard groups: `loom_shard_groups`."""
     cfg = w.model
     e = 4 if w.precision == "fp32" else 2
-    shard_dense = lay.cp if lay.dp_style == "replicate" else lay.dp * lay.cp
-    shard_experts = lay.dp * lay.cp // lay.ep if lay.ep > 1 else shard_dense
+    shard_dense, shard_experts = loom_shard_groups(lay)
 
     def unshard(n: int) -> float:
         return 2 * e if n > 1 or e == 4 else 4 + 3 * e
