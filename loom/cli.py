@@ -416,18 +416,40 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit(code: int) -> None:
-    """Leave with `code`. A worker started by the launcher that fails skips interpreter teardown: its
-    process group's C++ threads (gloo/nccl) may still be running, and destroying them during Python's
-    finalisation can abort the process (SIGABRT, "terminate called without an active exception"), which
-    would turn a clean exit 2 (bad input) into a crash the launcher cannot classify."""
+    """Leave with `code`, skipping the interpreter's teardown where that is safe.
+
+    - A worker started by the launcher that fails leaves at once: its process group's C++ threads
+      (gloo/nccl) may still be running, and destroying them during Python's finalisation can abort the
+      process (SIGABRT, "terminate called without an active exception"), which would turn a clean exit 2
+      (bad input) into a crash the launcher cannot classify.
+    - Otherwise, once no other non-daemon thread is running, the exit handlers run (logging's flush,
+      multiprocessing's children, inductor's compile workers, temporary directories) and the process
+      leaves without deallocating every object of torch's modules one by one, which takes about a
+      second of CPU per process here (every worker and the launcher pay it). With such a thread still
+      running, the ordinary exit waits for it."""
+    import atexit
+    import threading
+
     from loom.launch import in_worker
 
+    sys.stdout.flush()
+    sys.stderr.flush()
     if code and in_worker():
-        sys.stdout.flush()
-        sys.stderr.flush()
         os._exit(code)
-    sys.exit(code)
+    running = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    run_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if running or run_handlers is None:
+        sys.exit(code)
+    run_handlers()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run() -> None:
+    """The `loom` command (console script): `main`, then `_exit`."""
+    _exit(main())
 
 
 if __name__ == "__main__":
-    _exit(main())
+    run()

@@ -133,3 +133,42 @@ print(run_dir, "loom.train.trainer" in sys.modules, "torch.distributed.checkpoin
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir, trainer, dcp = proc.stdout.split()
     assert run_dir.startswith("runs/tiny-") and (trainer, dcp) == ("False", "False")
+
+
+def test_fast_exit_keeps_the_code_runs_exit_handlers_and_waits_for_a_running_thread(tmp_path):
+    """`python -m loom.cli` and the `loom` script leave through `cli._exit`, which skips the interpreter's
+    teardown of torch: the exit code is kept, atexit handlers (logging, multiprocessing, inductor's workers)
+    still run, and while another non-daemon thread is running the ordinary exit waits for it (and tears down,
+    which the fast path does not: a module-level object's finaliser runs only then)."""
+    import subprocess
+    import sys
+
+    script = """
+import atexit, sys, threading, time
+from pathlib import Path
+import torch
+from loom.cli import _exit
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "handler").write_text("ran"))
+class Teardown:
+    def __del__(self, _open=open, _path=str(out / "teardown")):
+        with _open(_path, "w") as f:
+            f.write("ran")
+kept = Teardown()
+if sys.argv[2] == "thread":
+    def late():
+        time.sleep(0.5)
+        (out / "thread").write_text("done")
+    threading.Thread(target=late).start()
+print("printed", end="")  # no newline: left in the buffer unless the exit flushes it
+_exit(int(sys.argv[3]))
+"""
+    for mode, code in (("plain", 0), ("plain", 2), ("thread", 0)):
+        out = tmp_path / f"{mode}{code}"
+        out.mkdir()
+        proc = subprocess.run([sys.executable, "-c", script, str(out), mode, str(code)], capture_output=True, text=True)
+        assert proc.returncode == code and proc.stdout == "printed", (mode, code, proc.stderr[-2000:])
+        assert (out / "handler").read_text() == "ran"
+        if mode == "thread":
+            assert (out / "thread").read_text() == "done"
+        assert (out / "teardown").exists() == (mode == "thread")
