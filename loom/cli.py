@@ -415,34 +415,61 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _exit(code: int) -> None:
+def _flush() -> bool:
+    """Flush Python's standard streams, then C's stdio buffers (libraries' own output, e.g. NCCL_DEBUG
+    lines, which `os._exit` would drop). False when a stream could not be flushed (a closed pipe)."""
+    ok = True
+    for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # closed when the process started
+            continue
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            ok = False
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+    return ok
+
+
+def _exit(code: int | None) -> None:
     """Leave with `code`, skipping the interpreter's teardown where that is safe.
 
     - A worker started by the launcher that fails leaves at once: its process group's C++ threads
       (gloo/nccl) may still be running, and destroying them during Python's finalisation can abort the
       process (SIGABRT, "terminate called without an active exception"), which would turn a clean exit 2
       (bad input) into a crash the launcher cannot classify.
-    - Otherwise, once no other non-daemon thread is running, the exit handlers run (logging's flush,
-      multiprocessing's children, inductor's compile workers, temporary directories) and the process
-      leaves without deallocating every object of torch's modules one by one, which takes about a
-      second of CPU per process here (every worker and the launcher pay it). With such a thread still
-      running, the ordinary exit waits for it."""
+    - Otherwise the exit handlers run (logging's flush, multiprocessing's children, inductor's compile
+      process pool, temporary directories), and the process leaves without deallocating every object of
+      torch's modules one by one, which takes about a second of CPU per process here (every worker and
+      the launcher pay it).
+    - The ordinary exit is kept while another non-daemon thread runs (it waits for it; inductor's idle
+      compile threads count), when a stream cannot be flushed (Python then reports it and exits 120, as
+      always), under a tracer or profiler (`python -m cProfile`, coverage, pdb: they write their results
+      after the program returns), after the user's own code was imported (a reward function: its open
+      files may be flushed only by their finalisers), and when the environment sets LOOM_ORDINARY_EXIT=1."""
     import atexit
     import threading
 
     from loom.launch import in_worker
 
-    sys.stdout.flush()
-    sys.stderr.flush()
+    code = 0 if code is None else int(code)
+    flushed = _flush()
     if code and in_worker():
         os._exit(code)
     running = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     run_handlers = getattr(atexit, "_run_exitfuncs", None)
-    if running or run_handlers is None:
+    traced = sys.gettrace() is not None or sys.getprofile() is not None
+    rl = sys.modules.get("loom.post.rl")
+    user_code = bool(rl is not None and rl.user_modules)
+    if (running or run_handlers is None or not flushed or traced or user_code
+            or os.environ.get("LOOM_ORDINARY_EXIT") == "1"):
         sys.exit(code)
     run_handlers()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush()
     os._exit(code)
 
 

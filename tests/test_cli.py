@@ -137,38 +137,52 @@ print(run_dir, "loom.train.trainer" in sys.modules, "torch.distributed.checkpoin
 
 def test_fast_exit_keeps_the_code_runs_exit_handlers_and_waits_for_a_running_thread(tmp_path):
     """`python -m loom.cli` and the `loom` script leave through `cli._exit`, which skips the interpreter's
-    teardown of torch: the exit code is kept, atexit handlers (logging, multiprocessing, inductor's workers)
-    still run, and while another non-daemon thread is running the ordinary exit waits for it (and tears down,
-    which the fast path does not: a module-level object's finaliser runs only then)."""
+    teardown of torch: the exit code is kept, buffered output (Python's and C's) still reaches the pipe,
+    atexit handlers (logging, multiprocessing, inductor's workers) still run, and teardown (a module-level
+    object's finaliser) is skipped. It keeps the ordinary exit while another non-daemon thread runs (and
+    waits for it), under a profiler, with LOOM_ORDINARY_EXIT=1, and with stdout closed it keeps the code."""
+    import os
     import subprocess
     import sys
 
     script = """
-import atexit, sys, threading, time
+import atexit, ctypes, os, sys, threading, time
 from pathlib import Path
 import torch
 from loom.cli import _exit
-out = Path(sys.argv[1])
+out, mode, code = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 atexit.register(lambda: (out / "handler").write_text("ran"))
 class Teardown:
     def __del__(self, _open=open, _path=str(out / "teardown")):
         with _open(_path, "w") as f:
             f.write("ran")
 kept = Teardown()
-if sys.argv[2] == "thread":
+if mode == "thread":
     def late():
         time.sleep(0.5)
         (out / "thread").write_text("done")
     threading.Thread(target=late).start()
-print("printed", end="")  # no newline: left in the buffer unless the exit flushes it
-_exit(int(sys.argv[3]))
+if mode == "profiled":
+    sys.setprofile(lambda *args: None)
+if sys.stdout is not None:
+    print("printed", end="")  # no newline, and stdout is a pipe: left in the buffer unless the exit flushes it
+    ctypes.CDLL(None).printf(b"from C\\n")  # C's stdio buffer, which os._exit alone would drop
+_exit(code)
 """
-    for mode, code in (("plain", 0), ("plain", 2), ("thread", 0)):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    cases = [("plain", 0, True), ("plain", 2, True), ("thread", 0, False), ("profiled", 0, False),
+             ("ordinary", 0, False), ("closed", 2, True)]
+    for mode, code, fast in cases:
         out = tmp_path / f"{mode}{code}"
         out.mkdir()
-        proc = subprocess.run([sys.executable, "-c", script, str(out), mode, str(code)], capture_output=True, text=True)
-        assert proc.returncode == code and proc.stdout == "printed", (mode, code, proc.stderr[-2000:])
+        run_env = dict(env, LOOM_ORDINARY_EXIT="1") if mode == "ordinary" else env
+        close_stdout = (lambda: os.close(1)) if mode == "closed" else None
+        proc = subprocess.run([sys.executable, "-c", script, str(out), mode, str(code)], capture_output=close_stdout is None,
+                              text=True, env=run_env, preexec_fn=close_stdout)
+        assert proc.returncode == code, (mode, code, proc.stderr)
+        if mode != "closed":
+            assert "printed" in proc.stdout and "from C" in proc.stdout, (mode, proc.stdout)
         assert (out / "handler").read_text() == "ran"
         if mode == "thread":
             assert (out / "thread").read_text() == "done"
-        assert (out / "teardown").exists() == (mode == "thread")
+        assert (out / "teardown").exists() == (not fast), mode

@@ -174,6 +174,9 @@ def engine_max_len(cfg: Config) -> int:
 # --- rewards ---------------------------------------------------------------------------------------------------
 
 
+user_modules: list[str] = []  # the user's modules imported for rewards: `loom.cli._exit` keeps the ordinary exit
+
+
 def load_callable(spec: str):
     """`package.module:function` -> the function; UserError naming what is wrong."""
     module_name, _, name = spec.partition(":")
@@ -185,6 +188,8 @@ def load_callable(spec: str):
     fn = getattr(module, name, None)
     if not callable(fn):
         raise UserError(f"rl.reward={spec!r}: {module_name} has no function {name!r}")
+    if not module_name.startswith("loom."):
+        user_modules.append(module_name)
     return fn
 
 
