@@ -148,7 +148,6 @@ def test_fast_exit_keeps_the_code_runs_exit_handlers_and_waits_for_a_running_thr
     script = """
 import atexit, ctypes, os, sys, threading, time
 from pathlib import Path
-import torch
 from loom.cli import _exit
 out, mode, code = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 atexit.register(lambda: (out / "handler").write_text("ran"))
