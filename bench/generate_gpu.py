@@ -1,0 +1,303 @@
+"""One GPU, one command: loom's generation engine on a Llama-3.2-1B-shaped model (issue 15's GPU items).
+
+    python bench/generate_gpu.py --out bench/results/generate_gpu_h100.json          # on a GPU machine
+    python bench/generate_gpu.py --profile bench/results/h100_profile.json ...         # + the planner (§3)
+    python bench/generate_gpu.py --smoke --out /tmp/smoke.json                         # tiny, CPU (a test runs it)
+
+The model has Llama-3.2-1B's shape (16 layers, hidden 2048, 32 heads, 8 key/value heads, MLP 8192, vocabulary
+128256, tied embeddings; rope scaling left out, it does not change the speed) with random weights: built
+with transformers, saved to a temporary directory and loaded by loom (`loom.load_model`), so both run the
+same weights; bf16 on the GPU. Nothing is downloaded.
+
+What it measures, each only from what ran:
+
+- **Memory bandwidth** of this device, two ways: a read-only reduction over 4 GiB (`sum`), and a copy
+  (bytes read plus written), each the median of 10 after warm-up; beside them the datasheet figure when the
+  device name is one the table below knows.
+- **Decode at batch 1, 64, 128, 256** (`--batches`): one engine with `compile=True` (decode steps through
+  torch.compile with mode "reduce-overhead": a CUDA graph per batch bucket) and max_batch the largest
+  batch; prompts of `--prompt` tokens, greedy, `--new` tokens each, no stop token. The decode step is
+  (time of a generation of `new` tokens - time of a generation of 1 token) / (new - 1): prefill and the
+  first token taken out; median over `--repeats` pairs. From it: decode tokens/s (batch / step), the bytes
+  a step must read (every weight once, the tied head included, plus the key/value cache the batch's
+  queries read at the mean context), and that over the step time as a fraction of each bandwidth: the
+  issue's goal is >= 70% of the bandwidth limit at batch 1. The same for an eager engine (`compile=False`)
+  at batch 1, to show what the graphs buy.
+- **CUDA graphs ran**: `cudaGraphLaunch` calls counted by torch's profiler over one generation, per
+  decode step.
+- **Refit**: `engine.refit(model)` from a training copy of the model (fp32 master weights on the same
+  device, as `loom train` keeps them), median of 3; the slab's addresses before and after; and a
+  generation after the refit, which must still launch graphs.
+- **transformers**: `generate` (greedy, its default cache, SDPA) on the same weights and prompts at each
+  batch, tokens/s of the whole call beside loom's whole call, and the fraction of sequences whose greedy
+  tokens agree (bf16: kernels differ, so near-ties may split; reported, not asserted).
+- **§3** (`--profile`, a `loom plan --profile-hardware` JSON of this device): `loom plan --inference`'s
+  prefill time and decode step for each batch (tp = pp = 1, bf16) beside the engine's.
+
+`--smoke`: a 2-layer model in fp32 on the CPU, eager engine, batches 1 and 4, 8 new tokens; it checks that
+the script runs end to end (tests/test_bench_generate_gpu.py), not speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import loom  # noqa: E402
+from loom.infer.engine import Engine, SamplingParams  # noqa: E402
+from loom.provenance import stamp  # noqa: E402
+
+SHAPES = {  # transformers LlamaConfig keyword arguments
+    "llama3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                        rope_theta=500000.0, max_position_embeddings=2048),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=256),
+}
+# Datasheet memory bandwidth, GB/s, by a substring of torch.cuda.get_device_name() (first match wins).
+DATASHEET_GBPS = [("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
+                  ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0), ("A100", 1555.0)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bandwidth_gbps(device: torch.device, gib: float, reps: int = 10) -> dict:
+    """Measured bytes per second: a read-only reduction and a copy (read + write), medians of `reps`."""
+    n = int(gib * 2**30) // 2
+    x = torch.ones(n, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    out = {}
+    for name, fn, moved in (("read_sum", lambda: x.sum(dtype=torch.float32), 2 * n),
+                            ("copy_read_plus_write", lambda: y.copy_(x), 4 * n)):
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times.append(time.perf_counter() - start)
+        out[name] = round(moved / statistics.median(times) / 1e9, 1)
+    del x, y
+    return out
+
+
+def datasheet_gbps(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((gbps for key, gbps in DATASHEET_GBPS if key in name), None)
+
+
+def build(path: Path, shape: str, device: torch.device, dtype: torch.dtype):
+    """A transformers Llama with random weights, saved to `path`; returns it (on `device`, in `dtype`)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SHAPES[shape])
+    config._attn_implementation = "sdpa"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = transformers.LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    hf.save_pretrained(path)
+    return hf
+
+
+def step_bytes(model, batch: int, context: float, dtype_bytes: int) -> float:
+    """Bytes one decode step must read: every weight once (a tied head is the embedding, read once as the
+    head; an untied embedding is only looked up, a row per sequence) and the key/value cache the batch's
+    queries read at `context` positions."""
+    cfg = model.cfg
+    params = sum(p.numel() for p in model.parameters())  # a tied weight is one parameter
+    if not cfg.tie_embeddings:
+        params -= cfg.vocab_size * cfg.hidden
+    attention = next(iter(model.layers.values())).attention
+    kv = 2 * cfg.layers * cfg.kv_heads * attention.head_dim * context * batch
+    return (params + kv) * dtype_bytes
+
+
+def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
+
+
+def timed(engine: Engine, prompts, new: int, device) -> tuple[float, list[list[int]]]:
+    sync(device)
+    start = time.perf_counter()
+    done = engine.generate(prompts, SamplingParams(max_new_tokens=new))
+    sync(device)
+    elapsed = time.perf_counter() - start
+    assert all(len(c.tokens) == new for c in done), "a request stopped early"
+    return elapsed, [c.tokens for c in done]
+
+
+def decode_split(engine: Engine, prompts, new: int, repeats: int, device) -> dict:
+    """Prefill (a generation of one token), decode step (see the module doc) and the whole call: medians over
+    `repeats` back-to-back pairs."""
+    pairs = []
+    for _ in range(repeats):
+        one, _ = timed(engine, prompts, 1, device)
+        full, tokens = timed(engine, prompts, new, device)
+        pairs.append((one, full))
+    return {"prefill_s": statistics.median(one for one, _ in pairs),
+            "decode_step_s": statistics.median((full - one) / (new - 1) for one, full in pairs),
+            "whole_s": statistics.median(full for _, full in pairs), "tokens": tokens}
+
+
+def graph_launches(engine: Engine, prompts, new: int) -> int:
+    """cudaGraphLaunch calls in one generation (torch's profiler, CPU-side runtime events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, SamplingParams(max_new_tokens=new))
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if "cudaGraphLaunch" in e.key)
+
+
+@torch.no_grad()
+def run_hf(hf, prompts, new: int, device) -> tuple[float, list[list[int]]]:
+    ids = torch.tensor(prompts, device=device)  # equal lengths: no padding
+    sync(device)
+    start = time.perf_counter()
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    sync(device)
+    return time.perf_counter() - start, out[:, ids.shape[1]:].tolist()
+
+
+def predictions(profile: Path, cfg, batch: int, prompt: int, new: int) -> dict:
+    from loom.planner.costmodel import Workload
+    from loom.planner.hardware import load_gpu
+    from loom.planner.inference import evaluate_inference
+
+    gpu = load_gpu(str(profile))
+    est = evaluate_inference(Workload(cfg, prompt, batch, 1, gpu, precision="bf16"), 1, 1, batch, prompt, new)
+    return {"prefill_predicted_s": round(est.prefill_s, 5), "decode_step_predicted_ms": round(1e3 * est.decode_step_s, 4)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,64,128,256")
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--new", type=int, default=128, help="new tokens per request")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-hf", action="store_true", help="leave transformers out")
+    ap.add_argument("--profile", type=Path, default=None, help="a `loom plan --profile-hardware` JSON of this device")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script runs")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        shape, device, dtype, compile_mode = "tiny", torch.device("cpu"), torch.float32, False
+        args.batches, args.new, args.prompt, args.repeats = "1,4", 8, 12, 1
+    else:
+        if not torch.cuda.is_available():
+            print("generate_gpu.py: no CUDA device here (use --smoke on a CPU)", file=sys.stderr)
+            return 2
+        shape, device, dtype, compile_mode = "llama3.2-1b", torch.device("cuda"), torch.bfloat16, True
+    batches = [int(b) for b in args.batches.split(",")]
+    dtype_bytes = torch.finfo(dtype).bits // 8
+    result = {"benchmark": "generate_gpu", "shape": shape, "dtype": str(dtype).replace("torch.", ""),
+              "prompt_tokens": args.prompt, "new_tokens": args.new,
+              **stamp("python bench/generate_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]))}
+    if device.type == "cuda":
+        result["cuda"] = torch.version.cuda
+    bw = bandwidth_gbps(device, 0.0625 if args.smoke else 4.0)
+    bw["datasheet"] = datasheet_gbps(device)
+    result["bandwidth_gbps"] = bw
+    print("bandwidth GB/s:", bw, flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = build(Path(tmp), shape, device, dtype)
+        model = loom.load_model(tmp, dtype=dtype, device=str(device))
+    cfg = model.cfg
+    result["parameters"] = sum(p.numel() for p in model.parameters())
+    max_len = args.prompt + args.new
+    start = time.perf_counter()
+    engine = Engine(model, max_batch=max(batches), max_len=max_len, compile=compile_mode)
+    result["engine_build_s"] = round(time.perf_counter() - start, 2)  # compiled: warm-up records every bucket
+    print(f"engine built in {result['engine_build_s']} s", flush=True)
+    eager = Engine(model, max_batch=1, max_len=max_len) if compile_mode else None
+
+    rows = []
+    for batch in batches:
+        prompts = prompts_for(batch, args.prompt, cfg.vocab_size, seed=batch)
+        timed(engine, prompts, 2, device)  # warm-up (the first call of a bucket records its graph)
+        m = decode_split(engine, prompts, args.new, args.repeats, device)
+        context = args.prompt + args.new / 2  # mean key positions a decode step reads
+        need = step_bytes(model, batch, context, dtype_bytes)
+        row = {"batch": batch, "prefill_s": round(m["prefill_s"], 5), "decode_step_ms": round(1e3 * m["decode_step_s"], 4),
+               "decode_tokens_per_s": round(batch / m["decode_step_s"], 1),
+               "whole_call_tokens_per_s": round(batch * args.new / m["whole_s"], 1),
+               "step_bytes": int(need), "achieved_gbps": round(need / m["decode_step_s"] / 1e9, 1)}
+        achieved = need / m["decode_step_s"] / 1e9
+        row["fraction_of_measured_read"] = round(achieved / bw["read_sum"], 3)
+        if bw["datasheet"]:
+            row["fraction_of_datasheet"] = round(achieved / bw["datasheet"], 3)
+        if device.type == "cuda":
+            launches = graph_launches(engine, prompts, args.new)
+            row["cuda_graph_launches"] = launches
+            row["cuda_graph_launches_per_decode_step"] = round(launches / (args.new - 1), 2)
+        if batch == 1 and eager is not None:
+            e = decode_split(eager, prompts, args.new, args.repeats, device)
+            row["eager_decode_step_ms"] = round(1e3 * e["decode_step_s"], 4)
+            row["eager_fraction_of_measured_read"] = round(need / e["decode_step_s"] / 1e9 / bw["read_sum"], 3)
+        if not args.no_hf:
+            run_hf(hf, prompts, 2, device)  # warm-up
+            hf_s, hf_tokens = run_hf(hf, prompts, args.new, device)
+            row["transformers_whole_call_tokens_per_s"] = round(batch * args.new / hf_s, 1)
+            row["whole_call_ratio_vs_transformers"] = round(row["whole_call_tokens_per_s"] / row["transformers_whole_call_tokens_per_s"], 2)
+            row["greedy_sequences_equal_transformers"] = sum(a == b for a, b in zip(m["tokens"], hf_tokens)) / batch
+        if args.profile:
+            row.update(predictions(args.profile, cfg, batch, args.prompt, args.new))
+            row["prefill_error"] = round(row["prefill_predicted_s"] / row["prefill_s"] - 1, 4)
+            row["decode_error"] = round(row["decode_step_predicted_ms"] / row["decode_step_ms"] - 1, 4)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result["rows"] = rows
+    del hf
+
+    # Refit from a training copy: fp32 master weights on the same device, new values.
+    from loom.models.llama import build_model
+
+    trainer = build_model(cfg, device=device, dtype=torch.float32, seed=1)
+    before = engine.slab.data_ptrs()
+    times = [engine.refit(trainer) for _ in range(3)]
+    prompts = prompts_for(1, args.prompt, cfg.vocab_size, seed=1)
+    _, after_tokens = timed(engine, prompts, args.new, device)
+    refit = {"seconds": [round(t, 4) for t in times], "median_s": round(statistics.median(times), 4),
+             "weight_bytes": int(sum(p.numel() * p.element_size() for p in model.parameters())),
+             "slab_addresses_unchanged": engine.slab.data_ptrs() == before}
+    if device.type == "cuda":
+        refit["cuda_graph_launches_after"] = graph_launches(engine, prompts, args.new)
+        _, eager_tokens = timed(eager, prompts, args.new, device)
+        refit["greedy_equal_eager_after"] = after_tokens == eager_tokens
+    result["refit"] = refit
+    print("refit:", refit, flush=True)
+    if device.type == "cuda":
+        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""bench/generate_gpu.py keeps running: its --smoke mode (tiny model, fp32, CPU, eager engine) goes through
+every measurement the GPU run makes except the CUDA-graph count, and its numbers follow from what it timed."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+def test_generate_gpu_bench_smoke(tmp_path):
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "generate_gpu.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    # The tiny shape (hidden 64, 2 layers, 4 heads of 16, 2 key/value heads, MLP 128, vocabulary 512, tied):
+    # embedding 512*64; per layer q, o 64*64, k, v 64*32, MLP 3*64*128, two norms; the final norm.
+    params = 512 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
+    assert report["parameters"] == params
+    rows = {r["batch"]: r for r in report["rows"]}
+    assert set(rows) == {1, 4}
+    for batch, row in rows.items():
+        # each step reads every weight once and the cache at the mean context (12 prompt + 8 new / 2)
+        kv = 2 * 2 * 2 * 16 * (12 + 8 / 2) * batch
+        assert row["step_bytes"] == (params + kv) * 4
+        step_s = row["decode_step_ms"] / 1e3
+        assert row["decode_tokens_per_s"] == pytest.approx(batch / step_s, rel=1e-3)
+        assert row["fraction_of_measured_read"] == pytest.approx(
+            row["step_bytes"] / step_s / 1e9 / report["bandwidth_gbps"]["read_sum"], rel=2e-3, abs=1e-3)
+        assert 0 < row["prefill_s"] and 0 < row["whole_call_tokens_per_s"]
+        # fp32 on the CPU: the engine's greedy tokens are transformers', token for token
+        assert row["greedy_sequences_equal_transformers"] == 1.0
+    refit = report["refit"]
+    assert refit["slab_addresses_unchanged"] is True and refit["median_s"] > 0
+    assert refit["weight_bytes"] == params * 4
+    assert report["machine"]["cpu"] and report["commit"]
