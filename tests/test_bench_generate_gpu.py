@@ -32,8 +32,19 @@ def test_generate_gpu_bench_smoke(tmp_path):
             row["step_bytes"] / step_s / 1e9 / report["bandwidth_gbps"]["read_sum"], rel=2e-3, abs=1e-3)
         assert 0 < row["prefill_s"] and 0 < row["whole_call_tokens_per_s"]
         # fp32 on the CPU: the engine's greedy tokens are transformers', token for token
-        assert row["greedy_sequences_equal_transformers"] == 1.0
+        assert row["agreement_with_transformers"] == {"sequences_equal": 1.0, "first_token_equal": 1.0,
+                                                      "mean_common_prefix_tokens": 8.0}
     refit = report["refit"]
     assert refit["slab_addresses_unchanged"] is True and refit["median_s"] > 0
     assert refit["weight_bytes"] == params * 4
     assert report["machine"]["cpu"] and report["commit"]
+
+
+def test_agreement_counts_equal_sequences_first_tokens_and_common_prefixes():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generate_gpu", ROOT / "bench" / "generate_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    got = bench.agreement([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [[1, 2, 3], [4, 0, 6], [0, 8, 9]])
+    assert got == {"sequences_equal": 1 / 3, "first_token_equal": 2 / 3, "mean_common_prefix_tokens": 1.33}

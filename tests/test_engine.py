@@ -424,6 +424,7 @@ def test_cuda_graph_decode_equals_eager_and_follows_a_refit(models, tmp_path):
     by torch's profiler); fp32 tokens equal the eager engine's and log-probs agree to 1e-4 (inductor's fused
     kernels round differently); a refit copies into the captured parameters in place, so the same graphs
     give a fresh engine's tokens on the new weights."""
+    from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
     _, path = models["llama"]
@@ -431,12 +432,14 @@ def test_cuda_graph_decode_equals_eager_and_follows_a_refit(models, tmp_path):
     params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_new_tokens=2 + (5 * i) % 13, seed=i)
               for i in range(10)]
     eager = Engine(loom.load_model(path, device="cuda"), max_batch=4, max_len=48).generate(prompts, params)
+    counters.clear()
     engine = Engine(loom.load_model(path, device="cuda"), max_batch=4, max_len=48, compile=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         got = engine.generate(prompts, params)
         torch.cuda.synchronize()
     launches = sum(e.count for e in prof.key_averages() if "cudaGraphLaunch" in e.key)
     assert launches >= engine.stats["decode_steps"] > 10
+    assert counters["inductor"]["cudagraph_skips"] == 0  # no graph fell back to running without CUDA graphs
     assert [d.tokens for d in got] == [d.tokens for d in eager]
     assert max(abs(a - b) for x, y in zip(got, eager) for a, b in zip(x.logprobs, y.logprobs)) < 1e-4
     before = engine.slab.data_ptrs()

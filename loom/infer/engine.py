@@ -650,6 +650,8 @@ class Engine:
         if self._frozen:  # the compiled step holds packed copies of the old weights: compile it afresh
             self._compiled = self._compile()
             self.warmup()
+        if self.device.type == "cuda":  # the copies run asynchronously: time them, not their launches
+            torch.cuda.synchronize(self.device)
         self.last_refit_s = time.perf_counter() - start
         log.info("refit: %d tensors in %.3f s", len(params), self.last_refit_s)
         return self.last_refit_s
