@@ -206,12 +206,11 @@ def run_hf(hf, prompts, new: int, device) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, out[:, ids.shape[1]:].tolist()
 
 
-def predictions(profile: Path, cfg, batch: int, prompt: int, new: int) -> dict:
+def predictions(gpu, cfg, batch: int, prompt: int, new: int) -> dict:
+    """`loom plan --inference`'s prefill and decode step on `gpu` (a loaded hardware profile)."""
     from loom.planner.costmodel import Workload
-    from loom.planner.hardware import load_gpu
     from loom.planner.inference import evaluate_inference
 
-    gpu = load_gpu(str(profile))
     est = evaluate_inference(Workload(cfg, prompt, batch, 1, gpu, precision="bf16"), 1, 1, batch, prompt, new)
     return {"prefill_predicted_s": round(est.prefill_s, 5), "decode_step_predicted_ms": round(1e3 * est.decode_step_s, 4)}
 
@@ -259,6 +258,10 @@ def main(argv=None) -> int:
     print(f"engine built in {result['engine_build_s']} s", flush=True)
     eager = Engine(model, max_batch=max(batches), max_len=max_len) if compile_mode else None
 
+    if args.profile:
+        from loom.planner.hardware import load_gpu
+
+        profile = load_gpu(str(args.profile))
     rows = []
     for batch in batches:
         prompts = prompts_for(batch, args.prompt, cfg.vocab_size, seed=batch)
@@ -266,11 +269,11 @@ def main(argv=None) -> int:
         m = decode_split(engine, prompts, args.new, args.repeats, device)
         context = args.prompt + args.new / 2  # mean key positions a decode step reads
         need = step_bytes(model, batch, context, dtype_bytes)
+        achieved = need / m["decode_step_s"] / 1e9
         row = {"batch": batch, "prefill_s": round(m["prefill_s"], 5), "decode_step_ms": round(1e3 * m["decode_step_s"], 4),
                "decode_tokens_per_s": round(batch / m["decode_step_s"], 1),
                "whole_call_tokens_per_s": round(batch * args.new / m["whole_s"], 1),
-               "step_bytes": int(need), "achieved_gbps": round(need / m["decode_step_s"] / 1e9, 1)}
-        achieved = need / m["decode_step_s"] / 1e9
+               "step_bytes": int(need), "achieved_gbps": round(achieved, 1)}
         row["fraction_of_measured_read"] = round(achieved / bw["read_sum"], 3)
         if bw["datasheet"]:
             row["fraction_of_datasheet"] = round(achieved / bw["datasheet"], 3)
@@ -291,7 +294,7 @@ def main(argv=None) -> int:
             row["whole_call_ratio_vs_transformers"] = round(row["whole_call_tokens_per_s"] / row["transformers_whole_call_tokens_per_s"], 2)
             row["agreement_with_transformers"] = agreement(m["tokens"], hf_tokens)
         if args.profile:
-            row.update(predictions(args.profile, cfg, batch, args.prompt, args.new))
+            row.update(predictions(profile, cfg, batch, args.prompt, args.new))
             row["prefill_error"] = round(row["prefill_predicted_s"] / row["prefill_s"] - 1, 4)
             row["decode_error"] = round(row["decode_step_predicted_ms"] / row["decode_step_ms"] - 1, 4)
             if "eager_decode_step_ms" in row:
