@@ -98,10 +98,14 @@ def test_prefill_packs_ragged_prompts_without_padding(models):
     _, path = models["qwen2"]
     model = loom.load_model(path)
     seen = []
-    model.layers["0"].attention.wq.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    engine = Engine(model, max_batch=6, max_len=40)
+    # The prefill runs on the model, decode steps on the engine's packed twin (the same module on a CPU
+    # without the packed kernel): hook both.
+    for m in {model, engine._decoder}:
+        m.layers["0"].attention.wq.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
     prompts = ragged_prompts(6, seed=4)
     assert len(set(map(len, prompts))) > 2
-    done = Engine(model, max_batch=6, max_len=40).generate(prompts, SamplingParams(max_new_tokens=3))
+    done = engine.generate(prompts, SamplingParams(max_new_tokens=3))
     assert seen == [(1, sum(map(len, prompts)), 64), (6, 1, 64), (6, 1, 64)]
     for prompt, got in zip(prompts, done):
         alone = Engine(model, max_batch=1, max_len=40).generate([prompt], SamplingParams(max_new_tokens=3))[0]
@@ -162,7 +166,8 @@ def test_frozen_compile_equals_eager_through_the_gemm_template_and_refits(models
     params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_new_tokens=3 + 2 * i, seed=i) for i in range(5)]
     eager = Engine(loom.load_model(path), max_batch=2, max_len=40).generate(prompts, params)
     counters.clear()
-    engine = Engine(loom.load_model(path), max_batch=1, max_len=40, compile="frozen")  # one bucket: one graph
+    # one bucket: one graph; cpu_kernel=False: the products stay F.linear's for the template to take
+    engine = Engine(loom.load_model(path), max_batch=1, max_len=40, compile="frozen", cpu_kernel=False)
     # products through the template (where its timing beat the ATen product)
     assert counters["inductor"]["cpp_templated_kernel_counter"] > 0
     got = engine.generate(prompts, params)

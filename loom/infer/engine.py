@@ -45,6 +45,7 @@ the engine has only been run on CPU.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import types
@@ -57,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.errors import UserError
+from loom.infer import cpu_gemm
 from loom.models.init import canonical_name
 from loom.parallel.distributed import local
 
@@ -319,14 +321,25 @@ class Engine:
     that inductor's CPU GEMM template runs the products with micro-kernels over weights packed once, each
     chosen by timing it against the ATen product (max-autotune): one graph per batch bucket, compiled at
     construction (about a minute for a 22M-parameter model on 2 cores), a packed copy of the weights
-    beside the model's, and a refit compiles afresh (its time is the compile's). For serving and batch
-    generation; an RL loop that refits every step wants compile=True."""
+    beside the model's, and a refit compiles afresh (its time is the compile's). With the packed kernel
+    (below) the products are that kernel's in either compiled mode and frozen gains nothing over
+    compile=True, which builds in seconds and refits by repacking; frozen is kept for cpu_kernel=False.
+
+    `cpu_kernel` (CPU, fp32 weights, one process): decode steps, and the prefill's head on the prompts' last
+    positions, multiply through `loom.infer.cpu_gemm` (weights packed once into 16-column panels, a register-
+    tiled AVX2 product for few rows: about 2x ATen's at 16 rows on the bench machine) on a twin of the model
+    that shares its parameters (`_packed_twin`; the model itself is untouched) and holds the packed copy
+    (as much memory again as the linear layers); a refit repacks in place. With compile=True the head and
+    its reductions then run inside the compiled step too. Where the kernel cannot run (no AVX2, no C++
+    compiler, LOOM_CPU_KERNELS=0, bf16, a GPU, a tensor-parallel shard) the engine uses F.linear as before;
+    `stats["packed_linears"]` counts the layers that run packed. The prefill's own products stay ATen's:
+    at hundreds of rows the kernel is no faster."""
 
     KEY_BLOCK = 64
     CUDA_KEY_BLOCK = 256  # fewer key-length buckets where each bucket is a recorded CUDA graph
 
     def __init__(self, model: nn.Module, max_batch: int = 16, max_len: int | None = None, seed: int = 0,
-                 compile: bool = False, sync_every: int = 8):
+                 compile: bool = False, sync_every: int = 8, cpu_kernel: bool = True):
         cfg = model.cfg
         max_len = cfg.max_seq_len if max_len is None else max_len
         if max_batch < 1 or not 2 <= max_len <= cfg.max_seq_len or sync_every < 1:
@@ -335,6 +348,11 @@ class Engine:
                             "max_seq_len)")
         self.sync_every = sync_every
         self.model = model.eval()
+        # Decode steps (and the prefill's head) run on `_decoder`: the model itself, or on a CPU with fp32
+        # weights its twin whose linear layers multiply through the packed small-batch kernel (`_packed_twin`).
+        self._decoder, self._packed = model, []
+        if cpu_kernel:
+            self._decoder, self._packed = _packed_twin(model)
         self.max_batch, self.max_len, self.vocab = max_batch, max_len, cfg.vocab_size
         weight = local_tensor(next(model.parameters()))
         attention = next(iter(model.layers.values())).attention
@@ -346,7 +364,7 @@ class Engine:
         self.device = weight.device
         self._seeds = torch.Generator().manual_seed(seed)
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "windows": 0, "refills": 0, "decoded_tokens": 0,
-                      "discarded_tokens": 0, "compiled_steps": 0, "moves": 0}
+                      "discarded_tokens": 0, "compiled_steps": 0, "moves": 0, "packed_linears": len(self._packed)}
         self.last_refit_s: float | None = None
         heads = local_tensor(attention.wq.weight).shape[0] // attention.head_dim
         # Decode attention folds the query heads of a key/value head into queries (KVSlab.attend).
@@ -355,6 +373,9 @@ class Engine:
         if compile not in (False, True, "frozen"):
             raise UserError(f"Engine(compile={compile!r}): give False, True or \"frozen\"")
         self._frozen = compile == "frozen"
+        # The compiled step computes the head and its reductions itself when frozen, or when the head is a packed
+        # layer (CPU); else it returns hidden states and the head runs after it (`head_logits`, TP's gather).
+        self._head_in_step = self._frozen or isinstance(self._decoder.output, cpu_gemm.PackedLinear)
         if self._frozen and (self.device.type != "cpu" or hasattr(weight, "device_mesh")):
             raise UserError("Engine(compile=\"frozen\") is the CPU path for one process (weights frozen into the "
                             "compiled step); on a GPU or under tensor parallelism use compile=True")
@@ -403,8 +424,8 @@ class Engine:
 
     def _run_compiled(self, tokens, positions, keys: int):
         """The compiled step on slots 0..rows-1 reading `keys` key positions (`_static_decode`: hidden states,
-        or frozen, the head's logits with their argmax and log-sum-exp); its mask is folded for the query heads
-        of each key/value head (KVSlab.attend)."""
+        or with the head in the step (frozen, or a packed head), the head's logits with their argmax and
+        log-sum-exp); its mask is folded for the query heads of each key/value head (KVSlab.attend)."""
         mask = (torch.arange(keys, device=positions.device) <= positions[..., None]).unsqueeze(1)
         mask = mask.repeat(1, 1, self._fold, 1)
         torch._dynamo.maybe_mark_dynamic(mask, 3)
@@ -488,17 +509,17 @@ class Engine:
         self.stats["prefill_steps"] += 1
         last = (torch.cumsum(torch.tensor(lengths), 0) - 1).to(self.device)
         hidden = local(self.model(tokens.to(self.device), cache=self.slab, positions=positions, return_hidden=True))
-        head = reduce_logits(head_logits(self.model.output, hidden[0, last]))
+        head = reduce_logits(head_logits(self._decoder.output, hidden[0, last]))
         self._emit(seqs, [self._pick(head, self._sampler(seqs, 1), 0)], self._stop_table(seqs), 1, fed=0)
         return seqs
 
     def _static_decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
-        """The compiled decode step: slots 0..rows-1, one token each -> final hidden states [rows, hidden] (frozen:
-        the head's fp32 logits with their argmax and log-sum-exp, `reduce_logits`, the head's product from the
-        frozen weight too and the reductions fused into the step)."""
+        """The compiled decode step: slots 0..rows-1, one token each -> final hidden states [rows, hidden] (frozen
+        or with a packed head: the head's fp32 logits with their argmax and log-sum-exp, `reduce_logits`, the
+        head's product and the reductions inside the step)."""
         self.slab.bind_static(positions, mask)
-        hidden = self.model(tokens, cache=self.slab, positions=positions, return_hidden=True)[:, 0]
-        return reduce_logits(self.model.output(hidden).float()) if self._frozen else hidden
+        hidden = self._decoder(tokens, cache=self.slab, positions=positions, return_hidden=True)[:, 0]
+        return reduce_logits(self._decoder.output(hidden).float()) if self._head_in_step else hidden
 
     def _bucket(self, n: int) -> int:
         size = 1
@@ -543,14 +564,14 @@ class Engine:
             if self._compiled is not None:
                 x = self._run_compiled(tokens, positions, self._key_bucket(keys))
                 if size != len(rows):  # idle bucket rows out (every row busy: no gather)
-                    x = tuple(t[where] for t in x) if self._frozen else x[where]
-                # frozen: the step computed the head and its reductions itself
-                head = x if self._frozen else reduce_logits(head_logits(self.model.output, x))
+                    x = tuple(t[where] for t in x) if self._head_in_step else x[where]
+                # the step computed the head and its reductions itself, or returned hidden states
+                head = x if self._head_in_step else reduce_logits(head_logits(self._decoder.output, x))
                 self.stats["compiled_steps"] += 1
             else:
                 self.slab.bind(rows, positions, keys=keys)
-                hidden = local(self.model(tokens, cache=self.slab, positions=positions, return_hidden=True))[:, 0]
-                head = reduce_logits(head_logits(self.model.output, hidden))
+                hidden = local(self._decoder(tokens, cache=self.slab, positions=positions, return_hidden=True))[:, 0]
+                head = reduce_logits(head_logits(self._decoder.output, hidden))
             token, logprob, sampled = self._pick(head, sampler, step)
             out.append((token, logprob, sampled))
             if step + 1 < steps:
@@ -647,6 +668,8 @@ class Engine:
                 p.to_local().copy_(src.to_local())
             else:
                 p.copy_(src)
+        for packed in self._packed:  # the twin's packed copies of the new weights, in place
+            packed.repack()
         if self._frozen:  # the compiled step holds packed copies of the old weights: compile it afresh
             self._compiled = self._compile()
             self.warmup()
@@ -657,11 +680,33 @@ class Engine:
         return self.last_refit_s
 
 
+def _packed_twin(model: nn.Module) -> tuple[nn.Module, list[cpu_gemm.PackedLinear]]:
+    """(twin, its packed layers): a copy of `model` that shares every parameter and buffer with it but whose
+    fp32 CPU linear layers (`cpu_gemm.packable`) are `cpu_gemm.PackedLinear`s over the model's own weights,
+    so that a decode step's few-row products run through the packed kernel; the twin holds a packed copy of
+    those weights (as much memory again as the linear layers). The model itself is untouched: a trainer's
+    forward on it stays its own. (model, []) when nothing is packable or the kernel cannot run here."""
+    if not any(cpu_gemm.packable(m) for m in model.modules()) or not cpu_gemm.available():
+        return model, []
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    twin = copy.deepcopy(model, memo)
+    originals = dict(model.named_modules())
+    packed = []
+    for name, module in list(twin.named_modules()):
+        if name and cpu_gemm.packable(module):
+            parent, _, leaf = name.rpartition(".")
+            packed.append(cpu_gemm.PackedLinear(originals[name]))
+            setattr(twin.get_submodule(parent) if parent else twin, leaf, packed[-1])
+    return twin, packed
+
+
 def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """fp32 logits [rows, vocab] of the LM head. On a CPU, for the few rows of a decode step and a plain fp32
     weight, computed as (W h^T)^T: MKL's sgemm streams the tall weight far faster as the left operand
     (torch 2.13, 2-core EPYC, 16 rows through a 16000 x 384 head: 8.5 ms as `F.linear`, 4.7 ms so, the
     transposing copy included); the result equals `F.linear`'s up to the order of fp32 additions."""
+    if isinstance(head, cpu_gemm.PackedLinear):
+        return head(hidden)
     w = head.weight
     if (hidden.device.type == "cpu" and type(w) is nn.Parameter and w.dtype == hidden.dtype == torch.float32
             and 1 < hidden.shape[0] <= 64 and getattr(head, "bias", None) is None and type(head) is nn.Linear):
