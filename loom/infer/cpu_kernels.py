@@ -1,28 +1,38 @@
-"""A small-batch fp32 matrix product for CPU decode steps: y = x W^T + b for a few rows of x.
+"""CPU kernels for decode steps: a small-batch fp32 matrix product (y = x W^T + b for a few rows of x) and
+the attention of one new token per sequence to its cached keys.
 
 Why. A decode step multiplies a handful of rows (one per sequence) by every weight of the model. On the
 2-core AVX2 EPYC of bench/generate_cpu.py (torch 2.13) MKL's sgemm and inductor's CPU GEMM template both run
 such products at 40-60 GFLOP/s against about 125 for a large product: at 16 rows the LM head (16000 x 384)
-takes 6-9 ms through `F.linear` and the weight products are two thirds of a decode step. This kernel packs
-each weight once into panels of 16 output columns, [ceil(N/16), K, 16] (zero-padded), and multiplies by
-panels: a 6 x 16 register tile (12 AVX2 accumulators) walks K once per 6 rows with fused multiply-adds,
-a panel four on is prefetched while the rows of this one are computed, and the panels are split over
-ATen's threads. Same machine, 16 rows: the head in 2.2 ms, the MLP's 1024 x 384 in 0.10 ms (F.linear 0.21).
-bench/results/cpu_gemm.json keeps the measured table (`python bench/cpu_gemm.py`).
+takes 6-9 ms through `F.linear` and the weight products are two thirds of a decode step.
 
-What it is not: a general GEMM. fp32 only, CPU with AVX2 and FMA only, inputs of any row count but tuned for
-few rows (the engine uses it for decode steps, where the rows are the batch). Everything else (bf16, a
-GPU, a tensor-parallel shard) keeps `F.linear`; `available()` says whether this process can use it.
+`packed_linear` packs each weight once into panels of 16 output columns, [ceil(N/16), K, 16] (zero-padded),
+and multiplies by panels: a 6 x 16 register tile (12 AVX2 accumulators) walks K once per 6 rows with fused
+multiply-adds, every tile prefetches the panel four on, and the panels are split over ATen's threads.
+Measured on that machine at 16 rows: the head in 2.2 ms, the MLP's 1024 x 384 in 0.10 ms (F.linear
+0.21); the bench model's 43 products in layer order (each weight from memory, as a decode step reads it)
+in about 6-7 ms against 20-22 through F.linear (bench/generate_cpu.py writes both as `decode_step_ms`). At hundreds of rows (a prefill) it is no faster than MKL, so
+the engine uses it for decode steps only.
+
+`decode_attention` takes q [B, H, R, d] (the R query heads that share a key/value head, one token each),
+the slab's keys and values as strided views and the boolean mask, and computes masked softmax attention in
+fp32 with one task per (row, key/value head), reading each key and value row once for all R queries and
+only the rows some query may attend to: 0.16 ms a layer against SDPA's 0.21 ms at batch 16, and about 8%
+of a whole batch-16 generation (bench/generate_cpu.py's engine, same process, alternating).
+
+What they are not: general kernels. fp32 only, CPU with AVX2 and FMA only. Everything else (bf16, a GPU, a
+tensor-parallel shard) keeps `F.linear` and SDPA; `available()` says whether this process can use them.
 
 Built from the C++ below with the system's C++ compiler the first time a process asks for it (about 20 s),
-into a cache directory keyed by the source, torch's version and the compiler flags (`LOOM_CACHE_DIR`, else
-$XDG_CACHE_HOME/loom, else ~/.cache/loom), then loaded with `torch.ops.load_library`: the op is
-`torch.ops.loom_cpu.packed_linear`, with a fake (meta) implementation so that `torch.compile` keeps it
-as one opaque call inside a compiled decode step. No compiler, no AVX2, `LOOM_CPU_KERNELS=0` or a failed
-build: `available()` is False (the reason logged once) and nothing else changes.
+into a cache directory keyed by the source, torch's and Python's versions and the compiler (`LOOM_CACHE_DIR`,
+else $XDG_CACHE_HOME/loom, else ~/.cache/loom), written whole or not at all, then loaded with
+`torch.ops.load_library`: the ops are `torch.ops.loom_cpu.packed_linear` and `.decode_attention`, with fake
+(meta) implementations so that `torch.compile` keeps each as one opaque call inside a compiled decode step.
+They have no backward (the engine runs under no_grad). No compiler, no AVX2, `LOOM_CPU_KERNELS=0` or a
+failed build: `available()` is False (the reason logged once) and nothing else changes.
 
-Rounding: each output is a sum over K in order with fused multiply-adds, so it differs from MKL's in the
-last bits (relative 1e-6 at K = 1024), like any two fp32 GEMMs."""
+Rounding: each product output is a sum over K in order with fused multiply-adds, so it differs from MKL's
+in the last bits (relative 1e-6 at K = 1024), like any two fp32 GEMMs."""
 
 from __future__ import annotations
 
@@ -49,6 +59,8 @@ SOURCE = r"""
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cmath>
+#include <vector>
 
 namespace {
 
@@ -130,14 +142,89 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return y;
 }
 
+inline float dot(const float* a, const float* b, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+  for (; i < d; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// Attention of a decode step: q [B, H, R, d] (R queries per key/value head: the query heads that share it,
+// one token each), keys and values [B, H, L, d] (any strides but the last; a view of the slab), mask
+// [B, 1, R, L] bool (True: may attend) -> [B, H, R, d] = softmax(q k^T / sqrt(d) masked) v, in fp32.
+// One task per (row, head): each key and value row is read once for all R queries.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                            const at::Tensor& mask) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
+              "decode_attention: fp32 only");
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes() && mask.dim() == 4,
+              "decode_attention: q, keys, values, mask must be 4-D");
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), L = keys.size(2);
+  TORCH_CHECK(keys.size(0) == B && keys.size(1) == H && keys.size(3) == D, "decode_attention: keys must be [B, H, L, d]");
+  TORCH_CHECK(mask.size(0) == B && mask.size(1) == 1 && mask.size(2) == R && mask.size(3) == L,
+              "decode_attention: mask must be [B, 1, R, L]");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "decode_attention: keys/values need a unit last stride");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor mc = mask.to(at::kBool).contiguous();
+  at::Tensor out = at::empty_like(qc);
+  const float* Q = qc.data_ptr<float>();
+  const bool* M = mc.data_ptr<bool>();
+  const float* K = keys.data_ptr<float>();
+  const float* V = values.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
+  const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> p(R * L);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / H, h = t % H;
+      const float* q = Q + t * R * D;
+      const bool* m = M + b * R * L;
+      const float* k = K + b * ks0 + h * ks1;
+      const float* v = V + b * vs0 + h * vs1;
+      float* o = O + t * R * D;
+      for (int64_t j = 0; j < L; ++j)
+        for (int64_t r = 0; r < R; ++r)
+          p[r * L + j] = m[r * L + j] ? dot(q + r * D, k + j * ks2, D) * scale : -INFINITY;
+      for (int64_t r = 0; r < R; ++r) {
+        float* pr = p.data() + r * L;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < L; ++j) top = std::max(top, pr[j]);
+        float total = 0.f;
+        for (int64_t j = 0; j < L; ++j) { pr[j] = top == -INFINITY ? 0.f : std::exp(pr[j] - top); total += pr[j]; }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t j = 0; j < L; ++j) pr[j] *= inv;
+        std::fill(o + r * D, o + (r + 1) * D, 0.f);
+      }
+      for (int64_t j = 0; j < L; ++j) {
+        const float* vj = v + j * vs2;
+        for (int64_t r = 0; r < R; ++r) {
+          const float w = p[r * L + j];
+          if (w == 0.f) continue;
+          float* orow = o + r * D;
+          for (int64_t i = 0; i < D; ++i) orow[i] += w * vj[i];
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loom_cpu, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor mask) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
   m.impl("packed_linear", &packed_linear);
+  m.impl("decode_attention", &decode_attention);
 }
 """
 
@@ -170,25 +257,25 @@ def _library() -> Path:
                                     os.environ.get("CXX", "c++")]).encode()).hexdigest()[:16]
     root = cache_dir() / "kernels"
     root.mkdir(parents=True, exist_ok=True)
-    lib = root / f"loom_cpu_gemm_{key}.so"
+    lib = root / f"loom_cpu_kernels_{key}.so"
     if lib.exists():
         return lib
-    with open(root / f"loom_cpu_gemm_{key}.lock", "w") as lock:
+    with open(root / f"loom_cpu_kernels_{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same library
         if lib.exists():
             return lib
         with tempfile.TemporaryDirectory(dir=root) as tmp:
-            src, out = Path(tmp) / "loom_cpu_gemm.cpp", Path(tmp) / lib.name
+            src, out = Path(tmp) / "loom_cpu_kernels.cpp", Path(tmp) / lib.name
             src.write_text(SOURCE)
             done = subprocess.run(_build_command(out, src), capture_output=True, text=True)
             if done.returncode != 0:
-                raise RuntimeError(f"building the CPU decode kernel failed:\n{done.stderr[-2000:]}")
+                raise RuntimeError(f"building the CPU decode kernels failed:\n{done.stderr[-2000:]}")
             os.replace(out, lib)  # whole or absent: a killed build leaves no half-written library
     return lib
 
 
 def available() -> bool:
-    """Whether `packed_linear` can run in this process: AVX2 CPU, a C++ compiler, LOOM_CPU_KERNELS not 0.
+    """Whether the kernels can run in this process: AVX2 CPU, a C++ compiler, LOOM_CPU_KERNELS not 0.
     Builds (once per machine) and loads the library on the first call; the answer is kept."""
     if "ok" in _state:
         return _state["ok"]
@@ -206,7 +293,7 @@ def available() -> bool:
     if why is None:
         _register_fake()
     else:
-        log.info("CPU decode kernel not used (F.linear instead): %s", why)
+        log.info("CPU decode kernels not used (F.linear and SDPA instead): %s", why)
     _state.update(ok=why is None, why=why)
     return _state["ok"]
 
@@ -218,6 +305,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("loom_cpu::packed_linear")
     def _(x, packed, out_features, bias):
         return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake("loom_cpu::decode_attention")
+    def _(q, keys, values, mask):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     _state["fake"] = True
 
