@@ -6,9 +6,12 @@ size B (1, 16, 64) gets B ragged prompts (16 to 64 tokens) and greedy decoding o
 tokens with no stop token, so both produce exactly B x new tokens: tokens/s = B x new / wall time of the
 whole call (prefill included). transformers runs the way a user batches it: left-padded prompts with their
 attention mask, `do_sample=False`, SDPA attention. loom's engine gets max_batch = B and the prompts as they
-are, three times: eager, with `compile=True` (decode steps through torch.compile, batch and key length in
-buckets) and with `compile="frozen"` (weights frozen into the compiled step, LM head included, so that
-inductor's CPU GEMM template runs the products). Each engine is built once per batch size and reused across
+are, four times: eager, with `compile=True` (decode steps through torch.compile, batch and key length in
+buckets), with `compile="frozen"` (weights frozen into the compiled step, LM head included), each with the
+CPU decode kernels (loom/infer/cpu_kernels.py: packed small-batch products and decode attention), and
+`compile=True` without them (`loom_compiled_aten`: F.linear and SDPA, as before the kernels; inductor's
+GEMM template needs frozen weights, and frozen without the kernels is what `loom_frozen` measured until the
+kernels came). Each engine is built once per batch size and reused across
 rounds, as a server or an RL loop keeps its engine; building a compiled engine and its first generation
 (which compile) are timed apart and reported as `engine_build_and_first_generation_s`. Rounds rotate which goes first; each figure is total tokens over total time, and the JSON keeps
 every round, the load average before and after (the ratio is only as good as the machine was quiet), and
@@ -21,10 +24,11 @@ the caller cuts each row; loom's engine stops each request at its own length and
 count only the tokens the requests asked for.
 
 At batch 16 the JSON's `decode_step_ms` splits out one decode step (prefill and first token taken out)
-for each contestant, beside the floor set by the weight products alone through ATen's products on this
-machine: no engine that reads each weight once per step through that GEMM library can be more than
-`transformers_over_floor` times faster than transformers here (the frozen engine's products run through
-other kernels, so it can go below the floor).
+for each contestant, beside the time of the weight products alone (every linear layer in layer order on
+`batch` rows, each weight read from memory once as a step reads it), through ATen's `F.linear`
+(`weight_products_floor`: no engine whose products go through that GEMM library can be more than
+`transformers_over_floor` times faster than transformers here) and through the packed kernel
+(`packed_products`).
 
     .venv/bin/python bench/generate_cpu.py [--rounds 2] [--new 64] [--batches 1,16,64]
 """
@@ -45,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import loom  # noqa: E402
+from loom.infer.cpu_kernels import available as cpu_kernels_available  # noqa: E402
 from loom.infer.engine import Engine, SamplingParams  # noqa: E402
 from loom.provenance import stamp  # noqa: E402
 
@@ -95,11 +100,14 @@ def engine_for(model, batch: int, compile: bool | str) -> Engine:
     engine would otherwise recompile). Slots 0..batch-1, room for the longest prompt and completion."""
     key = (batch, compile)
     if key not in ENGINES:
-        ENGINES[key] = Engine(model, max_batch=batch, max_len=64 + MAX_NEW, compile=compile)
+        aten = compile == "aten"
+        ENGINES[key] = Engine(model, max_batch=batch, max_len=64 + MAX_NEW, compile=True if aten else compile,
+                              cpu_kernel=not aten)
     return ENGINES[key]
 
 
 def run_loom(model, prompts, new, compile: bool | str = False) -> tuple[float, float, list[list[int]]]:
+    """compile: False, True, "frozen", or "aten" (compile=True without the CPU kernels)."""
     news = new if isinstance(new, list) else [new] * len(prompts)
     engine = engine_for(model, len(prompts), compile)
     start, cpu = time.perf_counter(), time.process_time()
@@ -108,20 +116,25 @@ def run_loom(model, prompts, new, compile: bool | str = False) -> tuple[float, f
 
 
 @torch.no_grad()
-def gemm_floor_ms(model, batch: int, reps: int = 5) -> float:
+def gemm_floor_ms(model, batch: int, reps: int = 5, packed: bool = False) -> float:
     """Milliseconds per decode step spent in the weight products alone: every linear layer of the model on
     `batch` rows, in layer order (each weight read from memory once per step, as a decode step reads it),
-    then the LM head as the engine computes it. Median of `reps` passes after one warm-up."""
+    then the LM head as the engine computes it without the kernels (`head_logits`), or with `packed` every
+    product through the packed kernel. Median of `reps` passes after one warm-up."""
+    from loom.infer import cpu_kernels
     from loom.infer.engine import head_logits
 
     linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "output"]
     inputs = {m.in_features: torch.randn(batch, m.in_features) for m in linears}
     hidden = torch.randn(batch, model.cfg.hidden)
+    if packed:
+        linears = [cpu_kernels.PackedLinear(m) for m in linears]
+        head = cpu_kernels.PackedLinear(model.output)
 
     def one_step():
         for m in linears:
-            m(inputs[m.in_features])
-        head_logits(model.output, hidden)
+            m(inputs[m.source[0].in_features if packed else m.in_features])
+        head(hidden) if packed else head_logits(model.output, hidden)
 
     one_step()
     times = []
@@ -148,6 +161,8 @@ def decode_steps(runners, model, batch: int, new: int, rounds: int) -> dict:
         out[name] = round(sorted(per)[rounds // 2], 2)
     out["weight_products_floor"] = round(gemm_floor_ms(model, batch), 2)
     out["transformers_over_floor"] = round(out["transformers"] / out["weight_products_floor"], 2)
+    if cpu_kernels_available():
+        out["packed_products"] = round(gemm_floor_ms(model, batch, packed=True), 2)
     return out
 
 
@@ -167,8 +182,8 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     run_hf(hf, prompts_for(2, 99), 4)  # warm both up
     run_loom(model, prompts_for(2, 99), 4)
-    names = ["loom", "loom_compiled", "loom_frozen", "transformers"]
-    modes = {"loom": False, "loom_compiled": True, "loom_frozen": "frozen"}
+    names = ["loom", "loom_compiled", "loom_frozen", "loom_compiled_aten", "transformers"]
+    modes = {"loom": False, "loom_compiled": True, "loom_frozen": "frozen", "loom_compiled_aten": "aten"}
     runners = {name: (lambda p, n, mode=mode: run_loom(model, p, n, mode)) for name, mode in modes.items()}
     runners["transformers"] = lambda p, n: run_hf(hf, p, n)
     rows, compile_s = [], {}
@@ -177,11 +192,11 @@ def main() -> None:
     cases.append(("ragged", 16, [8 + (56 * i) // 15 for i in range(16)]))
     for label, batch, new in cases:
         prompts = prompts_for(batch, batch)
-        for mode in (True, "frozen"):  # building a compiled engine compiles its decode graphs
+        for mode in (True, "frozen", "aten"):  # building a compiled engine compiles its decode graphs
             if (batch, mode) not in ENGINES:
                 start = time.perf_counter()
                 run_loom(model, prompts, MAX_NEW, mode)
-                compile_s.setdefault("frozen" if mode == "frozen" else "compiled", {})[batch] = \
+                compile_s.setdefault({True: "compiled", "frozen": "frozen", "aten": "compiled_aten"}[mode], {})[batch] = \
                     round(time.perf_counter() - start, 1)
         seconds = {name: [] for name in names}
         cpu = {name: [] for name in names}
@@ -207,16 +222,21 @@ def main() -> None:
             row["cpu_ratio" + suffix] = round(row[f"{name}_tokens_per_cpu_s"] / row["transformers_tokens_per_cpu_s"], 2)
         rows.append(row)
         print(f"batch {label!s:>6}: loom {row['loom_tokens_per_s']:7.1f} tok/s, compiled "
-              f"{row['loom_compiled_tokens_per_s']:7.1f}, frozen {row['loom_frozen_tokens_per_s']:7.1f}, transformers "
-              f"{row['transformers_tokens_per_s']:7.1f}; ratio {row['ratio']:.2f} / compiled {row['ratio_compiled']:.2f} "
-              f"/ frozen {row['ratio_frozen']:.2f} (per cpu-s {row['cpu_ratio']:.2f} / {row['cpu_ratio_compiled']:.2f} / "
-              f"{row['cpu_ratio_frozen']:.2f}); greedy equal {agree}", flush=True)
+              f"{row['loom_compiled_tokens_per_s']:7.1f}, frozen {row['loom_frozen_tokens_per_s']:7.1f}, compiled without "
+              f"kernels {row['loom_compiled_aten_tokens_per_s']:7.1f}, transformers {row['transformers_tokens_per_s']:7.1f}; "
+              f"ratio {row['ratio']:.2f} / compiled {row['ratio_compiled']:.2f} / frozen {row['ratio_frozen']:.2f} / "
+              f"compiled without kernels {row['ratio_compiled_aten']:.2f} (per cpu-s {row['cpu_ratio']:.2f} / "
+              f"{row['cpu_ratio_compiled']:.2f} / {row['cpu_ratio_frozen']:.2f} / {row['cpu_ratio_compiled_aten']:.2f}); "
+              f"greedy equal {agree}", flush=True)
     steps = {b: decode_steps(runners, model, b, args.new, args.rounds) for b in (16,) if b in batches}
     for b, row in steps.items():
         print(f"decode step at batch {b} (ms): {row}", flush=True)
     import transformers
 
+    kernels = {"available": cpu_kernels_available(), "packed_linears": ENGINES[(batches[0], True)].stats["packed_linears"],
+               "decode_attention": ENGINES[(batches[0], True)].slab.cpu_kernel}
     result = {"benchmark": "generate_cpu", "model": dict(SHAPE, parameters=params), "dtype": "float32",
+              "cpu_kernels": kernels,
               "rows": rows, "engine_build_and_first_generation_s": compile_s,
               "decode_step_ms": steps, "load_average_1min_before_after": [load_before, os.getloadavg()[0]],
               "transformers": transformers.__version__,
