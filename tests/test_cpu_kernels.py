@@ -198,3 +198,20 @@ def test_engine_with_the_kernel_equals_the_engine_without(tmp_path):
     after = engine.generate(prompts, params)
     fresh = Engine(other, max_batch=3, max_len=40, cpu_kernel=False).generate(prompts, params)
     assert [d.tokens for d in after] == [d.tokens for d in fresh] != [d.tokens for d in got]
+
+
+@needs_kernel
+def test_the_profiler_measures_decode_products_as_the_engine_runs_them():
+    """`loom plan --profile-hardware` times its decode tables through the engine's product: the packed kernel
+    for CPU fp32 (equal to F.linear within rounding), F.linear (None) where the engine would not use it."""
+    from loom.infer.probe import decode_product
+    from loom.planner.profile import _linear_pass
+
+    assert cpu_kernels.available()
+    make = decode_product("cpu", torch.float32)
+    w, x = torch.randn(100, 64), torch.randn(16, 64)
+    assert torch.allclose(make(w)(x), F.linear(x, w), atol=1e-4)
+    assert decode_product("cpu", torch.bfloat16) is None
+    calls = []
+    _linear_pass(x, [w, w], "cpu", min_time=0.01, product=lambda w: (lambda x: calls.append(x.shape)))
+    assert calls and set(calls) == {(16, 64)}

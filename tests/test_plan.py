@@ -712,6 +712,7 @@ def test_profile_hardware_round_trip(tmp_path):
     # The decode measurements: the streaming table (rows, n, k, GB/s) and the engine's own costs.
     assert prof["decode_gbps"]["fp32"] and all(len(row) == 4 and row[3] > 0 for row in prof["decode_gbps"]["fp32"])
     assert prof["engine_overhead_us"]["layer"] > 0 and prof["engine_overhead_us"]["row"] >= 0
+    assert "decode_product" not in prof  # the engine's product function is used, not written
     # the engine's decode attention by bytes read ([bytes, GB/s]) and its packed prefill attention by prompt
     # length ([tokens, TFLOP/s])
     for key in ("decode_attention_gbps", "prefill_attention_tflops"):

@@ -11,8 +11,8 @@ and multiplies by panels: a 6 x 16 register tile (12 AVX2 accumulators) walks K 
 multiply-adds, every tile prefetches the panel four on, and the panels are split over ATen's threads.
 Measured on that machine at 16 rows: the head in 2.2 ms, the MLP's 1024 x 384 in 0.10 ms (F.linear
 0.21); the bench model's 43 products in layer order (each weight from memory, as a decode step reads it)
-in about 6-7 ms against 20-22 through F.linear (bench/generate_cpu.py writes both as `decode_step_ms`). At hundreds of rows (a prefill) it is no faster than MKL, so
-the engine uses it for decode steps only.
+in 7.4 ms against 16.6 through F.linear (run 7 of bench/generate_cpu.py, `decode_step_ms`). At hundreds
+of rows (a prefill) it is no faster than MKL, so the engine uses it for decode steps only.
 
 `decode_attention` takes q [B, H, R, d] (the R query heads that share a key/value head, one token each),
 the slab's keys and values as strided views and the boolean mask, and computes masked softmax attention in
@@ -24,9 +24,9 @@ What they are not: general kernels. fp32 only, CPU with AVX2 and FMA only. Every
 tensor-parallel shard) keeps `F.linear` and SDPA; `available()` says whether this process can use them.
 
 Built from the C++ below with the system's C++ compiler the first time a process asks for it (about 20 s),
-into a cache directory keyed by the source, torch's and Python's versions and the compiler (`LOOM_CACHE_DIR`,
-else $XDG_CACHE_HOME/loom, else ~/.cache/loom), written whole or not at all, then loaded with
-`torch.ops.load_library`: the ops are `torch.ops.loom_cpu.packed_linear` and `.decode_attention`, with fake
+into a cache directory keyed by the source, torch's and Python's versions and the compiler (`cache_dir`:
+LOOM_CACHE_DIR, else ~/.cache/loom, else the temporary directory), written whole or not at all, then
+loaded with `torch.ops.load_library`: the ops are `torch.ops.loom_cpu.packed_linear` and `.decode_attention`, with fake
 (meta) implementations so that `torch.compile` keeps each as one opaque call inside a compiled decode step.
 They have no backward (the engine runs under no_grad). No compiler, no AVX2, `LOOM_CPU_KERNELS=0` or a
 failed build: `available()` is False (the reason logged once) and nothing else changes.
@@ -234,9 +234,18 @@ _state: dict = {}  # "ok": bool once decided; "why": the reason when not
 
 
 def cache_dir() -> Path:
+    """LOOM_CACHE_DIR, else $XDG_CACHE_HOME/loom or ~/.cache/loom; where that cannot be created (a read-only
+    home), loom-<uid> in the temporary directory, as inductor keeps its own cache."""
     if os.environ.get("LOOM_CACHE_DIR"):
         return Path(os.environ["LOOM_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "loom"
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "loom"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"loom-{os.getuid()}"
 
 
 def _build_command(out: Path, src: Path) -> list[str]:

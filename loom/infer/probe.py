@@ -6,7 +6,13 @@ CLI hands `measure` to the profiler, which sits beside this package and does not
 - `prefill_attention_tflops`: the rate of the engine's packed prefill attention, per prompt length
   ([[tokens, TFLOP/s], ...]);
 - `engine_overhead_us`: what a decode step costs beyond its kernels' work, per layer, per step and per
-  sequence in the batch.
+  sequence in the batch;
+- `decode_product` (not a measurement; the profiler measures its decode tables through it): how the engine
+  multiplies a decode step's rows by a weight here, the packed CPU kernel where it runs
+  (loom/infer/cpu_kernels.py), else None (F.linear).
+
+Both the decode attention and the products are measured the way an engine on this machine runs them: through
+the CPU decode kernels where they are available (CPU, fp32), as `Engine` does by default.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 from torch.utils.benchmark import Timer
 
 from loom.config import ModelConfig
+from loom.infer import cpu_kernels
 from loom.infer.engine import Engine, KVSlab, SamplingParams
 from loom.models.llama import build_model
 
@@ -46,6 +53,7 @@ def decode_attention_gbps(device: str, dtype: torch.dtype, quick: bool = False) 
     table = []
     for b in (1, 8, 32, 128):
         slab = KVSlab([0], b, kv_heads, ctx, d, dtype, device)
+        slab.cpu_kernel = _kernels(device, dtype)  # as an engine's slab on this machine
         slab.bind(list(range(b)), torch.full((b, 1), ctx - 1))
         t = _attend_seconds(slab, b, 1, kv_heads, d, quick)
         nbytes = 2 * b * kv_heads * ctx * d * slab.k[0].element_size()
@@ -97,9 +105,29 @@ def engine_overheads(device: str, quick: bool = False) -> dict[str, float]:
             "row": round(1e6 * row, 2)}
 
 
+def _kernels(device: str, dtype: torch.dtype) -> bool:
+    """Whether an engine on `device` with `dtype` weights runs the CPU decode kernels (its default)."""
+    return device == "cpu" and dtype == torch.float32 and cpu_kernels.available()
+
+
+def decode_product(device: str, dtype: torch.dtype):
+    """weight -> the function that multiplies a decode step's rows by it, as the engine does here: the packed
+    kernel (the weight packed once, here, not per call) where the CPU kernels run, else None (F.linear)."""
+    if not _kernels(device, dtype):
+        return None
+
+    def make(weight: torch.Tensor):
+        packed, n = cpu_kernels.pack(weight), weight.shape[0]
+        return lambda x: torch.ops.loom_cpu.packed_linear(x, packed, n, None)
+
+    return make
+
+
 def measure(device: str, dtype: torch.dtype, quick: bool = False) -> dict:
-    """The profile keys this module measures, for `profile_hardware(engine_probe=measure)`."""
+    """The profile keys this module measures, for `profile_hardware(engine_probe=measure)`, and the engine's
+    `decode_product` for the profiler's decode tables."""
     key = "bf16" if dtype == torch.bfloat16 else "fp32"
     return {"engine_overhead_us": engine_overheads(device, quick),
             "decode_attention_gbps": {key: decode_attention_gbps(device, dtype, quick)},
-            "prefill_attention_tflops": {key: prefill_attention_tflops(device, dtype, quick)}}
+            "prefill_attention_tflops": {key: prefill_attention_tflops(device, dtype, quick)},
+            "decode_product": decode_product(device, dtype)}

@@ -39,14 +39,18 @@ def _timeit(fn, device: str, min_time: float = 0.2, warmup: int = 2) -> float:
     return elapsed / reps
 
 
-def _linear_pass(x: torch.Tensor, weights: list, device: str, min_time: float = 0.2) -> float:
+def _linear_pass(x: torch.Tensor, weights: list, device: str, min_time: float = 0.2, product=None) -> float:
     """Seconds for F.linear(x, w) over every w in `weights`, one after another (copies that together
-    outgrow the caches make each product read its weight from memory)."""
+    outgrow the caches make each product read its weight from memory). `product(w)`, when given, returns
+    the function that multiplies by w instead (prepared before the clock starts: the generation engine's
+    packed CPU kernel packs each weight once)."""
     import torch.nn.functional as F
 
+    fns = [product(w) for w in weights] if product is not None else [lambda x, w=w: F.linear(x, w) for w in weights]
+
     def run():
-        for w in weights:
-            F.linear(x, w)
+        for fn in fns:
+            fn(x)
 
     return _timeit(run, device, min_time=min_time)
 
@@ -112,11 +116,11 @@ def kernel_overhead_us(device: str) -> float:
     return _timeit(ops, device) / 100 * 1e6
 
 
-def decode_rates(device: str, dtype: torch.dtype, quick: bool = False) -> list[list[float]]:
+def decode_rates(device: str, dtype: torch.dtype, quick: bool = False, product=None) -> list[list[float]]:
     """[[rows, n, k, GB/s], ...]: the weight bytes per second that a linear layer with an n x k weight streams
-    through a product with a few rows, outside autograd, as the generation engine runs it. Each shape is timed
-    over enough copies of its weight to exceed any last-level cache, so every weight comes from memory, as a
-    model's do in every decode step."""
+    through a product with a few rows, outside autograd, as the generation engine runs it (F.linear, or the
+    engine's own `product`, see `_linear_pass`). Each shape is timed over enough copies of its weight to exceed
+    any last-level cache, so every weight comes from memory, as a model's do in every decode step."""
     if device == "cuda":
         dims, rows, stream = (1024, 4096, 16384), (1, 16, 64, 256), 1 << 30
     else:
@@ -131,13 +135,13 @@ def decode_rates(device: str, dtype: torch.dtype, quick: bool = False) -> list[l
                 weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(-(-stream // nbytes))]
                 for m in rows:
                     x = torch.randn(m, k, device=device, dtype=dtype)
-                    seconds = _linear_pass(x, weights, device, min_time=0.1)
+                    seconds = _linear_pass(x, weights, device, min_time=0.1, product=product)
                     out.append([m, n, k, round(len(weights) * nbytes / seconds / 1e9, 3)])
                 del weights
     return out
 
 
-def decode_stream_scale(device: str, dtype: torch.dtype, quick: bool = False) -> list[list[float]]:
+def decode_stream_scale(device: str, dtype: torch.dtype, quick: bool = False, product=None) -> list[list[float]]:
     """[[bytes, factor], ...]: how much faster few-row products stream their weights when a decode step's
     weights total only `bytes` (cycled over, as step after step reads the same model) than at the size
     `decode_rates` streams (larger than any last-level cache). A model smaller than a few times the
@@ -151,7 +155,7 @@ def decode_stream_scale(device: str, dtype: torch.dtype, quick: bool = False) ->
         x = torch.randn(1, k, device=device, dtype=dtype)
         for size in (sizes[::2] if quick else sizes):
             weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(max(1, size // nbytes))]
-            rates[size] = len(weights) * nbytes / _linear_pass(x, weights, device, min_time=0.1)
+            rates[size] = len(weights) * nbytes / _linear_pass(x, weights, device, min_time=0.1, product=product)
             del weights
     return [[float(size), round(rate / rates[reference], 3)] for size, rate in sorted(rates.items())]
 
@@ -194,7 +198,9 @@ def collective_bandwidth(world: int, backend: str) -> float | None:
 
 def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = False, engine_probe=None) -> dict:
     """Measure this machine and write the profile to `out`. `engine_probe(device, dtype, quick)`, when given
-    (the CLI passes `loom.infer.probe.measure`), adds the generation engine's own measured costs."""
+    (the CLI passes `loom.infer.probe.measure`), adds the generation engine's own measured costs; its
+    "decode_product" entry, if not None, is how the engine multiplies a decode step's rows by a weight on
+    this machine, and the decode tables are measured through it instead of F.linear."""
     if out.suffix != ".json":
         raise UserError(f"--profile-hardware {out}: the profile is JSON; give a path ending in .json")
     cuda = torch.cuda.is_available()
@@ -229,6 +235,8 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
     bw = memory_bandwidth(device)
     coll = collective_bandwidth(min(local, 8) if cuda else 2, "nccl" if cuda and local > 1 else "gloo") \
         if (cuda and local > 1) or not cuda else None
+    engine = engine_probe(device, dtypes[attn_key], quick) if engine_probe is not None else {}
+    product = engine.pop("decode_product", None)
     profile = {
         "name": name, "memory_gib": round(memory_gib, 2), "peak_tflops": peak,
         "matmul_efficiency": {k: 1.0 for k in peak}, "attention_efficiency": round(attn / peak[attn_key], 4),
@@ -236,10 +244,10 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
         "nvlink_gbps": round(coll if coll else bw / 4, 2), "collective_efficiency": 1.0,
         "internode_gbps": internode_gbps, "sms": sms, "node_size": max(1, local),
         "kernel_overhead_us": round(kernel_overhead_us(device), 3),
-        "decode_gbps": {attn_key: decode_rates(device, dtypes[attn_key], quick=quick)},
-        "decode_stream_scale": {attn_key: decode_stream_scale(device, dtypes[attn_key], quick=quick)},
+        "decode_gbps": {attn_key: decode_rates(device, dtypes[attn_key], quick=quick, product=product)},
+        "decode_stream_scale": {attn_key: decode_stream_scale(device, dtypes[attn_key], quick=quick, product=product)},
         "elementwise_gbps": {attn_key: elementwise_rates(device, dtypes[attn_key], quick=quick)},
-        **(engine_probe(device, dtypes[attn_key], quick) if engine_probe is not None else {}),
+        **engine,
         "gemm": gemm, "source": f"measured by loom plan --profile-hardware (torch {torch.__version__})",
     }
     tmp = out.with_name(out.name + ".tmp")
