@@ -39,8 +39,8 @@ slots are refilled at once; a request that hits a stop token inside a window dec
 until the window ends and its extra tokens are dropped (`stats["discarded_tokens"]`). `sync_every=1` reads
 back after every step.
 
-GPU: nothing here is CPU-specific, and `compile=True` decodes through CUDA graphs per bucket there, but
-the engine has only been run on CPU.
+GPU: nothing here is CPU-specific but the CPU decode kernels (`cpu_kernel`, which a GPU engine skips), and
+`compile=True` decodes through CUDA graphs per bucket there, but the engine has only been run on CPU.
 """
 
 from __future__ import annotations
