@@ -615,12 +615,14 @@ def test_inference_decode_uses_a_profiles_measured_rates_and_engine_overheads():
     assert est.decode_step_s == pytest.approx(expected, rel=1e-9)
     assert est.kv_cache_gib * GIB == 4 * 4 * (128 + 32) * (2 * 4 * 64 * 4)
     # A model small enough to stay partly cached between steps streams its weights faster by the profile's
-    # factor at its weight bytes (log-interpolated): here 54 MB between 8 MB (x3) and 128 MB (x1).
+    # factor at its weight bytes (log-interpolated): here 54 MB between 8 MB (x3) and 128 MB (x1). The
+    # factor shortens each product's one-row (streaming) time, at the one-row rates (10 and 20 GB/s), not
+    # what the 4 rows add.
     weight_bytes = 4 * (4 * layer_params(cfg) + 4096 * 512)
     factor = 3 + (1 - 3) * math.log(weight_bytes / 8e6) / math.log(128e6 / 8e6)
     scaled = dataclasses.replace(gpu, decode_stream_scale={"fp32": [[8e6, 3.0], [128e6, 1.0]]})
     est = evaluate_inference(Workload(cfg, 128, 4, 1, scaled, precision="fp32"), 1, 1, 4, 128, 32)
-    assert est.decode_step_s == pytest.approx(expected - (4 * layer_bytes / small + 4 * 4096 * 512 / big) * (1 - 1 / factor),
+    assert est.decode_step_s == pytest.approx(expected - (4 * layer_bytes / 10e9 + 4 * 4096 * 512 / 20e9) * (1 - 1 / factor),
                                               rel=1e-9)
 
 

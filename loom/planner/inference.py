@@ -98,13 +98,19 @@ def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int
     hbm = gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency
     kv_rate = attention_rate(gpu, w.precision, kv_read / n_layers) or hbm
     if gpu.decode_gbps.get(w.precision) and not cfg.moe_layers:
-        # A profile measured how fast few-row products stream each weight shape at this batch.
-        # ... scaled up when the model is small enough that part of it stays cached from step to step.
+        # A profile measured how fast few-row products stream each weight shape at this batch, from memory.
+        # A model small enough that part of it stays cached from step to step streams faster by
+        # `decode_stream_scale` (measured at one row); that shortens a product's one-row (streaming) time only,
+        # not what more rows add to it (the product's arithmetic, which a cache does not speed up).
         scale = log_interpolate(gpu.decode_stream_scale.get(w.precision), weights_read) or 1.0
-        per_layer = sum(c * o * i * weight_bytes / decode_rate(gpu, w.precision, batch, o, i)
-                        for c, o, i in linear_shapes(cfg, tp)) / scale
-        head_s = cfg.vocab_size // tp * cfg.hidden * weight_bytes / decode_rate(
-            gpu, w.precision, batch, cfg.vocab_size // tp, cfg.hidden) / scale
+
+        def weight_s(o: int, i: int) -> float:
+            nbytes = o * i * weight_bytes
+            t = nbytes / decode_rate(gpu, w.precision, batch, o, i)
+            return t - min(t, nbytes / decode_rate(gpu, w.precision, 1, o, i)) * (1 - 1 / scale)
+
+        per_layer = sum(c * weight_s(o, i) for c, o, i in linear_shapes(cfg, tp))
+        head_s = weight_s(cfg.vocab_size // tp, cfg.hidden)
         compute = max(n_layers * per_layer + head_s + kv_read / kv_rate, flops / rate)
     else:
         compute = max((weights_read + kv_read) / hbm, flops / rate)
