@@ -155,6 +155,7 @@ def test_compiled_decode_equals_eager_and_follows_a_refit(models, tmp_path, monk
     assert_equal_then_refit(engine, eager, got, prompts, params, tmp_path)
 
 
+@pytest.mark.slow  # ~24 s of max-autotune compiles; with the CPU decode kernels (the default) frozen is the secondary path
 def test_frozen_compile_equals_eager_through_the_gemm_template_and_refits(models, tmp_path):
     """compile="frozen" (CPU): the weights are constants of the compiled step, whose products run through
     inductor's CPU GEMM template (chosen by timing); tokens and log-probs equal the eager engine's, and a
