@@ -126,15 +126,16 @@ def gemm_floor_ms(model, batch: int, reps: int = 5, packed: bool = False) -> flo
 
     linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "output"]
     inputs = {m.in_features: torch.randn(batch, m.in_features) for m in linears}
+    xs = [inputs[m.in_features] for m in linears]
     hidden = torch.randn(batch, model.cfg.hidden)
+    head = model.output
     if packed:
-        linears = [cpu_kernels.PackedLinear(m) for m in linears]
-        head = cpu_kernels.PackedLinear(model.output)
+        linears, head = [cpu_kernels.PackedLinear(m) for m in linears], cpu_kernels.PackedLinear(head)
 
     def one_step():
-        for m in linears:
-            m(inputs[m.source[0].in_features if packed else m.in_features])
-        head(hidden) if packed else head_logits(model.output, hidden)
+        for m, x in zip(linears, xs):
+            m(x)
+        head_logits(head, hidden)  # a packed head runs through its kernel there
 
     one_step()
     times = []

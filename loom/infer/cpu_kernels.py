@@ -351,7 +351,12 @@ class PackedLinear(nn.Module):
         return torch.ops.loom_cpu.packed_linear(x, self.packed, self.out_features, self.source[0].bias)
 
 
+def runs_on(device: str | torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernels take tensors of `dtype` on `device` in this process: fp32 on a CPU, `available()`."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and available()
+
+
 def packable(module: nn.Module) -> bool:
-    """An nn.Linear whose product this kernel can take: plain fp32 CPU parameters (no DTensor shard)."""
-    return (type(module) is nn.Linear and type(module.weight) is nn.Parameter and module.weight.dtype == torch.float32
-            and module.weight.device.type == "cpu")
+    """An nn.Linear whose product this kernel can take: plain parameters (no DTensor shard) that `runs_on`."""
+    return (type(module) is nn.Linear and type(module.weight) is nn.Parameter
+            and runs_on(module.weight.device, module.weight.dtype))

@@ -695,7 +695,7 @@ def _packed_twin(model: nn.Module) -> tuple[nn.Module, list[cpu_kernels.PackedLi
     so that a decode step's few-row products run through the packed kernel; the twin holds a packed copy of
     those weights (as much memory again as the linear layers). The model itself is untouched: a trainer's
     forward on it stays its own. (model, []) when nothing is packable or the kernel cannot run here."""
-    if not any(cpu_kernels.packable(m) for m in model.modules()) or not cpu_kernels.available():
+    if not any(cpu_kernels.packable(m) for m in model.modules()):
         return model, []
     memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
     twin = copy.deepcopy(model, memo)

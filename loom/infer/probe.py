@@ -53,7 +53,7 @@ def decode_attention_gbps(device: str, dtype: torch.dtype, quick: bool = False) 
     table = []
     for b in (1, 8, 32, 128):
         slab = KVSlab([0], b, kv_heads, ctx, d, dtype, device)
-        slab.cpu_kernel = _kernels(device, dtype)  # as an engine's slab on this machine
+        slab.cpu_kernel = cpu_kernels.runs_on(device, dtype)  # as an engine's slab on this machine
         slab.bind(list(range(b)), torch.full((b, 1), ctx - 1))
         t = _attend_seconds(slab, b, 1, kv_heads, d, quick)
         nbytes = 2 * b * kv_heads * ctx * d * slab.k[0].element_size()
@@ -105,15 +105,10 @@ def engine_overheads(device: str, quick: bool = False) -> dict[str, float]:
             "row": round(1e6 * row, 2)}
 
 
-def _kernels(device: str, dtype: torch.dtype) -> bool:
-    """Whether an engine on `device` with `dtype` weights runs the CPU decode kernels (its default)."""
-    return device == "cpu" and dtype == torch.float32 and cpu_kernels.available()
-
-
 def decode_product(device: str, dtype: torch.dtype):
     """weight -> the function that multiplies a decode step's rows by it, as the engine does here: the packed
     kernel (the weight packed once, here, not per call) where the CPU kernels run, else None (F.linear)."""
-    if not _kernels(device, dtype):
+    if not cpu_kernels.runs_on(device, dtype):
         return None
 
     def make(weight: torch.Tensor):
