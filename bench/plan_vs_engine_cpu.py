@@ -6,11 +6,11 @@
    process (`planner.inference.evaluate_inference`, tp = pp = 1, fp32);
 3. the engine runs the same model and batch: prefill = a generation of one token (the first token comes
    from the prefill's logits), decode step = (a generation of `output` tokens - that) / (output - 1),
-   the two timed back to back in each of --repeats pairs; medians over the pairs;
+   the two timed back to back in each of at least --repeats pairs and --seconds; medians over the pairs;
 4. steps 1-3 are repeated --cycles times (a fresh profile each time: this shared machine's speed drifts
    by 10-30% between minutes) and each cell reports the median over cycles, every cycle kept in the JSON.
 
-Usage: python bench/plan_vs_engine_cpu.py [--repeats 3] [--cycles 3] [--profile bench/results/cpu_profile.json]
+Usage: python bench/plan_vs_engine_cpu.py [--repeats 3] [--seconds 4] [--cycles 3] [--profile bench/results/cpu_profile.json]
        -> bench/results/plan_vs_engine_cpu.{json,md}
 """
 
@@ -53,7 +53,8 @@ def timed(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="the fewest (prefill, generation) pairs per batch")
+    parser.add_argument("--seconds", type=float, default=4.0, help="the least time of pairs per batch")
     parser.add_argument("--input", type=int, default=128, help="prompt tokens")
     parser.add_argument("--output", type=int, default=32, help="generated tokens")
     parser.add_argument("--batches", default="1,8,32")
@@ -83,8 +84,11 @@ def main() -> None:
             timed(engine, prompts[batch], 2)  # warm-up
             # Pairs of (prefill only, whole generation) back to back, so a drift in the machine's speed
             # moves both halves of each pair alike; medians over the pairs.
-            pairs = [(timed(engine, prompts[batch], 1), timed(engine, prompts[batch], args.output))
-                     for _ in range(args.repeats)]
+            # At least --repeats pairs and --seconds of them: a batch-1 pair takes a third of a second, and
+            # five of them sample this machine's speed over too short a window.
+            pairs, start = [], time.perf_counter()
+            while len(pairs) < args.repeats or time.perf_counter() - start < args.seconds:
+                pairs.append((timed(engine, prompts[batch], 1), timed(engine, prompts[batch], args.output)))
             prefill = statistics.median(one for one, _ in pairs)
             decode = statistics.median((full - one) / (args.output - 1) for one, full in pairs)
             w = Workload(cfg, args.input, batch, 1, gpu, precision="fp32")

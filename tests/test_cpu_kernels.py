@@ -215,3 +215,18 @@ def test_the_profiler_measures_decode_products_as_the_engine_runs_them():
     calls = []
     _linear_pass(x, [w, w], "cpu", min_time=0.01, product=lambda w: (lambda x: calls.append(x.shape)))
     assert calls and set(calls) == {(16, 64)}
+
+
+def test_the_engine_probe_times_with_the_engines_threads():
+    """The probe's timer runs with the caller's thread count, the engine's, not torch's benchmark timer's
+    default of one thread (which measured decode attention about 40% slower than an engine runs it)."""
+    from loom.infer.probe import _seconds
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        _seconds(lambda: seen.append(torch.get_num_threads()), 0.01)
+        assert seen and set(seen) == {2}
+    finally:
+        torch.set_num_threads(before)

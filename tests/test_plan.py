@@ -576,7 +576,7 @@ def test_inference_pareto_front_and_decode_physics():
 
 def test_inference_decode_uses_a_profiles_measured_rates_and_engine_overheads():
     """With a profile's decode table, attention rates, elementwise rates and engine overheads, a decode step is
-    each weight over the streaming rate measured for its shape at that batch (log-interpolated in rows) +
+    each weight over the streaming rate measured for its shape at that batch (time per byte linear in rows) +
     key/values over the attention rate measured for a read of one layer's size (log-interpolated in bytes) +
     the batch's elementwise bytes over their measured rate + the engine's per-layer, per-step and per-sequence
     costs; fp32 weights and caches are 4 bytes."""
@@ -594,8 +594,9 @@ def test_inference_decode_uses_a_profiles_measured_rates_and_engine_overheads():
                               decode_attention_gbps={"fp32": [[2.5e5, 1.0], [4e6, 3.0]]},
                               elementwise_gbps={"fp32": [[1e5, 2.0], [1e7, 6.0]]},
                               engine_overhead_us={"layer": 500.0, "step": 100.0, "row": 10.0})
-    small = (10 + (4 - 10) * math.log(4) / math.log(16)) * 1e9  # 512-ish shapes at 4 rows
-    big = (20 + (8 - 20) * math.log(4) / math.log(16)) * 1e9  # the 4096 x 512 head
+    # at 4 rows, the time per byte a fifth of the way (3 of 15 rows) from the 1-row to the 16-row one
+    small = 1e9 / (1 / 10 + (1 / 4 - 1 / 10) * 3 / 15)  # 512-ish shapes
+    big = 1e9 / (1 / 20 + (1 / 8 - 1 / 20) * 3 / 15)  # the 4096 x 512 head
     assert decode_rate(gpu, "fp32", 4, 256, 512) == pytest.approx(small)
     assert decode_rate(gpu, "fp32", 4, 4096, 512) == pytest.approx(big)
     assert decode_rate(gpu, "fp32", 64, 512, 512) == 4e9 and decode_rate(gpu, "bf16", 4, 512, 512) is None
@@ -624,6 +625,31 @@ def test_inference_decode_uses_a_profiles_measured_rates_and_engine_overheads():
     est = evaluate_inference(Workload(cfg, 128, 4, 1, scaled, precision="fp32"), 1, 1, 4, 128, 32)
     assert est.decode_step_s == pytest.approx(expected - (4 * layer_bytes / 10e9 + 4 * 4096 * 512 / 20e9) * (1 - 1 / factor),
                                               rel=1e-9)
+
+
+def test_inference_prefill_runs_the_engines_own_products():
+    """Prefill's linear layers are the model's own products (q, k, v, o and the MLP's gate, up and down, each
+    apart) at batch x prompt rows, each timed from the GEMM table, not training's fused QKV and gate-up
+    shapes: with a table whose rate rises with the output width, the fused shapes would be faster."""
+    import dataclasses
+
+    from loom.config import ModelConfig
+    from loom.planner.costmodel import gemm_time, layer_times
+    from loom.planner.inference import evaluate_inference
+
+    cfg = ModelConfig(layers=4, hidden=512, heads=8, kv_heads=4, ffn_hidden=1376, vocab_size=4096, max_seq_len=1024)
+    table = [[1024, n, k, 0.02 * n / 256] for n in (256, 512, 1024, 2048, 4096) for k in (512, 1376)]
+    gpu = dataclasses.replace(PRESETS["h100"], peak_tflops={"fp32": 1.0}, gemm={"fp32": table}, hbm_gbps=1e6)
+    w = Workload(cfg, 128, 8, 1, gpu, precision="fp32")
+    est = evaluate_inference(w, 1, 1, 8, 128, 16)
+    own = sum(gemm_time(gpu, "fp32", 1024, n, k) for n, k in
+              ((512, 512), (256, 512), (256, 512), (512, 512), (1376, 512), (1376, 512), (512, 1376)))
+    fused = layer_times(dataclasses.replace(w, seq_len=128), 1, 1, 8, False, "none").fwd["gemm"]
+    assert own > 1.2 * fused
+    # Everything but the layers' products is as before: swapping the fused term back in gives training's sum.
+    fwd = layer_times(dataclasses.replace(w, seq_len=128), 1, 1, 8, False, "none").fwd
+    head = gemm_time(gpu, "fp32", 8, 4096, 512)
+    assert est.prefill_s == pytest.approx(4 * (sum(fwd.values()) - fused + own) + head, rel=1e-9)
 
 
 def test_inference_prefill_attention_uses_the_engines_measured_rate():

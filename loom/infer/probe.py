@@ -17,6 +17,8 @@ the CPU decode kernels where they are available (CPU, fp32), as `Engine` does by
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 from torch.utils.benchmark import Timer
 
@@ -27,8 +29,11 @@ from loom.models.llama import build_model
 
 
 def _seconds(fn, min_time: float = 0.2) -> float:
-    """Median seconds per call (torch's benchmark timer: warm-up, CUDA synchronisation, blocked runs)."""
-    return Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_time).median
+    """Median seconds per call (torch's benchmark timer: warm-up, CUDA synchronisation, blocked runs), with
+    as many CPU threads as the engine would have: the timer's own default is one thread, which measured this
+    2-core EPYC's decode attention at batch 32 about 40% slower than an engine runs it."""
+    return Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
+                 ).blocked_autorange(min_run_time=min_time).median
 
 
 def _attend_seconds(slab: KVSlab, rows: int, seq: int, kv_heads: int, d: int, quick: bool) -> float:
@@ -82,23 +87,29 @@ def prefill_attention_tflops(device: str, dtype: torch.dtype, quick: bool = Fals
 
 def engine_overheads(device: str, quick: bool = False) -> dict[str, float]:
     """{"layer": us, "step": us, "row": us} that the engine spends on a decode step beyond its kernels' work:
-    measured on Llama models too small for compute to matter (hidden 64), each time the best of three (one
-    when `quick`). With 1 and 5 layers at batch 1, the slope is the per-layer cost (dispatching a layer's
-    ops) and the intercept the step's (embedding, head, sampling, bookkeeping); with 1 layer at batch 1 and
-    16, the slope is the cost per sequence in the batch (its sampling, gathers and scatters, the host's
-    bookkeeping of its tokens)."""
-    per_token = {}
+    measured on Llama models too small for compute to matter (hidden 64). With 1 and 5 layers at batch 1, the
+    slope is the per-layer cost (dispatching a layer's ops) and the intercept the step's (embedding, head,
+    sampling, bookkeeping); with 1 layer at batch 1 and 16, the slope is the cost per sequence in the batch
+    (its sampling, gathers and scatters, the host's bookkeeping of its tokens). Each model's cost per token is
+    a generation of 65 tokens less one of 1, timed back to back; the three models take turns over five rounds
+    (one when `quick`) and each keeps its median, so a shared machine's drift between seconds moves all three
+    alike instead of one (a difference of differences amplifies it: best-of-three per model, one model after
+    another, gave per-layer costs of 504-847 us in five profiles within a minute on a 2-core EPYC)."""
+    engines = {}
     for layers, batch in ((1, 1), (5, 1), (1, 16)):
         cfg = ModelConfig(layers=layers, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=64, max_seq_len=96)
         torch.manual_seed(0)
-        engine = Engine(build_model(cfg).to(device).eval(), max_batch=batch, max_len=96)
-        prompts = [[1, 2, 3, 4]] * batch
+        engines[layers, batch] = Engine(build_model(cfg).to(device).eval(), max_batch=batch, max_len=96)
+    samples: dict = {key: [] for key in engines}
+    for _ in range(1 if quick else 5):
+        for (layers, batch), engine in engines.items():
+            prompts = [[1, 2, 3, 4]] * batch
 
-        def run(n):
-            return min(_seconds(lambda: engine.generate(prompts, SamplingParams(max_new_tokens=n)))
-                       for _ in range(1 if quick else 3))
+            def run(n, engine=engine, prompts=prompts):
+                return _seconds(lambda: engine.generate(prompts, SamplingParams(max_new_tokens=n)), 0.1)
 
-        per_token[layers, batch] = (run(65) - run(1)) / 64
+            samples[layers, batch].append((run(65) - run(1)) / 64)
+    per_token = {key: statistics.median(values) for key, values in samples.items()}
     layer = (per_token[5, 1] - per_token[1, 1]) / 4
     row = max(0.0, (per_token[1, 16] - per_token[1, 1]) / 15)
     return {"layer": round(1e6 * layer, 2), "step": round(1e6 * (per_token[1, 1] - layer - row), 2),
