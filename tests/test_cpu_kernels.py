@@ -230,3 +230,28 @@ def test_the_engine_probe_times_with_the_engines_threads():
         assert seen and set(seen) == {2}
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_engine_probe_reads_decode_attention_caches_cold(monkeypatch):
+    """Each size of the decode attention table cycles over enough layers' caches to outgrow a last-level cache
+    (128 MB on a CPU), one attend call per layer, and divides by the layers: one layer's cache read again and
+    again stays cached, which a decode step, reading it once between the model's weights, does not."""
+    from loom.infer import probe
+
+    calls = []
+    real = probe.KVSlab.attend
+
+    def attend(self, layer, q, k, v):
+        calls.append((layer, 2 * self.k[layer].numel() * self.k[layer].element_size()))
+        return real(self, layer, q, k, v)
+
+    monkeypatch.setattr(probe.KVSlab, "attend", attend)
+    monkeypatch.setattr(probe, "_seconds", lambda fn, min_time: (fn(), 2.0)[1])  # one pass, "2 s"
+    table = probe.decode_attention_gbps("cpu", torch.float32)
+    sizes = {}  # one layer's K and V of the batch -> the layers read, in order
+    for layer, nbytes in calls:
+        sizes.setdefault(nbytes, []).append(layer)
+    assert [nbytes for nbytes, _ in table] == list(sizes) and len(table) == 4
+    for (nbytes, gbps), layers in zip(table, sizes.values()):
+        assert layers == list(range(len(layers))) and len(layers) * nbytes >= 1 << 27  # every layer once, cold
+        assert gbps == pytest.approx(nbytes / (2.0 / len(layers)) / 1e9, abs=1e-3)
