@@ -80,8 +80,8 @@ def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int
         # The engine runs the model's own linear layers, one product each (q, k and v apart, the MLP's gate
         # and up apart), not training's fused QKV and gate-up shapes: on a measured GEMM table a 128-token
         # prompt's 256-column k and v products run at their own rate.
-        prec = "bf16" if w.precision == "fp8" else w.precision
-        fwd = {**fwd, "gemm": sum(c * gemm_time(gpu, prec, batch * input_len, o, i) for c, o, i in linear_shapes(cfg, tp))}
+        fwd = {**fwd, "gemm": sum(c * gemm_time(gpu, w.precision, batch * input_len, o, i)
+                                  for c, o, i in linear_shapes(cfg, tp))}
     engine_attention = log_interpolate(gpu.prefill_attention_tflops.get("bf16" if w.precision == "fp8" else w.precision),
                                        input_len)
     if engine_attention:  # the engine's own packed prefill attention, measured at this prompt length
