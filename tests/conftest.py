@@ -80,3 +80,16 @@ def save_hf_models(tmp_path_factory, kinds, make_model, tokenizer_file) -> dict:
         (path / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
         out[kind] = (path, model)
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are the ones a GPU run must pass (`pytest -m gpu`, run by bench/device_check.sh);
+    without a CUDA device they are skipped here, with the reason, instead of each repeating a skipif."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device (run by bench/device_check.sh)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

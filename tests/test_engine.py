@@ -424,7 +424,7 @@ def test_frozen_engine_gathers_busy_rows_out_of_a_larger_bucket(models):
     assert max(abs(a - b) for x, y in zip(got, eager) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+@pytest.mark.gpu
 def test_cuda_graph_decode_equals_eager_and_follows_a_refit(models, tmp_path):
     """compile=True on a GPU: decode steps replay a CUDA graph per bucket (counted as cudaGraphLaunch calls
     by torch's profiler); fp32 tokens equal the eager engine's and log-probs agree to 1e-4 (inductor's fused

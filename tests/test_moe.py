@@ -195,7 +195,7 @@ def test_grouped_mm_path_equals_the_loop_with_empty_experts():
     assert g_grp[1][1].abs().max() == 0 and g_grp[1][3].abs().max() == 0  # empty experts: zero gradients
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper for torch._grouped_mm)")
+@pytest.mark.gpu
 def test_grouped_mm_on_gpu_with_an_expert_getting_zero_tokens():  # pragma: no cover - GPU only
     torch.manual_seed(0)
     experts = GroupedExperts(4, 64, 32, gated=True).cuda()
@@ -358,3 +358,14 @@ def test_config_refusals_name_the_field():
         small_config(*MOE, "model.moe.first_dense=2")
     cfg = small_config(*MOE, "model.layers=4", "model.moe.first_dense=1", "model.moe.interval=2")
     assert [cfg.model.is_moe_layer(i) for i in range(4)] == [False, False, True, False]
+
+
+def test_grouped_mm_is_chosen_on_hopper_in_bf16_only():
+    """The CUDA-only choice of `use_grouped_mm`, on CPU: Hopper (9.x) and newer in bf16 or under bf16 autocast
+    take the grouped GEMM; Ampere, fp32 and fp16 keep the loop; a CPU tensor never takes it."""
+    from loom.models.moe import grouped_mm_wanted, use_grouped_mm
+
+    assert grouped_mm_wanted((9, 0), torch.bfloat16, False) and grouped_mm_wanted((10, 0), torch.float32, True)
+    assert not grouped_mm_wanted((8, 0), torch.bfloat16, True)
+    assert not grouped_mm_wanted((9, 0), torch.float32, False) and not grouped_mm_wanted((9, 0), torch.float16, False)
+    assert not use_grouped_mm(torch.zeros(2, 2, dtype=torch.bfloat16))

@@ -231,10 +231,16 @@ class GroupedExperts(nn.Module):
 
 def use_grouped_mm(x: torch.Tensor) -> bool:
     """PyTorch's grouped GEMM where it is fast: CUDA, compute capability 9.0+, bf16 (or bf16 autocast)."""
-    if not (x.is_cuda and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device)[0] >= 9):
+    if not (x.is_cuda and hasattr(torch, "_grouped_mm")):
         return False
     autocast_bf16 = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
-    return x.dtype == torch.bfloat16 or autocast_bf16
+    return grouped_mm_wanted(torch.cuda.get_device_capability(x.device), x.dtype, autocast_bf16)
+
+
+def grouped_mm_wanted(capability: tuple[int, int], dtype: torch.dtype, autocast_bf16: bool) -> bool:
+    """The decision of `use_grouped_mm` for a CUDA tensor, apart from the device (tested on CPU): Hopper or
+    newer, and the experts' products run in bf16 (the tensor's dtype or CUDA autocast)."""
+    return capability[0] >= 9 and (dtype == torch.bfloat16 or autocast_bf16)
 
 
 class MoE(nn.Module):
