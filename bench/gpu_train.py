@@ -1,4 +1,5 @@
-"""One GPU, one command: loom vs torchtitan vs transformers(+Liger) training throughput on Llama-3.2 shapes.
+"""One GPU, one command: loom vs torchtitan (0.3.0, 0.2.2) vs transformers(+Liger) training throughput on
+Llama-3.2 shapes.
 
     python bench/gpu_train.py --out bench/results/gpu_train.json            # on a GPU machine
     python bench/gpu_train.py --smoke --out /tmp/smoke.json                 # tiny shape on CPU (a test runs it)
@@ -11,14 +12,38 @@ Per run it reports tokens/s, model TFLOP/s per device in both conventions (atten
 i.e. the half of the score matrix a causal kernel computes, and non-causally as Megatron/loom's MFU
 does), MFU of each against `--peak-tflops` (989: H100/H200 dense bf16), peak device memory, and the
 machine (device, torch, CUDA, the packages' versions). A framework that cannot run here (not installed,
-an incompatible version, out of memory) gets a row with its error instead of numbers; the others go on.
+an incompatible version, out of memory, past `--row-timeout`) gets a row with its error instead of
+numbers; the others go on. Each row runs in its own process (Liger patches transformers process-wide; a
+torchtitan version is found on its own `--pythonpath`), and the JSON is rewritten after every row, so a
+run cut short keeps the rows it finished.
 
-- loom: its own runner (per-block torch.compile, chunked cross-entropy `train.loss_chunk`, fused SDPA
-  backends), exactly what `loom train` runs per step, minus data loading.
-- torchtitan (PyPI `torchtitan`): its Llama 3 model, built with the same shape and trained in the same
-  loop (its own parallelize is for multi-GPU meshes; on one GPU this is its model + per-block compile).
+Every row states its loss (`loss_kind`, `loss_setting`), because the loss is not the same work everywhere:
+
+- `plain`: the whole micro-batch's logits, one cross-entropy: loom with `train.loss_chunk=0`,
+  transformers, torchtitan 0.2.2. These rows do equal work.
+- `chunked`: loom with `train.loss_chunk=8192` (LM head + loss 8192 tokens at a time, the logits
+  recomputed in backward: memory-light, one extra head forward, about 11% of the step at 1B), and
+  torchtitan 0.3.0's default `ChunkedLossWrapper` (8 sequence chunks, each chunk's head + loss run
+  forward and backward at once: memory-light, no recompute).
+- `fused_linear_ce`: transformers + Liger's fused linear cross-entropy (memory-light), the anchor for
+  loom's chunked loss.
+
+loom runs once per `--loss-chunk` value (default 0 and 8192).
+
+- loom: its own runner (per-block torch.compile, `train.loss_chunk`, fused SDPA backends), exactly what
+  `loom train` runs per step, minus data loading.
+- torchtitan-0.3.0: its own Llama 3 model (`torchtitan.models.llama3.llama3_configs["1B"/"3B"]`: flex
+  attention, fused QKV), its loss (`ChunkedLossWrapper`), optimizer container (`default_adamw`),
+  gradient clipping, activation checkpointing (`FullAC` where the bench recomputes), and its CUDA-graph
+  forward+backward (`wrap_with_cuda_graph`, on by default in 0.3.0: `training.disable_cuda_graphs=False`),
+  in this script's loop, which follows its `Trainer.train_step`. Its default config leaves torch.compile
+  off (`--torchtitan-compile` applies its `apply_compile`). What differs from its own trainer is listed
+  in each row's `notes`.
+- torchtitan-0.2.2: its `Transformer`/`TransformerModelArgs` with the same shape, its loss and clipping,
+  its `apply_ac` where the bench recomputes, torch.autocast as its trainer uses on one GPU; torch.compile
+  off as in its default config (`--torchtitan-compile` applies its `apply_compile`).
 - transformers: `LlamaForCausalLM` from a config (nothing downloaded), sdpa attention; with Liger
-  (`liger-kernel`) when importable: its fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy.
+  (`liger-kernel`): its fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy.
 
 No number is estimated: only what ran is reported.
 """
@@ -27,11 +52,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import dataclasses
 import gc
 import json
 import math
+import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -50,6 +80,29 @@ SHAPES = {  # Llama-3.2 (config.json of meta-llama/Llama-3.2-1B / -3B), rope sca
     "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512),
 }
 RECOMPUTE = {"llama3.2-1b": "none", "llama3.2-3b": "full", "tiny": "none"}
+TITAN_FLAVOR = {"llama3.2-1b": "1B", "llama3.2-3b": "3B"}  # torchtitan 0.3.0's own Llama 3 flavors of these shapes
+FRAMEWORKS = ("loom", "torchtitan-0.3.0", "torchtitan-0.2.2", "transformers", "transformers+liger")
+
+PLAIN = "plain: the whole micro-batch's logits, one cross-entropy"
+LOSS = {  # framework -> (loss_kind, loss_setting); loom's depends on its loss_chunk (see loom_loss)
+    "torchtitan-0.3.0": ("chunked", "chunked: torchtitan's ChunkedLossWrapper (its default), 8 sequence chunks, "
+                         "each chunk's LM head + cross-entropy forward and backward at once, no recompute; "
+                         "memory-light, compare with loom's chunked loss and transformers+liger"),
+    "torchtitan-0.2.2": ("plain", PLAIN + " in fp32 (torchtitan's cross_entropy_loss); the same work as "
+                         "loom's train.loss_chunk=0 and transformers"),
+    "transformers": ("plain", PLAIN + " (LlamaForCausalLM's loss); the same work as loom's train.loss_chunk=0"),
+    "transformers+liger": ("fused_linear_ce", "fused linear cross-entropy (Liger): the LM head and loss in "
+                           "chunks, logits never whole; memory-light, the anchor for loom's chunked loss"),
+}
+
+
+def loom_loss(chunk: int) -> tuple[str, str]:
+    if chunk == 0:
+        return "plain", (PLAIN + " (train.loss_chunk=0); the same loss work as transformers and "
+                         "torchtitan-0.2.2")
+    return "chunked", (f"chunked: LM head + cross-entropy {chunk} tokens at a time, logits recomputed in "
+                       f"backward (train.loss_chunk={chunk}); memory-light, one extra head forward; compare "
+                       "with transformers+liger's fused linear cross-entropy and torchtitan-0.3.0's chunked loss")
 
 
 def model_config(shape: str, seq: int) -> ModelConfig:
@@ -67,6 +120,30 @@ def flops_per_token(shape: str, seq: int, causal: bool) -> float:
     return full - attention / 2
 
 
+def llama_params(shape: str) -> int:
+    """Parameters of SHAPES[shape] with tied embeddings: what each framework's model must hold."""
+    m = SHAPES[shape]
+    d, hd = m["hidden"], m["hidden"] // m["heads"]
+    layer = d * m["heads"] * hd * 2 + d * m["kv_heads"] * hd * 2 + 3 * d * m["ffn_hidden"] + 2 * d
+    return m["vocab_size"] * d + m["layers"] * layer + d
+
+
+def check_params(model: torch.nn.Module, shape: str, who: str) -> int:
+    n = sum(p.numel() for p in model.parameters())  # a tied weight is one parameter
+    if n != llama_params(shape):
+        raise RuntimeError(f"{who} built {n:,} parameters, the {shape} shape has {llama_params(shape):,}")
+    return n
+
+
+def version_of(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
 def machine(device: torch.device) -> dict:
     out = {"torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor() or
            platform.machine(), "device": "cpu"}
@@ -74,13 +151,8 @@ def machine(device: torch.device) -> dict:
         out.update(device=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
                    cudnn=torch.backends.cudnn.version(),
                    memory_gib=round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1))
-    for pkg in ("torchtitan", "transformers", "liger_kernel", "torchao"):
-        try:
-            from importlib.metadata import version
-
-            out[pkg] = version(pkg.replace("_", "-"))
-        except Exception:
-            out[pkg] = None
+    for pkg in ("transformers", "liger_kernel", "torchao"):
+        out[pkg] = version_of(pkg.replace("_", "-"))
     return out
 
 
@@ -115,8 +187,14 @@ def synthetic_batch(vocab: int, batch: int, seq: int, device) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq + 1), generator=g).to(device)
 
 
-def autocast(device):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+def autocast(device, cache_enabled: bool = True):
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=cache_enabled)
+
+
+def recompute_of(shape: str, args) -> str:
+    return args.recompute or RECOMPUTE[shape]
 
 
 # --- the frameworks -------------------------------------------------------------------------------
@@ -133,11 +211,12 @@ def run_loom(shape, seq, batch, device, args):
 
     cuda = device.type == "cuda"
     m = SHAPES[shape]
+    chunk = int(args.loss_chunk)
     overrides = [f"model.{k}={v}" for k, v in m.items()] + [
         f"model.max_seq_len={seq}", "model.rope_theta=500000.0", "model.tie_embeddings=true",
         f"train.seq_len={seq}", f"train.micro_batch={batch}", f"train.global_batch={batch}",
         f"train.dtype={'bfloat16' if cuda else 'float32'}", f"train.compile={str(args.compile and cuda).lower()}",
-        f"train.loss_chunk={args.loss_chunk}", f"recompute.mode={args.recompute or RECOMPUTE[shape]}",
+        f"train.loss_chunk={chunk}", f"recompute.mode={recompute_of(shape, args)}",
         f"train.fp8={args.fp8}",
     ]
     cfg = load_config(None, overrides)
@@ -157,54 +236,305 @@ def run_loom(shape, seq, batch, device, args):
         opt.zero_grad(set_to_none=True)
         return loss_sum / total
 
-    return time_steps(step, device, args.steps, args.warmup), {"settings": overrides[len(m):]}
+    kind, setting = loom_loss(chunk)
+    return time_steps(step, device, args.steps, args.warmup), {
+        "settings": overrides[len(m):], "loss_kind": kind, "loss_setting": setting}
 
 
-def run_torchtitan(shape, seq, batch, device, args):
-    """torchtitan's Llama 3 model with the same shape, per-block compiled as its parallelize does."""
-    try:  # torchtitan 0.1/0.2 layout
-        from torchtitan.models.llama3 import Transformer, TransformerModelArgs
-    except ImportError as exc:
-        raise RuntimeError(f"this torchtitan has no torchtitan.models.llama3.Transformer/TransformerModelArgs "
-                           f"(0.1/0.2 API) : {exc}") from None
+def torchtitan_version(wanted: str) -> str:
+    """The torchtitan on sys.path, refused unless it is `wanted` (each version runs on its own --pythonpath)."""
+    found = version_of("torchtitan")
+    if found is None:
+        raise RuntimeError(f"torchtitan {wanted} is not installed here (bench/fetch_wheels.sh fetches it; "
+                           "give its folder with --pythonpath torchtitan-" + wanted + "=DIR)")
+    if found != wanted:
+        raise RuntimeError(f"torchtitan {found} found on sys.path, {wanted} asked (--pythonpath "
+                           f"torchtitan-{wanted}=DIR puts the right one first)")
+    return found
+
+
+def torch_compat_for_torchtitan_030() -> list[str]:
+    """torchtitan 0.3.0 is written against torch >= 2.12. On an older torch (the GPU machines carry 2.11),
+    fill the two gaps its single-GPU path meets, and say so in the row: a placeholder for
+    `torch.distributed.fsdp.DataParallelMeshDims` (imported at module level, used only by its multi-GPU
+    FSDP path) and `create_block_mask(separate_full_blocks=True)` (older torch separates full blocks
+    always, which is what True asks for)."""
+    import inspect
+
+    import torch.distributed.fsdp as fsdp
+    import torch.nn.attention.flex_attention as flex
+
+    shims = []
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        @dataclasses.dataclass
+        class DataParallelMeshDims:  # placeholder: never constructed on one GPU
+            pass
+
+        fsdp.DataParallelMeshDims = DataParallelMeshDims
+        shims.append(f"torch {torch.__version__} has no torch.distributed.fsdp.DataParallelMeshDims: a "
+                     "placeholder class is added before importing torchtitan (its multi-GPU FSDP path only)")
+    if "separate_full_blocks" not in inspect.signature(flex.create_block_mask).parameters:
+        original = flex.create_block_mask
+
+        def create_block_mask(*a, separate_full_blocks: bool = True, **k):
+            if not separate_full_blocks:
+                raise NotImplementedError("create_block_mask(separate_full_blocks=False) needs torch >= 2.12")
+            return original(*a, **k)
+
+        flex.create_block_mask = create_block_mask
+        shims.append(f"torch {torch.__version__}'s create_block_mask has no separate_full_blocks argument: "
+                     "torchtitan's True (the older default behaviour) is dropped before the call")
+    return shims
+
+
+def titan_030_config(shape: str, seq: int, device):
+    """torchtitan 0.3.0's Llama3Model.Config for `shape`: its own "1B"/"3B" flavor for the Llama-3.2 shapes
+    (checked against SHAPES by the CPU test), built from the same helpers for the tiny shape. On the CPU,
+    where flex attention has no backward, the inner attention is torchtitan's own
+    ScaledDotProductAttention (causal)."""
+    from torchtitan.models import llama3 as L
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+
+    if shape in TITAN_FLAVOR:
+        cfg = L.llama3_configs[TITAN_FLAVOR[shape]](attn_backend="flex")
+    else:
+        m = SHAPES[shape]
+        dim, vocab = m["hidden"], m["vocab_size"]
+        cfg = L.Llama3Model.Config(
+            dim=dim, vocab_size=vocab, enable_weight_tying=True,
+            tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                            param_init=L._EMBEDDING_SKIP_INIT),
+            norm=RMSNorm.Config(normalized_shape=dim, param_init=L._NORM_INIT),
+            lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=L._output_linear_init(dim)),
+            layers=L._build_llama3_layers(
+                fuse_qkv=True, n_layers=m["layers"], dim=dim, n_heads=m["heads"], n_kv_heads=m["kv_heads"],
+                hidden_dim=m["ffn_hidden"], attn_backend="flex",
+                rope=ComplexRoPE.Config(dim=dim // m["heads"], max_seq_len=131072, theta=500000, scaling="llama")))
+    # Trainer.Config.update_from_config: the RoPE cache sized to training.seq_len
+    for layer in cfg.layers:
+        layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=seq)
+    if device.type != "cuda":
+        from torchtitan.models.common.attention import ScaledDotProductAttention
+
+        cfg = copy.deepcopy(cfg)
+        for layer in cfg.layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return cfg
+
+
+def build_titan_030(shape: str, seq: int, device):
+    """Its config and its model on the meta device (as its Trainer builds it), checked against the shape."""
+    cfg = titan_030_config(shape, seq, device)
+    with torch.device("meta"):
+        model = cfg.build()
+    check_params(model, shape, "torchtitan 0.3.0")
+    return cfg, model
+
+
+def run_torchtitan_030(shape, seq, batch, device, args):
+    """torchtitan 0.3.0's model and train step (see the module doc); settings and differences in the row."""
+    found = torchtitan_version("0.3.0")
+    shims = torch_compat_for_torchtitan_030()
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.activation_checkpoint import FullAC
+    from torchtitan.distributed.cudagraph import cudagraph_teardown, wrap_with_cuda_graph
+    from torchtitan.models.common.attention import FlexAttention
+
+    cuda = device.type == "cuda"
+    recompute = recompute_of(shape, args)
+    if recompute == "selective":
+        raise RuntimeError("recompute=selective: loom's selective recompute is not torchtitan's SelectiveAC; "
+                           "compare with none or full")
+    compile_config = CompileConfig(enable=bool(args.torchtitan_compile))
+    cfg, model = build_titan_030(shape, seq, device)
+    if recompute == "full":
+        FullAC.Config().build(dump_folder=tempfile.gettempdir()).apply(model)
+    if compile_config.enable and cuda:
+        from torchtitan.config import ParallelismConfig
+        from torchtitan.distributed.compile import apply_compile
+        from torchtitan.distributed.parallel_dims import ParallelDims
+
+        apply_compile(model, compile_config=compile_config,
+                      parallel_dims=ParallelDims.from_config(ParallelismConfig(), 1))
+    model.to_empty(device=device)
+    with torch.no_grad():  # as its Trainer: init_weights on the materialised model, no autograd
+        model.init_weights(buffer_device=None)  # ties lm_head and tok_embeddings again (Decoder.init_states)
+    model.train()
+    if model.lm_head.weight is not model.tok_embeddings.weight:
+        raise RuntimeError("torchtitan 0.3.0's lm_head came untied from tok_embeddings")
+    loss_fn = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=cfg.vocab_size)).build(
+        compile_config=compile_config)
+    loss_fn.set_lm_head(model.lm_head)
+    model._skip_lm_head = True
+    optimizers = default_adamw(lr=3e-4).build(model_parts=[model])
+    tokens = synthetic_batch(cfg.vocab_size, batch, seq, device)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    positions = torch.arange(seq, device=device).expand(batch, seq).contiguous()  # one document per row
+    flex = isinstance(cfg.layers[0].attention.inner_attention, FlexAttention.Config)
+    global_valid_tokens = torch.tensor(labels.numel(), device=device)
+
+    def forward_backward(inputs, labels, global_valid_tokens, extra_kwargs):  # its _forward_backward_body
+        with autocast(device, cache_enabled=False):  # a CUDA graph replays no autocast weight cache
+            pred = model(inputs, **extra_kwargs)
+            loss, _ = loss_fn(pred, labels, global_valid_tokens, positions=extra_kwargs["positions"])
+            del pred
+            loss.backward()
+        return loss
+
+    fwd_bwd = wrap_with_cuda_graph(forward_backward) if cuda else forward_backward
+    params = [p for p in model.parameters()]
+
+    def step():  # its train_step: one micro-batch, no pipeline, no data parallel
+        optimizers.zero_grad(set_to_none=False)  # as its trainer with CUDA graphs on
+        extra = {"positions": positions}
+        if flex:  # its post_dataloading_process builds the block mask outside the graph, every step
+            extra["attention_masks"] = model.get_attention_masks(positions=positions)
+        loss = fwd_bwd(inputs, labels, global_valid_tokens, extra)
+        loss = loss.detach().clone()  # the graph owns its output until the next replay
+        dist_utils.clip_grad_norm_(params, 1.0, foreach=True)
+        optimizers.step()
+        return loss
+
+    try:
+        timing = time_steps(step, device, args.steps, args.warmup)
+    finally:
+        if cuda:
+            cudagraph_teardown()
+    settings = [
+        (f"model=torchtitan.models.llama3.llama3_configs[{TITAN_FLAVOR[shape]!r}]" if shape in TITAN_FLAVOR
+         else "model=Llama3Model.Config from torchtitan.models.llama3's own helpers at the tiny shape"),
+        f"attention={'flex (its default)' if flex else 'sdpa (CPU: flex attention has no backward there)'}",
+        f"training.disable_cuda_graphs={not cuda}" + (" (its default: graphs on)" if cuda else " (CPU)"),
+        f"compile.enable={str(compile_config.enable).lower()}" + ("" if compile_config.enable else " (its default)"),
+        f"activation_checkpoint={'FullAC' if recompute == 'full' else 'none'} (the bench's recompute={recompute}; "
+        "its default is SelectiveAC)",
+        "loss=ChunkedLossWrapper(CrossEntropyLoss), num_chunks=8 (its llama3 configs' default)",
+        "optimizer=default_adamw(lr=3e-4): AdamW betas (0.9, 0.95), eps 1e-8, weight_decay 0.1, implementation fused",
+        "training.max_norm=1.0 (its clip_grad_norm_, foreach)",
+        "mixed precision=torch.autocast bf16 (cache_enabled=False)" if cuda else "precision=float32 (CPU)",
+        f"local_batch_size={batch}", f"seq_len={seq}",
+    ]
+    notes = [
+        f"its model, loss, optimizer, clipping and {'CUDA-graph ' if cuda else ''}forward+backward in this "
+        "script's loop, which follows Trainer.train_step (zero_grad(set_to_none=False), masks built outside "
+        "the graph each step, fwd+bwd, clip, optimizer step)",
+        "not its Trainer: no process group, no fully_shard; its trainer casts to bf16 through fully_shard's "
+        "MixedPrecisionPolicy on a one-GPU mesh (torch >= 2.12's fully_shard(dp_mesh_dims)), this loop "
+        "through torch.autocast",
+        "no data loader, tokenizer, metrics, checkpointing or lr schedule step (constant lr); synthetic "
+        "tokens, one document per row (its block-causal mask is then causal)",
+        *shims,
+    ]
+    kind, setting = LOSS["torchtitan-0.3.0"]
+    return timing, {"framework_version": found, "settings": settings, "notes": notes,
+                    "loss_kind": kind, "loss_setting": setting}
+
+
+def titan_022_args(shape: str, seq: int):
+    """TransformerModelArgs of torchtitan 0.2.2 giving SHAPES[shape]: its FeedForward makes the hidden size
+    int(2 * 4 * dim / 3), times ffn_dim_multiplier, rounded up to multiple_of."""
+    from torchtitan.models.llama3 import TransformerModelArgs
+
     m = SHAPES[shape]
-    margs = TransformerModelArgs(dim=m["hidden"], n_layers=m["layers"], n_heads=m["heads"], n_kv_heads=m["kv_heads"],
-                                 vocab_size=m["vocab_size"], max_seq_len=seq, rope_theta=500000.0)
-    # its FeedForward derives the hidden size from dim, multiplier and multiple_of: pick them to give ffn_hidden
-    margs.ffn_dim_multiplier = None
-    margs.multiple_of = m["ffn_hidden"]
-    with torch.device(device):
-        model = Transformer(margs)
-        model.init_weights()
-    if hasattr(model, "output") and hasattr(model, "tok_embeddings"):
-        model.output.weight = model.tok_embeddings.weight  # tied, as Llama-3.2 (and loom's run)
-    recompute = (args.recompute or RECOMPUTE[shape]) == "full"
-    from torch.utils.checkpoint import checkpoint
+    base = int(2 * 4 * m["hidden"] / 3)
+    return TransformerModelArgs(dim=m["hidden"], n_layers=m["layers"], n_heads=m["heads"], n_kv_heads=m["kv_heads"],
+                                vocab_size=m["vocab_size"], max_seq_len=seq, rope_theta=500000.0,
+                                multiple_of=m["ffn_hidden"],
+                                ffn_dim_multiplier=m["ffn_hidden"] / base if base > m["ffn_hidden"] else None)
 
-    for name, block in list(model.layers.items()):
-        if recompute:
-            fwd = block.forward
-            block.forward = lambda *a, _f=fwd, **k: checkpoint(_f, *a, use_reentrant=False, **k)
-        if args.compile and device.type == "cuda":
-            block.compile()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
-    tokens = synthetic_batch(m["vocab_size"], batch, seq, device)
+
+def build_titan_022(shape: str, seq: int):
+    """Its model args and model on the meta device, output tied to the embedding (Llama-3.2), checked
+    against the shape."""
+    try:  # torchtitan 0.1/0.2 layout
+        from torchtitan.models.llama3 import Transformer
+    except ImportError as exc:
+        raise RuntimeError(f"torchtitan {version_of('torchtitan')} has no torchtitan.models.llama3.Transformer "
+                           f"(0.1/0.2 API): {exc}") from None
+    margs = titan_022_args(shape, seq)
+    with torch.device("meta"):
+        model = Transformer(margs)
+    model.output.weight = model.tok_embeddings.weight  # tied before init: the output's init wins, as in 0.3.0
+    check_params(model, shape, "torchtitan 0.2.2")
+    return margs, model
+
+
+def run_torchtitan_022(shape, seq, batch, device, args):
+    """torchtitan 0.2.2's Llama 3 model with the same shape, in this loop (see the module doc)."""
+    found = torchtitan_version("0.2.2")
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed import utils as dist_utils
+
+    cuda = device.type == "cuda"
+    recompute = recompute_of(shape, args)
+    if recompute == "selective":
+        raise RuntimeError("recompute=selective: compare torchtitan with none or full")
+    margs, model = build_titan_022(shape, seq)
+    if recompute == "full":
+        from torchtitan.config.job_config import ActivationCheckpoint
+        from torchtitan.distributed.activation_checkpoint import apply_ac
+
+        apply_ac(model, ActivationCheckpoint(mode="full"), model_compile_enabled=bool(args.torchtitan_compile),
+                 op_sac_save_list=set(), base_folder=tempfile.gettempdir())
+    if args.torchtitan_compile and cuda:
+        from torchtitan.config.job_config import Compile
+        from torchtitan.models.llama3.infra.parallelize import apply_compile
+
+        apply_compile(model, Compile(enable=True))
+    model.to_empty(device=device)
+    model.output.weight = model.tok_embeddings.weight  # to_empty gives each module its own copy: tie again
+    with torch.no_grad():  # as its Trainer (init_weights in place on parameters that require grad)
+        model.init_weights(buffer_device=device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            fused=cuda)
+    tokens = synthetic_batch(margs.vocab_size, batch, seq, device)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    total = labels.numel()
+    params = list(model.parameters())
 
     def step():
-        with autocast(device):
-            logits = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        opt.zero_grad()
+        with autocast(device):  # its maybe_enable_amp on one device
+            pred = model(inputs)
+            loss = cross_entropy_loss(pred, labels) / total
+            del pred
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        dist_utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
-        opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return time_steps(step, device, args.steps, args.warmup), {"note": "torchtitan model, this script's loop"}
+    settings = [
+        f"model=TransformerModelArgs(dim={margs.dim}, n_layers={margs.n_layers}, n_heads={margs.n_heads}, "
+        f"n_kv_heads={margs.n_kv_heads}, multiple_of={margs.multiple_of}, ffn_dim_multiplier="
+        f"{margs.ffn_dim_multiplier}, attn_type={margs.attn_type}), output tied to tok_embeddings",
+        f"compile.enable={str(bool(args.torchtitan_compile) and cuda).lower()}"
+        + ("" if args.torchtitan_compile else " (its default)"),
+        f"activation_checkpoint.mode={'full' if recompute == 'full' else 'none'} (the bench's recompute={recompute}; "
+        "its default is selective)",
+        "loss=cross_entropy_loss (fp32 logits, sum / tokens)",
+        "optimizer=AdamW lr 3e-4, betas (0.9, 0.95), eps 1e-8, weight_decay 0.1, fused (its defaults but lr)",
+        "training.max_norm=1.0 (its clip_grad_norm_, foreach)",
+        "mixed precision=torch.autocast bf16 (its maybe_enable_amp on one GPU)" if cuda else "precision=float32 (CPU)",
+        f"local_batch_size={batch}", f"seq_len={seq}",
+    ]
+    notes = ["its model, loss, clipping and (for full recompute) apply_ac in this script's loop; no Trainer, "
+             "data loader, metrics or lr schedule step",
+             "its weights are built on meta and initialised in place under torch.no_grad() as its Trainer does"]
+    kind, setting = LOSS["torchtitan-0.2.2"]
+    return time_steps(step, device, args.steps, args.warmup), {
+        "framework_version": found, "settings": settings, "notes": notes, "loss_kind": kind, "loss_setting": setting}
 
 
 def run_hf(shape, seq, batch, device, args, liger: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    if not liger and "liger" in modeling_llama.LlamaRMSNorm.__module__:
+        raise RuntimeError("Liger has patched transformers in this process: run the rows in their own processes")
 
     if liger:
         if device.type != "cuda":
@@ -220,7 +550,7 @@ def run_hf(shape, seq, batch, device, args, liger: bool):
                          tie_word_embeddings=True, attn_implementation="sdpa", rms_norm_eps=1e-5)
     with torch.device(device):
         model = LlamaForCausalLM(config)
-    if (args.recompute or RECOMPUTE[shape]) == "full":
+    if recompute_of(shape, args) == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
@@ -237,93 +567,201 @@ def run_hf(shape, seq, batch, device, args, liger: bool):
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return time_steps(step, device, args.steps, args.warmup), {}
+    kind, setting = LOSS["transformers+liger" if liger else "transformers"]
+    extra = {"framework_version": version_of("liger-kernel" if liger else "transformers"), "loss_kind": kind,
+             "loss_setting": setting}
+    return time_steps(step, device, args.steps, args.warmup), extra
 
 
-FRAMEWORKS = {
+RUNNERS = {
     "loom": run_loom,
-    "torchtitan": run_torchtitan,
+    "torchtitan-0.3.0": run_torchtitan_030,
+    "torchtitan-0.2.2": run_torchtitan_022,
     "transformers": lambda *a: run_hf(*a, liger=False),
     "transformers+liger": lambda *a: run_hf(*a, liger=True),
 }
 
 
+# --- rows -----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    framework: str
+    shape: str
+    seq: int
+    loss_chunk: int | None = None  # loom only
+
+    def head(self, args) -> dict:
+        batch = args.tokens_per_step // self.seq
+        return {"framework": self.framework, "model": self.shape, "seq_len": self.seq, "batch": batch,
+                "tokens_per_step": batch * self.seq, "recompute": recompute_of(self.shape, args)}
+
+
+def plan_rows(args) -> list[Row]:
+    frameworks = [f for f in args.frameworks.split(",") if f]
+    unknown = [f for f in frameworks if f not in RUNNERS]
+    if unknown:
+        raise SystemExit(f"--frameworks: unknown {unknown}; choose from {list(RUNNERS)}")
+    rows = []
+    for shape in args.models.split(","):
+        if shape not in SHAPES:
+            raise SystemExit(f"--models: unknown {shape!r}; choose from {list(SHAPES)}")
+        for seq in map(int, args.seqs.split(",")):
+            if args.tokens_per_step % seq:
+                raise SystemExit(f"--tokens-per-step={args.tokens_per_step} is not a multiple of sequence {seq}")
+            for fw in frameworks:
+                if fw == "loom":
+                    rows += [Row(fw, shape, seq, int(c)) for c in str(args.loss_chunk).split(",")]
+                else:
+                    rows.append(Row(fw, shape, seq))
+    return rows
+
+
+def run_row(row: Row, device, args) -> dict:
+    """Run one row in this process; a failure becomes the row's error."""
+    out = row.head(args)
+    if row.framework != "loom":
+        kind, setting = LOSS[row.framework]
+        out.update(loss_kind=kind, loss_setting=setting)
+    else:
+        kind, setting = loom_loss(row.loss_chunk)
+        out.update(loss_kind=kind, loss_setting=setting)
+    try:
+        if args.fp8 != "off" and row.framework != "loom":
+            raise RuntimeError(f"--fp8 {args.fp8} is loom's train.fp8; {row.framework} runs without it here")
+        one = argparse.Namespace(**{**vars(args), "loss_chunk": row.loss_chunk})
+        timing, extra = RUNNERS[row.framework](row.shape, row.seq, out["batch"], device, one)
+        tps = out["tokens_per_step"] / timing["step_s"]
+        for conv in ("causal", "noncausal"):
+            tf = tps * flops_per_token(row.shape, row.seq, conv == "causal") / 1e12
+            out[f"tflops_{conv}"] = float(f"{tf:.4g}")
+            out[f"mfu_{conv}"] = float(f"{tf / args.peak_tflops:.4g}")
+        out.update(tokens_per_s=round(tps, 1), **timing, **extra)
+    except Exception as exc:  # one framework failing does not stop the others
+        out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        out["traceback"] = traceback.format_exc()[-3000:]
+    return out
+
+
+def child_argv(row: Row, args, out: Path) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--frameworks", row.framework,
+            "--models", row.shape, "--seqs", str(row.seq), "--tokens-per-step", str(args.tokens_per_step),
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--peak-tflops", str(args.peak_tflops),
+            "--fp8", args.fp8, "--out", str(out)]
+    if row.loss_chunk is not None:
+        argv += ["--loss-chunk", str(row.loss_chunk)]
+    if args.recompute:
+        argv += ["--recompute", args.recompute]
+    if not args.compile:
+        argv.append("--no-compile")
+    if args.torchtitan_compile:
+        argv.append("--torchtitan-compile")
+    if args.cpu:
+        argv.append("--cpu")
+    return argv
+
+
+def run_row_in_child(row: Row, args, pythonpaths: dict[str, str]) -> tuple[dict, dict | None]:
+    """Run one row in its own process (with its framework's --pythonpath first); a crash or a timeout
+    becomes the row's error. Returns the row and the child's machine (None if it wrote none)."""
+    env = dict(os.environ)
+    if row.framework in pythonpaths:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpaths[row.framework], env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        try:
+            proc = subprocess.run(child_argv(row, args, out), env=env, timeout=args.row_timeout or None)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = None
+        if out.exists():
+            child = json.loads(out.read_text())
+            if child["runs"]:
+                return child["runs"][0], child["machine"]
+    head = row.head(args)
+    kind, setting = loom_loss(row.loss_chunk) if row.framework == "loom" else LOSS[row.framework]
+    head.update(loss_kind=kind, loss_setting=setting)
+    head["error"] = (f"timed out after --row-timeout {args.row_timeout} s" if code is None
+                     else f"its process exited {code} without a result")
+    return head, None
+
+
+def write(path: str | None, report: dict) -> None:
+    if not path:
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    tmp.replace(p)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--frameworks", default="loom,torchtitan,transformers,transformers+liger",
-                    help="each runs in its own process (Liger patches transformers' modules process-wide)")
+    ap.add_argument("--frameworks", default=",".join(FRAMEWORKS), help=f"any of {', '.join(FRAMEWORKS)}")
     ap.add_argument("--models", default="llama3.2-1b,llama3.2-3b")
     ap.add_argument("--seqs", default="4096,8192")
     ap.add_argument("--tokens-per-step", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (torchtitan 0.3.0 records its "
+                    "CUDA graph on the second)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200: 989)")
     ap.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
                     help="for every framework (default: none for 1B, full for 3B)")
-    ap.add_argument("--loss-chunk", type=int, default=8192, help="loom's train.loss_chunk (0: plain loss)")
-    ap.add_argument("--fp8", default="off", help="loom's train.fp8")
-    ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--loss-chunk", default="0,8192",
+                    help="loom's train.loss_chunk, comma-separated: one loom row per value (0: plain loss)")
+    ap.add_argument("--fp8", default="off", help="loom's train.fp8 (loom rows only)")
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="loom without torch.compile")
+    ap.add_argument("--torchtitan-compile", action="store_true",
+                    help="apply torchtitan's own per-block compile (its compile.enable; off in its defaults)")
+    ap.add_argument("--pythonpath", action="append", default=[], metavar="FRAMEWORK=DIR",
+                    help="put DIR first on that framework's PYTHONPATH (torchtitan-0.3.0=/tmp/tt030 ...)")
+    ap.add_argument("--row-timeout", type=float, default=0, help="seconds per row, 0: none")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every row in this process (the CPU smoke; on a GPU Liger would patch later rows)")
     ap.add_argument("--smoke", action="store_true", help="tiny shape, CPU, 2 steps: checks the script runs")
-    ap.add_argument("--out", default=None, help="write the JSON report here")
+    ap.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # children of a --smoke run
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one row, in this process
+    ap.add_argument("--out", default=None, help="write the JSON report here (rewritten after every row)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.models, args.seqs, args.tokens_per_step, args.steps, args.warmup = "tiny", "32", 64, 2, 1
-        args.loss_chunk = 16
-        device = torch.device("cpu")
-    else:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    report = {"machine": machine(device), "command": " ".join(sys.argv), "peak_tflops": args.peak_tflops,
-              "tokens_per_step": args.tokens_per_step, "runs": []}
-    frameworks = args.frameworks.split(",")
-    if len(frameworks) > 1:  # one process per framework, results merged
-        import subprocess
-        import tempfile
-
-        argv = list(sys.argv[1:] if argv is None else argv)
-        for fw in frameworks:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "r.json"
-                rest = [a for i, a in enumerate(argv) if a not in ("--frameworks", "--out")
-                        and not a.startswith(("--frameworks=", "--out="))
-                        and (i == 0 or argv[i - 1] not in ("--frameworks", "--out"))]
-                proc = subprocess.run([sys.executable, __file__, *rest, "--frameworks", fw, "--out", str(out)])
-                if out.exists():
-                    report["runs"] += json.loads(out.read_text())["runs"]
-                else:
-                    report["runs"].append({"framework": fw, "error": f"its process exited {proc.returncode}"})
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(report, indent=1))
-        return 0
-    for shape in args.models.split(","):
-        for seq in map(int, args.seqs.split(",")):
-            if args.tokens_per_step % seq:
-                raise SystemExit(f"--tokens-per-step={args.tokens_per_step} is not a multiple of sequence {seq}")
-            batch = args.tokens_per_step // seq
-            for fw in frameworks:
-                row = {"framework": fw, "model": shape, "seq_len": seq, "batch": batch,
-                       "tokens_per_step": batch * seq, "recompute": args.recompute or RECOMPUTE[shape]}
-                try:
-                    timing, extra = FRAMEWORKS[fw](shape, seq, batch, device, args)
-                    tps = batch * seq / timing["step_s"]
-                    for conv in ("causal", "noncausal"):
-                        tf = tps * flops_per_token(shape, seq, conv == "causal") / 1e12
-                        row[f"tflops_{conv}"] = float(f"{tf:.4g}")
-                        row[f"mfu_{conv}"] = float(f"{tf / args.peak_tflops:.4g}")
-                    row.update(tokens_per_s=round(tps, 1), **timing, **extra)
-                except Exception as exc:  # one framework failing does not stop the others
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-                    row["traceback"] = traceback.format_exc()[-3000:]
-                report["runs"].append(row)
-                print(json.dumps({k: v for k, v in row.items() if k not in ("traceback", "step_times_s")}),
-                      flush=True)
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                torch._dynamo.reset()
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        if args.loss_chunk == ap.get_default("loss_chunk"):
+            args.loss_chunk = "0,16"
+        args.cpu = True
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    pythonpaths = {}
+    for item in args.pythonpath:
+        fw, sep, path = item.partition("=")
+        if not sep or fw not in RUNNERS:
+            raise SystemExit(f"--pythonpath {item!r}: expected FRAMEWORK=DIR with FRAMEWORK in {list(RUNNERS)}")
+        pythonpaths[fw] = str(Path(path).resolve())
+    rows = plan_rows(args)
+    parent = not (args.child or args.in_process)  # keeps off the GPU: its children report the machine
+    command = " ".join(sys.argv if argv is None else ["bench/gpu_train.py", *argv])
+    report = {"machine": machine(torch.device("cpu") if parent else device), "command": command,
+              "peak_tflops": args.peak_tflops, "tokens_per_step": args.tokens_per_step,
+              "pythonpath": pythonpaths, "runs": []}
+    write(args.out, report)
+    for row in rows:
+        if parent:
+            result, seen = run_row_in_child(row, args, pythonpaths)
+            if seen and report["machine"]["device"] == "cpu":
+                report["machine"] = seen
+        else:
+            result = run_row(row, device, args)
+        report["runs"].append(result)
+        write(args.out, report)
+        if not args.child:
+            print(json.dumps({k: v for k, v in result.items()
+                              if k not in ("traceback", "step_times_s", "settings", "notes", "loss_setting")}),
+                  flush=True)
+        if not parent:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            torch._dynamo.reset()
     return 0
 
 

@@ -1,8 +1,11 @@
-"""bench/gpu_train.py keeps running: its --smoke mode (tiny shape, CPU) trains loom and reports numbers that
-follow from the FLOP formula (the transformers rows use the same code path; left out here for time)."""
+"""bench/gpu_train.py keeps running: its --smoke mode (tiny shape, CPU) trains loom with both loss settings, each
+row in its own process, and reports numbers that follow from the FLOP formula; a framework that is missing or
+overruns gets an error row and the others go on. With LOOM_TORCHTITAN_SITES set (folders holding torchtitan
+0.3.0 / 0.2.2 and their needs, see bench/DEVICE.md) the torchtitan rows are checked too."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -12,26 +15,92 @@ from conftest import ROOT
 from loom.config import ModelConfig
 from loom.flops import train_flops_per_token
 
+BENCH = ROOT / "bench" / "gpu_train.py"
 
-def test_gpu_train_bench_smoke(tmp_path):
+
+def run_bench(tmp_path, *args, env=None):
     out = tmp_path / "smoke.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_train.py"), "--smoke", "--frameworks", "loom", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", *args, "--out", str(out)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def check_flops(row):
+    assert row["tokens_per_step"] == 64 and row["step_s"] == sorted(row["step_times_s"])[1]  # median of 2
+    tps = 64 / row["step_s"]
+    assert row["tokens_per_s"] == pytest.approx(tps, abs=0.051)
+    cfg = ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512, max_seq_len=32)
+    noncausal = tps * train_flops_per_token(cfg, 32) / 1e12
+    assert row["tflops_noncausal"] == pytest.approx(noncausal, rel=1e-3)
+    # causal attention: half of the scores and values (4 s h FLOPs per layer forward, x3 for training)
+    causal = noncausal - tps * 3 * 2 * 4 * 32 * 64 / 2 / 1e12
+    assert row["tflops_causal"] == pytest.approx(causal, rel=1e-3)
+    assert row["mfu_causal"] == pytest.approx(row["tflops_causal"] / 989.0, rel=1e-3)
+
+
+def test_gpu_train_bench_smoke_runs_loom_with_both_losses_and_keeps_going(tmp_path):
+    # torchtitan-0.2.2 is pointed at an empty folder: it is not installed there, its row says so
+    report = run_bench(tmp_path, "--frameworks", "loom,torchtitan-0.2.2", "--pythonpath",
+                       f"torchtitan-0.2.2={tmp_path}")
     assert report["machine"]["torch"] and report["machine"]["device"] == "cpu"
-    rows = {r["framework"]: r for r in report["runs"]}
-    assert set(rows) == {"loom"}
-    for name, row in rows.items():
-        assert "error" not in row, (name, row.get("traceback"))
-        assert row["tokens_per_step"] == 64 and row["tokens_per_s"] > 0
-        cfg = ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512, max_seq_len=32)
-        noncausal = row["tokens_per_s"] * train_flops_per_token(cfg, 32) / 1e12
-        assert row["tflops_noncausal"] == pytest.approx(noncausal, rel=1e-3)
-        # causal attention: half of the scores and values (4 s h FLOPs per layer forward, x3 for training)
-        causal = noncausal - row["tokens_per_s"] * 3 * 2 * 4 * 32 * 64 / 2 / 1e12
-        assert row["tflops_causal"] == pytest.approx(causal, rel=1e-3)
-        assert row["mfu_causal"] == pytest.approx(row["tflops_causal"] / 989.0, rel=1e-3)
-    # random init on uniform random tokens: the loss is near ln(vocab)
-    assert rows["loom"]["loss"] == pytest.approx(math.log(512), rel=0.1)
-    assert "train.loss_chunk=16" in rows["loom"]["settings"]
+    rows = report["runs"]
+    assert [r["framework"] for r in rows] == ["loom", "loom", "torchtitan-0.2.2"]
+    plain, chunked, titan = rows
+    for row in (plain, chunked):
+        assert "error" not in row, row.get("traceback")
+        check_flops(row)
+    assert "train.loss_chunk=0" in plain["settings"] and "train.loss_chunk=16" in chunked["settings"]
+    assert (plain["loss_kind"], chunked["loss_kind"]) == ("plain", "chunked")
+    assert "train.loss_chunk=0" in plain["loss_setting"] and "recomputed" in chunked["loss_setting"]
+    # the same model and tokens: the chunked loss is the same mean cross-entropy, near ln(vocab) at random init
+    assert chunked["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    assert plain["loss"] == pytest.approx(math.log(512), rel=0.1)
+    assert "torchtitan 0.2.2 is not installed" in titan["error"]
+    assert titan["loss_kind"] == "plain" and "tokens_per_s" not in titan
+
+
+def test_gpu_train_bench_row_past_its_timeout_is_an_error_row(tmp_path):
+    report = run_bench(tmp_path, "--frameworks", "transformers", "--row-timeout", "0.5")
+    (row,) = report["runs"]
+    assert row["error"] == "timed out after --row-timeout 0.5 s" and "tokens_per_s" not in row
+
+
+def titan_sites() -> dict[str, str]:
+    """LOOM_TORCHTITAN_SITES="torchtitan-0.3.0=DIR,torchtitan-0.2.2=DIR" (each torchtitan in its own folder),
+    LOOM_TORCHTITAN_COMMON=DIR (their needs: bench/device_wheels.txt's common group)."""
+    spec = os.environ.get("LOOM_TORCHTITAN_SITES", "")
+    return dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
+
+
+@pytest.mark.parametrize("framework", ["torchtitan-0.3.0", "torchtitan-0.2.2"])
+def test_torchtitan_rows_on_cpu(tmp_path, framework):
+    site = titan_sites().get(framework)
+    if not site:
+        pytest.skip(f"LOOM_TORCHTITAN_SITES names no folder for {framework} (bench/DEVICE.md: checking the wheels)")
+    env = dict(os.environ)
+    common = (os.environ.get("LOOM_TORCHTITAN_COMMON"), env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in common if p)
+    for recompute in ("none", "full"):
+        report = run_bench(tmp_path, "--frameworks", framework, "--recompute", recompute,
+                           "--pythonpath", f"{framework}={site}", env=env)
+        (row,) = report["runs"]
+        assert "error" not in row, row.get("traceback")
+        check_flops(row)
+        assert row["framework_version"] == framework.split("-")[1] and row["recompute"] == recompute
+        assert math.isfinite(row["loss"]) and row["settings"] and row["notes"]
+        assert row["loss_kind"] == ("chunked" if framework == "torchtitan-0.3.0" else "plain")
+    # its model at the real shapes, built on the meta device, holds exactly the Llama-3.2 parameters
+    probe = ("import json, sys, torch; sys.path.insert(0, 'bench'); import gpu_train as g; "
+             f"v = {framework.split('-')[1]!r}; g.torchtitan_version(v); "
+             "v == '0.3.0' and g.torch_compat_for_torchtitan_030(); "
+             "build = (lambda s: g.build_titan_030(s, 4096, torch.device('cuda'))[1]) if v == '0.3.0' "
+             "else (lambda s: g.build_titan_022(s, 4096)[1]); "
+             "print(json.dumps({s: sum(p.numel() for p in build(s).parameters()) "
+             "for s in ('llama3.2-1b', 'llama3.2-3b')}))")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Llama-3.2-1B and -3B (tied embeddings): 1,235,814,400 and 3,212,749,824 parameters
+    assert counts == {"llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824}
