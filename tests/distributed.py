@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import sys
+import time
 import traceback
 
 import torch.distributed as dist
@@ -56,3 +58,77 @@ def run_ranks(world: int, fn, *args) -> list:
     for p in procs:
         p.join(timeout=60)
     return [results[r] for r in range(world)]
+
+
+def _pool_worker(rank, world, port, tasks, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    while (task := tasks.get()) is not None:
+        fn, args = task
+        try:
+            results.put((rank, fn(*args), None))
+        except BaseException:
+            results.put((rank, None, traceback.format_exc()))
+    dist.destroy_process_group()
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class RankPool:
+    """`world` gloo rank processes kept alive between calls: `run(fn, *args)` runs fn(*args) on every rank
+    and returns the results in rank order, as `run_ranks` does, without starting processes again (importing
+    torch and loom and joining the group take longer than a short training run). A failure on any rank
+    closes the pool, since the other ranks may be waiting in a collective, and re-raises."""
+
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        port = free_port()
+        self.procs = [ctx.Process(target=_pool_worker, args=(r, world, port, self.tasks[r], self.results))
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn, *args, timeout: float = 600) -> list:
+        if not self.alive:
+            raise RuntimeError("the rank pool was closed by an earlier failure")
+        for q in self.tasks:
+            q.put((fn, args))
+        results, deadline = {}, time.monotonic() + timeout
+        try:
+            while len(results) < self.world:
+                try:
+                    rank, value, error = self.results.get(timeout=5)
+                except queue.Empty:  # a rank that died (killed, crashed in C++) never answers
+                    dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                    if dead or time.monotonic() > deadline:
+                        raise RuntimeError(f"ranks {dead} died" if dead else f"no answer in {timeout} s") from None
+                    continue
+                if error:
+                    raise RuntimeError(f"rank {rank} failed:\n{error}")
+                results[rank] = value
+        except BaseException:
+            self.close(kill=True)
+            raise
+        return [results[r] for r in range(self.world)]
+
+    def close(self, kill: bool = False) -> None:
+        for p, q in zip(self.procs, self.tasks):
+            if kill:
+                p.kill()
+            elif p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()

@@ -213,7 +213,13 @@ class TiedEmbedding:
     the embedding, the last stage its own copy as the head weight. Both start equal (the same init name),
     their gradients are summed over the two ranks after backward (the gradient one process computes for
     the shared weight), so identical optimizer updates keep them equal. The head copy is left out of the
-    gradient norm, which counts the shared weight once."""
+    gradient norm, which counts the shared weight once.
+
+    Under tensor parallelism both copies are vocabulary shards (the embedding split by rows, the head by
+    output columns: `Shard(0)` of the same [vocab, hidden] weight), and the ranks exchanging them sit at the
+    same tensor-parallel coordinate (`pp_group` connects them), so tensor-parallel rank r of the first stage
+    adds the gradient of its rows to rank r of the last stage. The exchange is of each gradient in its
+    parameter's own layout (see `_in_parameter_layout`)."""
 
     def __init__(self, chunks: list[nn.Module], cfg: Config, pp_group):
         p = cfg.parallel
@@ -233,22 +239,38 @@ class TiedEmbedding:
         return next((c.output.weight for c in self.chunks if c.output is not None), None)
 
     @staticmethod
-    def _local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
+    def _in_parameter_layout(param: torch.Tensor) -> torch.Tensor:
+        """This rank's part of `param`'s gradient, laid out as `param` is, as a plain tensor.
+
+        A DTensor parameter's gradient need not come back in the parameter's placements: DTensor's embedding
+        backward gives the vocabulary-parallel embedding a full [vocab, hidden] gradient, replicated (or,
+        under SP, a partial sum per rank), while the column-parallel head's gradient is its vocabulary shard.
+        Exchanging those local tensors sent the whole table against a shard (gloo: "Received data size doesn't
+        match expected size"). Redistributed to the parameter's placements (a slice of the replicated
+        gradient, a reduce-scatter of the partial one over the tensor-parallel group, as FSDP does before its
+        own reduction), both copies are the same rows on the same tensor-parallel rank. The gradient is
+        replaced by its redistributed form, so the optimizer sees it too."""
+        grad = param.grad
+        if not hasattr(grad, "to_local"):
+            return grad
+        if tuple(grad.placements) != tuple(param.placements):
+            grad = grad.redistribute(param.device_mesh, param.placements)
+            param.grad = grad
+        return grad.to_local()
 
     @torch.no_grad()
     def sum_gradients(self) -> None:
         embedding, head = self.embedding, self.head
         if embedding is not None and head is not None:  # both stages on this rank (V schedules)
-            total = embedding.grad + head.grad
-            embedding.grad.copy_(total)
-            head.grad.copy_(total)
+            mine, theirs = self._in_parameter_layout(embedding), self._in_parameter_layout(head)
+            mine.add_(theirs)  # embedding + head, as the two-rank case below adds them
+            theirs.copy_(mine)
             return
         mine = embedding if embedding is not None else head
         if mine is None:
             return
         peer = self.head_rank if embedding is not None else self.embedding_rank
-        grad = self._local(mine.grad)
+        grad = self._in_parameter_layout(mine)
         theirs = torch.empty_like(grad)
         ops = [dist.P2POp(dist.isend, grad, peer), dist.P2POp(dist.irecv, theirs, peer)]
         for work in dist.batch_isend_irecv(ops):
