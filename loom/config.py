@@ -430,7 +430,10 @@ class RLConfig:
     top_k: int = 0
     max_new_tokens: int = 16  # train.seq_len must hold the longest prompt plus this
     engine_batch: int = 64  # engine slots: sequences decoded together
-    engine_compile: bool = False  # decode steps through torch.compile in batch buckets (CUDA graphs on a GPU)
+    # Decode steps through torch.compile in batch buckets: "auto" is on on a GPU (a CUDA graph per step) and off
+    # on a CPU (compiling costs more than it saves there), decided by loom.infer.engine.resolve_compile; "on" /
+    # "off" force it (true / false, as earlier configs wrote it, mean the same and are read as on / off).
+    engine_compile: Literal["auto", "on", "off", "true", "false", True, False] = "auto"
     engine_sync_every: int = 8  # decode steps the engine runs on the device between reads back to the host
 
     def validate(self) -> None:
@@ -457,6 +460,8 @@ class RLConfig:
                 raise UserError(f"rl.{name}={getattr(self, name)} must be in [0, 1]")
         if self.tis_cap and self.tis_cap < 1:
             raise UserError(f"rl.tis_cap={self.tis_cap} must be >= 1 (a cap on p_trainer / p_engine), or 0 for off")
+        self.engine_compile = {True: "on", False: "off", "true": "on", "false": "off"}.get(self.engine_compile,
+                                                                                          self.engine_compile)
 
 
 @dataclass

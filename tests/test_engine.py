@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import types
 
 import pytest
 import torch
@@ -449,3 +450,149 @@ def test_cuda_graph_decode_equals_eager_and_follows_a_refit(models, tmp_path):
     before = engine.slab.data_ptrs()
     assert_equal_then_refit(engine, eager, got, prompts, params, tmp_path, device="cuda", tol=1e-4)
     assert engine.slab.data_ptrs() == before
+
+
+def cuda_layout_sdpa(monkeypatch) -> dict:
+    """Make every `F.scaled_dot_product_attention` return its values in the memory layout CUDA's efficient and
+    flash kernels give: [batch, seq, heads, d] in memory, seen as [batch, heads, seq, d] (not contiguous).
+    Returns a counter of the calls, so that a test can check the patched path ran."""
+    calls = {"n": 0}
+    original = F.scaled_dot_product_attention
+
+    def transposed(*args, **kwargs):
+        calls["n"] += 1
+        out = original(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", transposed)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_engine_takes_attention_outputs_in_cuda_layout(models, monkeypatch, kind):
+    """fp32 with grouped-query attention on CUDA: SDPA's output is not contiguous ([b, s, h, d] in memory), and
+    `KVSlab.attend` once `.view`ed it after folding query heads ("view size is not compatible", H200 run of
+    2026-11-26). Here every SDPA call returns that layout on the CPU (and the CPU decode kernels are off, as on a
+    GPU): prefill and decode give the same tokens and log-probs as with SDPA's own layout."""
+    _, path = models[kind]
+    model = loom.load_model(path)
+    assert model.cfg.kv_heads < model.cfg.heads  # grouped-query attention: the folded path
+    prompts = ragged_prompts(6, seed=12)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_new_tokens=4 + i, seed=i) for i in range(6)]
+    want = Engine(model, max_batch=3, max_len=40, cpu_kernel=False).generate(prompts, params)
+    calls = cuda_layout_sdpa(monkeypatch)
+    got = Engine(model, max_batch=3, max_len=40, cpu_kernel=False).generate(prompts, params)
+    assert calls["n"] > 0
+    assert [d.tokens for d in got] == [d.tokens for d in want]
+    assert [d.logprobs for d in got] == [d.logprobs for d in want]
+
+
+# --- compile: auto (on on a GPU, off on a CPU), on, off --------------------------------------------------------
+
+
+def test_compile_setting_auto_is_on_for_cuda_and_off_for_cpu():
+    """One function decides `auto` for `loom generate`, `loom rl` and the API; on/off (and True/False) are kept."""
+    from loom.infer.engine import resolve_compile
+
+    assert resolve_compile("auto", "cpu") is False
+    assert resolve_compile("auto", torch.device("cuda")) is True and resolve_compile("auto", "cuda:1") is True
+    for device in ("cpu", "cuda"):
+        assert resolve_compile("on", device) is True and resolve_compile(True, device) is True
+        assert resolve_compile("off", device) is False and resolve_compile(False, device) is False
+        assert resolve_compile("frozen", device) == "frozen"
+    with pytest.raises(UserError, match="auto, on, off or frozen"):
+        resolve_compile("fast", "cpu")
+
+
+def as_if_on(monkeypatch, device: str) -> list:
+    """Engines built after this resolve their compile setting as on `device` (their tensors stay on the CPU), and
+    one that compiles decodes eagerly (compiling is not what the tests below check). Returns the (setting,
+    device type) of each resolution."""
+    from loom.infer import engine as engine_module
+
+    seen, real = [], engine_module.resolve_compile
+    monkeypatch.setattr(engine_module, "resolve_compile",
+                        lambda setting, d: seen.append((setting, torch.device(d).type)) or real(setting, device))
+    monkeypatch.setattr(Engine, "_compile", lambda self: None)
+    monkeypatch.setattr(Engine, "warmup", lambda self: 0.0)
+    return seen
+
+
+@pytest.mark.parametrize("flags,device,setting,want", [
+    ([], "cpu", "auto", False), ([], "cuda", "auto", True), (["--compile"], "cpu", "on", True),
+    (["--compile", "off"], "cuda", "off", False), (["--compile", "on"], "cpu", "on", True)])
+def test_generate_compiles_by_default_on_a_gpu_only(models, tmp_path, monkeypatch, flags, device, setting, want):
+    _, path = models["llama"]
+    seen = as_if_on(monkeypatch, device)
+    modes = []
+    monkeypatch.setattr(Engine, "generate", lambda self, *a, f=Engine.generate, **k: modes.append(self.compile_mode)
+                        or f(self, *a, **k))
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "w1 w2"}\n{"prompt": "w3"}\n')
+    for mode in (["--prompt", "w1 w2"], ["--input", str(src), "--output", str(tmp_path / "out.jsonl")]):
+        assert main(["generate", "--checkpoint", str(path), *mode, "--max-new-tokens", "2", *flags]) == 0
+    assert seen == [(setting, "cpu")] * 2 and modes == [want] * 2  # prompt mode and batch mode
+
+
+def test_generate_bad_compile_setting_exits_2_naming_the_choices(models, capsys):
+    _, path = models["llama"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--checkpoint", str(path), "--prompt", "w1", "--compile", "fast"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--compile" in err and "'auto', 'on', 'off', 'frozen'" in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a CUDA device")
+def test_generate_on_cuda_without_a_gpu_exits_2(models, capsys):
+    _, path = models["llama"]
+    assert main(["generate", "--checkpoint", str(path), "--prompt", "w1", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda" in err and "valid here: auto, cpu" in err, err
+
+
+@pytest.mark.parametrize("override,device,want", [
+    (None, "cpu", False), (None, "cuda", True), ("off", "cuda", False), ("on", "cpu", True), ("true", "cpu", True)])
+def test_rl_engine_compiles_by_default_on_a_gpu_only(monkeypatch, override, device, want):
+    from loom.config import load_config
+    from loom.models.llama import build_model
+    from loom.post.rl import rollout_engine
+
+    small = ["model.layers=1", "model.hidden=32", "model.heads=2", "model.kv_heads=1", "model.ffn_hidden=64",
+             "model.vocab_size=64", "model.max_seq_len=32", "train.seq_len=16", "rl.engine_batch=4"]
+    cfg = load_config("tiny-grpo", small + ([f"rl.engine_compile={override}"] if override else []))
+    cfg.validate()
+    assert cfg.rl.engine_compile == {None: "auto", "true": "on"}.get(override, override)
+    seen = as_if_on(monkeypatch, device)
+    engine = rollout_engine(cfg, build_model(cfg.model, seed=0))
+    assert seen == [(cfg.rl.engine_compile, "cpu")] and engine.compile_mode is want
+
+
+@pytest.mark.gpu
+def test_eager_decode_windows_do_not_synchronise_on_cuda(models):
+    """compile="off" on a GPU: inside a decode window nothing waits for the device (CUDA's sync debug mode raises
+    on a read-back or a synchronous copy), its inputs go up without waiting, and only `_emit`'s read-back at the
+    window's end synchronises; fp32 GQA, greedy and sampled requests with stop tokens, the same tokens as the
+    same engine without the debug mode."""
+    _, path = models["llama"]
+    engine = Engine(loom.load_model(path, device="cuda"), max_batch=4, max_len=48, compile="off")
+    prompts = ragged_prompts(8, seed=13)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, top_p=0.9, max_new_tokens=3 + 2 * i,
+                             stop_token_ids=(7,), seed=i) for i in range(8)]
+    want = engine.generate(prompts, params)
+    real_decode, real_emit = Engine._decode, Engine._emit
+
+    def decode(self, rows, seqs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real_decode(self, rows, seqs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def emit(self, *args, **kwargs):
+        torch.cuda.set_sync_debug_mode(0)  # the window's one read-back
+        return real_emit(self, *args, **kwargs)
+
+    engine._decode, engine._emit = types.MethodType(decode, engine), types.MethodType(emit, engine)
+    got = engine.generate(prompts, params)
+    assert engine.stats["decode_steps"] > 8
+    assert [d.tokens for d in got] == [d.tokens for d in want]

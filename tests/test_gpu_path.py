@@ -310,3 +310,29 @@ def test_fused_attention_kernels_chosen_for_cuda_without_a_gpu(monkeypatch, capa
     assert torch._C._get_sdp_priority_order() == before
     with attention_kernels(torch.device("cpu")):
         assert torch._C._get_sdp_priority_order() == before
+
+
+def test_gpu_paths_table_names_tests_that_exist():
+    """docs/gpu_paths.md lists every GPU-only code path with its CPU test or the reason there is none: each
+    test it names must exist (a function of that name in that file), and each `gpu` test it names must carry
+    the marker, so the table cannot point at nothing after a rename."""
+    import ast
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    table = (root / "docs" / "gpu_paths.md").read_text()
+    named = re.findall(r"`(tests/test_\w+\.py)::(test_\w+)`", table)
+    assert len(named) >= 12, named
+    marked = {}
+    for path in {p for p, _ in named}:
+        for node in ast.parse((root / path).read_text()).body:
+            if isinstance(node, ast.FunctionDef):
+                marked[(path, node.name)] = any("mark.gpu" in ast.unparse(d) for d in node.decorator_list)
+    missing = [f"{p}::{t}" for p, t in named if (p, t) not in marked]
+    assert not missing, f"docs/gpu_paths.md names tests that do not exist: {missing}"
+    for row in table.splitlines():
+        cells = row.split("|")
+        if len(cells) > 5 and "tests/" in cells[4]:  # the GPU column: those tests carry the gpu marker
+            for p, t in re.findall(r"`(tests/test_\w+\.py)::(test_\w+)`", cells[4]):
+                assert marked[(p, t)], f"{p}::{t} is listed as a GPU test but is not marked gpu"

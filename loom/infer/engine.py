@@ -40,12 +40,15 @@ until the window ends and its extra tokens are dropped (`stats["discarded_tokens
 back after every step.
 
 GPU: nothing here is CPU-specific but the CPU decode kernels (`cpu_kernel`, which a GPU engine skips), and
-`compile=True` decodes through CUDA graphs per bucket there, but the engine has only been run on CPU.
+`compile=True` decodes through CUDA graphs per bucket there (`loom generate` and `loom rl` compile by default on a
+GPU: `resolve_compile`). An eager step's time on a GPU is the host's, dispatching op after op: per layer it does
+only what differs between layers (`KVSlab`), and it uploads its inputs without waiting for the device.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import time
 import types
@@ -108,32 +111,50 @@ class KVSlab:
     """Keys and values of every slot, allocated once: per layer [slots, kv_heads, max_len, head_dim].
 
     `bind` says which slot each row of the next forward is and where its tokens go; every attention layer
-    then calls `attend`, which writes that layer's new keys and values and attends within each slot."""
+    then calls `attend`, which writes that layer's new keys and values and attends within each slot.
+
+    Host work per layer. An eager decode step (a GPU engine without compile, whose time is the host's: every op
+    is dispatched one by one) does everything that is the same for all layers once, in `bind`: the mask
+    (additive, in the activations' dtype, folded for the query heads of each key/value head: what SDPA would
+    otherwise convert from a boolean mask in every layer), and the index that writes each row's new keys and
+    values. The slab's view of the bound slots is kept per layer while the batch keeps its size, and nothing in
+    `attend` reads a tensor back to the host. bench/engine_ops.py counts the ops (results/engine_ops_cpu.json)."""
+
+    # Key positions an additive mask's rows are padded to in memory: CUDA's memory-efficient attention pads a
+    # mask whose rows are not aligned (a copy per layer) before it runs.
+    MASK_ALIGN = 16
 
     def __init__(self, layer_ids, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = {int(i): torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.v = {int(i): torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
-        self.rows = self.positions = self.mask = None
+        self.kv_heads, self.head_dim, self.device = kv_heads, head_dim, next(iter(self.k.values())).device
+        self.rows = self.positions = self.mask = None  # rows: the slots as a tensor, when not slots 0..n-1
+        self.static = False  # bound by bind_static (a compiled step)
         self.prefix = 0  # > 0: the rows are slots 0..prefix-1 in order (read the slab without copying)
         self.keys = 0  # key positions a query can see: 0..keys-1
-        self.packed = None  # a packed prefill: (row of each token, its position), see bind_packed
-        self._folded = None  # (rep, the mask repeated for rep query heads per key/value head)
+        self.packed = None  # a packed prefill: (slot, row and position of each token), see bind_packed
+        self._folded = None  # (rep, dtype, the step's mask as attention takes it for rep query heads per kv head)
         self._rows = None  # the list `rows` was made from (bind)
+        self._write = None  # bind with prefix rows: each row's positions, expanded over heads and head_dim
+        self._views = {}  # layer -> (K, V) of slots 0..prefix-1 (views, kept while the bound batch size stays)
         self.cpu_kernel = False  # decode attention through loom_cpu::decode_attention (fp32 CPU; the Engine sets it)
 
     def bind(self, rows: list[int], positions: torch.Tensor, keys: int | None = None) -> None:
         """Row b of the next forward is slot rows[b]; its tokens sit at positions[b] ([rows, seq]). `keys`:
         one past the highest position, if the caller knows it (else read back from `positions`)."""
-        device = next(iter(self.k.values())).device
-        if self._rows != rows:  # a decode window binds the same rows every step: one copy
-            self.rows, self._rows = torch.tensor(rows, device=device), list(rows)
-        self.positions = positions.to(device)
-        self.prefix = len(rows) if rows == list(range(len(rows))) else 0
+        if self._rows != rows:  # a decode window binds the same rows every step: at most one copy
+            self._rows, self.static = list(rows), False
+            self.prefix = len(rows) if rows == list(range(len(rows))) else 0
+            self.rows = None if self.prefix else upload(torch.tensor(rows), self.device)
+        self.positions = positions if positions.device == self.device else positions.to(self.device)
         self.keys = int(positions.max()) + 1 if keys is None else keys
         self.packed = self._folded = None
         # Query at position p sees keys 0..p of its own slot: [rows, 1, seq, keys].
-        self.mask = (torch.arange(self.keys, device=device) <= self.positions[..., None]).unsqueeze(1)
+        self.mask = (torch.arange(self.keys, device=self.device) <= self.positions[..., None]).unsqueeze(1)
+        if self.prefix:  # scatter_ index of the new keys and values: [rows, kv_heads, seq, head_dim]
+            n, seq = self.positions.shape
+            self._write = self.positions[:, None, :, None].expand(n, self.kv_heads, seq, self.head_dim)
 
     def bind_static(self, positions: torch.Tensor, mask: torch.Tensor) -> None:
         """For a compiled decode step: the rows are slots 0..rows-1 and every size comes from the tensors'
@@ -141,25 +162,25 @@ class KVSlab:
         [rows, 1, q, keys], True where a query may attend (q = 1, or the query heads per key/value head
         when the CPU folds them into queries, see `attend`)."""
         self.rows, self.positions, self.mask, self.packed, self._rows = None, positions, mask, None, None
-        self._folded = (mask.shape[2], mask) if mask.shape[2] > 1 else None
+        self.static = True
+        self._folded = (mask.shape[2], None, mask) if mask.shape[2] > 1 else None
         self.prefix = self.keys = -1  # sizes are taken from q and the mask
 
     def bind_packed(self, rows: list[int], lengths: list[int]) -> torch.Tensor:
         """The next forward is one packed row: the prompts of slots `rows` (lengths[b] tokens each, from
         position 0) laid end to end, no padding. Returns the tokens' positions [1, total] for the model's
         rotary tables. The linear layers see only real tokens; `attend` spreads queries, keys and values
-        out per slot for the attention itself and packs the output back."""
-        device = next(iter(self.k.values())).device
-        self.rows, self._rows = torch.tensor(rows, device=device), None
+        out per slot for the attention itself and packs the output back. Each token's slot, row and position
+        are worked out on the host and go to the device in one copy (nothing is read back)."""
+        self.rows, self._rows, self.static = upload(torch.tensor(rows), self.device), None, False
         self.prefix = len(rows) if rows == list(range(len(rows))) else 0
         self.keys = max(lengths)
-        counts = torch.tensor(lengths, device=device)
-        row_of = torch.repeat_interleave(torch.arange(len(rows), device=device), counts)
-        starts = torch.cumsum(counts, 0) - counts
-        pos_of = torch.arange(int(counts.sum()), device=device) - starts[row_of]
-        self.packed = (row_of, pos_of)
-        self.positions = pos_of[None]
-        self.mask = None
+        row_of = [b for b, n in enumerate(lengths) for _ in range(n)]
+        table = upload(torch.tensor([[rows[b] for b in row_of], row_of,
+                                     [p for n in lengths for p in range(n)]]), self.device)
+        self.packed = (table[0], table[1], table[2])  # slot, row and position of each token
+        self.positions = table[2][None]
+        self.mask = self._folded = None
         return self.positions
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -167,35 +188,63 @@ class KVSlab:
         if self.packed is not None:
             return self._attend_packed(layer_id, q, k, v)
         K, V = self.k[layer_id], self.v[layer_id]
-        rows = torch.arange(q.shape[0], device=q.device) if self.rows is None else self.rows
-        where = (rows[:, None], slice(None), self.positions)  # -> [rows, seq, kv_heads, d]
-        K[where] = k.transpose(1, 2).to(K.dtype)
-        V[where] = v.transpose(1, 2).to(V.dtype)
-        if self.rows is None:  # bind_static
+        k, v = (t if t.dtype == K.dtype else t.to(K.dtype) for t in (k, v))
+        if self.static:
+            rows = torch.arange(q.shape[0], device=q.device)
+            where = (rows[:, None], slice(None), self.positions)  # -> [rows, seq, kv_heads, d]
+            K[where], V[where] = k.transpose(1, 2), v.transpose(1, 2)
             keys, values = K[:q.shape[0], :, :self.mask.shape[-1]], V[:q.shape[0], :, :self.mask.shape[-1]]
+        elif self.prefix:  # slots 0..n-1: write in place, read a view
+            Kn, Vn = self._slots(layer_id)
+            Kn.scatter_(2, self._write, k)
+            Vn.scatter_(2, self._write, v)
+            keys, values = Kn[:, :, :self.keys], Vn[:, :, :self.keys]
         else:
-            keys, values = self._bound(K), self._bound(V)
-        gqa = q.shape[1] != keys.shape[1]
-        if gqa:
-            # SDPA with a mask and enable_gqa takes a slow path (CPU, torch 2.13: 15 ms against 0.3 ms for one
-            # decode query over 150 keys; on CUDA only the math kernel takes both), and copying each key/value
-            # head for its query heads costs a copy of the cache per layer and step. Instead the query heads
-            # that share a key/value head become more queries of it: [rows, kv_heads, rep * seq, d] against
-            # the cache as it is, each query keeping its own position's mask.
-            rows, heads, seq, d = q.shape
-            kv_heads = keys.shape[1]
-            rep = heads // kv_heads
-            if self._folded is None or self._folded[0] != rep:  # once per step, not per layer
-                self._folded = (rep, self.mask.repeat(1, 1, rep, 1))
-            out = self._sdpa(q.reshape(rows, kv_heads, rep * seq, d), keys, values, self._folded[1])
-            return out.view(rows, heads, seq, d)
-        return self._sdpa(q, keys, values, self.mask)
+            where = (self.rows[:, None], slice(None), self.positions)  # -> [rows, seq, kv_heads, d]
+            K[where], V[where] = k.transpose(1, 2), v.transpose(1, 2)
+            keys, values = K[self.rows, :, :self.keys], V[self.rows, :, :self.keys]
+        rows, heads, seq, d = q.shape
+        kv_heads = keys.shape[1]
+        rep = heads // kv_heads
+        # Grouped-query attention: SDPA with a mask and enable_gqa takes a slow path (CPU, torch 2.13: 15 ms against
+        # 0.3 ms for one decode query over 150 keys; on CUDA only the math kernel takes both), and copying each
+        # key/value head for its query heads costs a copy of the cache per layer and step. Instead the query heads
+        # that share a key/value head become more queries of it: [rows, kv_heads, rep * seq, d] against the cache
+        # as it is, each query keeping its own position's mask.
+        kernel = self.cpu_kernel and q.dtype == keys.dtype == torch.float32 and q.device.type == "cpu"
+        out = self._sdpa(q.reshape(rows, kv_heads, rep * seq, d), keys, values, self._step_mask(rep, q.dtype, kernel),
+                         kernel)
+        # reshape, not view: CUDA's attention kernels return [rows, queries, kv_heads, d] in memory (not contiguous)
+        return out.reshape(rows, heads, seq, d)
 
-    def _sdpa(self, q, keys, values, mask):
+    def _slots(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_id`'s keys and values of slots 0..prefix-1 (views, made again when the batch size changes)."""
+        views = self._views.get(layer_id)
+        if views is None or views[0].shape[0] != self.prefix:
+            views = self._views[layer_id] = (self.k[layer_id][:self.prefix], self.v[layer_id][:self.prefix])
+        return views
+
+    def _step_mask(self, rep: int, dtype: torch.dtype, kernel: bool) -> torch.Tensor:
+        """The bound mask as this step's attention takes it, made at the first layer and kept for the others:
+        repeated for `rep` query heads per key/value head, and for SDPA in an eager step additive in `dtype` (0
+        where a query may attend, -inf elsewhere: what SDPA makes of a boolean mask, once instead of per
+        layer), its rows padded to `MASK_ALIGN` in memory. The CPU kernel and a compiled step take it boolean."""
+        want = None if kernel or self.static else dtype
+        if self._folded is not None and self._folded[:2] == (rep, want):
+            return self._folded[2]
+        mask = self.mask if rep == 1 else self.mask.repeat(1, 1, rep, 1)
+        if want is not None:
+            width = -(-mask.shape[-1] // self.MASK_ALIGN) * self.MASK_ALIGN
+            bias = torch.full((*mask.shape[:-1], width), float("-inf"), dtype=want, device=mask.device)
+            mask = bias[..., :mask.shape[-1]].masked_fill_(mask, 0.0)
+        self._folded = (rep, want, mask)
+        return mask
+
+    def _sdpa(self, q, keys, values, mask, kernel: bool = False):
         """Masked attention of q [rows, kv_heads, queries, d] to the bound keys and values [rows, kv_heads, keys, d]:
-        SDPA, or on a CPU with fp32 tensors the decode kernel (loom/infer/cpu_kernels.py), which reads only
-        the key and value rows some query may attend to (bench model, batch 16: 0.16 against 0.21 ms a layer)."""
-        if self.cpu_kernel and q.dtype == keys.dtype == torch.float32 and q.device.type == "cpu":
+        SDPA, or on a CPU with fp32 tensors (`kernel`) the decode kernel (loom/infer/cpu_kernels.py), which reads
+        only the key and value rows some query may attend to (bench model, batch 16: 0.16 against 0.21 ms a layer)."""
+        if kernel:
             return torch.ops.loom_cpu.decode_attention(q, keys, values, mask)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
@@ -205,8 +254,7 @@ class KVSlab:
         causally to their own slot's keys 0..p, all written by this prefill. A padding query (past its
         prompt's end) sees only its own slot too and its output is dropped when packing back."""
         K, V = self.k[layer_id], self.v[layer_id]
-        row_of, pos_of = self.packed
-        slots = self.rows[row_of]
+        slots, row_of, pos_of = self.packed
         K[slots, :, pos_of] = k[0].transpose(0, 1).to(K.dtype)  # [total, kv_heads, d]
         V[slots, :, pos_of] = v[0].transpose(0, 1).to(V.dtype)
         keys, values = self._bound(K), self._bound(V)
@@ -231,6 +279,15 @@ class KVSlab:
 
     def data_ptrs(self) -> list[int]:
         return [t.data_ptr() for t in (*self.k.values(), *self.v.values())]
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor made on the host, on `device`. To a GPU through pinned memory without waiting for the device
+    (an ordinary copy from pageable memory synchronises the stream); the caching host allocator keeps the pinned
+    block until the copy is done, and the caller never writes `host` again."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 class _Sequence:
@@ -260,14 +317,16 @@ class Sampler:
         hot = [params[i] for i in self.hot]
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in hot]
         self.sorts = min(top_k) < vocab or min(p.top_p for p in hot) < 1
-        settings = torch.tensor([[p.temperature, k, p.top_p] for p, k in zip(hot, top_k)], dtype=torch.float64)
         uniforms = torch.stack([torch.rand(steps, generator=generators[i]) for i in self.hot])
-        settings, uniforms = settings.to(device), uniforms.to(device)
-        self.idx = torch.tensor(self.hot, device=device)
-        self.temperature = settings[:, :1].float()
-        self.kth = settings[:, 1:2].long() - 1
-        self.top_p = settings[:, 2:].float()
-        self.uniforms = uniforms  # [hot, steps]
+        # one copy to the device: row, temperature, top-k, top-p and the uniforms (float32, exact in float64)
+        settings = torch.tensor([[i, p.temperature, k, p.top_p] for i, p, k in zip(self.hot, hot, top_k)],
+                                dtype=torch.float64)
+        table = upload(torch.cat([settings, uniforms.double()], 1), torch.device(device))
+        self.idx = table[:, 0].long()
+        self.temperature = table[:, 1:2].float()
+        self.kth = table[:, 2:3].long() - 1
+        self.top_p = table[:, 3:4].float()
+        self.uniforms = table[:, 4:].float()  # [hot, steps]
         self.vocab = vocab
 
     def __call__(self, logits: torch.Tensor, greedy: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,6 +366,29 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 # step runs (where it compiles); torch.compile(options=...) does not reach freezing.
 FROZEN_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
+# A command's compile setting (`loom generate --compile`, `rl.engine_compile`) and what each means for `Engine`.
+COMPILE_SETTINGS = {"auto": None, "on": True, "off": False, "true": True, "false": False, "frozen": "frozen"}
+
+
+def resolve_compile(setting: bool | str, device: torch.device | str) -> bool | str:
+    """`Engine`'s compile mode (False, True or "frozen") for `setting` on `device`: the one place where "auto"
+    is decided, for `loom generate` (prompt and batch mode), `loom rl`'s engine and the Python API alike.
+
+    "auto" is on on a GPU: each decode step replays a CUDA graph (H200, Llama-3.2-1B shape, bf16: 1.6-4.1 ms
+    a step at batch 1-256 against 40-49 ms eager, whose host dispatches every op one by one), and off on a CPU:
+    compiled decode was 1.2-1.5x faster per token there, but building the engine (compiling every bucket first)
+    took 3-8 s with a warm compile cache (bench/results/generate_cpu.json), more than a whole generation: `loom
+    generate` of 16 prompts x 32 tokens on the tiny config took 2.5 s eager and 22 s compiled, the same tokens
+    (bench/results/engine_ops_cpu.json). "on"/"off" (or True/False) force it; "frozen" is the CPU's frozen
+    compile."""
+    if isinstance(setting, bool):
+        return setting
+    if setting not in COMPILE_SETTINGS:
+        raise UserError(f"compile={setting!r} is not valid: give False, True or \"frozen\", or a command's setting: "
+                        "auto, on, off or frozen")
+    mode = COMPILE_SETTINGS[setting]
+    return torch.device(device).type == "cuda" if mode is None else mode
+
 
 class Engine:
     """Generates for many requests at once on one model (or one tensor-parallel shard of it).
@@ -323,7 +405,8 @@ class Engine:
     or two compiled graphs serve every step (on CUDA one recorded graph per bucket). On CUDA
     it compiles with mode "reduce-overhead", i.e. replays a CUDA graph per bucket; the slab's tensors are
     marked as static addresses and a refit copies into the parameters in place, so the graphs stay valid.
-    Prefill (ragged, packed) stays eager. The first steps of each bucket pay for compilation.
+    Prefill (ragged, packed) stays eager. The first steps of each bucket pay for compilation. A command's
+    setting is taken too: "on", "off", or "auto", which `resolve_compile` decides (on on a GPU, off on a CPU).
 
     `compile="frozen"` (CPU, one process) freezes the weights into the compiled step, LM head included, so
     that inductor's CPU GEMM template runs the products with micro-kernels over weights packed once, each
@@ -347,7 +430,7 @@ class Engine:
     CUDA_KEY_BLOCK = 256  # fewer key-length buckets where each bucket is a recorded CUDA graph
 
     def __init__(self, model: nn.Module, max_batch: int = 16, max_len: int | None = None, seed: int = 0,
-                 compile: bool = False, sync_every: int = 8, cpu_kernel: bool = True):
+                 compile: bool | str = False, sync_every: int = 8, cpu_kernel: bool = True):
         cfg = model.cfg
         max_len = cfg.max_seq_len if max_len is None else max_len
         if max_batch < 1 or not 2 <= max_len <= cfg.max_seq_len or sync_every < 1:
@@ -379,8 +462,8 @@ class Engine:
         # Decode attention folds the query heads of a key/value head into queries (KVSlab.attend).
         self._fold = heads // kv_heads
         self._compiled = None
-        if compile not in (False, True, "frozen"):
-            raise UserError(f"Engine(compile={compile!r}): give False, True or \"frozen\"")
+        compile = resolve_compile(compile, self.device)
+        self.compile_mode = compile  # the resolved setting: False, True or "frozen"
         self._frozen = compile == "frozen"
         # The compiled step computes the head and its reductions itself when frozen, or when the head is a packed
         # layer (CPU); else it returns hidden states and the head runs after it (`head_logits`, TP's gather).
@@ -513,11 +596,14 @@ class Engine:
         """The admitted prompts as one packed row (no padding through the linear layers); each request's
         first token comes from the logits at its prompt's last position."""
         lengths = [len(seq.out.prompt) for seq in seqs]
-        tokens = torch.tensor([t for seq in seqs for t in seq.out.prompt])[None]
+        total = sum(lengths)
+        ends = [end - 1 for end in itertools.accumulate(lengths)]  # each prompt's last token in the row
+        # the tokens and the prompts' last positions in one copy
+        host = upload(torch.tensor([t for seq in seqs for t in seq.out.prompt] + ends), self.device)
+        tokens, last = host[:total][None], host[total:]
         positions = self.slab.bind_packed(rows, lengths)
         self.stats["prefill_steps"] += 1
-        last = (torch.cumsum(torch.tensor(lengths), 0) - 1).to(self.device)
-        hidden = local(self.model(tokens.to(self.device), cache=self.slab, positions=positions, return_hidden=True))
+        hidden = local(self.model(tokens, cache=self.slab, positions=positions, return_hidden=True))
         head = reduce_logits(head_logits(self._decoder.output, hidden[0, last]))
         self._emit(seqs, [self._pick(head, self._sampler(seqs, 1), 0)], self._stop_table(seqs), 1, fed=0)
         return seqs
@@ -555,22 +641,27 @@ class Engine:
                   for s in seqs]
         steps = max(1, min(self.sync_every, *budget))
         sampler = self._sampler(seqs, steps)
-        size = self._bucket(max(rows) + 1) if self._compiled is not None else len(rows)
-        where = torch.tensor(rows) if self._compiled is not None else torch.arange(len(rows))
-        tokens = torch.zeros(size, 1, dtype=torch.long)
-        positions = torch.zeros(size, 1, dtype=torch.long)
-        tokens[where, 0] = torch.tensor([s.out.tokens[-1] for s in seqs])
-        positions[where, 0] = torch.tensor([s.length for s in seqs])
-        advance = torch.zeros(size, 1, dtype=torch.long)
-        advance[where] = 1
-        # one copy to the device per window (idle bucket rows stay at position 0)
-        tokens, positions, advance, where = (t.to(self.device) for t in (tokens, positions, advance, where))
+        n, eager = len(rows), self._compiled is None
+        size = len(rows) if eager else self._bucket(max(rows) + 1)
+        # One copy to the device per window: the token, position and advance of each row of the step (a compiled
+        # step's bucket rows are slots, its idle ones decode token 0 at position 0 and stay there; an eager
+        # step's rows are the busy slots in order), and the slots of the busy rows.
+        table = [[0] * size for _ in range(4)]
+        for b, (slot, s) in enumerate(zip(rows, seqs)):
+            r = b if eager else slot
+            table[0][r], table[1][r], table[2][r] = s.out.tokens[-1], s.length, 1
+        table[3][:n] = rows
+        state = upload(torch.tensor(table), self.device)
+        tokens, positions, advance = (state[i, :, None] for i in range(3))
+        where = state[3, :n]
+        if not eager:  # own copies: a compiled step's inputs start aligned (views into the table do not)
+            tokens, positions, advance = tokens.clone(), positions.clone(), advance.clone()
         stops = self._stop_table(seqs)
         first = max(s.length for s in seqs)
         out = []
         for step in range(steps):
             keys = first + step + 1  # key positions the furthest request reads
-            if self._compiled is not None:
+            if not eager:
                 x = self._run_compiled(tokens, positions, self._key_bucket(keys))
                 if size != len(rows):  # idle bucket rows out (every row busy: no gather)
                     x = tuple(t[where] for t in x) if self._head_in_step else x[where]
@@ -584,8 +675,12 @@ class Engine:
             token, logprob, sampled = self._pick(head, sampler, step)
             out.append((token, logprob, sampled))
             if step + 1 < steps:
-                tokens[where, 0] = token
-                positions += advance
+                if eager:  # every row is busy: the sampled tokens are the next input as they are
+                    tokens = token[:, None]
+                    positions += 1
+                else:
+                    tokens[where, 0] = token
+                    positions += advance
         kept = self._emit(seqs, out, stops, steps, fed=steps)
         self.stats["decode_steps"] += steps
         self.stats["windows"] += 1
@@ -602,7 +697,7 @@ class Engine:
         if not width:
             return None
         rows = [list(s.params.stop_token_ids) + [-1] * (width - len(s.params.stop_token_ids)) for s in seqs]
-        return torch.tensor(rows, device=self.device)
+        return upload(torch.tensor(rows), self.device)
 
     def _pick(self, head, sampler: Sampler, step: int):
         """The head's fp32 logits [requests, vocab] with their argmax and log-sum-exp (`reduce_logits`) -> next

@@ -72,6 +72,11 @@ def llama3_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
+def token_rope(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the rotary tables (cos, signed sin) [max_len, d] at each token's position [b, s] -> [b, 1, s, d]."""
+    return tuple(t[positions].unsqueeze(1) for t in rope)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x: [batch, heads, seq, head_dim]; cos/signed_sin: [seq, head_dim] from `rope_tables`.
 
@@ -108,7 +113,9 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, cache=None, layer_id: int = 0, start_pos: int = 0, doc_ids=None, positions=None):
         """`doc_ids` [batch, seq] (int): tokens attend only to earlier tokens of the same document (packed
-        sequences); `positions` [batch, seq]: each token's rotary position (restarting per document)."""
+        sequences); `positions` [batch, seq]: each token's rotary position (restarting per document). `rope`:
+        the rotary tables [max_len, head_dim], or each token's rows of them [batch, 1, seq, head_dim] (`token_rope`,
+        which a generation engine's forward gathers once for all layers)."""
         bsz, seqlen, _ = x.shape
         # Head counts come from the weights so a tensor-parallel shard (fewer local heads) works as is.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -117,8 +124,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        if rope is not None and positions is not None:  # per token: [b, s] -> tables [b, 1, s, d]
-            cos, signed_sin = (t[positions.to(x.device)].unsqueeze(1) for t in rope)
+        if rope is not None and rope[0].dim() == 4:  # each token's tables [b, 1, s, d], gathered by the caller
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        elif rope is not None and positions is not None:  # per token: [b, s] -> tables [b, 1, s, d]
+            cos, signed_sin = token_rope(rope, positions.to(x.device))
             q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
         elif rope is not None:  # full tables; this module's positions are start_pos..start_pos+seqlen-1
             where = slice(start_pos, start_pos + seqlen) if self.positions is None else self._positions(x.device)
@@ -332,6 +341,10 @@ class Transformer(nn.Module):
         # Attention slices the rotary tables itself: on a pipeline stage fed sequence-sharded hidden
         # states, only attention (after gathering the sequence) knows the full length.
         rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
+        if rope is not None and positions is not None and cache is not None:
+            # A generation engine's step (per-token positions and a cache, no backward): each token's rotary
+            # tables gathered once here, not in every layer (the host's work per op is a GPU's eager decode time).
+            rope = token_rope(rope, positions.to(h.device))
         for layer in self.layers.values():
             h = layer(h, rope, cache, start_pos, doc_ids=doc_ids, positions=positions)
         if self.norm is not None:

@@ -171,6 +171,17 @@ def engine_max_len(cfg: Config) -> int:
     return min(cfg.train.seq_len + 1, cfg.model.max_seq_len)
 
 
+def rollout_engine(cfg: Config, model: nn.Module):
+    """The engine that generates the rollouts, on `model` (the engine's own copy of the policy). Decode steps are
+    compiled per `rl.engine_compile`: "auto" (the default) is on on a GPU (a CUDA graph per step) and off on a
+    CPU, decided by `loom.infer.engine.resolve_compile` as for `loom generate`."""
+    from loom.infer.engine import Engine
+
+    rl = cfg.rl
+    return Engine(model, max_batch=rl.engine_batch, max_len=engine_max_len(cfg), seed=cfg.train.seed,
+                  compile=rl.engine_compile, sync_every=rl.engine_sync_every)
+
+
 # --- rewards ---------------------------------------------------------------------------------------------------
 
 
@@ -390,7 +401,6 @@ class RLTrainer(Trainer):
     # --- set-up ---------------------------------------------------------------------------------------------
 
     def _setup_rl(self) -> None:
-        from loom.infer.engine import Engine
         from loom.models.llama import build_model
 
         cfg, rl = self.cfg, self.cfg.rl
@@ -402,8 +412,7 @@ class RLTrainer(Trainer):
             from loom.parallel.tensor import apply_tensor_parallel
 
             apply_tensor_parallel(engine_model, self.layout.submesh("tp"), sp=False)
-        self.engine = Engine(engine_model, max_batch=rl.engine_batch, max_len=engine_max_len(cfg), seed=cfg.train.seed,
-                             compile=rl.engine_compile, sync_every=rl.engine_sync_every)
+        self.engine = rollout_engine(cfg, engine_model)
         self.engine.refit(self.model)
         self.reference = self._build_reference() if rl.kl_coef else None
         self.rewards = Rewards(cfg, self.tokenizer, self.device)
