@@ -129,6 +129,8 @@ DEDICATED = {
     "tied-moe-dp_shard2-ep2": "tests/test_moe_ep.py::test_checkpoint_under_ep_resumes_under_another_ep",
     "untied-moe-pp2": f"{MOE_LAYOUT}[top2of8-pp2]",
     "untied-moe-cp2": f"{MOE_LAYOUT}[sinkhorn_top1-cp2]",
+    "tied-dense-tp2-cp2-pp2": f"{TIED_PIPE}[tp2-pp2-cp2]",
+    "tied-moe-tp2-pp2-dp_shard2-ep2": f"{T}test_tied_moe_pipeline_matches_single_process[tp2-pp2-dp_shard2-ep2]",
     # (b) dedicated, in make test-all only (SLOW_REASONS)
     "tied-dense-tp2": f"{LAYOUT}[tp2]",
     "tied-dense-tp2-sp": f"{LAYOUT}[tp2-sp]",
@@ -137,8 +139,6 @@ DEDICATED = {
     "tied-dense-tp2-sp-cp2": f"{LAYOUT}[cp2-tp2-sp]",
     "tied-dense-cp2-dp_shard2": f"{LAYOUT}[cp2-dp_shard2]",
     "tied-dense-pp2-dp_shard2": f"{TIED_PIPE}[pp2-dp_shard2]",
-    "tied-dense-tp2-cp2-pp2": f"{TIED_PIPE}[tp2-pp2-cp2]",
-    "tied-moe-tp2-pp2-dp_shard2-ep2": f"{T}test_tied_moe_pipeline_matches_single_process[tp2-pp2-dp_shard2-ep2]",
     "untied-dense-tp2-sp-pp2": f"{PIPELINE}[pp2-tp2-sp]",
     "untied-dense-pp2-dp_shard2": f"{PIPELINE}[pp2-dp_shard2]",
     "untied-dense-tp2-sp-pp2-dp_shard2": f"{PIPELINE}[tp2-pp2-dp_shard2]",
@@ -159,19 +159,12 @@ SLOW_REASONS = {
     f"{LAYOUT}[cp2-dp_shard2]": _PIECEWISE + "tied-dense-cp2 and tied-dense-dp_shard2",
     f"{TIED_PIPE}[pp2-dp_shard2]": _PIECEWISE + "tied-dense-pp2 and untied-dense-cp2-pp2 (pp with FSDP's sharded "
                                                 "gradients)",
-    f"{TIED_PIPE}[tp2-pp2-cp2]": "8 processes, ~32 s; " + _PIECEWISE + "tied-dense-tp2-pp2 (the tied exchange "
-                                                                      "under tp) and untied-dense-cp2-pp2",
-    f"{T}test_tied_moe_pipeline_matches_single_process[tp2-pp2-dp_shard2-ep2]":
-        "8 processes, ~40 s; as top2of8-tp2 of test_moe_compose; the tied exchange under tp by tied-dense-tp2-pp2, "
-        "ep by tied-moe-dp_shard2-ep2",
     f"{PIPELINE}[pp2-tp2-sp]": _PIECEWISE + "tied-dense-tp2-sp-pp2",
     f"{PIPELINE}[pp2-dp_shard2]": _PIECEWISE + "untied-dense-cp2-pp2 and tied-dense-dp_shard2",
     f"{PIPELINE}[tp2-pp2-dp_shard2]": "8 processes, ~55 s; " + _PIECEWISE + "tied-dense-tp2-sp-pp2 and "
                                                                           "untied-dense-cp2-pp2",
-    # No make test proof of MoE layers under tensor parallelism: the cheapest (a tied MoE model under tp2 x sp x pp2,
-    # from this matrix) took 40 s on 2 cores, over the 60 s that issue 34 allowed make test to grow.
-    f"{MOE_LAYOUT}[top2of8-tp2]": "MoE under tp is proven in make test-all only (make test's time budget); tp "
-                                  "alone by tied-dense-tp2-pp2, MoE alone by untied-moe-pp2",
+    # MoE layers under tensor parallelism are proven in make test by tied-moe-tp2-pp2-dp_shard2-ep2 (8 processes).
+    f"{MOE_LAYOUT}[top2of8-tp2]": _PIECEWISE + "tied-moe-tp2-pp2-dp_shard2-ep2 (MoE under tp, pp and ep)",
     f"{MOE_LAYOUT}[top2of8-tp2-sp]": "as top2of8-tp2; SP by tied-dense-tp2-sp-pp2",
     f"{MOE_LAYOUT}[top2of8-ep2-cp2]": _PIECEWISE + "untied-moe-cp2 and tied-moe-dp_shard2-ep2",
     f"{MOE_LAYOUT}[top2of8-ep2-pp2]": _PIECEWISE + "untied-moe-pp2 and tied-moe-dp_shard2-ep2",
