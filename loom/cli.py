@@ -155,14 +155,11 @@ def cmd_generate(args, extra) -> int:
                         f"--sync-every={args.sync_every} must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise UserError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
-    import torch
-
     from loom.parallel.distributed import pick_device
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda but no CUDA device is available; valid here: auto, cpu")
+    device = pick_device(args.device, "--device")
     texts = [args.prompt] if args.input is None else read_prompts(args.input)
-    model = load_model(args.checkpoint, device=pick_device(args.device))
+    model = load_model(args.checkpoint, device=device)
     tok = Tokenizer.from_file(find_tokenizer(args.checkpoint))
     context = model.cfg.max_seq_len
     ids = [tok.encode(t) for t in texts]

@@ -19,24 +19,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args, queue):
+def _join(rank, world, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _leave(results):
+    """Leave without the interpreter's teardown of torch (about a second per process, as loom.cli._exit):
+    once the queue's feeder thread has handed the results over, nothing is left to do."""
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _worker(rank, world, port, fn, args, queue):
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        _join(rank, world, port)
         queue.put((rank, fn(*args), None))
     except BaseException:
         queue.put((rank, None, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    # Leave without the interpreter's teardown of torch (about a second per process, as loom.cli._exit):
-    # once the queue's feeder thread has handed the result over, nothing is left to do.
-    queue.close()
-    queue.join_thread()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _leave(queue)
 
 
 def run_ranks(world: int, fn, *args) -> list:
@@ -61,9 +69,7 @@ def run_ranks(world: int, fn, *args) -> list:
 
 
 def _pool_worker(rank, world, port, tasks, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _join(rank, world, port)
     while (task := tasks.get()) is not None:
         fn, args = task
         try:
@@ -71,11 +77,7 @@ def _pool_worker(rank, world, port, tasks, results):
         except BaseException:
             results.put((rank, None, traceback.format_exc()))
     dist.destroy_process_group()
-    results.close()
-    results.join_thread()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _leave(results)
 
 
 class RankPool:

@@ -202,7 +202,7 @@ class KVSlab:
         else:
             where = (self.rows[:, None], slice(None), self.positions)  # -> [rows, seq, kv_heads, d]
             K[where], V[where] = k.transpose(1, 2), v.transpose(1, 2)
-            keys, values = K[self.rows, :, :self.keys], V[self.rows, :, :self.keys]
+            keys, values = self._bound(K), self._bound(V)
         rows, heads, seq, d = q.shape
         kv_heads = keys.shape[1]
         rep = heads // kv_heads

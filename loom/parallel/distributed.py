@@ -11,9 +11,12 @@ import torch.distributed as dist
 from loom.errors import UserError
 
 
-def pick_device(choice: str) -> torch.device:
+def pick_device(choice: str, setting: str = "train.device") -> torch.device:
+    """The device `choice` (auto, cpu, cuda) names here; `setting` is how the user gave it, for the message
+    when cuda is asked for without a CUDA device (`train.device`, or a command's `--device`)."""
     if choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("train.device=cuda but no CUDA device is available; valid here: cpu, auto")
+        given = f"{setting} cuda" if setting.startswith("--") else f"{setting}=cuda"
+        raise UserError(f"{given} but no CUDA device is available; valid here: auto, cpu")
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(choice)
