@@ -9,7 +9,10 @@ import pytest
 from conftest import run_cli
 
 from loom.config import load_config
-from loom.planner.costmodel import GIB, Layout, Workload, evaluate, layer_params, memory, total_params
+from loom.planner.memory import memory
+from loom.planner.params import layer_params, total_params
+from loom.planner.steptime import evaluate
+from loom.planner.workload import GIB, Layout, Workload
 from loom.planner.hardware import PRESETS
 from loom.planner.search import search
 from loom.planner.validation import predict as predict_run
@@ -61,7 +64,7 @@ def test_collectives_across_nodes_use_every_network_port_of_the_group():
     """Rail-optimised nodes (one 50 GB/s port per H100): NCCL's rings cross each node boundary on every port
     the group's ranks own, so 8 ranks per node move 8 ports' worth (400 GB/s, under NVLink's 450), and one
     rank per node (data parallel across tp=8 nodes) one port's worth."""
-    from loom.planner.costmodel import collective_time, members_per_node
+    from loom.planner.kernels import collective_time, members_per_node
 
     gpu = PRESETS["h100"]
     eff, nbytes, n = gpu.collective_efficiency, 141e9, 64
@@ -97,7 +100,7 @@ def test_collectives_across_nodes_use_every_network_port_of_the_group():
     assert flat.time_terms["dp_comm"] < collective_time(gpu, "all_reduce", 4 * params, 64, 1) / 4
     # The groups' strides in loom's mesh (pp, dp_replicate, dp_shard, cp, tp; tp innermost): a data-parallel
     # group across tp=8 nodes has one rank per node, across tp=2 four; a cp group at tp=8 crosses nodes too.
-    from loom.planner.costmodel import layer_times
+    from loom.planner.layertime import layer_times
     mw = Workload(m, 8192, 128, 64, gpu, framework="megatron", grad_dtype="bfloat16")
     for tp, ports in ((8, 1), (2, 4)):
         lay = Layout(tp=tp, dp=64 // tp, micro_batch=1, sp=True, recompute="full", dp_style="distopt")
@@ -126,7 +129,7 @@ def test_attention_kernel_follows_the_framework_that_runs_it():
     priced at the fused rate. On an A100 both are the same kernel class."""
     import torch
 
-    from loom.planner.costmodel import layer_times
+    from loom.planner.layertime import layer_times
 
     if hasattr(torch._C, "_get_sdp_priority_order"):  # flash (1) ahead of cuDNN (3)
         order = list(torch._C._get_sdp_priority_order())
@@ -166,7 +169,9 @@ def test_fsdp2_copies_are_priced_on_the_compute_stream():
     in on each later one (10) and copied fp32 into the buffer at the end (8). Replicated data parallelism is
     fully_shard over a shard group of one in loom; Megatron (distopt, or --framework megatron) and stacks with
     flat in-place buffers (fsdp2=False) copy nothing."""
-    from loom.planner.costmodel import _shapes, fsdp2_copy_bytes, local_params, model_sizes
+    from loom.planner.params import model_sizes
+    from loom.planner.stages import local_params, rank_shapes
+    from loom.planner.steptime import fsdp2_copy_bytes
 
     gpu = PRESETS["h100"]
     m_cfg = load_config("llama3-8b").model
@@ -189,7 +194,7 @@ def test_fsdp2_copies_are_priced_on_the_compute_stream():
     assert copy(replicate) == pytest.approx(
         (mb * 10 * (2 * params - once) + params * (6 + (mb - 1) * 10 + 8)) / hbm, rel=1e-9)
     piped = Layout(pp=2, dp=4, micro_batch=1, recompute="full", dp_style="fsdp")
-    largest = max(sum(local_params(w, piped, s)) for s in _shapes(w, piped))
+    largest = max(sum(local_params(w, piped, s)) for s in rank_shapes(w, piped))
     m2 = 64 // 4
     assert copy(piped) == pytest.approx(largest * (4 + 6 + (m2 - 1) * 10 + 8) / hbm, rel=1e-9)
     fp32 = Workload(m_cfg, 8192, 64, 8, gpu, precision="fp32")  # no mixed precision (a CPU's): copies, no casts
@@ -276,7 +281,7 @@ def _big_vocab_workload(layers: int = 32) -> Workload:
 
 
 def test_uneven_split_balances_the_lm_head_and_prices_the_slowest_rank():
-    from loom.planner.costmodel import head_times, layer_times
+    from loom.planner.layertime import head_times, layer_times
     from loom.planner.search import split_options
 
     from dataclasses import replace
@@ -307,7 +312,7 @@ def test_uneven_split_balances_the_lm_head_and_prices_the_slowest_rank():
     assert even.time_terms["head"] == pytest.approx(m * head)
     assert uneven.step_time_s < even.step_time_s * 0.95
     # 1F1B: rank 0 keeps pp micro-batches of its layers; rank 3 keeps one of its own plus the logits.
-    from loom.planner.costmodel import megatron_layer_activation_bytes  # distopt is priced as Megatron runs it
+    from loom.planner.memory import megatron_layer_activation_bytes  # distopt is priced as Megatron runs it
 
     per_layer = megatron_layer_activation_bytes(w.model, 8192, 1, 2, True, "none", 2, False)
     assert memory(w, Layout(tp=2, pp=4, dp=4, sp=True, dp_style="distopt"))["activations"] == pytest.approx(4 * 8 * per_layer)
@@ -359,7 +364,7 @@ def test_layers_that_do_not_split_evenly_get_a_declared_split(tmp_path):
 def test_pipeline_memory_follows_each_schedules_warm_up():
     """Activations held at the peak, counted by hand from the schedules' forward order, uneven split
     1/5/5/5/5/5/5/1 over pp=4 x vpp=2, 16 micro-batches."""
-    from loom.planner.costmodel import megatron_layer_activation_bytes  # distopt is priced as Megatron runs it
+    from loom.planner.memory import megatron_layer_activation_bytes  # distopt is priced as Megatron runs it
 
     w = _big_vocab_workload()
     w.model.tie_embeddings = False
@@ -382,8 +387,8 @@ def test_pipeline_memory_follows_each_schedules_warm_up():
 def test_full_recompute_layers_count_per_chunk_as_loom_applies_them():
     """recompute.num_layers (block method) applies to every chunk a rank runs: with vpp=2 and k=1 a rank
     recomputes 2 layers, in time and in memory."""
-    from loom.planner.costmodel import megatron_layer_activation_bytes  # distopt is priced as Megatron runs it
-    from loom.planner.costmodel import layer_times
+    from loom.planner.memory import megatron_layer_activation_bytes  # distopt is priced as Megatron runs it
+    from loom.planner.layertime import layer_times
 
     w = _big_vocab_workload()
     base = dict(tp=2, pp=4, vpp=2, dp=4, sp=True, dp_style="distopt", schedule="interleaved")
@@ -502,7 +507,8 @@ def test_config_written_for_the_winner_trains(tmp_path):
 
 def test_context_parallelism_priced_as_loom_runs_it_and_written_as_a_config(tmp_path):
     from loom.flops import layer_activation_bytes
-    from loom.planner.costmodel import collective_time, layer_times
+    from loom.planner.kernels import collective_time
+    from loom.planner.layertime import layer_times
 
     m = load_config("llama3-8b").model
     gpu = PRESETS["h100"]
@@ -584,7 +590,7 @@ def test_inference_decode_uses_a_profiles_measured_rates_and_engine_overheads():
     import math
 
     from loom.config import ModelConfig
-    from loom.planner.costmodel import elementwise_bytes_per_token
+    from loom.planner.layertime import elementwise_bytes_per_token
     from loom.planner.inference import attention_rate, decode_rate, evaluate_inference
 
     cfg = ModelConfig(layers=4, hidden=512, heads=8, kv_heads=4, ffn_hidden=1376, vocab_size=4096, max_seq_len=1024,
@@ -634,7 +640,8 @@ def test_inference_prefill_runs_the_engines_own_products():
     import dataclasses
 
     from loom.config import ModelConfig
-    from loom.planner.costmodel import gemm_time, layer_times
+    from loom.planner.kernels import gemm_time
+    from loom.planner.layertime import layer_times
     from loom.planner.inference import evaluate_inference
 
     cfg = ModelConfig(layers=4, hidden=512, heads=8, kv_heads=4, ffn_hidden=1376, vocab_size=4096, max_seq_len=1024)
@@ -660,7 +667,7 @@ def test_inference_prefill_attention_uses_the_engines_measured_rate():
     import math
 
     from loom.config import ModelConfig
-    from loom.planner.costmodel import layer_times
+    from loom.planner.layertime import layer_times
     from loom.planner.inference import evaluate_inference
 
     cfg = ModelConfig(layers=4, hidden=512, heads=8, kv_heads=4, ffn_hidden=1376, vocab_size=4096, max_seq_len=1024)
@@ -683,7 +690,7 @@ def test_elementwise_term_uses_the_profiles_measured_rate():
     import math
 
     from loom.config import ModelConfig
-    from loom.planner.costmodel import elementwise_bytes_per_token, layer_times
+    from loom.planner.layertime import elementwise_bytes_per_token, layer_times
 
     cfg = ModelConfig(layers=4, hidden=512, heads=8, kv_heads=4, ffn_hidden=1376, vocab_size=4096, max_seq_len=1024)
     per_token = elementwise_bytes_per_token(cfg, "fp32")
@@ -783,7 +790,7 @@ def test_megatron_memory_term_by_term_for_nvidias_llama3_8b_layout():
     """NVIDIA's Llama-3-8B run (8 H100, TP1 PP1 CP2 DP4, fp8, seq 8192, mbs 1, distributed optimizer, bf16
     gradient buffers) priced term by term as Megatron-Core + Transformer Engine hold it: it fits, where
     loom's own formulas (fp32 gradients, RMSNorm's fp32 input copy, 10-byte logits) said 93 GiB."""
-    from loom.planner.costmodel import embedding_params, head_params, linear_weights
+    from loom.planner.params import embedding_params, head_params, linear_weights
 
     cfg = load_config("llama3-8b", measuring=True).model
     h, f, a, V, L = cfg.hidden, cfg.ffn_hidden, cfg.heads, cfg.vocab_size, cfg.layers

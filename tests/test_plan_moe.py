@@ -11,8 +11,11 @@ import pytest
 from conftest import run_cli
 
 from loom.config import load_config
-from loom.planner.costmodel import (GIB, Layout, Workload, evaluate, expert_params, layer_times, memory,
-                                    total_params)
+from loom.planner.layertime import layer_times
+from loom.planner.memory import memory
+from loom.planner.params import expert_params, total_params
+from loom.planner.steptime import evaluate
+from loom.planner.workload import GIB, Layout, Workload
 from loom.planner.hardware import PRESETS
 from loom.planner.search import search
 

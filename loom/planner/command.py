@@ -83,15 +83,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_workload(args):
     from loom.config import ModelConfig, load_config
-    from loom.planner.costmodel import Workload
     from loom.planner.hardware import load_gpu
+    from loom.planner.workload import Workload
 
+    opts = vars(args)
     base = None
     if args.model:
         base = load_config(args.model, measuring=True)
         model = base.model
     else:
-        missing = [f for f in ("layers", "hidden", "heads", "vocab") if getattr(args, f) is None]
+        missing = [f for f in ("layers", "hidden", "heads", "vocab") if opts[f] is None]
         if missing:
             raise UserError("give --model NAME (e.g. gpt3-175b, llama2-7b) or the sizes --layers --hidden --heads "
                             f"--vocab (missing: {', '.join('--' + f for f in missing)})")
@@ -110,8 +111,8 @@ def build_workload(args):
         model.dropout = model.attn_dropout = args.dropout
     for flag, key in (("experts", "moe_experts"), ("top_k", "moe_top_k"), ("moe_ffn", "moe_ffn_hidden"),
                       ("shared_experts", "moe_shared_experts")):
-        if getattr(args, flag) is not None:
-            setattr(model, key, getattr(args, flag))
+        if opts[flag] is not None:
+            setattr(model, key, opts[flag])
     if model.moe_experts or args.top_k is not None:
         model.validate()  # the rule book's MoE checks (top_k within the experts, ...): a UserError names the key
     if args.loss_chunk < 0:
@@ -253,7 +254,7 @@ def run(args, engine_probe=None) -> int:
 
 
 def _params(w) -> int:
-    from loom.planner.costmodel import total_params
+    from loom.planner.params import total_params
 
     return total_params(w.model)
 
@@ -262,8 +263,8 @@ def _run_inference(args, w) -> int:
     from loom.planner.inference import format_inference, plot_inference, search_inference
 
     for name in ("input_len", "output_len", "batch"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+        if vars(args)[name] < 1:
+            raise UserError(f"--{name.replace('_', '-')}={vars(args)[name]} must be >= 1")
     results = search_inference(w, args.input_len, args.output_len, args.batch)
     if not results:
         raise UserError(f"no inference layout fits {w.gpus} x {w.gpu.name}; add GPUs or lower --batch/--input-len")

@@ -6,8 +6,8 @@ Every number here is a property of the hardware, never of a particular training 
 - `peak_tflops`: dense tensor-core peak per precision from the vendor datasheet (SXM parts, no sparsity).
 - `matmul_efficiency`: the fraction of that peak a large, well-shaped GEMM sustains (cuBLAS on the
   chip at its sustained clocks). Published microbenchmarks put A100 bf16 near 0.8-0.9 and H100/H200 near
-  0.75-0.8 (power-limited clocks; this workplace measured ~790 TFLOP/s bf16 on an H200) and fp8 lower
-  still. Smaller GEMMs are slower than this ceiling through the wave-tail model in `costmodel.py`.
+  0.75-0.8 (power-limited clocks; a measured H200: `bench/results/h200-2026-11-26/profile.json`) and fp8
+  lower still. Smaller GEMMs are slower than this ceiling through the wave-tail model in `kernels.py`.
 - `attention_efficiency`: fraction of the 16-bit peak that the attention loom runs sustains, forward and
   backward together: torch's scaled_dot_product_attention, whose default backend order puts its flash
   backend (FlashAttention-2 kernels) first (`torch._C._get_sdp_priority_order()`: flash, efficient, math,
@@ -65,7 +65,8 @@ class GPU:
     engine_overhead_us: dict = field(default_factory=dict)
     decode_attention_gbps: dict = field(default_factory=dict)
     # Measured by a profile: precision -> [[bytes, GB/s], ...], the rate of loom's own layer's elementwise
-    # ops (norms, residual adds, activation, rotary) at working sets of `bytes` (costmodel accounting).
+    # ops (norms, residual adds, activation, rotary) at working sets of `bytes`, as
+    # `layertime.elementwise_bytes_per_token` counts them.
     elementwise_gbps: dict = field(default_factory=dict)
     # precision -> [[bytes, factor], ...]: few-row products stream a model whose weights total `bytes`
     # this many times faster than `decode_gbps` (part of a small model stays cached between steps).

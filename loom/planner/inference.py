@@ -21,11 +21,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from loom.planner.costmodel import (GIB, CONTEXT_GIB, Workload, collective_time, elementwise_bytes_per_token,
-                                    elementwise_time, embedding_params, gemm_time, head_params, layer_params,
-                                    layer_times, log_interpolate, members_per_node, p2p_time,
-                                    stage_layers)
+from loom.planner.kernels import (collective_time, elementwise_time, gemm_time, log_interpolate, members_per_node,
+                                  p2p_time)
+from loom.planner.layertime import elementwise_bytes_per_token, layer_times
+from loom.planner.memory import CONTEXT_GIB
+from loom.planner.params import embedding_params, head_params, layer_params
 from loom.planner.search import tp_options
+from loom.planner.stages import stage_layers
+from loom.planner.workload import GIB, Workload
 
 
 @dataclass
@@ -148,8 +151,7 @@ def decode_rate(gpu, precision: str, rows: int, n: int, k: int) -> float | None:
     `decode_gbps` table: the measured weight shape nearest in log space; between the measured row counts
     either side, the time per byte is interpolated linearly in rows (the nearest count beyond them). A
     few-row product costs the weight's streaming plus work that grows with each row (a CPU kernel's row tiles),
-    so its time is about linear in rows where its rate is not: in a 2-core EPYC's profile, linear time puts the
-    rate at 32 rows 6-16% below the midpoint in log rows of the 16- and 64-row rates, the old interpolation."""
+    so its time is about linear in rows where its rate is not."""
     table = gpu.decode_gbps.get(precision)
     if not table:
         return None

@@ -58,8 +58,7 @@ def _linear_pass(x: torch.Tensor, weights: list, device: str, min_time: float = 
 def gemm_table(device: str, dtype: torch.dtype, shapes) -> list[list[float]]:
     """[[m, n, k, TFLOP/s], ...] of x @ W^T with x [m, k] and W [n, k], as a linear layer computes it. On a
     CPU in fp32 the product cycles over copies of W that together outgrow the last-level cache, so each W comes
-    from memory as a model's weights do (each is read once per forward); hot-cache figures ran 10-20%
-    faster at 128 rows on a 2-core EPYC."""
+    from memory as a model's weights do (each is read once per forward); a hot cache would overstate the rate."""
     rows = []
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
@@ -221,10 +220,10 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
     shapes = [(m, n, k) for m in dims for n in dims for k in dims]
     if not cuda and not quick:
         # Prefill-sized row counts (batch x prompt tokens): at 4096 rows the operands outgrow the caches and
-        # a CPU's rate differs from the 1024-row one by 5-35% (2-core EPYC); nearest-shape lookup needs them.
+        # a CPU's rate differs from the 1024-row one; nearest-shape lookup needs them.
         shapes += [(4096, n, k) for n in dims for k in dims]
     gemm = {key: gemm_table(device, dt, shapes) for key, dt in dtypes.items()}
-    if cuda and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(0) >= (8, 9):
+    if cuda and torch.cuda.get_device_capability(0) >= (8, 9):
         try:
             gemm["fp8"] = fp8_table(shapes)
         except RuntimeError:
@@ -261,10 +260,10 @@ def elementwise_rates(device: str, dtype: torch.dtype, quick: bool = False) -> l
     SwiGLU's activation, rotary embedding and what else runs between its products), at a few working-set
     sizes. A one-layer Llama's forward runs under torch's profiler; the self time of every op that is not a
     matrix product, attention or the embedding is the elementwise time, and the bytes are what the cost
-    model counts for those ops (`costmodel.elementwise_bytes_per_token`, plus the final norm)."""
+    model counts for those ops (`layertime.elementwise_bytes_per_token`, plus the final norm)."""
     from loom.config import ModelConfig
     from loom.models.llama import build_model
-    from loom.planner.costmodel import elementwise_bytes_per_token
+    from loom.planner.layertime import elementwise_bytes_per_token
 
     tokens = (2048, 16384) if device == "cuda" else (128, 1024, 4096)
     if quick:

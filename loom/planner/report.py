@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from loom.errors import UserError
-from loom.planner.costmodel import GIB, Estimate, Workload
+from loom.planner.workload import GIB, Estimate, Workload
 
 TERM_LABELS = {
     "gemm": "linear-layer matmuls", "attention": "attention core", "elementwise": "elementwise (HBM)",

@@ -11,8 +11,11 @@ from loom.rules import SCHEDULES, batch_problem, micro_batch_count_problem, micr
 from loom.rules import divisors as _divisors
 from loom.rules import cp_problem as rules_cp_problem
 from loom.rules import schedule_problem, sp_problem, split_problem, tp_problems, valid_ep_sizes
-from loom.planner.costmodel import (GIB, Estimate, Layout, Workload, evaluate, head_times, layer_times,
-                                    max_chunk_layers, memory, pipeline_ranks)
+from loom.planner.layertime import head_times, layer_times
+from loom.planner.memory import memory
+from loom.planner.stages import max_chunk_layers, pipeline_ranks
+from loom.planner.steptime import evaluate
+from loom.planner.workload import GIB, Estimate, Layout, Workload
 
 DP_STYLES = ("replicate", "distopt", "fsdp")
 RECOMPUTE = ("none", "selective", "full")
@@ -178,7 +181,8 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
 
 
 def _matches(lay: Layout, fixed: dict) -> bool:
-    return all(getattr(lay, k) == v for k, v in fixed.items())
+    """Whether `lay` has every value `fixed` gives (Layout field -> value)."""
+    return not fixed or replace(lay, **fixed) == lay
 
 
 def search(w: Workload, *, fixed: dict | None = None, top: int = 10, **kwargs) -> tuple[list[Estimate], dict]:
@@ -188,8 +192,9 @@ def search(w: Workload, *, fixed: dict | None = None, top: int = 10, **kwargs) -
     considered = fitting = 0
     smallest = None
     results: list[Estimate] = []
+    knobs = {k: v for k, v in fixed.items() if k != "recompute_layers"}  # recompute_layers is set below
     for lay in candidates(w, fixed=fixed, **kwargs):
-        if not _matches(lay, {k: v for k, v in fixed.items() if k != "recompute_layers"}):
+        if not _matches(lay, knobs):
             continue
         considered += 1
         if lay.recompute == "full":

@@ -11,7 +11,7 @@ planner's choice. The hardware numbers are the presets', unchanged.
 from __future__ import annotations
 
 from loom.config import ModelConfig
-from loom.planner.costmodel import Workload
+from loom.planner.workload import Workload
 from loom.planner.hardware import PRESETS
 
 

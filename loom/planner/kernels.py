@@ -1,0 +1,100 @@
+"""Seconds of one kernel on the hardware of `hardware.py`: a GEMM (2mnk over the peak x its efficiency, plus
+the expected half-wave tail of 128x128 tiles over the SMs, or the memory roofline if that is slower; or a
+profile's measured table), bytes over HBM bandwidth, elementwise ops at a profile's measured rate, ring
+collectives over NVLink or the network, and pipeline point-to-point transfers."""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from loom.planner.hardware import GPU
+
+TILE = 128  # GEMM tile edge for the wave-tail model
+
+
+def gemm_time(gpu: GPU, precision: str, m: int, n: int, k: int, batch: int = 1) -> float:
+    """Seconds for `batch` independent (m x k) @ (k x n) products."""
+    flops = 2.0 * m * n * k * batch
+    table = gpu.gemm.get(precision)
+    if table:
+        rate = _measured_rate(tuple(map(tuple, table)), m, n, k) * 1e12
+        compute = flops / rate
+    else:
+        rate = gpu.peak(precision) * 1e12 * gpu.matmul_efficiency.get(precision, 0.7)
+        tiles = batch * math.ceil(m / TILE) * math.ceil(n / TILE)
+        per_tile = 2.0 * TILE * TILE * k
+        # Work is done in waves of `sms` tiles; on average half a wave is lost at the tail.
+        tail = 0.5 * per_tile * gpu.sms if tiles > gpu.sms else per_tile * (gpu.sms - tiles)
+        compute = (flops + tail) / rate
+    elem = {"fp8": 1, "fp32": 4}.get(precision, 2)
+    memory = batch * (m * k + k * n + m * n) * elem / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)
+    return max(compute, memory) + gpu.kernel_overhead_us * 1e-6
+
+
+@lru_cache(maxsize=4096)
+def _measured_rate(table: tuple, m: int, n: int, k: int) -> float:
+    """TFLOP/s of the measured shape closest in log-space (a profile's table)."""
+    best, rate = None, None
+    for tm, tn, tk, tflops in table:
+        dist = (math.log(m / tm)) ** 2 + (math.log(n / tn)) ** 2 + (math.log(k / tk)) ** 2
+        if best is None or dist < best:
+            best, rate = dist, tflops
+    return rate
+
+
+def hbm_time(gpu: GPU, nbytes: float) -> float:
+    return nbytes / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)
+
+
+def members_per_node(gpu: GPU, stride: int, size: int) -> int:
+    """Ranks of a group of `size` ranks, `stride` apart in the world (tp innermost, as loom's mesh), that
+    share one node."""
+    return max(1, min(size, gpu.node_size // stride))
+
+
+def collective_time(gpu: GPU, kind: str, nbytes: float, n: int, per_node: int) -> float:
+    """Ring all-reduce / all-gather / reduce-scatter of `nbytes` (the full tensor) over n ranks, `per_node`
+    of them in each node. Inside a node: NVLink. Across nodes the cluster is rail-optimised (DGX/HGX: one
+    network port per GPU): NCCL runs one ring per port, each crossing every node boundary once, so a group
+    with k ranks per node moves k ports' bandwidth between nodes (capped by NVLink, which the rings also
+    cross). nccl-tests all-reduce over 8-GPU H100 nodes with 8 x 400 Gb/s NDR reaches 400-450 GB/s bus
+    bandwidth, where one port is 50 GB/s; a group with one rank per node (dp across tp=8 nodes) gets one port."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    intra_node = per_node >= n
+    link = gpu.nvlink_gbps if intra_node else min(gpu.nvlink_gbps, per_node * gpu.internode_gbps)
+    bw = link * 1e9 * gpu.collective_efficiency
+    factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+    latency = gpu.collective_latency_us * 1e-6 * (2 if kind == "all_reduce" else 1) * (1 if intra_node else 2)
+    return latency + factor * nbytes / bw
+
+
+def p2p_time(gpu: GPU, nbytes: float, intra_node: bool) -> float:
+    bw = (gpu.nvlink_gbps if intra_node else gpu.internode_gbps) * 1e9 * gpu.collective_efficiency
+    return gpu.collective_latency_us * 1e-6 + nbytes / bw
+
+
+def elementwise_time(gpu: GPU, prec: str, nbytes: float) -> float:
+    """Seconds for a layer's elementwise ops that move `nbytes` (as `elementwise_bytes_per_token` counts
+    them): at the rate a profile measured for loom's own layer at the nearest working-set size (on a CPU
+    these ops are compute- and dispatch-bound, far below the memory bandwidth, and faster while the
+    working set fits in cache), else at the memory bandwidth."""
+    table = gpu.elementwise_gbps.get("bf16" if prec == "fp8" else prec)  # fp8 runs these ops in bf16
+    if not table or nbytes <= 0:
+        return hbm_time(gpu, nbytes)
+    return nbytes / (log_interpolate(table, nbytes) * 1e9)
+
+
+def log_interpolate(table, x: float) -> float | None:
+    """The value of a [[x, y], ...] table at x, linear in log x between the rows either side (the end
+    rows' values beyond them); None without a table."""
+    if not table:
+        return None
+    curve = sorted(table)
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
+    return curve[-1][1]

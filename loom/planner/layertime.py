@@ -1,0 +1,209 @@
+"""Time of one layer and of the LM head for one micro-batch on one rank, term by term:
+  gemm         linear-layer matmuls (`kernels.gemm_time`);
+  attention    the s x s part: fused kernel FLOPs (causal half) over the efficiency of the kernel that runs
+               it (torch SDPA's FlashAttention-2 for loom, Transformer Engine's cuDNN attention for
+               Megatron), or with "math" attention two batched GEMMs plus the softmax/mask/dropout traffic;
+  elementwise  norms, residual adds, activation functions, RoPE, dropout: bytes over HBM bandwidth, or
+               over the rate a profile measured for loom's own layer at that working set (a CPU's
+               are compute-bound) (backward moves twice the forward bytes);
+  tp_comm      tensor-parallel all-reduces (or all-gather + reduce-scatter with SP) that are not
+               overlapped, over NVLink when the group fits in a node, else the network (every collective
+               across nodes moves one network port per group rank in a node: rail-optimised clusters);
+  cp_comm      context parallelism's key/value all-gather; ep_comm: expert parallelism's all-to-alls;
+  overhead     the gap between dependent kernels;
+forward and backward (with recomputation's extra forward work).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from loom.config import ModelConfig
+from loom.planner.kernels import collective_time, elementwise_time, gemm_time, hbm_time, members_per_node
+from loom.planner.workload import Workload
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    fwd: dict
+    bwd: dict  # including recomputation
+
+
+def elementwise_bytes_per_token(cfg: ModelConfig, prec: str, tp: int = 1, sp: bool = False, moe: bool = False) -> float:
+    """Bytes the elementwise ops of one layer's forward move per token on a rank: two norms, two residual
+    adds (replicated over tp unless SP splits the sequence), the MLP's activation function and rotary
+    embedding (split over tp), dropout and fp8 casts when present."""
+    h, d, a, g, f = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
+    half = 4 if prec == "fp32" else 2  # bytes of an activation element
+    per_token_hidden = 2 * (2 * h * half) + 2 * (3 * h * half)  # two norms, two residual adds
+    if cfg.dropout > 0:
+        per_token_hidden += 2 * (2 * h * half + h)
+    per_token_split = (3 if cfg.mlp == "swiglu" else 2) * f * half if not moe else 0.0  # activation function
+    if cfg.position == "rope":
+        per_token_split += 2 * (a + g) * d * half
+    fp8_cast = 0.0
+    if prec == "fp8":
+        # Every linear input (forward) and output gradient (backward) is scaled and cast to fp8, plus a
+        # transposed fp8 copy for the weight gradient: 4 bytes moved per input element over forward and
+        # backward together. Half is counted here, in the forward's bytes; backward's 2x gives the rest.
+        inputs_per_token = h + a * d / tp + h + f / tp  # QKV, out-proj, fc1, fc2 inputs on this rank
+        fp8_cast = 4 * inputs_per_token / 2
+    return per_token_hidden / (tp if sp else 1) + per_token_split / tp + fp8_cast
+
+
+def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool, moe: bool = False,
+                   ep: int = 1) -> tuple[dict, dict]:
+    """Forward time terms of one layer (`moe`: a mixture-of-experts layer with experts over `ep` ranks), and
+    the part of them that belongs to the attention core."""
+    cfg, gpu, prec = w.model, w.gpu, w.precision
+    h, d, a, g, f = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
+    s = w.seq_len // cp  # this rank's queries
+    tokens = mbs * s
+    half = 4 if prec == "fp32" else 2  # bytes of an activation element
+    # Linear layers, split over tp (columns for QKV / fc1, rows for out / fc2).
+    gemm = gemm_time(gpu, prec, tokens, (a + 2 * g) * d // tp, h) + gemm_time(gpu, prec, tokens, h, a * d // tp)
+    moe_terms = _moe_forward(w, tokens, tp, sp, ep) if moe else None
+    if moe_terms:
+        gemm += moe_terms["gemm"]
+    else:
+        gemm += (gemm_time(gpu, prec, tokens, (2 if cfg.mlp == "swiglu" else 1) * f // tp, h)
+                 + gemm_time(gpu, prec, tokens, h, f // tp))
+    heads = a // tp
+    core: dict = {}
+    if cfg.attention == "math":
+        # Scores and context as batched GEMMs over the keys, then scale+mask+softmax (+ dropout). One rank
+        # computes the whole square; a cp rank its two chunks of c = S/(2cp) queries against their key
+        # prefixes ((i+1)c and (2cp-i)c keys: on average c(2cp+1)/2 per query, the same on every rank).
+        keys = w.seq_len if cp == 1 else w.seq_len * (2 * cp + 1) // (4 * cp)
+        score = gemm_time(gpu, "bf16" if prec == "fp8" else prec, s, keys, d, mbs * heads)
+        ctx = gemm_time(gpu, "bf16" if prec == "fp8" else prec, s, d, keys, mbs * heads)
+        elems = mbs * heads * s * keys
+        traffic = elems * 2 * half + (elems * (2 * half + 1) if cfg.attn_dropout > 0 else 0)
+        core = {"attention": score + ctx, "elementwise": hbm_time(gpu, traffic)}
+    else:
+        # Fused attention computes only the causal half of the score matrix.
+        flops = 2 * 2 * mbs * heads * s * w.seq_len * d / 2
+        peak16 = gpu.peak("bf16" if prec == "fp8" else prec)
+        core = {"attention": flops / (peak16 * 1e12 * w.attention_efficiency), "elementwise": 0.0}
+    elementwise = elementwise_time(gpu, prec, tokens * elementwise_bytes_per_token(cfg, prec, tp, sp, moe))
+    if moe_terms:
+        elementwise += moe_terms["elementwise"]
+    tp_comm = 0.0
+    if tp > 1:
+        act = tokens * h * half
+        per_node = members_per_node(gpu, 1, tp)
+        if sp:
+            tp_comm = 2 * (collective_time(gpu, "all_gather", act, tp, per_node)
+                           + collective_time(gpu, "reduce_scatter", act, tp, per_node))
+        else:
+            tp_comm = 2 * collective_time(gpu, "all_reduce", act, tp, per_node)
+    # Context parallelism as loom runs it: the keys and values of the whole sequence all-gathered over the cp
+    # group before attention (their gradients reduce-scattered in backward), not overlapped with compute.
+    cp_comm = 0.0
+    if cp > 1:
+        kv = 2 * mbs * w.seq_len * (g // tp if g >= tp else 1) * d * half
+        cp_comm = collective_time(gpu, "all_gather", kv, cp, members_per_node(gpu, tp, cp))
+    kernels = 14 + (4 if cfg.attention == "math" else 1) + (2 if cfg.dropout > 0 else 0) + (6 if cp > 1 else 0)
+    if moe_terms:
+        kernels += moe_terms["kernels"]
+    fwd = {"gemm": gemm, "attention": core["attention"], "elementwise": elementwise + core["elementwise"],
+           "tp_comm": tp_comm, "cp_comm": cp_comm, "ep_comm": moe_terms["ep_comm"] if moe_terms else 0.0,
+           "overhead": kernels * gpu.kernel_overhead_us * 1e-6}
+    return fwd, core
+
+
+def _moe_forward(w: Workload, tokens: int, tp: int, sp: bool, ep: int) -> dict:
+    """An MoE layer's MLP forward on one rank, in place of the dense MLP. MoE layers are not split over tp
+    (loom/parallel/tensor.py): every tensor-parallel rank routes all the micro-batch's tokens (under SP it
+    all-gathers them first and keeps its own shard of the output), sends each token's top_k rows to the
+    experts' ranks and computes what it receives: tokens x top_k rows (x the imbalance on the busiest rank),
+    spread over its E/ep experts as one grouped GEMM per weight (`batch` = local experts). The router is a
+    small GEMM; the shared experts a whole dense MLP on every tp rank. Dispatch and combine are one all-to-all each over the ep ranks
+    (each rank sends (ep-1)/ep of its rows away), inside a node when the ep group (stride tp) fits in one,
+    else at the network's bandwidth for the part that leaves the node. Permuting the rows in and out and the
+    experts' activation function are HBM traffic."""
+    cfg, gpu, prec = w.model, w.gpu, w.precision
+    h, k, E = cfg.hidden, cfg.moe_top_k, cfg.moe_experts
+    fe = cfg.moe_ffn_hidden or cfg.ffn_hidden
+    gated = cfg.mlp == "swiglu"
+    half = 4 if prec == "fp32" else 2
+    routed_tokens = tokens
+    rows = routed_tokens * k * w.moe_imbalance
+    local = E // ep
+    per_expert = max(1, math.ceil(rows / local))
+    gemm = (gemm_time(gpu, prec, per_expert, (2 if gated else 1) * fe, h, local)
+            + gemm_time(gpu, prec, per_expert, h, fe, local)
+            + gemm_time(gpu, "bf16" if prec == "fp8" else prec, routed_tokens, E, h))  # the router (fp32 in
+    # loom; priced at the 16-bit rate: E x h per token is small next to the experts')
+    if cfg.moe_shared_experts:
+        fs = cfg.moe_shared_experts * fe
+        gemm += gemm_time(gpu, prec, tokens, (2 if gated else 1) * fs, h) + gemm_time(gpu, prec, tokens, h, fs)
+    # Bytes: rows gathered in and scattered back (read + write each), the activation function over the rows,
+    # the router's softmax / top-k over E scores per token (fp32).
+    traffic = rows * (2 * 2 * h * half + (3 if gated else 2) * fe * half) + routed_tokens * E * 4 * 3
+    if cfg.moe_shared_experts:
+        traffic += tokens * (3 if gated else 2) * cfg.moe_shared_experts * fe * half
+    ep_comm = 0.0
+    if ep > 1:
+        volume = rows * h * half * (ep - 1) / ep  # bytes each rank sends per exchange
+        in_node = max(1, min(ep, gpu.node_size // tp))  # ep peers sharing this rank's node
+        out_share = (ep - in_node) / (ep - 1)
+        seconds = max(volume * (1 - out_share) / (gpu.nvlink_gbps * 1e9 * gpu.collective_efficiency),
+                      volume * out_share / (gpu.internode_gbps * 1e9 * gpu.collective_efficiency))
+        ep_comm = 2 * (gpu.collective_latency_us * 1e-6 + seconds)
+    return {"gemm": gemm, "elementwise": hbm_time(gpu, traffic), "ep_comm": ep_comm, "kernels": 12}
+
+
+@lru_cache(maxsize=65536)
+def layer_times(w: Workload, tp: int, cp: int, mbs: int, sp: bool, recompute: str, ep: int = 1) -> LayerTimes:
+    """The model's average layer: dense and MoE layers mixed in their proportion (model.moe.*)."""
+    cfg = w.model
+    dense = _one_layer_times(w, tp, cp, mbs, sp, recompute, False, ep)
+    if not cfg.moe_layers:
+        return dense
+    moe = _one_layer_times(w, tp, cp, mbs, sp, recompute, True, ep)
+    share = cfg.moe_layers / cfg.layers
+
+    def mix(a: dict, b: dict) -> dict:
+        return {key: (1 - share) * a[key] + share * b[key] for key in a}
+
+    return LayerTimes(mix(dense.fwd, moe.fwd), mix(dense.bwd, moe.bwd))
+
+
+def _one_layer_times(w: Workload, tp: int, cp: int, mbs: int, sp: bool, recompute: str, moe: bool,
+                     ep: int) -> LayerTimes:
+    fwd, core = _layer_forward(w, tp, cp, mbs, sp, moe, ep)
+    # Backward: twice the matmul work (input and weight gradients), attention backward 2.5x its forward
+    # for fused kernels (it recomputes the probabilities) or 2x for math, twice the elementwise bytes,
+    # the same TP collectives (SP also re-gathers the saved input shards, overlapped with compute) and the
+    # same all-to-alls (the gradients of the dispatched and combined rows go back the way they came).
+    attn_bwd = (2.5 if w.model.attention != "math" else 2.0) * fwd["attention"]
+    bwd = {"gemm": 2 * fwd["gemm"], "attention": attn_bwd, "elementwise": 2 * fwd["elementwise"],
+           "tp_comm": fwd["tp_comm"], "cp_comm": fwd["cp_comm"], "ep_comm": fwd["ep_comm"],
+           "overhead": 2 * fwd["overhead"]}
+    if recompute == "full":
+        for key in bwd:
+            bwd[key] += fwd[key]
+    elif recompute == "selective":
+        bwd["attention"] += core["attention"]
+        bwd["elementwise"] += core["elementwise"]
+    return LayerTimes(fwd, bwd)
+
+
+@lru_cache(maxsize=4096)
+def head_times(w: Workload, tp: int, cp: int, mbs: int) -> tuple[float, float]:
+    """Forward and backward seconds of the LM head and cross-entropy (fp32 logits) per micro-batch."""
+    cfg, gpu = w.model, w.gpu
+    tokens = mbs * w.seq_len // cp
+    v = cfg.vocab_size // tp
+    fwd = gemm_time(gpu, "bf16" if w.precision == "fp8" else w.precision, tokens, v, cfg.hidden)
+    logits = tokens * v * 4
+    fwd += hbm_time(gpu, 3 * logits)  # cast to fp32, log-softmax, gather
+    bwd = 2 * (fwd - hbm_time(gpu, 3 * logits)) + hbm_time(gpu, 3 * logits)
+    if w.loss_chunk and w.loss_chunk < tokens:  # backward recomputes each chunk's logits first
+        bwd += fwd
+    if tp > 1:  # loss-parallel: max and sum-exp all-reduces of tokens floats
+        fwd += 2 * collective_time(gpu, "all_reduce", tokens * 4, tp, members_per_node(gpu, 1, tp))
+    return fwd, bwd

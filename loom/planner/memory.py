@@ -1,0 +1,155 @@
+"""Peak memory per GPU of one training layout: weights, gradients and optimizer state as the data-parallel
+style shards them, activations per layer (`loom.flops`, the formulas `loom memory` is tested against, or
+Megatron-Core with Transformer Engine's) times the micro-batches in flight, the logits, communication
+buffers, fp8 weight caches and a reserve for the CUDA context and allocator fragmentation."""
+
+from __future__ import annotations
+
+from loom.config import ModelConfig
+from loom.flops import layer_activation_bytes
+from loom.rules import grads_stay_sharded
+from loom.planner.params import model_sizes
+from loom.planner.stages import local_params, loom_shard_groups, priced_as_megatron, rank_shapes, recomputed_layers
+from loom.planner.workload import GIB, Layout, Workload
+
+CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers
+FRAGMENTATION = 0.05  # allowance for allocator fragmentation, of everything else
+
+
+def megatron_layer_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
+                                    recompute: str, act_bytes: int, fp8: bool) -> float:
+    """Bytes one layer keeps for backward under Megatron-Core with Transformer Engine's fused modules
+    (NeMo's layer spec): per token, each fused norm+linear (TE LayerNormLinear) keeps its input (e*h) and
+    the normalised output it feeds the GEMM (1 byte under fp8, which keeps the fp8 cast; e otherwise);
+    flash attention keeps q, k, v and its output (e*h(2 + 2g/a)) plus fp32 log-sum-exp (4a); the output
+    projection keeps its fp8 input copy under fp8 (in 16-bit it is the attention output already counted);
+    the fused SwiGLU keeps fc1's output (2ef) and fc2 its input (1 byte under fp8, else e). Fused RoPE and
+    bias-dropout-add keep nothing when dropout is 0. Compared with loom's own layer (loom.flops), there is
+    no fp32 norm-input copy and no separate activation-function outputs. Under TP without SP the norm
+    inputs and outputs are replicated; with SP everything is split. Old runs with unfused "math" attention
+    are not priced here (Korthikanti's formula, loom.flops, is theirs)."""
+    s, b, h, a, g, f = seq_len, micro_batch, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
+    e, lin = act_bytes, (1 if fp8 else act_bytes)
+    sp_div = tp if sp else 1
+    if recompute == "full":
+        return e * s * b * h / sp_div
+    replicated = 2 * (e + lin) * s * b * h  # two norm inputs and their normalised outputs
+    if cfg.dropout > 0:
+        replicated += 2 * s * b * h  # 1-byte masks after each sub-block
+    attn = e * s * b * h * (2 + 2 * g / a) + (lin * s * b * h if fp8 else 0)
+    mlp = ((2 if cfg.mlp == "swiglu" else 1) * e + lin) * s * b * f
+    core = 0.0 if recompute == "selective" else 4 * a * s * b
+    return replicated / sp_div + (attn + mlp + core) / tp
+
+
+def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: int, mega: bool) -> float:
+    """Bytes an MoE layer keeps for backward beyond a dense layer of the same model, on one rank. The dense
+    MLP's activations go; per routed row (tokens x top_k x the busiest rank's load over the mean) come the
+    dispatched input the experts' first GEMMs keep, the experts' MLP activations at moe.ffn_hidden (as a dense
+    MLP's, loom's or Transformer Engine's) and the expert output the gate multiplies in the combine; per token
+    the router's fp32 input copy, logits and probabilities (loom routes in fp32), and the shared experts' MLP.
+    MoE layers are not split over tp: every tensor-parallel rank routes every token (under SP it also keeps
+    the all-gathered input), and holds the shared experts' activations whole. Full recomputation keeps only
+    the layer input, as for a dense layer."""
+    cfg = w.model
+    if recompute == "full":
+        return 0.0
+    b, h, f, k, E = lay.micro_batch, cfg.hidden, cfg.ffn_hidden, cfg.moe_top_k, cfg.moe_experts
+    fe = cfg.moe_ffn_hidden or f
+    fs = cfg.moe_shared_experts * fe
+    gated = cfg.mlp == "swiglu"
+    lin = 1 if mega and w.precision == "fp8" else e
+
+    def mlp(width: float) -> float:  # one token's MLP activations at this width
+        return ((2 if gated else 1) * e + lin) * width if mega else (4 if gated else 2) * e * width
+
+    tokens = s * b
+    rows = tokens * k * w.moe_imbalance
+    routed = rows * (lin * h + mlp(fe) + e * h)
+    router = tokens * ((0 if mega else 4 * h) + 2 * 4 * E)
+    shared = tokens * mlp(fs)
+    if lay.tp > 1 and lay.sp:
+        routed += e * tokens * h  # the gathered input, kept for backward
+    return routed + router + shared - s * b * mlp(f) / lay.tp
+
+
+def memory(w: Workload, lay: Layout) -> dict:
+    """Peak bytes per GPU on the most loaded pipeline rank."""
+    cfg = w.model
+    m = w.global_batch // (lay.dp * lay.micro_batch)
+    moment_bytes = 4 if w.state_dtype == "bfloat16" else 8
+    # Activations: per layer (loom.flops, the formula `loom memory` is tested against) x layers x in flight.
+    act_bytes = 4 if w.precision == "fp32" else 2
+    s = w.seq_len // lay.cp
+    base = "selective" if lay.recompute == "selective" else "none"
+    mega = priced_as_megatron(w, lay)
+    fp8 = w.precision == "fp8"
+    if mega and cfg.attention != "math":
+        # Megatron-Core + TE; its context parallelism (TE's ring) keeps only the local keys/values.
+        per_layer = megatron_layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes, fp8)
+    else:
+        per_layer = layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes)
+    if lay.cp > 1 and not mega:  # attention keeps the gathered keys/values of the rest of the sequence for backward, and
+        # its output twice (each chunk's attention output, and their concatenation for the out-projection)
+        per_layer += 2 * lay.micro_batch * (w.seq_len - s) * max(1, cfg.kv_heads // lay.tp) * cfg.head_dim * act_bytes
+        per_layer += lay.micro_batch * s * cfg.heads // lay.tp * cfg.head_dim * act_bytes
+    full = (layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, "full", act_bytes)
+            if lay.recompute == "full" else 0)
+    if cfg.moe_layers:  # the average layer: MoE layers' MLP activations in place of dense ones
+        per_layer += cfg.moe_layers / cfg.layers * moe_activation_delta(w, s, lay, base, act_bytes, mega)
+    tokens = lay.micro_batch * s
+    z = model_sizes(w)
+    dense_layer, expert_layer = z["dense_layer"], z["expert_layer"]
+    # Communication buffers: two layers' gathered 16-bit weights (FSDP prefetch), or DDP/optimizer buckets.
+    buffers = 2 * 2 * (dense_layer / lay.tp + expert_layer / lay.ep) + (4 * 40e6 if lay.dp > 1 else 0)
+    grad_bytes = 2 if mega and w.grad_dtype == "bfloat16" else 4
+    sharded = grads_stay_sharded(w.grad_accum, lay.pp, m)
+
+    def states(local: float, group: int, cp: int, style: str = lay.dp_style,
+               grads_sharded: bool = sharded) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer) bytes of `local` parameters sharded over `group` ranks (the dp x cp
+        ranks for dense parameters, the expert-data-parallel ranks for routed experts)."""
+        if style == "replicate" and mega:  # Megatron without distopt: 16-bit weights, fp32 master copy
+            return 2 * local, grad_bytes * local, (4 + moment_bytes) * local
+        if style == "replicate":  # loom: fp32 master weights, fp32 gradients, moments, all replicated
+            # (with cp > 1 loom shards over the cp ranks, HSDP with dp_shard_cp = cp: gradients as FSDP's)
+            cp_grads = cp if sharded else 1
+            return 4 * local / cp, 4 * local / cp_grads, moment_bytes * local / cp
+        if style == "distopt":  # Megatron: 16-bit weights + fp32 grads replicated; master + moments split
+            return 2 * local, grad_bytes * local, (4 + moment_bytes) * local / group
+        # fsdp (loom dp_shard): everything split; gradients sharded or whole between micro-batches
+        out = 4 * local / group, 4 * local / (group if grads_sharded else 1), moment_bytes * local / group
+        if lay.pp > 1:  # a stage keeps its gathered compute-dtype weights through the step (no reshard)
+            out = out[0] + act_bytes * local, out[1], out[2]
+        return out
+
+    worst = None
+    for shape in rank_shapes(w, lay):
+        dense, experts = local_params(w, lay, shape)
+        dp = lay.dp * lay.cp  # the cp ranks join the shard group (loom's dp_shard_cp, Megatron's dp x cp)
+        d_state = states(dense, dp, lay.cp)
+        # loom's replicate style still fully_shards routed experts over the edp ranks (loom_shard_groups)
+        dense_group, expert_group = loom_shard_groups(lay)
+        e_style = "fsdp" if lay.dp_style == "replicate" and not mega and lay.ep > 1 else lay.dp_style
+        e_state = (states(experts, expert_group if e_style == "fsdp" else dp // lay.ep, max(1, lay.cp // lay.ep),
+                          e_style, sharded and dense_group > 1) if experts else (0.0, 0.0, 0.0))
+        params, grads, optim = (a + b for a, b in zip(d_state, e_state))
+        activations = shape.held_layers * per_layer
+        if lay.recompute == "full":  # k layers of every chunk keep only their input
+            activations -= sum(held * recomputed_layers(lay, c) for c, held in zip(shape.chunks, shape.held)) * (per_layer - full)
+        # On the rank with the LM head. loom: fp32 logits, their gradient and the 16-bit output. Megatron's
+        # vocab-parallel cross-entropy: the fp32 copy it softmaxes in place and keeps, next to the 16-bit
+        # logits at the end of forward and to the 16-bit input gradient in backward (6 bytes).
+        logit_bytes = 4 + 2 if mega else 4 + 4 + act_bytes
+        alive = min(tokens, w.loss_chunk) if w.loss_chunk else tokens  # one chunk's at a time (train.loss_chunk)
+        logits = alive * (cfg.vocab_size / lay.tp) * logit_bytes if shape.head else 0.0
+        # Transformer Engine keeps each linear weight's fp8 cast and its transpose from the first
+        # micro-batch to the last (its weight workspace cache): 2 bytes per linear weight on the rank.
+        fp8_weights = (2 * shape.layers * (z["linear_layer"] / lay.tp + expert_layer / lay.ep)) if mega and fp8 else 0.0
+        dynamic = params + grads + optim + activations + logits + buffers + fp8_weights
+        total = dynamic * (1 + FRAGMENTATION) + CONTEXT_GIB * GIB
+        if worst is None or total > worst["total"]:
+            worst = {"params": params, "grads": grads, "optimizer": optim, "activations": activations,
+                     "logits": logits, "buffers": buffers, "fp8_weights": fp8_weights, "reserve": CONTEXT_GIB * GIB + FRAGMENTATION * dynamic,
+                     "total": total}
+    return worst

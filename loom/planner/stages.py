@@ -1,0 +1,126 @@
+"""What one rank of a layout holds: the chunks of the pipeline it runs and the micro-batches of
+activations it keeps at its peak, its parameters before data-parallel sharding, and the groups that
+shard them (as loom's fully_shard does, or as Megatron-Core does)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from loom.config import ModelConfig
+from loom.rules import rank_chunks, valid_split
+from loom.planner.params import model_sizes
+from loom.planner.workload import Layout, Workload
+
+
+def stage_layers(cfg: ModelConfig, pp: int) -> int:
+    """Layers on the fullest stage of an (even as possible) split; inference's pipeline uses it."""
+    return math.ceil(cfg.layers / pp)
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What one pipeline rank runs: the layer counts of its chunks, whether it holds the embedding and
+    the LM head, and how many micro-batches of each chunk's activations it holds at its peak."""
+    chunks: tuple[int, ...]
+    embedding: bool
+    head: bool
+    held: tuple[float, ...]
+    layers: int = 0  # sum(chunks)
+    held_layers: float = 0.0  # sum(chunk x held): layer-micro-batches of activations at the peak
+
+
+def _shape(chunks: tuple[int, ...], embedding: bool, head: bool, held: tuple[float, ...]) -> StageShape:
+    return StageShape(chunks, embedding, head, held, sum(chunks), sum(c * h for c, h in zip(chunks, held)))
+
+
+def _held(pp: int, vpp: int, schedule: str, rank: int, m: int) -> tuple[float, ...]:
+    """Micro-batches of each local chunk whose activations rank `rank` holds at its peak, following the
+    order in which torch.distributed.pipelining's schedules run forwards before the first backward."""
+    if schedule == "interleaved" and vpp > 1:
+        # Megatron's interleaved warm-up: 2(p-r-1) + (v-1)p forwards, then one more before the first
+        # backward; the k-th runs local chunk (k // p) % v.
+        held = [0] * vpp
+        for k in range(min(m * vpp, 2 * (pp - rank - 1) + (vpp - 1) * pp + 1)):
+            held[(k // pp) % vpp] += 1
+        return tuple(float(x) for x in held)
+    if schedule == "zero_bubble" and vpp == 2:
+        # ZB-V: 2p-r-1 forwards of the first chunk and r+1 of the second (each backed out at once).
+        return (float(min(m, 2 * pp - rank - 1)), float(min(m, rank + 1)))
+    return tuple(float(min(m, pp - rank)) for _ in range(vpp))  # 1F1B: rank r has p - r in flight
+
+
+@lru_cache(maxsize=65536)
+def pipeline_ranks(layers: int, pp: int, vpp: int, schedule: str, first: int, last: int,
+                   m: int) -> tuple[StageShape, ...] | None:
+    """The distinct rank shapes of a pipeline (None when the split is impossible)."""
+    if pp == 1:
+        return (_shape((layers,), True, True, (1.0,)),)
+    counts = valid_split(layers, pp * vpp, first, last)
+    if counts is None:
+        return None
+    shapes = []
+    for r in range(pp):
+        ids = rank_chunks(pp, vpp, schedule, r)
+        shapes.append(_shape(tuple(counts[i] for i in ids), 0 in ids, pp * vpp - 1 in ids,
+                             _held(pp, vpp, schedule, r, m)))
+    return tuple(dict.fromkeys(shapes))
+
+
+def rank_shapes(w: Workload, lay: Layout) -> tuple[StageShape, ...]:
+    """The distinct rank shapes of a layout's pipeline (ValueError when its layers cannot be split so)."""
+    m = w.global_batch // (lay.dp * lay.micro_batch)
+    shapes = pipeline_ranks(w.model.layers, lay.pp, lay.vpp, lay.schedule, lay.first_stage_layers,
+                            lay.last_stage_layers, m)
+    if shapes is None:
+        raise ValueError(f"{w.model.layers} layers cannot be split as {lay}")
+    return shapes
+
+
+def max_chunk_layers(w: Workload, lay: Layout) -> int:
+    """The largest chunk: recompute.num_layers (block method) counts layers per chunk, as loom applies it
+    to each chunk a rank runs."""
+    return max(max(s.chunks) for s in rank_shapes(w, lay))
+
+
+def recomputed_layers(lay: Layout, chunk: int) -> int:
+    """Layers of a chunk recomputed fully (0 unless recompute=full)."""
+    if lay.recompute != "full":
+        return 0
+    return min(lay.recompute_layers or chunk, chunk)
+
+
+def _stage_params(w: Workload, lay: Layout, shape: StageShape) -> tuple[float, float]:
+    """(parameters outside the routed experts, routed-expert parameters) of one pipeline rank, whole (before
+    tensor or expert parallelism splits them)."""
+    z = model_sizes(w)
+    if lay.pp == 1:
+        return z["total"] - z["experts"], z["experts"]
+    # A tied head still needs its own copy on the last stage when pp > 1 (Megatron does the same).
+    return (shape.layers * z["dense_layer"] + (z["embedding"] if shape.embedding else 0)
+            + (z["head"] if shape.head else 0)), shape.layers * z["expert_layer"]
+
+
+def local_params(w: Workload, lay: Layout, shape: StageShape) -> tuple[float, float]:
+    """What one GPU of a pipeline rank holds before data-parallel sharding: the dense part split over tp, and
+    its E/ep routed experts (not split over tp: every tensor-parallel rank of an expert-parallel rank holds
+    the same experts, as loom's expert parallelism does)."""
+    dense, experts = _stage_params(w, lay, shape)
+    return dense / lay.tp, experts / lay.ep
+
+
+def priced_as_megatron(w: Workload, lay: Layout) -> bool:
+    """Whether a layout's memory and gradient traffic follow Megatron-Core (its distributed optimizer is
+    Megatron's alone; --framework megatron asks for it on any layout)."""
+    return w.framework == "megatron" or lay.dp_style == "distopt"
+
+
+def loom_shard_groups(lay: Layout) -> tuple[int, int]:
+    """The ranks loom's fully_shard splits a rank's dense parameters and its routed experts over
+    (loom/parallel): dp x cp for the fsdp style, the cp ranks for replicate (HSDP over dp_shard_cp); under
+    expert parallelism the routed experts over the expert-data-parallel ranks (dp x cp / ep) whatever the
+    style, else with the dense part. Gradients are reduced every micro-batch only when the dense group has
+    more than one rank (loom/train/steps.py)."""
+    dense = lay.cp if lay.dp_style == "replicate" else lay.dp * lay.cp
+    return dense, (lay.dp * lay.cp // lay.ep if lay.ep > 1 else dense)

@@ -1,0 +1,183 @@
+"""Step time of one training layout, and its estimate. Everything derives from the architecture
+(`ModelConfig`), the layout, and the hardware numbers in `hardware.py`; nothing is fitted to a particular
+published run. A micro-batch's forward and backward on the slowest pipeline rank (`layertime`) times the
+micro-batches, then
+  pipeline     (m + bubble) micro-batch slots of the slowest stage, bubble = (p-1)/v for 1F1B and
+               interleaved, (p-1)/3 for zero-bubble; plus P2P transfers;
+  dp_comm      the part of gradient reduction / parameter gathering not hidden behind backward;
+  fsdp_copy    FSDP2's copies into and out of its flat collective buffers, on the compute stream;
+  optimizer    the AdamW update, bytes over HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+
+from loom.flops import train_flops_per_token
+from loom.rules import grads_stay_sharded
+from loom.planner.hardware import GPU
+from loom.planner.kernels import collective_time, hbm_time, members_per_node, p2p_time
+from loom.planner.layertime import head_times, layer_times
+from loom.planner.memory import memory
+from loom.planner.params import model_sizes
+from loom.planner.stages import local_params, loom_shard_groups, priced_as_megatron, rank_shapes, recomputed_layers
+from loom.planner.workload import Estimate, Layout, Workload
+
+
+def _intra(gpu: GPU, stride: int, size: int) -> bool:
+    return stride * size <= gpu.node_size
+
+
+@lru_cache(maxsize=1024)
+def _with_fused_attention(w: Workload) -> Workload:
+    """`w` with Transformer Engine's fused attention (one object per workload, so the caches keyed on it hold)."""
+    return replace(w, attention_kernel="fused")
+
+
+def step_time(w: Workload, lay: Layout) -> dict:
+    """Seconds of one training step, term by term (the terms of this module's docstring and `layertime`'s)."""
+    cfg, gpu = w.model, w.gpu
+    m = w.global_batch // (lay.dp * lay.micro_batch)
+    base = "selective" if lay.recompute == "selective" else "none"
+    # A layout only Megatron runs (its distributed optimizer) runs Megatron's attention kernel too.
+    kw = _with_fused_attention(w) if lay.dp_style == "distopt" and w.attention_kernel == "auto" else w
+    lt = layer_times(kw, lay.tp, lay.cp, lay.micro_batch, lay.sp, base, lay.ep)
+    ft = layer_times(kw, lay.tp, lay.cp, lay.micro_batch, lay.sp, "full", lay.ep) if lay.recompute == "full" else None
+    hf, hb = head_times(kw, lay.tp, lay.cp, lay.micro_batch)
+    # A micro-batch's forward + backward on each pipeline rank; the slowest rank sets the pace.
+    shapes = rank_shapes(w, lay)
+    terms, per_mb, n_layers = {}, -1.0, 0
+    for shape in shapes:
+        t = dict.fromkeys(("gemm", "attention", "elementwise", "tp_comm", "cp_comm", "ep_comm", "overhead"), 0.0)
+        full_layers = sum(recomputed_layers(lay, c) for c in shape.chunks) if ft else 0
+        for key in t:
+            t[key] = shape.layers * (lt.fwd[key] + lt.bwd[key])
+            if full_layers:
+                t[key] += full_layers * ((ft.fwd[key] + ft.bwd[key]) - (lt.fwd[key] + lt.bwd[key]))
+        t["head"] = hf + hb if shape.head else 0.0
+        if sum(t.values()) > per_mb:
+            terms, per_mb, n_layers = t, sum(t.values()), shape.layers
+    # Pipeline: P2P of one activation per micro-batch each way between stages (split over tp with SP).
+    p2p = 0.0
+    if lay.pp > 1:
+        act = lay.micro_batch * (w.seq_len // lay.cp) * cfg.hidden * 2 / (lay.tp if lay.sp else 1)
+        intra = _intra(gpu, lay.tp * lay.cp * lay.dp, lay.pp)
+        p2p = 2 * lay.vpp * p2p_time(gpu, act, intra)
+    v = lay.vpp if lay.schedule in ("interleaved", "zero_bubble") else 1
+    if lay.pp == 1:
+        bubble_slots = 0.0
+    elif lay.schedule == "zero_bubble":
+        bubble_slots = (lay.pp - 1) / (3 * v)
+    else:
+        bubble_slots = (lay.pp - 1) / v
+    step = {k: val * m for k, val in terms.items()}
+    step["pp_p2p"] = p2p * m
+    step["pp_bubble"] = bubble_slots * (per_mb + p2p)
+    # Data parallel: gradient reduction and parameter gathering, minus what hides behind compute. Routed
+    # experts (E/ep per rank) are reduced over the expert-data-parallel ranks, dp x cp / ep of them.
+    dense, experts = max((local_params(w, lay, shape) for shape in shapes), key=sum)  # the largest rank's
+    dp_comm = 0.0
+    group = lay.dp * lay.cp  # gradients are reduced over the data-parallel ranks and their cp ranks
+    egroup = group // lay.ep
+    # Gradient element size on the wire: Megatron's buffer dtype (bf16 in NeMo's performance recipes), else fp32.
+    gb = 2 if priced_as_megatron(w, lay) and w.grad_dtype == "bfloat16" else 4
+
+    def coll(kind: str, per_param: float) -> float:
+        """One collective over the dense parameters and one over the routed experts' expert-dp group."""
+        return (collective_time(gpu, kind, per_param * dense, group, members_per_node(gpu, lay.tp, group))
+                + collective_time(gpu, kind, per_param * experts, egroup,
+                                  members_per_node(gpu, lay.tp * lay.ep, egroup)))
+
+    if group > 1:
+        bwd_mb = sum(lt.bwd.values()) * n_layers
+        fwd_mb = sum(lt.fwd.values()) * n_layers
+        if lay.dp_style == "replicate":
+            grad = coll("all_reduce", gb)
+            dp_comm = max(grad - bwd_mb, grad / n_layers) if w.overlap_grad_reduce else grad
+        elif lay.dp_style == "distopt":
+            grad = coll("reduce_scatter", gb)
+            gather = coll("all_gather", 2)
+            hidden_grad = max(grad - bwd_mb, grad / n_layers) if w.overlap_grad_reduce else grad
+            dp_comm = hidden_grad + max(gather - fwd_mb, gather / n_layers)
+        else:
+            gather = coll("all_gather", 2)
+            grad = coll("reduce_scatter", 4)
+            hidden_gather = max(gather - fwd_mb, gather / n_layers)
+            hidden_grad = max(grad - bwd_mb, grad / n_layers)
+            if lay.pp > 1:
+                # Pipeline stages gather their weights once per step and keep them; the schedule reduces
+                # gradients after the stage's last backward, with no backward left to hide behind.
+                dp_comm = hidden_gather + grad
+            else:
+                # 16-bit weights gathered before each layer's forward and backward of every micro-batch
+                # (prefetched, overlapping the previous layer); gradients reduce-scattered every
+                # micro-batch (sharded accumulation) or after the last one.
+                sharded = grads_stay_sharded(w.grad_accum, lay.pp, m)
+                dp_comm = m * (hidden_gather + max(gather - bwd_mb, gather / n_layers)) + (m if sharded else 1) * hidden_grad
+        if w.fsdp2 and lay.dp_style in ("fsdp", "replicate") and not priced_as_megatron(w, lay):
+            step["fsdp_copy"] = hbm_time(gpu, fsdp2_copy_bytes(w, lay, dense, experts, m))
+    step["dp_comm"] = dp_comm
+    # AdamW: read param, grad, two moments; write param, moments (and a 16-bit copy); over the local shard.
+    if lay.dp_style == "replicate":  # loom's replicate still shards the routed experts over the edp ranks
+        shard = dense / lay.cp + experts / (max(1, lay.cp // lay.ep) if priced_as_megatron(w, lay)
+                                            else loom_shard_groups(lay)[1])
+    else:
+        shard = dense / group + experts / egroup
+    moment = 2 if w.state_dtype == "bfloat16" else 4
+    step["optimizer"] = hbm_time(gpu, shard * (4 + 4 + 2 * moment + 4 + 2 * moment + 2))
+    return step
+
+
+def fsdp2_copy_bytes(w: Workload, lay: Layout, dense: float, experts: float, m: int) -> float:
+    """Bytes torch's fully_shard (FSDP2: loom's fsdp style, and its replicate style, which is fully_shard over
+    a shard group of the cp ranks) copies on the compute stream in one step, for a rank holding `dense` and
+    `experts` parameters before data-parallel sharding; NCCL's collectives overlap compute, these copies do
+    not (torch/distributed/fsdp/_fully_shard):
+    - each unshard copies the all-gather's flat output into the unsharded parameters
+      (split_with_sizes_copy: e bytes read and written per element, e the compute dtype's size); a shard group
+      of one skips the collective but casts the fp32 parameter to the compute dtype and copies it (4 + 3e);
+    - without pipelining, blocks reshard after forward and gather again for backward; the last block and the
+      root (embedding, final norm, head) gather once per micro-batch; a pipeline stage gathers once per step;
+    - each reduction concatenates the unsharded gradients into the flat fp32 reduce-scatter buffer
+      (chunk_cat: e read, 4 written) on every micro-batch when gradients stay sharded; otherwise the first
+      micro-batch's gradients are cast to fp32 (e + 4), each later one is added in (4 + e read, 4 written),
+      and the last chunk_cat copies fp32 (8).
+    In fp32 (no mixed precision: a CPU's) there is no cast: an unshard is a copy (8) and gradients accumulate
+    in autograd, so only the chunk_cat (8) per reduction is FSDP's. Shard groups: `loom_shard_groups`."""
+    cfg = w.model
+    e = 4 if w.precision == "fp32" else 2
+    shard_dense, shard_experts = loom_shard_groups(lay)
+
+    def unshard(n: int) -> float:
+        return 2 * e if n > 1 or e == 4 else 4 + 3 * e
+
+    once = dense * unshard(shard_dense) + experts * unshard(shard_experts)
+    if lay.pp > 1:
+        gathers = once
+    else:
+        z = model_sizes(w)
+        root = (z["total"] - z["experts"] - cfg.layers * z["dense_layer"]) / lay.tp
+        single = (root + z["dense_layer"] / lay.tp) * unshard(shard_dense) + z["expert_layer"] / lay.ep * unshard(shard_experts)
+        gathers = m * (2 * once - single)
+    local = dense + experts
+    if shard_dense > 1 and grads_stay_sharded(w.grad_accum, lay.pp, m):
+        reduces = m * local * (e + 4)
+    elif e == 4:
+        reduces = local * 8
+    else:
+        reduces = local * ((e + 4) + (m - 1) * (8 + e) + (8 if m > 1 else 0))
+    return gathers + reduces
+
+
+def evaluate(w: Workload, lay: Layout, mem: dict | None = None) -> Estimate:
+    mem = mem if mem is not None else memory(w, lay)
+    terms = step_time(w, lay)
+    step = sum(terms.values())
+    tokens = w.global_batch * w.seq_len
+    flops = train_flops_per_token(w.model, w.seq_len) * tokens
+    tflops = flops / step / w.gpus / 1e12
+    return Estimate(layout=lay, step_time_s=step, time_terms=terms, memory=mem,
+                    fits=mem["total"] <= w.usable_bytes,
+                    tokens_per_s_per_gpu=tokens / step / w.gpus, tflops_per_gpu=tflops,
+                    mfu=tflops / w.gpu.peak(w.precision))

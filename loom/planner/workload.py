@@ -1,0 +1,119 @@
+"""What the planner prices: a workload (model, batch, cluster and the framework choices that run it), a
+parallel layout of it, and the estimate the cost model gives for the pair."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loom.config import ModelConfig
+from loom.planner.hardware import GPU
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: the cost model's caches key on it
+class Workload:
+    model: ModelConfig
+    seq_len: int
+    global_batch: int
+    gpus: int
+    gpu: GPU
+    precision: str = "bf16"  # bf16 | fp16 | fp8 (fp8: linear layers only, attention stays 16-bit)
+    state_dtype: str = "float32"  # AdamW moments
+    # Gradient reduction overlapped with backward (loom's FSDP2, Megatron-Core's --overlap-grad-reduce).
+    # Megatron-LM before 2023 reduced after the last backward; validation of those runs turns it off.
+    overlap_grad_reduce: bool = True
+    # FSDP gradients over a step's micro-batches (loom's parallel.grad_accum): "sharded" reduce-scatters
+    # every micro-batch, "unsharded" holds them whole until the last; pipelines always reduce once.
+    grad_accum: str = "sharded"
+    # GiB per GPU kept free beyond the modelled total (allocator caching and spikes the model does not see);
+    # `loom plan --memory-margin`, default 5% of the GPU's memory there; 0 here (library and validation).
+    memory_margin_gib: float = 0.0
+    # Which framework runs the layout, for its memory: "loom" (the formulas `loom memory` is tested against)
+    # or "megatron" (Megatron-Core with Transformer Engine, as NeMo runs it; see megatron_layer_activation_bytes).
+    # Megatron's distributed optimizer (dp_style="distopt") is always priced as Megatron runs it.
+    framework: str = "loom"
+    # Megatron's gradient buffer: float32 (Megatron-LM's default for bf16, --accumulate-allreduce-grads-in-fp32)
+    # or bfloat16 (NeMo's performance recipes: grad_reduce_in_fp32=False). loom keeps fp32 gradients.
+    grad_dtype: str = "float32"
+    # Mixture of experts: tokens routed to the busiest expert-parallel rank over the mean (1.0: balanced, as
+    # Megatron-Bridge's and NeMo AutoModel's MoE benchmarks force). It scales the busiest rank's expert work,
+    # activations and all-to-all volume.
+    moe_imbalance: float = 1.0
+    # LM head + cross-entropy this many tokens at a time, each chunk's logits recomputed in backward (loom's
+    # train.loss_chunk; fused linear cross-entropy elsewhere): one chunk's logits alive instead of the
+    # micro-batch's, for one more head forward. 0: whole micro-batch.
+    loss_chunk: int = 0
+    # Attention kernel: "sdpa" (torch's scaled_dot_product_attention, flash backend: FlashAttention-2, what
+    # loom runs), "fused" (Transformer Engine's cuDNN fused attention), or "auto": fused when the framework
+    # is megatron, else sdpa.
+    attention_kernel: str = "auto"
+    # Data parallelism through torch's fully_shard (FSDP2, per-parameter buffers: loom and PyTorch-native
+    # trainers), whose copies into and out of its flat collective buffers run on the compute stream
+    # (fsdp2_copy_bytes); False for a stack that gathers and reduces flat buffers in place (FSDP1's flat
+    # parameters, Megatron's distributed optimizer).
+    fsdp2: bool = True
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.gpu.memory_gib - self.memory_margin_gib) * GIB
+
+    @property
+    def attention_efficiency(self) -> float:
+        """The fraction of the 16-bit peak this workload's fused attention kernel sustains."""
+        fused = self.attention_kernel == "fused" or (self.attention_kernel == "auto" and self.framework == "megatron")
+        return (self.gpu.fused_attention_efficiency or self.gpu.attention_efficiency) if fused else self.gpu.attention_efficiency
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    micro_batch: int = 1
+    sp: bool = False
+    recompute: str = "none"  # none | selective | full
+    recompute_layers: int = 0  # full: layers per chunk recomputed, as loom's recompute.num_layers (0 = all)
+    dp_style: str = "fsdp"  # replicate | distopt | fsdp
+    schedule: str = "1f1b"  # 1f1b | interleaved | zero_bubble
+    # Uneven pipeline split (loom's parallel.first/last_stage_layers): layers in the first / last chunk,
+    # the other chunks splitting the rest evenly; 0 = even split.
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    step_time_s: float
+    time_terms: dict  # seconds per step, each term
+    memory: dict  # bytes per GPU
+    fits: bool
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float
+    mfu: float
+    notes: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        lay = self.layout
+        rec = lay.recompute
+        return {
+            "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep,
+            "micro_batch": lay.micro_batch, "sp": lay.sp, "recompute": rec,
+            "recompute_layers": lay.recompute_layers, "dp_style": lay.dp_style, "schedule": lay.schedule,
+            "first_stage_layers": lay.first_stage_layers, "last_stage_layers": lay.last_stage_layers,
+            "step_time_s": round(self.step_time_s, 6),
+            "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 3),
+            "tflops_per_gpu": round(self.tflops_per_gpu, 3),
+            "mfu": round(self.mfu, 5),
+            "memory_gib": {k: round(v / GIB, 4) for k, v in self.memory.items()},
+            "time_s": {k: round(v, 6) for k, v in self.time_terms.items()},
+            "fits": self.fits,
+        }
