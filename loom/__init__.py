@@ -19,7 +19,7 @@ def load_model(path, dtype=None, device="cpu"):
     import torch
 
     from loom.errors import UserError
-    from loom.interop.hf import import_hf, is_hf_dir
+    from loom.interop import import_hf, is_hf_dir
     from loom.models.io import CONFIG, load_model_dir
 
     dtype = torch.float32 if dtype is None else dtype

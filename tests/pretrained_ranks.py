@@ -13,7 +13,7 @@ def load_on_rank(src: str, overrides: list[str]):
     """One rank: parallelise a seed-initialised model, load `src` into it, compare every full weight."""
     from torch.distributed.tensor import DTensor
 
-    from loom.interop.hf import hf_to_loom_state, load_hf_state_dict
+    from loom.interop.hf_io import hf_to_loom_state, load_hf_state_dict
     from loom.parallel import build_layout, parallelize
 
     cfg = resolve_init_from(load_config("tiny", overrides, validate=False), overrides)

@@ -91,3 +91,35 @@ def test_toml_unknown_key_in_file(tmp_path):
 
 def test_defaults_are_valid():
     Config().validate()
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("model.rope_factor=0.5", "model.rope_factor=0.5 must be a finite number >= 1"),
+        ("model.rope_factor=inf", "model.rope_factor=inf must be a finite number >= 1"),
+        ("model.rope_low_freq_factor=0", "model.rope_low_freq_factor=0.0 must be a finite number > 0"),
+        ("model.rope_high_freq_factor=nan", "model.rope_high_freq_factor=nan must be a finite number > 0"),
+        ("model.rope_high_freq_factor=1", "model.rope_high_freq_factor=1.0 must exceed model.rope_low_freq_factor=1.0"),
+        ("model.rope_original_max_len=0", "model.rope_original_max_len=0 must be a positive integer"),
+    ],
+)
+def test_llama3_rope_scaling_bounds(override, fragment):
+    """Llama 3.1's RoPE scaling is checked once, with transformers' bounds (factor >= 1, 0 < low < high); the
+    same values with plain RoPE are unused and accepted. A config.json goes through the same check
+    (tests/test_hf_interop.py)."""
+    assert load_config("tiny", ["model.rope_scaling=llama3"]).model.rope_factor == 8.0
+    with pytest.raises(UserError) as err:
+        load_config("tiny", ["model.rope_scaling=llama3", override])
+    assert fragment in str(err.value)
+    load_config("tiny", [override])
+
+
+def test_section_checks_name_the_toml_key():
+    """The shared checks spell a field as its TOML key (`model.moe.ffn_hidden`, not `moe_ffn_hidden`)."""
+    with pytest.raises(UserError, match=r"model\.moe\.ffn_hidden=-1 must be >= 0"):
+        load_config("tiny-moe", ["model.moe.ffn_hidden=-1"])
+    with pytest.raises(UserError, match=r"model\.moe\.load_balance_coeff=nan must be a finite number >= 0"):
+        load_config("tiny-moe", ["model.moe.load_balance_coeff=nan"])
+    with pytest.raises(UserError, match=r"rl\.gamma=1\.5 must be in \[0, 1\]"):
+        load_config("tiny", ["rl.gamma=1.5"])

@@ -204,6 +204,11 @@ def test_refuses_unsupported_configs():
     llama31 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     got = model_config_from_hf({**legacy, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **llama31}})
     assert (got.rope_scaling, got.rope_factor, got.rope_original_max_len, got.rope_theta) == ("llama3", 8.0, 8192, 5e5)
+    # Its bounds are the ones a TOML config gets (ModelConfig.validate), named with the config.json's path.
+    for patch, message in [({"factor": 0.5}, "model.rope_factor=0.5 must be a finite number >= 1"),
+                           ({"high_freq_factor": 1.0}, "model.rope_high_freq_factor=1.0 must exceed")]:
+        with pytest.raises(UserError, match=r"^config\.json: " + message):
+            model_config_from_hf({**legacy, "rope_scaling": {"rope_type": "llama3", **llama31, **patch}})
     assert model_config_from_hf({**base, "head_dim": 32}).head_dim == 32
 
 

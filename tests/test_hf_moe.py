@@ -17,8 +17,8 @@ from conftest import randomize_hf_weights, save_hf_models
 from loom.cli import main
 from loom.config import Config, ModelConfig
 from loom.errors import UserError
-from loom.interop import convert, export_hf, import_hf, model_config_from_hf
-from loom.interop.hf import Piece, hf_config_from_model, read_piece
+from loom.interop import convert, export_hf, hf_config_from_model, import_hf, model_config_from_hf
+from loom.interop.hf_names import Piece, read_piece
 from loom.models.llama import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -229,13 +229,13 @@ def transformers_loss(hf_model, overrides) -> float:
     """transformers' mean next-token cross-entropy (float64) on the global batch of step 1 as `loom train`
     reads it with these overrides."""
     from loom.config import load_config
-    from loom.data.loader import build_datasets, load_tokenizer
+    from loom.data.token_datasets import build_datasets
+    from loom.data.tokenizer import load_tokenizer
     from loom.interop.pretrained import resolve_init_from
-    from loom.train.steps import read_batch
 
     cfg = resolve_init_from(load_config("tiny", overrides, validate=False), overrides)
     train, _ = build_datasets(cfg, load_tokenizer(cfg))
-    batch = read_batch(train, 0, cfg.train.global_batch)
+    batch = train.batch(0, cfg.train.global_batch)
     out = logits(hf_model, batch["input_ids"]).double()
     return F.cross_entropy(out.flatten(0, 1), batch["labels"].flatten()).item()
 

@@ -35,7 +35,7 @@ def test_each_contract_catches_its_violation(tmp_path):
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     _append_in_function(tmp_path / "loom" / "parallel" / "tensor.py", "from loom.train import trainer")
     _append_in_function(tmp_path / "loom" / "rules.py", "import torch")
-    _append_in_function(tmp_path / "loom" / "config.py", "from loom.parallel import dims")
+    _append_in_function(tmp_path / "loom" / "config" / "__init__.py", "from loom.parallel import dims")
     proc = lint_imports(tmp_path)
     assert proc.returncode != 0
     assert f"0 kept, {CONTRACTS} broken" in proc.stdout, proc.stdout[-3000:]

@@ -55,12 +55,12 @@ def hf_dirs(tmp_path_factory, tokenizer_file):
 
 def first_batch(overrides):
     """The global batch of step 1 as `loom train` reads it (independent of the layout)."""
-    from loom.data.loader import build_datasets, load_tokenizer
-    from loom.train.steps import read_batch
+    from loom.data.token_datasets import build_datasets
+    from loom.data.tokenizer import load_tokenizer
 
     cfg = resolve_init_from(load_config("tiny", overrides, validate=False), overrides)
     train, _ = build_datasets(cfg, load_tokenizer(cfg))
-    return read_batch(train, 0, cfg.train.global_batch)
+    return train.batch(0, cfg.train.global_batch)
 
 
 def reference_loss(model_fn, batch) -> float:

@@ -1,14 +1,9 @@
-"""Conversion between loom model directories and other ecosystems' checkpoints."""
+"""Conversion between loom model directories and other ecosystems' checkpoints: Hugging Face tensor names
+(`hf_names`), config.json <-> ModelConfig (`hf_config`), reading and writing checkpoints (`hf_io`), and
+training from pretrained weights (`pretrained`)."""
 
-from loom.interop.hf import (
-    convert,
-    export_hf,
-    hf_config_from_model,
-    import_hf,
-    is_hf_dir,
-    load_hf_state_dict,
-    model_config_from_hf,
-)
+from loom.interop.hf_config import hf_config_from_model, is_hf_dir, model_config_from_hf
+from loom.interop.hf_io import convert, export_hf, import_hf, load_hf_state_dict
 
 __all__ = [
     "convert",

@@ -17,7 +17,7 @@ a step-N directory: `torch.distributed.checkpoint` shards). Two steps:
 
 Hugging Face and loom share the rotate-half RoPE layout, so no tensor is permuted: a slice of a Hugging
 Face tensor is the same slice of the loom tensor. Routed experts, which loom stacks ([E, in, out]) and
-Hugging Face stores one nn.Linear per expert (or fused), are read piece by piece (`loom.interop.hf.Piece`):
+Hugging Face stores one nn.Linear per expert (or fused), are read piece by piece (`loom.interop.hf_names.Piece`):
 a rank holding some experts (or a slice of each) reads those elements only.
 """
 
@@ -34,8 +34,9 @@ import torch
 
 from loom.config import Config, ModelConfig, key_of
 from loom.errors import UserError
-from loom.interop.hf import (HF_CONFIG, HF_INDEX, HF_WEIGHTS, TOKENIZER, Piece, hf_pieces, model_config_from_hf,
-                             piece_shape, read_hf_config, read_piece)
+from loom.interop.hf_config import HF_CONFIG, HF_WEIGHTS, model_config_from_hf, read_hf_config
+from loom.interop.hf_io import HF_INDEX, TOKENIZER
+from loom.interop.hf_names import Piece, hf_pieces, loom_to_hf_name, piece_shape, read_piece
 from loom.models.io import CONFIG, DCP_METADATA, WEIGHTS, read_config, resolve_model_dir
 
 # Model keys that do not change the weights' names or shapes: an explicit override is kept.
@@ -90,18 +91,18 @@ def resolve_init_from(cfg: Config, overrides=None) -> Config:
     src = describe_source(cfg.train.init_from)
     explicit = _override_keys(overrides)
     model = dataclasses.replace(src.model)
+    mine, theirs = vars(cfg.model), vars(src.model)
     for f in dataclasses.fields(ModelConfig):
         key = f"model.{key_of(f)}"
         if key not in explicit:
             continue
-        mine, theirs = getattr(cfg.model, f.name), getattr(src.model, f.name)
         if f.name in FREE_KEYS:
-            setattr(model, f.name, mine)
-        elif mine != theirs:
+            setattr(model, f.name, mine[f.name])
+        elif mine[f.name] != theirs[f.name]:
             raise UserError(
-                f"{key}={mine!r} contradicts train.init_from={cfg.train.init_from}, whose model has {key_of(f)}="
-                f"{theirs!r}; the architecture comes from the pretrained weights, so drop --{key} (only "
-                f"{', '.join('model.' + k for k in FREE_KEYS)} may be changed)")
+                f"{key}={mine[f.name]!r} contradicts train.init_from={cfg.train.init_from}, whose model has "
+                f"{key_of(f)}={theirs[f.name]!r}; the architecture comes from the pretrained weights, so drop "
+                f"--{key} (only {', '.join('model.' + k for k in FREE_KEYS)} may be changed)")
     cfg.model = model
     _resolve_tokenizer(cfg, src)
     return cfg.validate()
@@ -140,9 +141,9 @@ def check_matches_source(cfg: Config) -> None:
     """UserError when `cfg.model` is not the architecture of `cfg.train.init_from` (a config built without
     `resolve_init_from`)."""
     src = describe_source(cfg.train.init_from)
-    fixed = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in FREE_KEYS]
-    diffs = [f"model.{n}: {getattr(cfg.model, n)!r} here, {getattr(src.model, n)!r} in {src.path}"
-             for n in fixed if getattr(cfg.model, n) != getattr(src.model, n)]
+    mine, theirs = vars(cfg.model), vars(src.model)
+    diffs = [f"model.{n}: {mine[n]!r} here, {theirs[n]!r} in {src.path}"
+             for n in mine if n not in FREE_KEYS and mine[n] != theirs[n]]
     if diffs:
         raise UserError(f"the model does not match train.init_from={cfg.train.init_from} ({'; '.join(diffs[:4])}); "
                         "take the architecture from it (loom train does: leave model.* unset)")
@@ -196,8 +197,6 @@ def _safetensors_index(src: Source) -> tuple[dict[str, Piece], dict[str, Path], 
 
 def _check_safetensors(pieces: dict[str, Piece], shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, where: Path,
                        kind: str) -> None:
-    from loom.interop.hf import loom_to_hf_name
-
     def spelled(name: str) -> str:  # a name as the source spells it
         try:
             return loom_to_hf_name(name) if kind == "hf" else name

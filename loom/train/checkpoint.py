@@ -260,18 +260,18 @@ def check_state_matches(path: Path, state: dict) -> None:
 
 def check_compatible(path: Path, cfg: Config) -> None:
     saved = read_config(path)
-    fixed = [("train", "seq_len"), ("train", "global_batch"), ("train", "seed"), ("data", "paths"),
-             ("data", "weights"), ("data", "tokenizer"), ("data", "corpus_max_bytes")]
-    changed = [f"{a}.{b}: {getattr(getattr(saved, a), b)!r} in the checkpoint, {getattr(getattr(cfg, a), b)!r} now"
-               for a, b in fixed if getattr(getattr(saved, a), b) != getattr(getattr(cfg, a), b)]
+    old, new = saved.field_values(), cfg.field_values()
+    fixed = ["train.seq_len", "train.global_batch", "train.seed", "data.paths", "data.weights", "data.tokenizer",
+             "data.corpus_max_bytes"]
+    changed = [f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in fixed if old[k] != new[k]]
     if changed:
         raise UserError(
             f"checkpoint {path} was trained with different data settings ({'; '.join(changed)}); the data order "
             "and position depend on them, so resume with the checkpoint's values (its config.toml)"
         )
     if saved.model != cfg.model:
-        diffs = [f"model.{k}: {getattr(saved.model, k)!r} in the checkpoint, {getattr(cfg.model, k)!r} now"
-                 for k in vars(cfg.model) if getattr(saved.model, k) != getattr(cfg.model, k)]
+        diffs = [f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now"
+                 for k in new if k.startswith("model.") and old[k] != new[k]]
         raise UserError(
             f"checkpoint {path} was trained with a different model ({'; '.join(diffs)}); resume with the same "
             "model settings or use another --run-dir"

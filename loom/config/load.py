@@ -1,0 +1,96 @@
+"""Building a config in three layers, later wins: the dataclass defaults, a TOML file from `configs/` (or
+any path), then `section.key=value` overrides (the command line's `--section.key=value`) or a nested dict."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+from loom.config.schema import SECTIONS, Config
+from loom.config.section import key_of
+from loom.config.toml_io import coerce, flat_items
+from loom.errors import UserError, closest
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
+
+
+def available_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise UserError(f"config file {name_or_path!r} does not exist")
+        return path
+    candidate = CONFIG_DIR / f"{name_or_path}.toml"
+    if not candidate.is_file():
+        names = available_configs()
+        raise UserError(
+            f"unknown config {name_or_path!r}{closest(name_or_path, names)}; "
+            f"valid names: {', '.join(names)} (or a path to a .toml file)"
+        )
+    return candidate
+
+
+def load_config(name_or_path: str | None = None, overrides: list[str] | dict | None = None,
+                measuring: bool = False, validate: bool = True) -> Config:
+    """Defaults, then the TOML file, then overrides (`section.key=value` strings or a nested dict).
+
+    `validate=False` leaves the cross-field checks to the caller (train.init_from replaces the model first).
+    """
+    cfg = Config()
+    if name_or_path:
+        path = resolve_config_path(name_or_path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise UserError(f"config file {path} is not valid TOML: {exc}") from None
+        cfg.name = path.stem
+        apply_dict(cfg, data, source=str(path))
+    if isinstance(overrides, dict):
+        apply_dict(cfg, overrides, source="overrides")
+    else:
+        for item in overrides or []:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise UserError(f"override {item!r} must look like section.key=value, e.g. train.steps=100")
+            set_value(cfg, key.strip().removeprefix("--"), value, parse_text=True)
+    return cfg.validate(measuring) if validate else cfg
+
+
+def config_from_dict(data: dict) -> Config:
+    cfg = Config()
+    apply_dict(cfg, data, source="checkpoint")
+    return cfg.validate()
+
+
+def apply_dict(cfg: Config, data: dict, source: str) -> None:
+    for section, values in data.items():
+        if section == "name":
+            cfg.name = str(values)
+            continue
+        if not isinstance(values, dict):
+            raise UserError(
+                f"{source}: top-level key {section!r} must be a [section] table; "
+                f"valid sections: {', '.join(SECTIONS)}"
+            )
+        for key, value in flat_items(values):
+            set_value(cfg, f"{section}.{key}", value, parse_text=False)
+
+
+def set_value(cfg: Config, dotted: str, value: Any, parse_text: bool) -> None:
+    section, _, key = dotted.partition(".")
+    if section not in SECTIONS:
+        raise UserError(f"unknown config section {section!r}{closest(section, SECTIONS)}; valid: {', '.join(SECTIONS)}")
+    obj = cfg.sections()[section]
+    fields = {key_of(f): f for f in dataclasses.fields(obj)}
+    if key not in fields:
+        valid = [f"{section}.{k}" for k in fields]
+        raise UserError(f"unknown config key {dotted!r}{closest(dotted, valid)}; valid keys in [{section}]: {', '.join(fields)}")
+    hint = typing.get_type_hints(type(obj))[fields[key].name]
+    setattr(obj, fields[key].name, coerce(dotted, value, hint, parse_text))

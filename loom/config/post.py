@@ -1,0 +1,132 @@
+"""The post-training sections: `sft.*` (supervised fine-tuning), `pref.*` (reward models, DPO) and `rl.*`
+(online RL with the generation engine in the loop). Which one a run is: its subcommand (loom/post/__init__.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from loom.config.data import check_data_lists
+from loom.config.section import Section, finite_non_negative, positive, unit_interval
+from loom.errors import UserError
+
+
+@dataclass
+class SFTConfig(Section):
+    """Supervised fine-tuning (`loom sft`, loom/post/sft.py): the examples it trains on."""
+
+    # .jsonl files of {"messages": [{"role", "content"}, ...]} or {"prompt", "completion"} records, or
+    # prefixes written by `loom preprocess --sft`. Held out for validation: sft.valid_data when given, else
+    # the data.split validation share of the examples (the last ones of the files).
+    data: list[str] = field(default_factory=list)
+    valid_data: list[str] = field(default_factory=list)
+    # "auto": the chat_template of the tokenizer_config.json beside the tokenizer (data.tokenizer or
+    # train.init_from); "llama3" or "chatml": built in; else a tokenizer_config.json or .jinja file.
+    template: str = "auto"
+    packing: bool = True  # several examples per sequence, attention and positions kept per example
+    # Examples longer than train.seq_len + 1 tokens: "truncate" keeps the first seq_len + 1, "drop" skips them.
+    overlong: Literal["truncate", "drop"] = "truncate"
+
+    def validate(self) -> None:
+        check_data_lists("sft", self, "data", "valid_data", ".jsonl files or prefixes written by `loom preprocess "
+                         "--sft`", "examples")
+
+
+@dataclass
+class PrefConfig(Section):
+    """Preference training (`loom rm`, `loom dpo`, loom/post/pref.py): the pairs they train on."""
+
+    # .jsonl files of {"prompt", "chosen", "rejected"} records: strings (plain text, as SFT's prompt and
+    # completion) or lists of {"role", "content"} messages rendered with pref.template; "synthetic:N" makes N
+    # pairs locally. Held out: pref.valid_data when given, else the data.split validation share of the pairs.
+    data: list[str] = field(default_factory=list)
+    valid_data: list[str] = field(default_factory=list)
+    template: str = "auto"  # as sft.template
+    recipe: Literal["auto", "dpo", "rm"] = "auto"  # auto: the command's (loom dpo, loom rm)
+    loss: Literal["dpo", "ipo"] = "dpo"  # the DPO recipe's objective
+    beta: float = 0.1  # DPO/IPO temperature
+
+    def validate(self) -> None:
+        check_data_lists("pref", self, "data", "valid_data", ".jsonl files of {\"prompt\", \"chosen\", \"rejected\"} "
+                         "records or synthetic:N", "pairs")
+        if not (self.beta > 0 and math.isfinite(self.beta)):
+            raise UserError(f"pref.beta={self.beta} must be a finite number > 0 (DPO's usual values: 0.01 to 0.5)")
+
+
+@dataclass
+class RLConfig(Section):
+    """Online RL with the generation engine in the loop (`loom rl`, loom/post/rl/). Every setting of the objective is named here, none implied; the defaults are GRPO
+    as Shao et al. (2024) wrote it, with DAPO's token-level aggregation."""
+
+    # .jsonl files of {"prompt": str | [messages], ...}: every other field of a record goes to the reward
+    # function as a keyword argument (e.g. "answer"); "addition:N" makes N problems locally (loom/post/tasks.py).
+    prompts: list[str] = field(default_factory=list)
+    valid_prompts: list[str] = field(default_factory=list)  # held out: greedy completions scored each evaluation
+    template: str = "none"  # "none": a string prompt is the model's input as is; else as sft.template (chat)
+    # Rewards: a Python callable "package.module:function" called as f(prompt, completion, **fields) -> float,
+    # and/or a reward model (a `loom rm` run or checkpoint) scoring prompt + completion; both: their sum,
+    # the model's score times reward_model_coef.
+    reward: str = ""
+    reward_model: str = ""
+    reward_model_coef: float = 1.0
+    algorithm: Literal["grpo", "ppo"] = "grpo"  # grpo: group baselines, no critic; ppo: value head + GAE
+    group_size: int = 8  # completions per prompt; train.global_batch = prompts per step x group_size
+    # Advantage (grpo): reward minus a baseline: "mean" (the group's mean, GRPO) or "rloo" (the mean of the
+    # group's other samples); then divided by the group's std + std_eps ("std", GRPO) or not ("none", Dr. GRPO).
+    baseline: Literal["mean", "rloo"] = "mean"
+    scale: Literal["std", "none"] = "std"
+    std_estimator: Literal["sample", "population"] = "sample"  # n - 1 (torch.std, TRL) or n
+    std_eps: float = 1e-4
+    drop_uniform_groups: bool = False  # leave out groups whose rewards are all equal (DAPO dynamic sampling)
+    # Loss aggregation: "token" (every response token of the batch weighs the same, DAPO), "sequence" (mean
+    # over each sequence's tokens, then over sequences, GRPO), "constant" (each sequence's sum / max_new_tokens,
+    # Dr. GRPO).
+    aggregation: Literal["token", "sequence", "constant"] = "token"
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2
+    ratio: Literal["token", "sequence"] = "token"  # "sequence": GSPO's length-normalised sequence ratio
+    kl_coef: float = 0.0  # 0: no reference policy is built
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # of KL(policy || reference); ppo folds it into the reward
+    tis_cap: float = 0.0  # > 0: truncated importance sampling, min(p_trainer / p_engine, cap) per token
+    epochs: int = 1  # passes over each step's rollouts
+    minibatches: int = 1  # optimizer steps per pass (each on global_batch / minibatches sequences)
+    # PPO: a value head on the policy's last hidden state; GAE; clipped value loss; the KL penalty per token.
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float = 0.2
+    value_coef: float = 0.5
+    whiten_advantages: bool = True  # PPO: advantages to mean 0, std 1 over the global batch
+    # Generation by loom's engine (loom/infer/engine.py), refitted from the policy after every update.
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16  # train.seq_len must hold the longest prompt plus this
+    engine_batch: int = 64  # engine slots: sequences decoded together
+    # Decode steps through torch.compile in batch buckets: "auto" is on on a GPU (a CUDA graph per step) and off
+    # on a CPU (compiling costs more than it saves there), decided by loom.infer.engine.resolve_compile; "on" /
+    # "off" force it (true / false, as earlier configs wrote it, mean the same and are read as on / off).
+    engine_compile: Literal["auto", "on", "off", "true", "false", True, False] = "auto"
+    engine_sync_every: int = 8  # decode steps the engine runs on the device between reads back to the host
+
+    def validate(self) -> None:
+        check_data_lists("rl", self, "prompts", "valid_prompts", ".jsonl files of {\"prompt\": ...} records or "
+                         "addition:N", "prompts")
+        if self.prompts and not (self.reward or self.reward_model):
+            raise UserError("an RL run needs a reward: rl.reward=package.module:function (e.g. "
+                            "loom.post.tasks:exact_match) and/or rl.reward_model=RUN_OR_CHECKPOINT")
+        if self.reward and ":" not in self.reward:
+            raise UserError(f"rl.reward={self.reward!r} must be package.module:function, e.g. loom.post.tasks:exact_match")
+        positive("rl", self, "group_size", "epochs", "minibatches", "max_new_tokens", "engine_batch",
+                 "engine_sync_every")
+        finite_non_negative("rl", self, "std_eps", "kl_coef", "tis_cap", "value_clip", "value_coef", "temperature",
+                            "clip_low", "clip_high")
+        if self.clip_low >= 1:
+            raise UserError(f"rl.clip_low={self.clip_low} must be < 1 (the ratio's lower bound is 1 - clip_low)")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise UserError(f"rl.top_p={self.top_p} must be in (0, 1] and rl.top_k={self.top_k} >= 0")
+        unit_interval("rl", self, "gamma", "lam")
+        if self.tis_cap and self.tis_cap < 1:
+            raise UserError(f"rl.tis_cap={self.tis_cap} must be >= 1 (a cap on p_trainer / p_engine), or 0 for off")
+        self.engine_compile = {True: "on", False: "off", "true": "on", "false": "off"}.get(self.engine_compile,
+                                                                                          self.engine_compile)

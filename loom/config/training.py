@@ -1,0 +1,151 @@
+"""The sections of a training run besides the model and its data: `parallel.*`, `train.*`, `optim.*`,
+`checkpoint.*`, `recompute.*` and `log.*`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from loom.config.section import Section, below_one, finite_non_negative, finite_positive, non_negative, positive
+from loom.errors import UserError
+from loom.rules import check_sizes, data_parallel_size, divisors, world_size
+
+
+@dataclass
+class ParallelConfig(Section):
+    """Parallel layout. The product of the sizes equals the number of processes."""
+
+    tp: int = 1
+    sp: bool = False
+    pp: int = 1
+    vpp: int = 1  # virtual stages (model chunks) per pipeline rank
+    schedule: Literal["1f1b", "interleaved", "zero_bubble"] = "1f1b"
+    first_stage_layers: int = 0  # uneven split: layers on the first / last stage (0: even split)
+    last_stage_layers: int = 0
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    ep: int = 1
+    # Gradient accumulation over the micro-batches of a step under FSDP (dp_shard > 1): "sharded"
+    # reduce-scatters every micro-batch's gradients, so a rank never holds more than its shard of them;
+    # "unsharded" keeps full fp32 gradients until the last micro-batch and reduces once (fewer
+    # collectives, the whole model's gradients in memory). Pipeline schedules always reduce once.
+    grad_accum: Literal["sharded", "unsharded"] = "sharded"
+
+    @property
+    def world_size(self) -> int:
+        return world_size(self)
+
+    @property
+    def dp(self) -> int:
+        return data_parallel_size(self)
+
+    def validate(self) -> None:
+        check_sizes(self)  # the rest of the layout rules run in Config.validate (loom/rules.py)
+
+
+@dataclass
+class TrainConfig(Section):
+    steps: int = 100
+    global_batch: int = 8  # sequences per optimizer step
+    micro_batch: int = 8  # sequences per forward/backward
+    seq_len: int = 128
+    seed: int = 1234
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_interval: int = 0  # 0: evaluate only at the end
+    eval_samples: int = 32  # held-out sequences per evaluation
+    log_interval: int = 1
+    compile: bool = False  # torch.compile each transformer block (composes with FSDP and recompute; not TP yet)
+    loss_chunk: int = 0  # >0: LM head + cross-entropy this many tokens at a time, logits recomputed in backward
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"  # fp8 linear layers through torchao (CUDA, sm89+)
+    threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
+    max_skipped_consecutive: int = 5  # non-finite loss/grad steps skipped in a row before stopping (exit 3)
+    collective_timeout_s: float = 600.0  # a collective waiting longer fails, naming the rank(s) behind
+    # Start from pretrained weights: a Hugging Face model directory, a loom model directory or a loom
+    # checkpoint (run, checkpoints/ or step-N directory). The architecture (model.*) and, unless
+    # data.tokenizer names one with the same vocabulary, the tokenizer come from it; optimizer and step
+    # start fresh. Empty: random initialisation from train.seed.
+    init_from: str = ""
+
+    def validate(self) -> None:
+        positive("train", self, "steps", "global_batch", "micro_batch", "seq_len", "eval_samples", "log_interval")
+        non_negative("train", self, "eval_interval", "threads", "max_skipped_consecutive", "loss_chunk")
+        if self.global_batch % self.micro_batch:
+            raise UserError(
+                f"train.global_batch={self.global_batch} is not divisible by train.micro_batch="
+                f"{self.micro_batch}; valid micro batches: {', '.join(map(str, divisors(self.global_batch)))}"
+            )
+        if not (self.collective_timeout_s > 0 and math.isfinite(self.collective_timeout_s)):
+            raise UserError(f"train.collective_timeout_s={self.collective_timeout_s} must be a finite number of seconds > 0")
+        if self.grad_clip < 0 or not math.isfinite(self.grad_clip):
+            raise UserError(f"train.grad_clip={self.grad_clip} must be a finite number >= 0 (0 disables)")
+
+
+@dataclass
+class OptimConfig(Section):
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    decay_norms_and_biases: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    decay_steps: int = 0  # 0: decay over train.steps - warmup
+    state_dtype: Literal["float32", "bfloat16"] = "float32"  # storage of the AdamW moments
+
+    def validate(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise UserError(f"optim.lr={self.lr} must be a positive finite number, e.g. 3e-4")
+        if not 0 <= self.min_lr <= self.lr:
+            raise UserError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
+        finite_non_negative("optim", self, "weight_decay")
+        below_one("optim", self, "beta1", "beta2")
+        finite_positive("optim", self, "eps")
+        non_negative("optim", self, "warmup_steps", "decay_steps")
+
+
+@dataclass
+class CheckpointConfig(Section):
+    interval: int = 0  # save every N steps (0: only at the end)
+    resume: bool = False  # continue from run-dir/checkpoints/latest
+    keep_last: int = 0  # prune older checkpoints (0: keep all)
+    fallback: bool = False  # on resume, skip a damaged latest checkpoint for the newest complete one
+    save_final: bool = True
+    # `checkpoint.async` in TOML and on the command line (`async` is a Python keyword): write in the
+    # background while training continues.
+    async_save: bool = field(default=False, metadata={"key": "async"})
+
+    def validate(self) -> None:
+        non_negative("checkpoint", self, "interval", "keep_last")
+
+
+@dataclass
+class RecomputeConfig(Section):
+    """Activation recomputation (see loom/parallel/recompute.py)."""
+
+    mode: Literal["none", "selective", "full", "budget"] = "none"
+    method: Literal["uniform", "block"] = "uniform"  # full: every layer, or the first num_layers per stage
+    num_layers: int = 0  # full + block: layers recomputed per pipeline stage (0: all)
+    budget_gib: float = 0.0  # budget: activation memory per rank to fit in
+
+    def validate(self) -> None:
+        if self.num_layers < 0:
+            raise UserError(f"recompute.num_layers={self.num_layers} must be >= 0")
+        if self.mode == "full" and self.method == "uniform" and self.num_layers > 1:
+            raise UserError(
+                f"recompute.method=uniform recomputes every layer on its own; recompute.num_layers="
+                f"{self.num_layers} applies to method=block (recompute the first N layers of each stage)"
+            )
+        if self.mode == "budget" and not self.budget_gib > 0:
+            raise UserError(f"recompute.mode=budget needs recompute.budget_gib > 0 (got {self.budget_gib})")
+
+
+@dataclass
+class LogConfig(Section):
+    progress: Literal["auto", "rich", "plain", "none"] = "auto"
+    tensorboard: bool = True  # scalars under run-dir/tensorboard when tensorboard is installed
