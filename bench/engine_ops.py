@@ -51,7 +51,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from loom.config import ModelConfig  # noqa: E402
-from loom.infer.engine import Engine, SamplingParams  # noqa: E402
+from loom.infer.engine import Engine  # noqa: E402
+from loom.infer.sampling import SamplingParams  # noqa: E402
 from loom.models.llama import build_model  # noqa: E402
 from loom.provenance import stamp  # noqa: E402
 

@@ -6,17 +6,16 @@ size B (1, 16, 64) gets B ragged prompts (16 to 64 tokens) and greedy decoding o
 tokens with no stop token, so both produce exactly B x new tokens: tokens/s = B x new / wall time of the
 whole call (prefill included). transformers runs the way a user batches it: left-padded prompts with their
 attention mask, `do_sample=False`, SDPA attention. loom's engine gets max_batch = B and the prompts as they
-are, four times: eager, with `compile=True` (decode steps through torch.compile, batch and key length in
-buckets), with `compile="frozen"` (weights frozen into the compiled step, LM head included), each with the
-CPU decode kernels (loom/infer/cpu_kernels.py: packed small-batch products and decode attention), and
-`compile=True` without them (`loom_compiled_aten`: F.linear and SDPA, as before the kernels; inductor's
-GEMM template needs frozen weights, and frozen without the kernels is what `loom_frozen` measured until the
-kernels came). Each engine is built once per batch size and reused across
-rounds, as a server or an RL loop keeps its engine; building a compiled engine and its first generation
-(which compile) are timed apart and reported as `engine_build_and_first_generation_s`. Rounds rotate which goes first; each figure is total tokens over total time, and the JSON keeps
-every round, the load average before and after (the ratio is only as good as the machine was quiet), and
-the fraction of sequences whose greedy tokens agree. On a shared machine wall time swings with the load, so
-tokens per CPU-second of this process (`time.process_time`) are reported beside it.
+are, three times: eager and with `compile=True` (decode steps through torch.compile, batch and key length in
+buckets), each with the CPU decode path (loom/infer/cpu: packed small-batch products and decode attention),
+and `compile=True` without it (`loom_compiled_aten`: F.linear and SDPA). Results up to run 8 also measured
+`compile="frozen"` (weights frozen into the compiled step), since removed. Each engine is built once per batch
+size and reused across rounds, as a server or an RL loop keeps its engine; building a compiled engine and its
+first generation (which compile) are timed apart and reported as `engine_build_and_first_generation_s`. Rounds
+rotate which goes first; each figure is total tokens over total time, and the JSON keeps every round, the load
+average before and after (the ratio is only as good as the machine was quiet), and the fraction of sequences
+whose greedy tokens agree. On a shared machine wall time swings with the load, so tokens per CPU-second of
+this process (`time.process_time`) are reported beside it.
 
 One more row, "ragged": batch 16 where request i wants its own number of new tokens (8 to 64), as when
 sequences stop at different points. transformers decodes the batch until its longest request is done and
@@ -49,8 +48,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import loom  # noqa: E402
-from loom.infer.cpu_kernels import available as cpu_kernels_available  # noqa: E402
-from loom.infer.engine import Engine, SamplingParams  # noqa: E402
+from loom.infer.cpu.kernels import available as cpu_kernels_available  # noqa: E402
+from loom.infer.engine import Engine  # noqa: E402
+from loom.infer.sampling import SamplingParams  # noqa: E402
 from loom.provenance import stamp  # noqa: E402
 
 MAX_NEW = 64  # room the engines leave for new tokens (set from --new)
@@ -107,7 +107,7 @@ def engine_for(model, batch: int, compile: bool | str) -> Engine:
 
 
 def run_loom(model, prompts, new, compile: bool | str = False) -> tuple[float, float, list[list[int]]]:
-    """compile: False, True, "frozen", or "aten" (compile=True without the CPU kernels)."""
+    """compile: False, True, or "aten" (compile=True without the CPU kernels)."""
     news = new if isinstance(new, list) else [new] * len(prompts)
     engine = engine_for(model, len(prompts), compile)
     start, cpu = time.perf_counter(), time.process_time()
@@ -119,23 +119,23 @@ def run_loom(model, prompts, new, compile: bool | str = False) -> tuple[float, f
 def gemm_floor_ms(model, batch: int, reps: int = 5, packed: bool = False) -> float:
     """Milliseconds per decode step spent in the weight products alone: every linear layer of the model on
     `batch` rows, in layer order (each weight read from memory once per step, as a decode step reads it),
-    then the LM head as the engine computes it without the kernels (`head_logits`), or with `packed` every
-    product through the packed kernel. Median of `reps` passes after one warm-up."""
-    from loom.infer import cpu_kernels
-    from loom.infer.engine import head_logits
+    then the LM head, as the engine's CPU decode path computes them without the kernels, or with `packed`
+    every product through the packed kernel. Median of `reps` passes after one warm-up."""
+    from loom.infer.cpu import cpu_decode
+    from loom.infer.cpu.kernels import PackedLinear
 
-    linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "output"]
-    inputs = {m.in_features: torch.randn(batch, m.in_features) for m in linears}
-    xs = [inputs[m.in_features] for m in linears]
+    path = cpu_decode(model, use_kernels=packed)
+    linears = [m for name, m in path.decoder.named_modules()
+               if isinstance(m, (torch.nn.Linear, PackedLinear)) and name != "output"]
+    features = [m.source[0].in_features if isinstance(m, PackedLinear) else m.in_features for m in linears]
+    inputs = {k: torch.randn(batch, k) for k in features}
+    xs = [inputs[k] for k in features]
     hidden = torch.randn(batch, model.cfg.hidden)
-    head = model.output
-    if packed:
-        linears, head = [cpu_kernels.PackedLinear(m) for m in linears], cpu_kernels.PackedLinear(head)
 
     def one_step():
         for m, x in zip(linears, xs):
             m(x)
-        head_logits(head, hidden)  # a packed head runs through its kernel there
+        path.head_logits(hidden)  # a packed head runs through its kernel there
 
     one_step()
     times = []
@@ -183,8 +183,8 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     run_hf(hf, prompts_for(2, 99), 4)  # warm both up
     run_loom(model, prompts_for(2, 99), 4)
-    names = ["loom", "loom_compiled", "loom_frozen", "loom_compiled_aten", "transformers"]
-    modes = {"loom": False, "loom_compiled": True, "loom_frozen": "frozen", "loom_compiled_aten": "aten"}
+    names = ["loom", "loom_compiled", "loom_compiled_aten", "transformers"]
+    modes = {"loom": False, "loom_compiled": True, "loom_compiled_aten": "aten"}
     runners = {name: (lambda p, n, mode=mode: run_loom(model, p, n, mode)) for name, mode in modes.items()}
     runners["transformers"] = lambda p, n: run_hf(hf, p, n)
     rows, compile_s = [], {}
@@ -193,11 +193,11 @@ def main() -> None:
     cases.append(("ragged", 16, [8 + (56 * i) // 15 for i in range(16)]))
     for label, batch, new in cases:
         prompts = prompts_for(batch, batch)
-        for mode in (True, "frozen", "aten"):  # building a compiled engine compiles its decode graphs
+        for mode in (True, "aten"):  # building a compiled engine compiles its decode graphs
             if (batch, mode) not in ENGINES:
                 start = time.perf_counter()
                 run_loom(model, prompts, MAX_NEW, mode)
-                compile_s.setdefault({True: "compiled", "frozen": "frozen", "aten": "compiled_aten"}[mode], {})[batch] = \
+                compile_s.setdefault({True: "compiled", "aten": "compiled_aten"}[mode], {})[batch] = \
                     round(time.perf_counter() - start, 1)
         seconds = {name: [] for name in names}
         cpu = {name: [] for name in names}
@@ -223,11 +223,11 @@ def main() -> None:
             row["cpu_ratio" + suffix] = round(row[f"{name}_tokens_per_cpu_s"] / row["transformers_tokens_per_cpu_s"], 2)
         rows.append(row)
         print(f"batch {label!s:>6}: loom {row['loom_tokens_per_s']:7.1f} tok/s, compiled "
-              f"{row['loom_compiled_tokens_per_s']:7.1f}, frozen {row['loom_frozen_tokens_per_s']:7.1f}, compiled without "
+              f"{row['loom_compiled_tokens_per_s']:7.1f}, compiled without "
               f"kernels {row['loom_compiled_aten_tokens_per_s']:7.1f}, transformers {row['transformers_tokens_per_s']:7.1f}; "
-              f"ratio {row['ratio']:.2f} / compiled {row['ratio_compiled']:.2f} / frozen {row['ratio_frozen']:.2f} / "
+              f"ratio {row['ratio']:.2f} / compiled {row['ratio_compiled']:.2f} / "
               f"compiled without kernels {row['ratio_compiled_aten']:.2f} (per cpu-s {row['cpu_ratio']:.2f} / "
-              f"{row['cpu_ratio_compiled']:.2f} / {row['cpu_ratio_frozen']:.2f} / {row['cpu_ratio_compiled_aten']:.2f}); "
+              f"{row['cpu_ratio_compiled']:.2f} / {row['cpu_ratio_compiled_aten']:.2f}); "
               f"greedy equal {agree}", flush=True)
     steps = {b: decode_steps(runners, model, b, args.new, args.rounds) for b in (16,) if b in batches}
     for b, row in steps.items():
@@ -235,7 +235,7 @@ def main() -> None:
     import transformers
 
     kernels = {"available": cpu_kernels_available(), "packed_linears": ENGINES[(batches[0], True)].stats["packed_linears"],
-               "decode_attention": ENGINES[(batches[0], True)].slab.cpu_kernel}
+               "decode_attention": ENGINES[(batches[0], True)].slab.decode_kernel is not None}
     result = {"benchmark": "generate_cpu", "model": dict(SHAPE, parameters=params), "dtype": "float32",
               "cpu_kernels": kernels,
               "rows": rows, "engine_build_and_first_generation_s": compile_s,

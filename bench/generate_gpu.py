@@ -61,7 +61,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import loom  # noqa: E402
-from loom.infer.engine import Engine, SamplingParams  # noqa: E402
+from loom.infer.engine import Engine  # noqa: E402
+from loom.infer.sampling import SamplingParams  # noqa: E402
 from loom.provenance import stamp  # noqa: E402
 
 SHAPES = {  # transformers LlamaConfig keyword arguments
@@ -208,7 +209,7 @@ def run_hf(hf, prompts, new: int, device) -> tuple[float, list[list[int]]]:
 
 def predictions(gpu, cfg, batch: int, prompt: int, new: int) -> dict:
     """`loom plan --inference`'s prefill and decode step on `gpu` (a loaded hardware profile)."""
-    from loom.planner.costmodel import Workload
+    from loom.planner.workload import Workload
     from loom.planner.inference import evaluate_inference
 
     est = evaluate_inference(Workload(cfg, prompt, batch, 1, gpu, precision="bf16"), 1, 1, batch, prompt, new)

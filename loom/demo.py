@@ -15,12 +15,25 @@ import torch
 
 from loom.config import load_config
 from loom.data.tokenizer import Tokenizer
-from loom.infer.generate import generate
+from loom.infer.engine import Engine
+from loom.infer.sampling import SamplingParams
 from loom.models.io import load_model_dir
 from loom.provenance import stamp
 from loom.train.trainer import Trainer
 
 PROMPT = "import os\n\n\ndef "
+NEW_TOKENS = 120
+
+
+def complete(model, tok: Tokenizer, prompt: str) -> str:
+    """`prompt` and its continuation by the generation engine: temperature 0.7, top-k 40, seed 0, up to
+    NEW_TOKENS tokens or the end of a document."""
+    ids = tok.encode(prompt)
+    engine = Engine(model, max_batch=1, max_len=min(model.cfg.max_seq_len, len(ids) + NEW_TOKENS))
+    stop = () if tok.eod_id is None else (tok.eod_id,)
+    done = engine.generate([ids], SamplingParams(temperature=0.7, top_k=40, max_new_tokens=NEW_TOKENS,
+                                                 stop_token_ids=stop, seed=0))[0]
+    return tok.decode([i for i in ids + done.tokens if i != tok.eod_id])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,9 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, _, ckpt = load_model_dir(run_dir)
     tok = Tokenizer.from_file(ckpt / "tokenizer.json")
-    out = generate(model, torch.tensor([tok.encode(PROMPT)]), max_new_tokens=120, temperature=0.7, top_k=40,
-                   eos_id=tok.eod_id, seed=0)
-    sample = tok.decode([i for i in out[0].tolist() if i != tok.eod_id])
+    sample = complete(model, tok, PROMPT)
     print("\n--- sample (temperature 0.7, top-k 40, seed 0) " + "-" * 23)
     print(sample)
     print("-" * 70)

@@ -84,8 +84,9 @@ def test_positions_follow_the_rank_not_the_local_index():
         model(tokens)
         whole = captured.pop("q")
         idx = rank_positions(seq, 2, 1)
-        model.positions = model.layers["0"].attention.positions = idx
-        model(tokens[:, idx])
+        part = shard_batch({"input_ids": tokens}, seq, 2, 1)  # the rank's tokens and their `positions`
+        assert torch.equal(part["positions"], idx[None])
+        model(part["input_ids"], positions=part["positions"])
         assert torch.allclose(captured["q"], whole[:, :, idx], atol=1e-6), position
 
 

@@ -1,4 +1,4 @@
-"""The CPU decode kernels (loom/infer/cpu_kernels.py): the packed small-batch product against float64
+"""The CPU decode kernels (loom/infer/cpu/kernels.py): the packed small-batch product against float64
 `F.linear` and the decode attention against float64 SDPA, inside torch.compile, repacked in place, refused
 cleanly where they cannot build, and in the engine: the same tokens and log-probs as the engine without
 them, the model untouched."""
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.infer import cpu_kernels
-from loom.infer.engine import Engine, SamplingParams
+from loom.infer.cpu import kernels as cpu_kernels
+from loom.infer.engine import Engine
+from loom.infer.sampling import SamplingParams
 from loom.models.llama import Transformer
 from loom.config import ModelConfig
 
@@ -127,13 +128,13 @@ def test_unavailable_when_switched_off_or_unbuildable(monkeypatch, tmp_path, cap
     (no packed layers) and still generates."""
     monkeypatch.setattr(cpu_kernels, "_state", {})
     monkeypatch.setenv("LOOM_CPU_KERNELS", "0")
-    with caplog.at_level(logging.INFO, logger="loom.infer.cpu_kernels"):
+    with caplog.at_level(logging.INFO, logger="loom.infer.cpu.kernels"):
         assert not cpu_kernels.available()
     assert "LOOM_CPU_KERNELS=0" in caplog.text
     model = Transformer(ModelConfig(vocab_size=64, hidden=32, layers=1, heads=2, kv_heads=1, ffn_hidden=48,
                                     max_seq_len=32))
     engine = Engine(model, max_batch=2, max_len=16)
-    assert engine.stats["packed_linears"] == 0 and engine._decoder is model and not engine.slab.cpu_kernel
+    assert engine.stats["packed_linears"] == 0 and engine._decoder is model and engine.slab.decode_kernel is None
 
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return
@@ -141,8 +142,9 @@ def test_unavailable_when_switched_off_or_unbuildable(monkeypatch, tmp_path, cap
 import logging, sys, torch
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 from loom.config import ModelConfig
-from loom.infer import cpu_kernels
-from loom.infer.engine import Engine, SamplingParams
+from loom.infer.cpu import kernels as cpu_kernels
+from loom.infer.engine import Engine
+from loom.infer.sampling import SamplingParams
 from loom.models.llama import Transformer
 model = Transformer(ModelConfig(vocab_size=64, hidden=32, layers=1, heads=2, kv_heads=1, ffn_hidden=48, max_seq_len=32))
 engine = Engine(model, max_batch=2, max_len=16)
@@ -178,7 +180,7 @@ def test_engine_with_the_kernel_equals_the_engine_without(tmp_path):
     for compile in (False, True):
         engine = Engine(model, max_batch=3, max_len=40, compile=compile)
         assert engine.stats["packed_linears"] == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the head
-        assert engine.slab.cpu_kernel  # decode attention through the kernel too
+        assert engine.slab.decode_kernel is not None  # decode attention through the kernel too
         got = engine.generate(prompts, params)
         assert [d.tokens for d in got] == [d.tokens for d in plain]
         assert max(abs(a - b) for x, y in zip(got, plain) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
@@ -204,7 +206,7 @@ def test_engine_with_the_kernel_equals_the_engine_without(tmp_path):
 def test_the_profiler_measures_decode_products_as_the_engine_runs_them():
     """`loom plan --profile-hardware` times its decode tables through the engine's product: the packed kernel
     for CPU fp32 (equal to F.linear within rounding), F.linear (None) where the engine would not use it."""
-    from loom.infer.probe import decode_product
+    from loom.infer.cpu import decode_product
     from loom.planner.profile import _linear_pass
 
     assert cpu_kernels.available()
@@ -219,7 +221,7 @@ def test_the_profiler_measures_decode_products_as_the_engine_runs_them():
 
 def test_the_engine_probe_times_with_the_engines_threads():
     """The probe's timer runs with the caller's thread count, the engine's, not torch's benchmark timer's
-    default of one thread (which measured decode attention about 40% slower than an engine runs it)."""
+    default of one thread (which measures decode attention slower than an engine runs it)."""
     from loom.infer.probe import _seconds
 
     before = torch.get_num_threads()

@@ -19,7 +19,9 @@ from distributed import run_ranks
 from engine_ranks import generate_tp
 from loom.cli import main
 from loom.errors import UserError
-from loom.infer.engine import Engine, SamplingParams, sample
+from loom.infer.engine import Engine
+from loom.infer.sampling import SamplingParams, sample
+from loom.infer.step import CompiledDecode
 
 transformers = pytest.importorskip("transformers")
 
@@ -139,44 +141,22 @@ def test_compiled_decode_equals_eager_and_follows_a_refit(models, tmp_path, monk
     params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_new_tokens=2 + (5 * i) % 13, seed=i)
               for i in range(10)]
     eager = Engine(loom.load_model(path), max_batch=4, max_len=48).generate(prompts, params)
-    monkeypatch.setattr(Engine, "KEY_BLOCK", 24)  # key-length buckets 24 and 48
+    monkeypatch.setattr(CompiledDecode, "KEY_BLOCK", 24)  # key-length buckets 24 and 48
     counters.clear()
     engine = Engine(loom.load_model(path), max_batch=4, max_len=48, compile=True)  # compiles every bucket now
     warm = counters["stats"]["unique_graphs"]
     # 3 batch x 2 key buckets, but batch and keys are dynamic: fewer graphs than buckets
     assert warm <= 2 and engine.stats["warmup_s"] > 0  # batch 1, and every other bucket
     sizes = []
-    compiled = engine._compiled
-    engine._compiled = lambda tokens, *rest: sizes.append(tokens.shape[0]) or compiled(tokens, *rest)
+    real = CompiledDecode.__call__
+    monkeypatch.setattr(CompiledDecode, "__call__", lambda self, tokens, *rest: sizes.append(tokens.shape[0])
+                        or real(self, tokens, *rest))
     got = engine.generate(prompts, params)
     assert engine.stats["compiled_steps"] == engine.stats["decode_steps"] == len(sizes) > 10
     assert counters["stats"]["unique_graphs"] == warm  # nothing compiled mid-generation
     # Each step's bucket is sized by its busy requests (moved down into freed slots), not the highest slot.
     assert engine.stats["moves"] > 0 and {1, 2, 4} <= set(sizes)
     assert_equal_then_refit(engine, eager, got, prompts, params, tmp_path)
-
-
-@pytest.mark.slow  # ~24 s of max-autotune compiles; with the CPU decode kernels (the default) frozen is the secondary path
-def test_frozen_compile_equals_eager_through_the_gemm_template_and_refits(models, tmp_path):
-    """compile="frozen" (CPU): the weights are constants of the compiled step, whose products run through
-    inductor's CPU GEMM template (chosen by timing); tokens and log-probs equal the eager engine's, and a
-    refit, which must compile afresh (the packed weights are copies), gives a fresh engine's outputs."""
-    from torch._dynamo.utils import counters
-
-    _, path = models["llama"]
-    prompts = ragged_prompts(5, seed=6)
-    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_new_tokens=3 + 2 * i, seed=i) for i in range(5)]
-    eager = Engine(loom.load_model(path), max_batch=2, max_len=40).generate(prompts, params)
-    counters.clear()
-    # one bucket: one graph; cpu_kernel=False: the products stay F.linear's for the template to take
-    engine = Engine(loom.load_model(path), max_batch=1, max_len=40, compile="frozen", cpu_kernel=False)
-    # products through the template (where its timing beat the ATen product)
-    assert counters["inductor"]["cpp_templated_kernel_counter"] > 0
-    got = engine.generate(prompts, params)
-    assert engine.stats["compiled_steps"] == engine.stats["decode_steps"] > 5
-    assert_equal_then_refit(engine, eager, got, prompts, params, tmp_path)
-    with pytest.raises(UserError, match="give False, True or"):
-        Engine(engine.model, compile="fast")
 
 
 def test_logprobs_equal_training_forward(models):
@@ -359,7 +339,8 @@ def test_tensor_parallel_engine_equals_one_process(models, tmp_path, compile):
 def test_generate_file_writes_contract_records_in_order(models, tmp_path, capsys, monkeypatch, flags):
     _, path = models["llama"]
     built = []
-    monkeypatch.setattr(Engine, "_bucket", lambda self, n, f=Engine._bucket: built.append(n) or f(self, n))
+    real = CompiledDecode.bucket
+    monkeypatch.setattr(CompiledDecode, "bucket", lambda self, n: built.append(n) or real(self, n))
     prompts = [" ".join(f"w{i}" for i in p) for p in ragged_prompts(7, seed=8)]
     src = tmp_path / "prompts.jsonl"
     src.write_text("".join(json.dumps({"prompt": p, "id": n}) + "\n" for n, p in enumerate(prompts)) + "\n")
@@ -402,27 +383,6 @@ def test_generate_bad_counts_exit_2_naming_the_flag(models, tmp_path, capsys, fl
     assert main(["generate", "--checkpoint", str(path), "--prompt", "w1 w2", flag, "0"]) == 2
     err = capsys.readouterr().err
     assert f"{flag}=0" in err and "must be >= 1" in err, err
-
-
-@pytest.mark.slow  # three frozen graphs (batch buckets 1, 2, 4), each autotuned: ~2 min cold on 2 cores
-def test_frozen_engine_gathers_busy_rows_out_of_a_larger_bucket(models):
-    """compile="frozen" with max_batch=4: three busy requests run in the 4-row bucket, and the frozen step's
-    logits, argmax and log-sum-exp are gathered back to those rows; tokens and log-probs equal the eager
-    engine's."""
-    _, path = models["llama"]
-    prompts = ragged_prompts(7, seed=8)
-    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_new_tokens=2 + (5 * i) % 11, seed=i)
-              for i in range(7)]
-    eager = Engine(loom.load_model(path), max_batch=4, max_len=40).generate(prompts, params)
-    engine = Engine(loom.load_model(path), max_batch=4, max_len=40, compile="frozen")
-    busy = []
-    compiled = engine._compiled
-    engine._compiled = lambda tokens, positions, mask: busy.append((tokens.shape[0], int((positions > 0).sum()))) \
-        or compiled(tokens, positions, mask)
-    got = engine.generate(prompts, params)
-    assert any(size == 4 and rows == 3 for size, rows in busy), busy  # a step gathered 3 of 4 rows
-    assert [d.tokens for d in got] == [d.tokens for d in eager]
-    assert max(abs(a - b) for x, y in zip(got, eager) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
 
 
 @pytest.mark.gpu
@@ -491,17 +451,18 @@ def test_engine_takes_attention_outputs_in_cuda_layout(models, monkeypatch, kind
 
 
 def test_compile_setting_auto_is_on_for_cuda_and_off_for_cpu():
-    """One function decides `auto` for `loom generate`, `loom rl` and the API; on/off (and True/False) are kept."""
-    from loom.infer.engine import resolve_compile
+    """One function decides `auto` for `loom generate`, `loom rl` and the API; on/off (and True/False) are kept;
+    anything else (the removed "frozen" too) is refused naming the valid settings."""
+    from loom.infer.step import resolve_compile
 
     assert resolve_compile("auto", "cpu") is False
     assert resolve_compile("auto", torch.device("cuda")) is True and resolve_compile("auto", "cuda:1") is True
     for device in ("cpu", "cuda"):
         assert resolve_compile("on", device) is True and resolve_compile(True, device) is True
         assert resolve_compile("off", device) is False and resolve_compile(False, device) is False
-        assert resolve_compile("frozen", device) == "frozen"
-    with pytest.raises(UserError, match="auto, on, off or frozen"):
-        resolve_compile("fast", "cpu")
+    for setting in ("fast", "frozen"):
+        with pytest.raises(UserError, match=r"give False or True, or a command's setting: auto, on or off"):
+            resolve_compile(setting, "cpu")
 
 
 def as_if_on(monkeypatch, device: str) -> list:
@@ -513,8 +474,7 @@ def as_if_on(monkeypatch, device: str) -> list:
     seen, real = [], engine_module.resolve_compile
     monkeypatch.setattr(engine_module, "resolve_compile",
                         lambda setting, d: seen.append((setting, torch.device(d).type)) or real(setting, device))
-    monkeypatch.setattr(Engine, "_compile", lambda self: None)
-    monkeypatch.setattr(Engine, "warmup", lambda self: 0.0)
+    monkeypatch.setattr(Engine, "_compile", lambda self, *args: None)
     return seen
 
 
@@ -539,7 +499,7 @@ def test_generate_bad_compile_setting_exits_2_naming_the_choices(models, capsys)
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "--checkpoint", str(path), "--prompt", "w1", "--compile", "fast"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "--compile" in err and "'auto', 'on', 'off', 'frozen'" in err, err
+    assert exit_.value.code == 2 and "--compile" in err and "'auto', 'on', 'off')" in err, err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a CUDA device")
@@ -555,7 +515,7 @@ def test_generate_on_cuda_without_a_gpu_exits_2(models, capsys):
 def test_rl_engine_compiles_by_default_on_a_gpu_only(monkeypatch, override, device, want):
     from loom.config import load_config
     from loom.models.llama import build_model
-    from loom.post.rl import rollout_engine
+    from loom.post.rl.rollouts import rollout_engine
 
     small = ["model.layers=1", "model.hidden=32", "model.heads=2", "model.kv_heads=1", "model.ffn_hidden=64",
              "model.vocab_size=64", "model.max_seq_len=32", "train.seq_len=16", "rl.engine_batch=4"]

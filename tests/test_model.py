@@ -6,7 +6,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from loom import flops
 from loom.config import ModelConfig
-from loom.infer.generate import generate
+from loom.infer.engine import Engine
+from loom.infer.sampling import SamplingParams
 from loom.models.llama import build_model
 
 LLAMA = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=160, vocab_size=97, max_seq_len=64)
@@ -99,9 +100,13 @@ def test_causal_future_tokens_do_not_change_past_logits():
 
 @pytest.mark.parametrize("arch", [LLAMA, GPT])
 def test_kv_cache_decoding_matches_full_forward(arch):
+    """The model decoding through a key/value cache at per-token positions (the engine's slab: rotary or
+    learned positions) continues as its full forward does."""
     model = randomise(build_model(ModelConfig(**arch))).eval()
-    prompt = torch.randint(0, 97, (2, 5))
-    out = generate(model, prompt, max_new_tokens=12, temperature=0.0)
+    prompts = torch.randint(0, 97, (2, 5)).tolist()
+    engine = Engine(model, max_batch=2, max_len=17, cpu_kernel=False)
+    done = engine.generate(prompts, SamplingParams(max_new_tokens=12))
+    out = torch.tensor([p + d.tokens for p, d in zip(prompts, done)])
     assert out.shape == (2, 17)
     # Greedy: each generated token is the argmax of the full (uncached) forward over its prefix.
     full = model(out)
@@ -110,10 +115,14 @@ def test_kv_cache_decoding_matches_full_forward(arch):
 
 def test_sampling_is_seeded_and_respects_top_k():
     model = randomise(build_model(ModelConfig(**LLAMA))).eval()
-    prompt = torch.randint(0, 97, (1, 3))
-    a = generate(model, prompt, 20, temperature=1.0, top_k=5, seed=1)
-    b = generate(model, prompt, 20, temperature=1.0, top_k=5, seed=1)
-    c = generate(model, prompt, 20, temperature=1.0, top_k=5, seed=2)
+    prompt = torch.randint(0, 97, (3,)).tolist()
+    engine = Engine(model, max_batch=1, max_len=23, cpu_kernel=False)
+
+    def sample(seed):
+        done = engine.generate([prompt], SamplingParams(temperature=1.0, top_k=5, max_new_tokens=20, seed=seed))
+        return torch.tensor([prompt + done[0].tokens])
+
+    a, b, c = sample(1), sample(1), sample(2)
     assert torch.equal(a, b) and not torch.equal(a, c)
     logits = model(a)
     for pos in range(3, a.shape[1]):

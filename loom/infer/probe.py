@@ -9,7 +9,7 @@ CLI hands `measure` to the profiler, which sits beside this package and does not
   sequence in the batch;
 - `decode_product` (not a measurement; the profiler measures its decode tables through it): how the engine
   multiplies a decode step's rows by a weight here, the packed CPU kernel where it runs
-  (loom/infer/cpu_kernels.py), else None (F.linear).
+  (`loom.infer.cpu.decode_product`), else None (F.linear).
 
 Both the decode attention and the products are measured the way an engine on this machine runs them: through
 the CPU decode kernels where they are available (CPU, fp32), as `Engine` does by default.
@@ -23,15 +23,17 @@ import torch
 from torch.utils.benchmark import Timer
 
 from loom.config import ModelConfig
-from loom.infer import cpu_kernels
-from loom.infer.engine import Engine, KVSlab, SamplingParams
+from loom.infer.cpu import decode_attention_kernel, decode_product
+from loom.infer.engine import Engine
+from loom.infer.kv import KVSlab
+from loom.infer.sampling import SamplingParams
 from loom.models.llama import build_model
 
 
 def _seconds(fn, min_time: float = 0.2) -> float:
     """Median seconds per call (torch's benchmark timer: warm-up, CUDA synchronisation, blocked runs), with
-    as many CPU threads as the engine would have: the timer's own default is one thread, which measured this
-    2-core EPYC's decode attention at batch 32 about 40% slower than an engine runs it."""
+    as many CPU threads as the engine would have: the timer's own default is one thread, which measures a
+    CPU's decode attention slower than an engine runs it."""
     return Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
                  ).blocked_autorange(min_run_time=min_time).median
 
@@ -60,8 +62,8 @@ def decode_attention_gbps(device: str, dtype: torch.dtype, quick: bool = False) 
     batch). Small reads are dominated by the call's fixed costs, reads that outgrow the caches by memory, so
     the rate is measured at several sizes: more sequences at a fixed context. Each size cycles over enough
     layers' caches to outgrow the last-level cache, as a decode step reads each layer's cache once between the
-    model's weights: one layer's cache read again and again stayed cached and ran 1.3-2x faster (CPU, 2-core
-    EPYC, torch 2.13)."""
+    model's weights: one layer's cache read again and again stays cached and runs faster than a decode step
+    reads it."""
     kv_heads, d = (8, 128) if device == "cuda" else (4, 64)
     ctx = 1024 if device == "cuda" else 128
     stream = 1 << 28 if device == "cuda" else 1 << 27
@@ -69,7 +71,7 @@ def decode_attention_gbps(device: str, dtype: torch.dtype, quick: bool = False) 
     for b in (1, 8, 32, 128):
         nbytes = 2 * b * kv_heads * ctx * d * torch.finfo(dtype).bits // 8
         slab = KVSlab(range(-(-stream // nbytes)), b, kv_heads, ctx, d, dtype, device)
-        slab.cpu_kernel = cpu_kernels.runs_on(device, dtype)  # as an engine's slab on this machine
+        slab.decode_kernel = decode_attention_kernel(device, dtype)  # as an engine's slab on this machine
         slab.bind(list(range(b)), torch.full((b, 1), ctx - 1))
         t = _attend_seconds(slab, b, 1, kv_heads, d, quick)
         table.append([float(nbytes), round(nbytes / t / 1e9, 3)])
@@ -82,8 +84,7 @@ def prefill_attention_tflops(device: str, dtype: torch.dtype, quick: bool = Fals
     (`KVSlab.attend` on a `bind_packed` row: write the keys and values to their slots, spread the queries per
     slot, attend causally, pack the output back), at a few prompt lengths with the batch making up a fixed
     number of tokens; two query heads per key/value head. Training's attention rate (forward and backward,
-    no cache) does not describe it: on a 2-core EPYC (torch 2.13) this ran at 0.021 TFLOP/s at 128 tokens
-    and 0.031 at 512 where a training step's attention ran at 0.06."""
+    no cache) does not describe it: it runs well below a training step's attention rate on a CPU."""
     kv_heads, d, total = (8, 128, 16384) if device == "cuda" else (4, 64, 4096)
     lengths = (512, 2048, 8192) if device == "cuda" else (128, 512, 2048)
     table = []
@@ -105,7 +106,7 @@ def engine_overheads(device: str, quick: bool = False) -> dict[str, float]:
     a generation of 65 tokens less one of 1, timed back to back; the three models take turns over five rounds
     (one when `quick`) and each keeps its median, so a shared machine's drift between seconds moves all three
     alike instead of one (a difference of differences amplifies it: best-of-three per model, one model after
-    another, gave per-layer costs of 504-847 us in five profiles within a minute on a 2-core EPYC)."""
+    another, gave per-layer costs that varied by half between profiles a minute apart)."""
     engines = {}
     for layers, batch in ((1, 1), (5, 1), (1, 16)):
         cfg = ModelConfig(layers=layers, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=64, max_seq_len=96)
@@ -125,19 +126,6 @@ def engine_overheads(device: str, quick: bool = False) -> dict[str, float]:
     row = max(0.0, (per_token[1, 16] - per_token[1, 1]) / 15)
     return {"layer": round(1e6 * layer, 2), "step": round(1e6 * (per_token[1, 1] - layer - row), 2),
             "row": round(1e6 * row, 2)}
-
-
-def decode_product(device: str, dtype: torch.dtype):
-    """weight -> the function that multiplies a decode step's rows by it, as the engine does here: the packed
-    kernel (the weight packed once, here, not per call) where the CPU kernels run, else None (F.linear)."""
-    if not cpu_kernels.runs_on(device, dtype):
-        return None
-
-    def make(weight: torch.Tensor):
-        packed, n = cpu_kernels.pack(weight), weight.shape[0]
-        return lambda x: torch.ops.loom_cpu.packed_linear(x, packed, n, None)
-
-    return make
 
 
 def measure(device: str, dtype: torch.dtype, quick: bool = False) -> dict:

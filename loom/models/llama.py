@@ -13,6 +13,7 @@ with i + d/2), the layout of Hugging Face Llama checkpoints, so conversion is a 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +35,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
@@ -77,6 +75,14 @@ def token_rope(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor)
     return tuple(t[positions].unsqueeze(1) for t in rope)
 
 
+class KVCache(Protocol):
+    """Keys and values kept across forwards (a generation engine's slab, loom/infer/kv.py): each attention
+    layer hands it this forward's queries, keys and values and gets the attention output back."""
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [b, heads, s, d], k/v [b, kv_heads, s, d] -> [b, heads, s, d]."""
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x: [batch, heads, seq, head_dim]; cos/signed_sin: [seq, head_dim] from `rope_tables`.
 
@@ -107,15 +113,13 @@ class Attention(nn.Module):
         # The attention core (scores, softmax, dropout, weighted values) as a replaceable callable, so
         # that recomputation can wrap exactly this part from outside the model.
         self.core = attention_core
-        # Each token's position when the sequence is not start_pos..start_pos+seq-1 (a context-parallel
-        # rank holds two separate chunks of every sequence: loom/parallel/context.py).
-        self.positions: torch.Tensor | None = None
 
-    def forward(self, x, rope, cache=None, layer_id: int = 0, start_pos: int = 0, doc_ids=None, positions=None):
+    def forward(self, x, rope, cache: KVCache | None = None, layer_id: int = 0, doc_ids=None, positions=None):
         """`doc_ids` [batch, seq] (int): tokens attend only to earlier tokens of the same document (packed
-        sequences); `positions` [batch, seq]: each token's rotary position (restarting per document). `rope`:
-        the rotary tables [max_len, head_dim], or each token's rows of them [batch, 1, seq, head_dim] (`token_rope`,
-        which a generation engine's forward gathers once for all layers)."""
+        sequences); `positions` [batch, seq]: each token's rotary position (restarting per document, a
+        context-parallel rank's chunks, a generation engine's slots); without them 0..seq-1. `rope`: the rotary
+        tables [max_len, head_dim], or each token's rows of them [batch, 1, seq, head_dim] (`token_rope`, which
+        a generation engine's forward gathers once for all layers)."""
         bsz, seqlen, _ = x.shape
         # Head counts come from the weights so a tensor-parallel shard (fewer local heads) works as is.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -129,34 +133,26 @@ class Attention(nn.Module):
         elif rope is not None and positions is not None:  # per token: [b, s] -> tables [b, 1, s, d]
             cos, signed_sin = token_rope(rope, positions.to(x.device))
             q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
-        elif rope is not None:  # full tables; this module's positions are start_pos..start_pos+seqlen-1
-            where = slice(start_pos, start_pos + seqlen) if self.positions is None else self._positions(x.device)
-            cos, signed_sin = (t[where] for t in rope)
+        elif rope is not None:  # positions 0..seqlen-1
+            cos, signed_sin = (t[:seqlen] for t in rope)
             q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
-        if cache is not None and hasattr(cache, "attend"):
-            # The generation engine's slab (loom/infer/engine.py): each row writes its keys and values into
-            # its own slot at its `positions` and attends to that slot alone.
+        if cache is not None:
+            # The generation engine's slab: each row writes its keys and values into its own slot at its
+            # `positions` and attends to that slot alone.
             out = cache.attend(layer_id, q, k, v)
             return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
-        if cache is not None:
-            k, v = cache.update(layer_id, k, v, start_pos)
         dropout = self.attn_dropout if self.training else 0.0
         if doc_ids is None:
-            out = self.core(q, k, v, self.kind, dropout, start_pos)
+            out = self.core(q, k, v, self.kind, dropout)
         else:
-            out = self.core(q, k, v, self.kind, dropout, start_pos, doc_ids.to(x.device))
+            out = self.core(q, k, v, self.kind, dropout, doc_ids.to(x.device))
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
-    def _positions(self, device) -> torch.Tensor:
-        if self.positions.device != device:  # set on the CPU; moved once
-            self.positions = self.positions.to(device)
-        return self.positions
 
-
-def attention_core(q, k, v, kind: str, dropout: float, start_pos: int = 0, doc_ids=None) -> torch.Tensor:
+def attention_core(q, k, v, kind: str, dropout: float, doc_ids=None) -> torch.Tensor:
     """Causal attention. q: [b, hq, s_q, d]; k, v: [b, hkv, s_k, d] with hq a multiple of hkv.
 
-    Queries sit at positions start_pos..start_pos+s_q-1 of the s_k keys (s_k = start_pos + s_q).
+    Queries sit at the last s_q of the s_k key positions (a context-parallel chunk against a key prefix).
     `doc_ids` [b, >= s_k] (the document of each key position; queries take theirs from the same row):
     a query attends only to keys of its own document, a block-diagonal causal mask.
     """
@@ -247,14 +243,17 @@ class TransformerBlock(nn.Module):
         self.feed_forward = build_moe(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
         self.dropout = _dropout(cfg.dropout)
 
-    def forward(self, x, rope, cache=None, start_pos: int = 0, doc_ids=None, positions=None):
-        a = self.attention(self.attention_norm(x), rope, cache, self.layer_id, start_pos, doc_ids=doc_ids,
-                           positions=positions)
+    def forward(self, x, rope, cache: KVCache | None = None, doc_ids=None, positions=None):
+        a = self.attention(self.attention_norm(x), rope, cache, self.layer_id, doc_ids=doc_ids, positions=positions)
         h = x + self.dropout(a)
         return h + self.dropout(self.feed_forward(self.ffn_norm(h)))
 
 
 class Transformer(nn.Module):
+    # Parameters of modules a recipe adds on top of the trunk (a reward model's `score`, PPO's `value`): not in
+    # pretrained weights, so they keep their initialisation; tensor parallelism replicates their modules.
+    fresh_parameters: tuple[str, ...] = ()
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -272,7 +271,6 @@ class Transformer(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
-        self.positions: torch.Tensor | None = None  # a context-parallel rank's token positions (see Attention)
         if self.tok_embeddings.weight.device.type != "meta":  # built on meta: initialised once materialised
             self.init_weights(int(torch.randint(0, 2**62, ()).item()))
 
@@ -313,27 +311,25 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg)
             self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
 
-    def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0,
-                return_hidden: bool = False, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, return_hidden: bool = False,
+                doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] (int) -> logits [batch, seq, vocab].
 
         A pipeline stage without the embedding takes hidden states [batch, seq, hidden] instead, and a
         stage without the head returns hidden states. `return_hidden=True` stops before the LM head
         (after the final norm): a loss that applies the head itself, chunk by chunk, takes it from there.
 
-        Packed sequences (several documents per row): `doc_ids` [batch, seq] numbers each token's document
-        (attention stays inside it) and `positions` [batch, seq] gives each token's position in its document
-        (rotary and learned positions restart). A context-parallel rank gets its own tokens' `positions` and
-        the whole rows' `doc_ids` (loom/parallel/context.py).
+        Positions: token i of a row sits at position i, unless `positions` [batch, seq] says otherwise: each
+        token's position in its document for packed sequences (several documents per row, numbered by
+        `doc_ids` [batch, seq], attention staying inside each), a context-parallel rank's own tokens (its
+        batch's `positions` entry, sharded with the tokens: loom/parallel/context.py `shard_batch`, the whole
+        rows' `doc_ids`), or a generation engine's slots (`cache`, loom/infer/engine.py).
         """
         seqlen = tokens.shape[1]
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
-            if self.pos_embeddings is not None:  # `positions`: a context-parallel rank's tokens (see Attention)
-                pos = (torch.arange(start_pos, start_pos + seqlen, device=h.device) if self.positions is None
-                       else self.positions.to(h.device))
-                pos = pos if positions is None else positions.to(h.device)
+            if self.pos_embeddings is not None:
+                pos = torch.arange(seqlen, device=h.device) if positions is None else positions.to(h.device)
                 h = h + self.pos_embeddings(pos)
             h = self.embed_dropout(h)
         else:
@@ -346,7 +342,7 @@ class Transformer(nn.Module):
             # tables gathered once here, not in every layer (the host's work per op is a GPU's eager decode time).
             rope = token_rope(rope, positions.to(h.device))
         for layer in self.layers.values():
-            h = layer(h, rope, cache, start_pos, doc_ids=doc_ids, positions=positions)
+            h = layer(h, rope, cache, doc_ids=doc_ids, positions=positions)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None and not return_hidden:

@@ -39,6 +39,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from loom.config import ModelConfig
 
@@ -108,7 +109,7 @@ def _in_backward() -> bool:
 def _local(w):
     """A parameter as a plain tensor: a DTensor's local part (differentiable; under tensor parallelism the
     router and experts are replicated DTensors, under expert parallelism the experts are sharded ones)."""
-    return w.to_local() if hasattr(w, "to_local") else w
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class Router(nn.Module):
@@ -231,7 +232,7 @@ class GroupedExperts(nn.Module):
 
 def use_grouped_mm(x: torch.Tensor) -> bool:
     """PyTorch's grouped GEMM where it is fast: CUDA, compute capability 9.0+, bf16 (or bf16 autocast)."""
-    if not (x.is_cuda and hasattr(torch, "_grouped_mm")):
+    if not x.is_cuda:
         return False
     autocast_bf16 = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
     return grouped_mm_wanted(torch.cuda.get_device_capability(x.device), x.dtype, autocast_bf16)

@@ -19,9 +19,9 @@ measured activations on CPU); with GQA the keys/values are a fraction of the act
 when S x kv_heads x head_dim per layer no longer fits beside the rest — see README "Context parallelism"
 and bench/cp_comm.py for the numbers.
 
-Positions: a rank's tokens are not contiguous, so rotary (and learned) positions come from a per-token
-index set once on the model (`positions` attributes) instead of start_pos..start_pos+seq−1; the model has
-no process-group code.
+Positions: a rank's tokens are not contiguous, so `shard_batch` gives the batch a `positions` entry (each
+token's position in its sequence, sharded with the tokens) that the model takes as its `positions` argument,
+as it takes packed sequences' positions; the model has no process-group code.
 """
 
 from __future__ import annotations
@@ -45,10 +45,14 @@ WHOLE_ROWS = ("doc_ids",)  # batch entries every cp rank keeps whole: attention 
 
 def shard_batch(batch: dict, seq_len: int, cp: int, rank: int) -> dict:
     """This cp rank's tokens of every sequence: each [batch, seq_len, ...] tensor sliced along dim 1 (but
-    `WHOLE_ROWS`)."""
+    `WHOLE_ROWS`), `positions` [batch, seq_len / cp] among them: the batch's own (packed sequences), else
+    0..seq_len-1 of every row, so that the model places the rank's tokens where they sit in the sequence."""
     if cp == 1:
         return batch
     idx = rank_positions(seq_len, cp, rank)
+    if "positions" not in batch:
+        ids = batch["input_ids"]
+        batch = {**batch, "positions": torch.arange(seq_len, device=ids.device).expand(ids.shape[0], seq_len)}
     out = {}
     for k, v in batch.items():
         if v.dim() >= 2 and v.shape[1] == seq_len and k not in WHOLE_ROWS:
@@ -102,18 +106,16 @@ class ContextParallelCore:
         self.group, self.cp, self.rank = group, cp, rank
         self.inner = attention_core
 
-    def __call__(self, q, k, v, kind: str, dropout: float, start_pos: int = 0, doc_ids=None) -> torch.Tensor:
+    def __call__(self, q, k, v, kind: str, dropout: float, doc_ids=None) -> torch.Tensor:
         """`doc_ids`: packed sequences' document ids of whole rows [b, S] (`shard_batch` leaves them whole),
         so each chunk's mask needs no exchange: its queries' and keys' documents are a slice of them."""
-        if start_pos:
-            raise RuntimeError("context parallelism runs whole sequences (start_pos 0), not cached decoding")
         k, v = gather_sequence(k, self.group, self.cp), gather_sequence(v, self.group, self.cp)
         c = q.shape[2] // 2
         a, b = self.rank, 2 * self.cp - 1 - self.rank
         docs = () if doc_ids is None else (doc_ids,)
         # Chunk a attends keys [0, (a+1)c), chunk b keys [0, (b+1)c): causal, aligned bottom-right.
-        out_a = self.inner(q[:, :, :c], k[:, :, :(a + 1) * c], v[:, :, :(a + 1) * c], kind, dropout, a * c, *docs)
-        out_b = self.inner(q[:, :, c:], k[:, :, :(b + 1) * c], v[:, :, :(b + 1) * c], kind, dropout, b * c, *docs)
+        out_a = self.inner(q[:, :, :c], k[:, :, :(a + 1) * c], v[:, :, :(a + 1) * c], kind, dropout, *docs)
+        out_b = self.inner(q[:, :, c:], k[:, :, :(b + 1) * c], v[:, :, :(b + 1) * c], kind, dropout, *docs)
         return torch.cat([out_a, out_b], dim=2)
 
 
@@ -153,17 +155,14 @@ class TokenShards:
         return out
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh, seq_len: int) -> None:
+def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
     """Make `model` (the whole model or one pipeline stage) run on this cp rank's chunks of every sequence:
-    the cp attention core in every block, the rank's token positions on the model and its attention
-    modules, and the cp group on its MoE layers. The caller feeds it `shard_batch` inputs."""
+    the cp attention core in every block and the cp group on its MoE layers. The caller feeds it
+    `shard_batch` inputs, their `positions` included."""
     from loom.models.moe import moe_layers
 
     group, cp, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
-    positions = rank_positions(seq_len, cp, rank)
-    model.positions = positions
     for block in model.layers.values():
         block.attention.core = ContextParallelCore(group, cp, rank)
-        block.attention.positions = positions
     for moe in moe_layers(model):
         moe.token_shards = TokenShards(group, cp, rank)

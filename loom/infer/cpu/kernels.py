@@ -1,32 +1,28 @@
 """CPU kernels for decode steps: a small-batch fp32 matrix product (y = x W^T + b for a few rows of x) and
 the attention of one new token per sequence to its cached keys.
 
-Why. A decode step multiplies a handful of rows (one per sequence) by every weight of the model. On the
-2-core AVX2 EPYC of bench/generate_cpu.py (torch 2.13) MKL's sgemm and inductor's CPU GEMM template both run
-such products at 40-60 GFLOP/s against about 125 for a large product: at 16 rows the LM head (16000 x 384)
-takes 6-9 ms through `F.linear` and the weight products are two thirds of a decode step.
+Why. A decode step multiplies a handful of rows (one per sequence) by every weight of the model, a shape at
+which MKL's sgemm and inductor's CPU GEMM template run well below their large-product rate; the weight
+products are most of a decode step. bench/generate_cpu.py measures both kernels (`decode_step_ms`,
+`packed_products`) against ATen's; its results/ hold the numbers.
 
 `packed_linear` packs each weight once into panels of 16 output columns, [ceil(N/16), K, 16] (zero-padded),
 and multiplies by panels: a 6 x 16 register tile (12 AVX2 accumulators) walks K once per 6 rows with fused
-multiply-adds, every tile prefetches the panel four on, and the panels are split over ATen's threads.
-Measured on that machine at 16 rows: the head in 2.2 ms, the MLP's 1024 x 384 in 0.10 ms (F.linear
-0.21); the bench model's 43 products in layer order (each weight from memory, as a decode step reads it)
-in 7.4 ms against 16.6 through F.linear (run 7 of bench/generate_cpu.py, `decode_step_ms`). At hundreds
-of rows (a prefill) it is no faster than MKL, so the engine uses it for decode steps only.
+multiply-adds, every tile prefetches the panel four on, and the panels are split over ATen's threads. At
+hundreds of rows (a prefill) it is no faster than MKL, so the engine uses it for decode steps only.
 
 `decode_attention` takes q [B, H, R, d] (the R query heads that share a key/value head, one token each),
 the slab's keys and values as strided views and the boolean mask, and computes masked softmax attention in
 fp32 with one task per (row, key/value head), reading each key and value row once for all R queries and
-only the rows some query may attend to: 0.16 ms a layer against SDPA's 0.21 ms at batch 16, and about 8%
-of a whole batch-16 generation (bench/generate_cpu.py's engine, same process, alternating).
+only the rows some query may attend to.
 
 What they are not: general kernels. fp32 only, CPU with AVX2 and FMA only. Everything else (bf16, a GPU, a
 tensor-parallel shard) keeps `F.linear` and SDPA; `available()` says whether this process can use them.
 
-Built from the C++ below with the system's C++ compiler the first time a process asks for it (about 20 s),
-into a cache directory keyed by the source, torch's and Python's versions and the compiler (`cache_dir`:
-LOOM_CACHE_DIR, else ~/.cache/loom, else the temporary directory), written whole or not at all, then
-loaded with `torch.ops.load_library`: the ops are `torch.ops.loom_cpu.packed_linear` and `.decode_attention`, with fake
+Built from the C++ below with the system's C++ compiler the first time a process asks for it, into a cache
+directory keyed by the source, torch's and Python's versions and the compiler (`cache_dir`: LOOM_CACHE_DIR,
+else ~/.cache/loom, else the temporary directory), written whole or not at all, then loaded with
+`torch.ops.load_library`: the ops are `torch.ops.loom_cpu.packed_linear` and `.decode_attention`, with fake
 (meta) implementations so that `torch.compile` keeps each as one opaque call inside a compiled decode step.
 They have no backward (the engine runs under no_grad). No compiler, no AVX2, `LOOM_CPU_KERNELS=0` or a
 failed build: `available()` is False (the reason logged once) and nothing else changes.
@@ -295,8 +291,9 @@ def available() -> bool:
         why = f"the CPU's vector capability is {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX2"
     else:
         try:
-            if not hasattr(torch.ops.loom_cpu, "packed_linear"):
-                torch.ops.load_library(str(_library()))
+            lib = str(_library())
+            if lib not in torch.ops.loaded_libraries:
+                torch.ops.load_library(lib)
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
             why = f"{type(err).__name__}: {err}"
     if why is None:
