@@ -826,3 +826,20 @@ def test_cli_prices_a_published_megatron_layout_that_fits():
     assert best["fits"] and best["memory_gib"]["fp8_weights"] > 0 and best["memory_gib"]["total"] < 79.6
     r = run_cli("plan", "--model", "llama3-70b", "--gpus", "64", "--framework", "deepspeed")
     assert r.returncode == 2 and "--framework" in r.stderr
+
+
+def test_plan_offers_only_layouts_the_recipe_runs(capsys):
+    """`--recipe` applies the rule book's recipe refusals (loom/rules.py recipe_problem): `loom dpo` runs data
+    parallelism only and `loom rl` no pipeline or context parallelism, while pre-training on the same cluster
+    is offered both. Without the recipe the dpo and rl lists would hold the train list's layouts."""
+    from loom.cli import main
+
+    def layouts(recipe):
+        assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--json", "--top", "20",
+                     "--recipe", recipe]) == 0
+        return [(c["tp"], c["pp"], c["cp"], c["sp"]) for c in json.loads(capsys.readouterr().out)["candidates"]]
+
+    train, dpo, rl = layouts("train"), layouts("dpo"), layouts("rl")
+    assert any(pp > 1 for _, pp, _, _ in train) and any(cp > 1 for _, _, cp, _ in train)
+    assert dpo and all(lay == (1, 1, 1, False) for lay in dpo)
+    assert rl and all(pp == cp == 1 and not sp for _, pp, cp, sp in rl) and any(tp > 1 for tp, *_ in rl)

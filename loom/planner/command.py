@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--runtime", choices=["loom", "any"], default="loom",
                    help="loom (default): only layouts loom's rule book accepts, i.e. what `loom train` runs; any: also "
                    "layouts other runtimes run (Megatron's distributed optimizer, fp8, context parallelism), marked *")
+    s.add_argument("--recipe", choices=["train", "sft", "rm", "dpo", "rl"], default="train",
+                   help="the loom command that will run the layout: only layouts it accepts are offered (loom dpo and "
+                   "loom rm run data parallelism only; loom rl data and tensor parallelism)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help='print {"candidates": [...]} (best first)')
     o.add_argument("--plot", type=Path, default=None, help="draw the top candidates' time and memory terms (PNG)")
@@ -141,7 +144,7 @@ def build_workload(args):
                     state_dtype=args.state_dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce,
                     grad_accum=args.grad_accum, memory_margin_gib=margin, framework=args.framework,
                     grad_dtype=args.grad_dtype, moe_imbalance=args.moe_imbalance,
-                    loss_chunk=args.loss_chunk), args.model
+                    loss_chunk=args.loss_chunk, recipe=args.recipe), args.model
 
 
 def run(args, engine_probe=None) -> int:

@@ -112,7 +112,7 @@ def loom_runnable(e: Estimate, w: Workload) -> str | None:
         cfg = to_loom_config(e, w)
     except UserError as exc:
         return str(exc)
-    return layout_problem(cfg, e.layout.world)
+    return layout_problem(cfg, e.layout.world, w.recipe)
 
 
 def write_config(e: Estimate, w: Workload, base_name: str | None, path: Path) -> str:
@@ -120,14 +120,14 @@ def write_config(e: Estimate, w: Workload, base_name: str | None, path: Path) ->
     from loom.rules import layout_problem
 
     cfg = to_loom_config(e, w, base_name)
-    problem = layout_problem(cfg, e.layout.world)
+    problem = layout_problem(cfg, e.layout.world, w.recipe)
     if problem:
         raise UserError(f"--config: loom cannot run {layout_name(e)} ({problem}); nothing written")
     lay = e.layout
     note = ""
     header = (f"# Written by `loom plan`: predicted {e.step_time_s:.3f} s/step, {e.tokens_per_s_per_gpu:.0f} tokens/s/GPU, "
               f"{e.memory['total'] / GIB:.1f} GiB/GPU on {w.gpus} x {w.gpu.name}.\n"
-              f"# Launch with {lay.world} processes, e.g. `loom train --config {path} --nproc 8 --nnodes {max(1, lay.world // 8)} ...`.\n")
+              f"# Launch with {lay.world} processes, e.g. `loom {w.recipe} --config {path} --nproc 8 --nnodes {max(1, lay.world // 8)} ...`.\n")
     tmp = path.with_name(path.name + ".tmp")
     try:
         tmp.write_text(header + cfg.to_toml())

@@ -53,6 +53,9 @@ class Workload:
     # (fsdp2_copy_bytes); False for a stack that gathers and reduces flat buffers in place (FSDP1's flat
     # parameters, Megatron's distributed optimizer).
     fsdp2: bool = True
+    # The loom command that will run the layout (train, sft, rm, dpo, rl): its recipe's refusals
+    # (loom.rules.recipe_problem, e.g. DPO on data parallelism only) rule layouts out as `loom <recipe>` would.
+    recipe: str = "train"
 
     @property
     def usable_bytes(self) -> float:
