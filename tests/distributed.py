@@ -134,3 +134,19 @@ class RankPool:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
+
+
+_SHARED: dict[int, RankPool] = {}
+
+
+def shared_pool(world: int) -> RankPool:
+    """The session's rank pool of `world` processes, started on first use and closed when pytest exits: the
+    equivalence tests' training runs share it instead of each starting torch and joining a group again."""
+    pool = _SHARED.get(world)
+    if pool is None or not pool.alive:
+        if not _SHARED:
+            import atexit
+
+            atexit.register(lambda: [p.close() for p in _SHARED.values()])
+        pool = _SHARED[world] = RankPool(world)
+    return pool

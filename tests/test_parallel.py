@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -40,13 +41,31 @@ def single_runs(tmp_path_factory, overrides: dict):
     return get
 
 
-def launch(run_dir, nproc, *extra, check=True, base=MODEL):
-    cmd = [sys.executable, "-m", "loom.cli", "train", "--config", "tiny", "--run-dir", str(run_dir),
-           "--nproc", str(nproc), *[f"--{o}" for o in base + list(extra)]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+def _train_rank(run_dir: str, overrides: list[str], world: int) -> None:
+    """One rank of `loom train --nproc world`: the trainer its workers run, with their thread count."""
+    from loom.train.trainer import Trainer
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # loom.launch's OMP_NUM_THREADS
+    Trainer(load_config("tiny", overrides), run_dir, quiet=True).fit()
+
+
+def launch(run_dir, nproc, *extra, base=MODEL):
+    """Train the tiny config with `base + extra` in `nproc` ranks as `loom train --nproc` does (the data-parallel
+    size inferred from the process count the same way), in the session's kept rank processes
+    (tests/distributed.py `shared_pool`): starting torch and joining a group once, not once per run. The
+    launcher itself (torchrun workers, restarts, signals) is tested through the command in test_run_control.py,
+    test_faults.py and test_checkpoint.py."""
+    from distributed import shared_pool
+    from loom.rules import check_layout, infer_dp_shard
+
+    overrides = list(base) + list(extra)
+    cfg = load_config("tiny", overrides)
+    inferred = infer_dp_shard(cfg.parallel, nproc)
+    if inferred:
+        overrides.append(f"parallel.dp_shard={inferred[0]}")
+        cfg.parallel.dp_shard = inferred[0]
+    check_layout(cfg, nproc)
+    shared_pool(nproc).run(_train_rank, str(run_dir), overrides, nproc)
 
 
 def metrics(run_dir):
@@ -318,7 +337,7 @@ def test_resume_across_layouts(tmp_path, pipe_reference):
     assert sorted(p.name for p in (ckpts / "step-3").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
     # Read in one process, and exported to Hugging Face, the tp x pp checkpoint holds the reference weights.
     from loom import load_model
-    from loom.interop.hf import convert
+    from loom.interop import convert
 
     want = final_weights(pipe_reference)
     exported = load_model(convert(ckpts / "step-6", tmp_path / "hf", to="hf")).state_dict()
@@ -332,34 +351,3 @@ def test_resume_across_layouts(tmp_path, pipe_reference):
     (ckpts / "latest").write_text("step-3\n")
     launch(tmp_path / "run", 4, "parallel.cp=2", "parallel.dp_shard=2", "checkpoint.resume=true", base=PIPE)
     assert_same_run(tmp_path / "run", pipe_reference, rtol=1e-4)
-
-
-def _sp_memory_worker():
-    from conftest import small_config
-    from loom.models.llama import build_model
-    from loom.parallel import build_layout, parallelize
-    from loom.parallel.tensor import GatherSequence, loss_context
-
-    cfg = small_config("parallel.tp=2", "parallel.sp=true", "model.heads=4", "model.kv_heads=2")
-    layout = build_layout(cfg, "cpu")
-    model = build_model(cfg.model, seed=0)
-    parallelize(model, layout, cfg, None)
-    x = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len))
-    stats = GatherSequence.stats
-    with loss_context(2):
-        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
-        after_forward = dict(stats)
-        loss.backward()
-    return after_forward, dict(stats), all(p.grad is not None for p in model.parameters())
-
-
-def test_sequence_parallel_keeps_only_sequence_shards_for_backward():
-    """Under SP every saved view of an all-gathered input is replaced by the local sequence shard
-    (wq, wk, wv inputs in attention; w1, w3 in the MLP), and backward gathers once per region."""
-    from distributed import run_ranks
-
-    for fwd, end, grads_ok in run_ranks(2, _sp_memory_worker):
-        layers = 2
-        assert fwd == {"gathered": 2 * layers, "saved_as_shard": 5 * layers, "regathered": 0}
-        assert end == {"gathered": 2 * layers, "saved_as_shard": 5 * layers, "regathered": 2 * layers}
-        assert grads_ok
