@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from loom.config import load_config  # noqa: E402
-from loom.data.loader import batch, build_datasets, load_tokenizer  # noqa: E402
+from loom.data.token_datasets import build_datasets  # noqa: E402
+from loom.data.tokenizer import load_tokenizer  # noqa: E402
 from loom.provenance import stamp  # noqa: E402
 from loom.train.trainer import Trainer  # noqa: E402
 
@@ -61,7 +62,8 @@ class HFLoop:
         t = self.cfg.train
         total = t.global_batch * t.seq_len
         for m in range(t.global_batch // t.micro_batch):
-            x, y = batch(self.data, self.consumed + m * t.micro_batch, t.micro_batch)
+            rows = self.data.batch(self.consumed + m * t.micro_batch, t.micro_batch)
+            x, y = rows["input_ids"], rows["labels"]
             logits = self.model(input_ids=x).logits
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") / total
             loss.backward()

@@ -97,7 +97,7 @@ def reference_sample(ds, indices, seq_len, i):
 
 def child(args) -> dict:
     from loom.data.indexed import IndexedDataset, _sha256
-    from loom.data.sampler import SampleDataset
+    from loom.data.samples import SampleDataset
 
     t0 = time.perf_counter()
     ds = IndexedDataset(args.prefix)

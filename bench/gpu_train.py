@@ -204,7 +204,7 @@ def run_loom(shape, seq, batch, device, args):
     from loom.config import load_config
     from loom.models.llama import build_model
     from loom.models.losses import TokenCrossEntropy
-    from loom.parallel import build_layout
+    from loom.parallel import place_in_mesh
     from loom.parallel.distributed import clip_grad_norm
     from loom.train.optim import build_optimizer
     from loom.train.steps import SPMDRunner
@@ -220,7 +220,7 @@ def run_loom(shape, seq, batch, device, args):
         f"train.fp8={args.fp8}",
     ]
     cfg = load_config(None, overrides)
-    layout = build_layout(cfg, device.type)
+    layout = place_in_mesh(cfg, device.type)
     model = build_model(cfg.model, device=device, seed=0)
     loss = TokenCrossEntropy(cfg.train.loss_chunk)
     runner = SPMDRunner(model, cfg, layout, loss, device, torch.bfloat16 if cuda else None)

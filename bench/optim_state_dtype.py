@@ -18,7 +18,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from loom.config import load_config  # noqa: E402
-from loom.data.loader import batch  # noqa: E402
 from loom.provenance import stamp  # noqa: E402
 from loom.train.optim import state_bytes_per_param  # noqa: E402
 from loom.train.trainer import Trainer  # noqa: E402
@@ -37,7 +36,8 @@ def main() -> int:
             trainer = Trainer(cfg, Path(tmp) / "run", quiet=True)
             result = trainer.fit()
             # one more backward (no step) so gradients exist for the byte count
-            x, y = batch(trainer.val_data, 0, 2)
+            rows = trainer.val_data.batch(0, 2)
+            x, y = rows["input_ids"], rows["labels"]
             trainer.runner.loss_sum({"input_ids": x, "labels": y}).backward()
             bytes_pp = state_bytes_per_param(trainer.model, trainer.optimizer)
             losses = [json.loads(x)["loss"] for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()

@@ -30,11 +30,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from loom.config import ModelConfig  # noqa: E402
-from loom.infer.engine import Engine, SamplingParams  # noqa: E402
+from loom.infer.engine import Engine  # noqa: E402
+from loom.infer.sampling import SamplingParams  # noqa: E402
 from loom.models.llama import build_model  # noqa: E402
-from loom.planner.costmodel import Workload  # noqa: E402
 from loom.planner.hardware import load_gpu  # noqa: E402
 from loom.planner.inference import evaluate_inference  # noqa: E402
+from loom.planner.workload import Workload  # noqa: E402
 from loom.provenance import stamp  # noqa: E402
 
 # The Llama-shaped model of bench/plan_vs_measured_cpu.py.

@@ -49,7 +49,8 @@ def breakdown(run_dir: Path) -> dict:
 
     import loom
     from loom.data.tokenizer import Tokenizer
-    from loom.infer.engine import Engine, SamplingParams
+    from loom.infer.engine import Engine
+    from loom.infer.sampling import SamplingParams
     from loom.post import tasks
 
     model = loom.load_model(run_dir)

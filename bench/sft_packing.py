@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from loom.config import load_config  # noqa: E402
-from loom.data.loader import load_tokenizer  # noqa: E402
+from loom.data.tokenizer import load_tokenizer  # noqa: E402
 from loom.post import sft  # noqa: E402
 from loom.provenance import stamp  # noqa: E402
 from loom.train.trainer import Trainer  # noqa: E402
@@ -58,7 +58,7 @@ def main() -> int:
     for packing in (False, True):
         cfg = load_config("tiny-sft", base + [f"train.steps={args.steps}", f"sft.packing={str(packing).lower()}"])
         with tempfile.TemporaryDirectory() as tmp:
-            trainer = Trainer(cfg, Path(tmp) / "run", quiet=True, loss=sft.loss_for(cfg), datasets=sft.build_datasets)
+            trainer = Trainer(cfg, Path(tmp) / "run", quiet=True, recipe=sft.SFT())
             trainer.fit()
             rows = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
             useful = 1 - trainer.train_data.stats["padding"]

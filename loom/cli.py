@@ -37,7 +37,10 @@ def split_overrides(extra: list[str]) -> list[str]:
 def cmd_train(args, extra) -> int:
     from loom.config import load_config
     from loom.launch import in_worker, launch
+    from loom.post import recipe_for
 
+    global _user_code
+    recipe = recipe_for(args.command)  # the one place the recipe is chosen: by the subcommand
     overrides = split_overrides(extra)
     cfg = load_config(args.config, overrides, validate=False)
     if cfg.train.init_from:  # the architecture and tokenizer come from the pretrained weights (validates)
@@ -46,49 +49,29 @@ def cmd_train(args, extra) -> int:
         cfg = resolve_init_from(cfg, overrides)
     else:
         cfg.validate()
-    if args.command == "sft" and not cfg.sft.data:
-        raise UserError("loom sft needs sft.data: .jsonl files of {\"messages\": [...]} or {\"prompt\", "
-                        "\"completion\"} records (or prefixes from `loom preprocess --sft`), e.g. --sft.data=chat.jsonl")
-    if args.command in ("dpo", "rm") and not cfg.pref.data:
-        raise UserError(f"loom {args.command} needs pref.data: .jsonl files of {{\"prompt\", \"chosen\", \"rejected\"}} "
-                        "records (strings, or lists of chat messages), or synthetic:N, e.g. --pref.data=pairs.jsonl")
-    if args.command == "rl" and not cfg.rl.prompts:
-        raise UserError("loom rl needs rl.prompts: .jsonl files of {\"prompt\": ...} records (other fields go to the "
-                        "reward function), or addition:N, e.g. --rl.prompts=prompts.jsonl --rl.reward=mypkg.rewards:score")
-    module = None
-    if cfg.rl.prompts:  # online RL: the engine in the loop (loom/post/rl.py)
-        from loom.post import rl as module
-
-        module.check(cfg)
-    elif cfg.pref.data:  # preference recipes (reward model, DPO): pairs, their loss and hooks in the one loop
-        from loom.post import pref as module
-
-        module.check(cfg, args.command)
+    recipe.check(cfg)
+    _user_code = recipe.runs_user_code(cfg)
     if args.print_config:
         print(cfg.to_toml(), end="")
         return 0
     if args.nproc < 1 or args.nnodes < 1:
         raise UserError(f"--nproc={args.nproc} and --nnodes={args.nnodes} must be >= 1")
-    recipe = {}
-    if cfg.sft.data:  # the SFT recipe: its examples and masked loss in the one training loop
-        from loom.post import sft as module
-
-        recipe = {"datasets": module.build_datasets, "loss": module.loss_for(cfg)}
-    elif module is not None:
-        recipe = module.recipe(cfg)
     if (args.nproc > 1 or args.nnodes > 1) and not in_worker():
         if args.nnodes > 1 and not args.run_dir:
             raise UserError("--nnodes > 1 needs an explicit --run-dir on storage every node shares")
         run_dir = args.run_dir or cfg.default_run_dir()
-        if recipe:  # tokenize the examples once, here, before the workers start
-            from loom.data.loader import load_tokenizer
 
-            module.prepare_data(cfg, load_tokenizer(cfg))
+        def prepare_data() -> None:  # tokenize / index the data once, here, before the workers start
+            from loom.data.tokenizer import load_tokenizer
+
+            recipe.prepare_data(cfg, load_tokenizer(cfg))
+
         return launch(cfg, [args.command, "--config", args.config, "--run-dir", str(run_dir)], overrides, args.nproc,
-                      args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts, prepare_data=not recipe)
+                      args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts, prepare_data=prepare_data,
+                      recipe=recipe.command)
     from loom.train.trainer import Trainer
 
-    trainer = recipe.pop("trainer", Trainer)(cfg, args.run_dir, **recipe)
+    trainer = Trainer(cfg, args.run_dir, recipe=recipe)
     result = trainer.fit()
     if trainer.is_main:
         print(f"run directory: {trainer.run_dir}")
@@ -114,7 +97,7 @@ def cmd_memory(args, extra) -> int:
     cfg = load_config(args.config, overrides, measuring=True)
     if args.nproc > 1 and not in_worker():
         command = ["memory", "--config", args.config] + (["--json"] if args.json else [])
-        return launch(cfg, command, overrides, args.nproc, prepare_data=False, measuring=True)
+        return launch(cfg, command, overrides, args.nproc, measuring=True)
     result = report(cfg)
     if result is None:  # not rank 0
         return 0
@@ -143,7 +126,8 @@ def cmd_generate(args, extra) -> int:
     from loom import load_model
     from loom.data.tokenizer import Tokenizer
     from loom.infer.batch import read_prompts
-    from loom.infer.engine import Engine, SamplingParams
+    from loom.infer.engine import Engine
+    from loom.infer.sampling import SamplingParams
 
     if extra:
         raise UserError(f"unrecognised arguments {' '.join(extra)}; see `loom generate --help`")
@@ -217,7 +201,7 @@ def _generate_file(args, tok, texts, ids, params, engine) -> int:
 
 
 def find_tokenizer(path: str) -> Path:
-    from loom.interop.hf import is_hf_dir
+    from loom.interop import is_hf_dir
     from loom.models.io import resolve_model_dir
 
     directory = Path(path) if is_hf_dir(path) else resolve_model_dir(path)
@@ -228,7 +212,7 @@ def find_tokenizer(path: str) -> Path:
 
 
 def cmd_convert(args, extra) -> int:
-    from loom.interop.hf import convert
+    from loom.interop import convert
 
     if extra:
         raise UserError(f"unrecognised arguments {' '.join(extra)}; see `loom convert --help`")
@@ -250,7 +234,7 @@ def cmd_preprocess(args, extra) -> int:
         tok = Tokenizer.from_file(spec)
     else:
         from loom.config import load_config
-        from loom.data.loader import load_tokenizer
+        from loom.data.tokenizer import load_tokenizer
 
         tok = load_tokenizer(load_config(spec))
     if args.eod_token:
@@ -364,16 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (default 16)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where the model runs, in fp32: auto (default) is the GPU when there is one, else the CPU")
-    p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off", "frozen"],
+    p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="decode steps through torch.compile in batch buckets, compiled before the first request. "
-                        "auto (default): on on a GPU, where each decode step then replays one CUDA graph (H200, "
-                        "Llama-3.2-1B shape: 1.6 ms a step at batch 1 against 49 ms eager, whose host dispatches "
-                        "every op), off on a CPU, where compiling costs more than it saves (16 prompts x 32 tokens "
-                        "on the tiny config: 2.5 s eager, 22 s compiled; bench/results/engine_ops_cpu.json). "
-                        "on ('--compile' alone) / off: always / never (off on a GPU for a few short prompts: "
-                        "building compiles first, 46 s for the H200's 1B engine with batches up to 256). "
-                        "frozen (CPU) freezes the weights into the compiled step so that "
-                        "inductor's CPU GEMM template runs the products (slower to start, faster to decode)")
+                        "auto (default): on on a GPU, where each decode step then replays one CUDA graph instead "
+                        "of the host dispatching every op, off on a CPU, where compiling costs more than it saves "
+                        "(measurements: bench/README.md, generation). on ('--compile' alone) / off: always / never "
+                        "(off on a GPU for a few short prompts: building compiles first)")
     p.add_argument("--sync-every", type=int, default=8,
                    help="decode steps run on the device between reads back to the host (default 8; 1 reads after "
                         "every step, which refills a slot freed by a stop token soonest)")
@@ -446,6 +426,9 @@ def _flush() -> bool:
     return ok
 
 
+_user_code = False  # set by cmd_train when the run imports the user's own modules (an RL reward function)
+
+
 def _exit(code: int | None) -> None:
     """Leave with `code`, skipping the interpreter's teardown where that is safe.
 
@@ -455,8 +438,8 @@ def _exit(code: int | None) -> None:
       (bad input) into a crash the launcher cannot classify.
     - Otherwise the exit handlers run (logging's flush, multiprocessing's children, inductor's compile
       process pool, temporary directories), and the process leaves without deallocating every object of
-      torch's modules one by one, which takes about a second of CPU per process here (every worker and
-      the launcher pay it).
+      torch's modules one by one, which costs CPU time in every process (every worker and the launcher
+      pay it).
     - The ordinary exit is kept while another non-daemon thread runs (it waits for it; inductor's idle
       compile threads count), when a stream cannot be flushed (Python then reports it and exits 120, as
       always), under a tracer or profiler (`python -m cProfile`, coverage, pdb: they write their results
@@ -474,9 +457,7 @@ def _exit(code: int | None) -> None:
     running = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     run_handlers = getattr(atexit, "_run_exitfuncs", None)
     traced = sys.gettrace() is not None or sys.getprofile() is not None
-    rl = sys.modules.get("loom.post.rl")
-    user_code = bool(rl is not None and rl.user_modules)
-    if (running or run_handlers is None or not flushed or traced or user_code
+    if (running or run_handlers is None or not flushed or traced or _user_code
             or os.environ.get("LOOM_ORDINARY_EXIT") == "1"):
         sys.exit(code)
     run_handlers()

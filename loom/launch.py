@@ -26,8 +26,11 @@ def in_worker() -> bool:
 
 def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nnodes: int = 1,
            node_rank: int = 0, rdzv_endpoint: str | None = None, max_restarts: int = 0,
-           prepare_data: bool = True, measuring: bool = False) -> int:
+           prepare_data=None, measuring: bool = False, recipe: str = "train") -> int:
     """Start `python -m loom.cli COMMAND... --OVERRIDES` on nproc x nnodes workers.
+
+    `prepare_data()` builds the run's shared data caches once, in this process, after the layout is checked
+    (for `recipe`, loom/rules.py) and before the workers start.
 
     Without a data-parallel size in the config (dp_replicate = dp_shard = 1), `parallel.dp_shard` is
     inferred from the process count, as Megatron infers its data-parallel size, and passed on to the
@@ -45,11 +48,9 @@ def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nn
         cfg.parallel.dp_shard = inferred[0]
         overrides = [*overrides, f"parallel.dp_shard={inferred[0]}"]
         print(f"loom {command[0]}: {inferred[1]}", file=sys.stderr, flush=True)
-    check_layout(cfg, nproc * nnodes, measuring)
-    if prepare_data:  # build shared caches once, in this process, before the workers start
-        from loom.data.loader import build_datasets, load_tokenizer
-
-        build_datasets(cfg, load_tokenizer(cfg))
+    check_layout(cfg, nproc * nnodes, measuring, recipe)
+    if prepare_data is not None:
+        prepare_data()
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

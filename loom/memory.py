@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from loom.build import build_in_layout, tensor_parallel, torch_dtype, whole
 from loom.config import Config
 from loom.ledger import SavedTensorLedger
 from loom.models.losses import token_loss_sum
@@ -41,7 +42,7 @@ class _FusedAttention(torch.autograd.Function):
         raise RuntimeError("the fused-attention stand-in only measures memory")
 
 
-def _fused_core(q, k, v, kind, dropout, start_pos=0):
+def _fused_core(q, k, v, kind, dropout, doc_ids=None):
     return _FusedAttention.apply(q, k, v)
 
 
@@ -54,16 +55,16 @@ class _ContextParallelStandIn:
     def __init__(self, cp: int, inner):
         self.cp, self.inner = cp, inner
 
-    def __call__(self, q, k, v, kind, dropout, start_pos=0):
+    def __call__(self, q, k, v, kind, dropout, doc_ids=None):
         c, cp = q.shape[2] // 2, self.cp
 
         def gathered(x):
             return torch.cat([x, x.new_zeros((*x.shape[:2], 2 * c * (cp - 1), x.shape[3]))], dim=2)
 
         k, v = gathered(k), gathered(v)
-        last = 2 * cp - 1  # rank 0 holds chunks 0 and 2cp-1 (every rank keeps the same bytes)
-        out_a = self.inner(q[:, :, :c], k[:, :, :c], v[:, :, :c], kind, dropout, 0)
-        out_b = self.inner(q[:, :, c:], k, v, kind, dropout, last * c)
+        # Rank 0 holds chunks 0 and 2cp-1 (every rank keeps the same bytes): the last chunk sees every key.
+        out_a = self.inner(q[:, :, :c], k[:, :, :c], v[:, :, :c], kind, dropout)
+        out_b = self.inner(q[:, :, c:], k, v, kind, dropout)
         return torch.cat([out_a, out_b], dim=2)
 
 
@@ -80,37 +81,44 @@ def attention_counted(model) -> str:
 
 
 def _build(cfg: Config, device, layout=None, layer_plan: dict[str, str] | None = None, fused_standin: bool = False):
-    from loom.models.llama import build_model
+    """The model one rank trains, built as training builds it (`loom.build.build_in_layout`), in `train.dtype`,
+    placed for measurement: this rank's attention (a fused kernel's stand-in on meta, context parallelism's
+    stand-in), tensor parallelism and recomputation; nothing allocated on meta."""
     from loom.parallel.recompute import apply_recompute
 
-    dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
-    model = build_model(cfg.model, device=device, dtype=dtype, seed=None if str(device) == "meta" else 0)
-    model.train()
-    if fused_standin and str(device) == "meta" and cfg.model.attention == "sdpa" and not cfg.model.attn_dropout:
-        for block in model.layers.values():  # count what a fused kernel keeps, not the math fallback's
-            block.attention.core = _fused_core
-    if cfg.parallel.cp > 1:  # one cp rank: its seq_len / cp tokens at their positions, keys/values gathered
-        from loom.parallel.context import rank_positions
-
-        positions = rank_positions(cfg.train.seq_len, cfg.parallel.cp, 0).to(device)
-        model.positions = positions
-        for block in model.layers.values():
-            block.attention.core = _ContextParallelStandIn(cfg.parallel.cp, block.attention.core)
-            block.attention.positions = positions
-    if layout is not None and layout.tp > 1:
-        from loom.parallel.tensor import apply_tensor_parallel
-
-        apply_tensor_parallel(model, layout.submesh("tp"), cfg.parallel.sp)
     if cfg.recompute.mode == "budget" and layer_plan is None:
         layer_plan = plan_budget(cfg, layout, device)["plan"]
-    apply_recompute(model, cfg, layer_plan)
-    return model
+
+    def place(model):
+        model.train()
+        if fused_standin and str(device) == "meta" and cfg.model.attention == "sdpa" and not cfg.model.attn_dropout:
+            for block in model.layers.values():  # count what a fused kernel keeps, not the math fallback's
+                block.attention.core = _fused_core
+        if cfg.parallel.cp > 1:  # one cp rank: its seq_len / cp tokens (`_positions`), keys/values gathered
+            for block in model.layers.values():
+                block.attention.core = _ContextParallelStandIn(cfg.parallel.cp, block.attention.core)
+        if layout is not None and layout.tp > 1:
+            tensor_parallel(layout, cfg.parallel.sp)(model)
+        apply_recompute(model, cfg, layer_plan)
+        return whole(model)
+
+    return build_in_layout(cfg, device, place, dtype=torch_dtype(cfg), seed=0).model
 
 
 def _batch(cfg: Config, device):
     t = cfg.train
     x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len // cfg.parallel.cp), device=device)
     return x, torch.roll(x, -1, dims=1)
+
+
+def _positions(cfg: Config, x: torch.Tensor) -> dict:
+    """A cp rank's `positions` entry (rank 0's tokens, as `loom.parallel.context.shard_batch` gives them)."""
+    if cfg.parallel.cp == 1:
+        return {}
+    from loom.parallel.context import shard_batch
+
+    return {"positions": shard_batch({"input_ids": x.new_zeros(x.shape[0], cfg.train.seq_len)}, cfg.train.seq_len,
+                                     cfg.parallel.cp, 0)["positions"]}
 
 
 def measure_activations(cfg: Config, layout=None, device="meta", layer_plan=None) -> dict:
@@ -120,7 +128,7 @@ def measure_activations(cfg: Config, layout=None, device="meta", layer_plan=None
     x, y = _batch(cfg, device)
     with loss_context(layout.tp if layout else 1):
         with SavedTensorLedger(model) as ledger:
-            loss = token_loss_sum(model(x), y)
+            loss = token_loss_sum(model(x, **_positions(cfg, x)), y)
     per_layer = ledger.per_layer()
     layers = {k: v for k, v in per_layer.items() if k.startswith("layers.")}
     worst = max(layers, key=layers.get)
@@ -227,13 +235,13 @@ def report(cfg: Config) -> dict | None:
     """Everything `loom memory` prints, measured on this process's layout (None off rank 0)."""
     import torch.distributed as dist
 
-    from loom.parallel.dims import build_layout
+    from loom.parallel.dims import place_in_mesh
     from loom.parallel.distributed import init_distributed
 
     distributed = not dist.is_initialized()
     init_distributed(torch.device("cpu"))  # measurement runs on CPU ranks (gloo)
     distributed = distributed and dist.is_initialized()
-    layout = build_layout(cfg, "cpu", measuring=True)
+    layout = place_in_mesh(cfg, "cpu", measuring=True)
     if layout.tp > 1 and not layout.distributed:
         from loom.errors import UserError
 

@@ -1,10 +1,11 @@
 """The rule book: which parallel layouts loom runs, in one place, without torch.
 
 Every part that needs a layout fact asks here: config validation (`Config.validate`), the launcher
-(before any worker exists), the trainer and `loom memory` (through `parallel.dims.build_layout`), the
-pipeline runtime (chunk splits, which rank holds which chunk) and the planner (which tensor-parallel
-sizes, schedules and splits to search, and whether loom can run a candidate). So `loom plan` never
-proposes what `loom train` refuses, and a refusal names the field, its value and what would be valid.
+(before any worker exists), the trainer and `loom memory` (through `parallel.dims.place_in_mesh`), the
+pipeline runtime (chunk splits, which rank holds which chunk), the post-training recipes (what each runs
+on, `recipe_problem`) and the planner (which tensor-parallel sizes, schedules and splits to search, and
+whether loom can run a candidate). So `loom plan` never proposes what `loom train` refuses, and a refusal
+names the field, its value and what would be valid.
 
 The functions take plain values or any object with the config's attributes (`cfg.model`,
 `cfg.parallel`, `cfg.train`, `cfg.recompute`); this module imports nothing from loom but its errors.
@@ -21,14 +22,13 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-SIZES = ("tp", "pp", "vpp", "dp_replicate", "dp_shard", "cp", "ep")
-
-
 def check_sizes(p) -> None:
     """Every parallel size is a positive integer."""
-    for name in SIZES:
-        if getattr(p, name) <= 0:
-            raise UserError(f"parallel.{name}={getattr(p, name)} must be a positive integer")
+    sizes = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard,
+             "cp": p.cp, "ep": p.ep}
+    for name, size in sizes.items():
+        if size <= 0:
+            raise UserError(f"parallel.{name}={size} must be a positive integer")
 
 
 # --- tensor parallelism ---------------------------------------------------------------------------
@@ -324,26 +324,25 @@ def world_size(p) -> int:
     return p.tp * p.cp * p.pp * p.dp_replicate * p.dp_shard
 
 
-def check_layout(cfg, world: int | None = None, measuring: bool = False) -> None:
+def check_layout(cfg, world: int | None = None, measuring: bool = False, recipe: str = "train") -> None:
     """Raise UserError naming the field, value and valid choices for a layout loom cannot run.
 
     `world`: the processes started (None: not checked). `measuring` (loom memory) allows dropout under
-    tensor parallelism: its masks are measured, never trained with.
+    tensor parallelism: its masks are measured, never trained with. `recipe`: the subcommand that runs it
+    (train, sft, rm, dpo, rl; `recipe_problem`).
     """
     p, m, t = cfg.parallel, cfg.model, cfg.train
     check_sizes(p)
-    experts = getattr(m, "moe_experts", 0)
+    experts = m.moe_experts
     if problem := ep_problem(p.ep, experts, p.dp_replicate, p.dp_shard, p.cp) or moe_problem(
-            experts, p.pp, p.schedule, p.cp, getattr(m, "moe_capacity_factor", 0.0), t.compile):
+            experts, p.pp, p.schedule, p.cp, m.moe_capacity_factor, t.compile):
         raise UserError(problem)
     if problem := sp_problem(p.tp, p.sp):
         raise UserError(problem)
     if problem := cp_problem(p.cp, t.seq_len, p.tp, p.sp) or cp_feature_problem(
             p.cp, max(m.dropout, m.attn_dropout), t.compile, cfg.recompute.mode):
         raise UserError(problem)
-    sft = getattr(cfg, "sft", None)
-    masked = getattr(getattr(cfg, "data", None), "document_mask", False) or bool(sft and sft.data and sft.packing)
-    if problem := document_mask_problem(masked, m.position, p.sp):
+    if problem := document_mask_problem(cfg.data.document_mask, m.position, p.sp):
         raise UserError(problem)
     if p.tp > 1:
         reasons = tp_problems(p.tp, m, t.seq_len, p.sp)
@@ -370,6 +369,59 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False) -> None
             f"{p.dp_replicate} x dp_shard={p.dp_shard}) but {world} processes were started; make the product "
             f"equal the process count (e.g. --nproc {world_size(p)}) or change the sizes"
         )
+    if problem := recipe_problem(recipe, cfg):
+        raise UserError(problem)
+
+
+# --- post-training recipes --------------------------------------------------------------------------
+
+
+def recipe_problem(recipe: str, cfg) -> str | None:
+    """What a recipe does not run yet (None: it runs this config). SFT packing restarts positions per
+    example (`document_mask_problem`). The preference recipes (rm, dpo) run on data parallelism only:
+    per-sequence log-probs of vocabulary-sharded logits, the loss only on the last stage, and sequences split
+    across ranks each need their own reduction; a batch holds whole pairs. RL runs on data and tensor
+    parallelism; a step's sequences are whole groups of completions of one prompt, never straddling
+    data-parallel ranks. Both compute whole logits."""
+    p, t = cfg.parallel, cfg.train
+    dp = data_parallel_size(p)
+    if recipe == "sft":
+        return document_mask_problem(cfg.sft.packing, cfg.model.position, p.sp)
+    if recipe in ("rm", "dpo"):
+        for name, size in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)):
+            if size > 1:
+                return (f"parallel.{name}={size}: the preference recipes (loom dpo, loom rm) run with data parallelism "
+                        f"only for now (parallel.dp_shard, parallel.dp_replicate); set parallel.{name}=1")
+        if t.micro_batch % 2 or (t.global_batch // dp) % 2:
+            return (f"train.global_batch={t.global_batch} and train.micro_batch={t.micro_batch} count sequences, two "
+                    f"per preference pair (chosen and rejected): the micro-batch and each of the {dp} data-parallel "
+                    "ranks' share of the global batch must be even")
+        if t.loss_chunk:
+            return (f"train.loss_chunk={t.loss_chunk}: the preference recipes compute whole logits; set "
+                    "train.loss_chunk=0")
+    if recipe == "rl":
+        rl = cfg.rl
+        for name, size in (("pp", p.pp), ("cp", p.cp)):
+            if size > 1:
+                return (f"parallel.{name}={size}: loom rl runs the policy with data and tensor parallelism "
+                        f"(parallel.dp_shard, dp_replicate, tp) for now; set parallel.{name}=1")
+        if p.sp:
+            return "parallel.sp=true: loom rl does not run sequence parallelism yet; set parallel.sp=false"
+        if t.global_batch % rl.group_size:
+            return (f"train.global_batch={t.global_batch} must be a multiple of rl.group_size={rl.group_size} (a "
+                    "step's sequences are whole groups of completions of one prompt)")
+        prompts = t.global_batch // rl.group_size
+        if prompts % dp:
+            return (f"train.global_batch / rl.group_size = {prompts} prompts per step must divide among the {dp} "
+                    "data-parallel ranks (a group never straddles ranks)")
+        per_rank = t.global_batch // dp
+        if (prompts // dp) % rl.minibatches or (per_rank // rl.minibatches) % t.micro_batch:
+            return (f"each rank's {prompts // dp} prompts ({per_rank} sequences) per step must split into "
+                    f"rl.minibatches={rl.minibatches} minibatches of whole groups and whole "
+                    f"train.micro_batch={t.micro_batch} micro-batches")
+        if t.loss_chunk:
+            return f"train.loss_chunk={t.loss_chunk}: loom rl computes whole logits; set train.loss_chunk=0"
+    return None
 
 
 def gpu_path_problem(tp: int, pp: int, loss_chunk: int, fp8: str, compile: bool = False) -> str | None:
@@ -415,10 +467,10 @@ def _check_pipeline(cfg) -> None:
         raise UserError(problem)
 
 
-def layout_problem(cfg, world: int | None = None) -> str | None:
+def layout_problem(cfg, world: int | None = None, recipe: str = "train") -> str | None:
     """check_layout's refusal as text, or None when loom runs the layout (for the planner)."""
     try:
-        check_layout(cfg, world)
+        check_layout(cfg, world, recipe=recipe)
     except UserError as exc:
         return str(exc)
     return None

@@ -14,10 +14,10 @@ def load_on_rank(src: str, overrides: list[str]):
     from torch.distributed.tensor import DTensor
 
     from loom.interop.hf_io import hf_to_loom_state, load_hf_state_dict
-    from loom.parallel import build_layout, parallelize
+    from loom.parallel import place_in_mesh, parallelize
 
     cfg = resolve_init_from(load_config("tiny", overrides, validate=False), overrides)
-    layout = build_layout(cfg, "cpu")
+    layout = place_in_mesh(cfg, "cpu")
     model = parallelize(build_model(cfg.model, seed=1), layout, cfg, None)
     info = load_pretrained(model, src)
     want = hf_to_loom_state(load_hf_state_dict(src), cfg.model)

@@ -126,9 +126,9 @@ def test_rank_hung_while_loading_a_checkpoint_is_named(tmp_path):
 
 def _group_timeouts():
     from conftest import small_config
-    from loom.parallel import build_layout
+    from loom.parallel import place_in_mesh
 
-    layout = build_layout(small_config("parallel.tp=2", "parallel.dp_shard=2", "train.collective_timeout_s=7"), "cpu")
+    layout = place_in_mesh(small_config("parallel.tp=2", "parallel.dp_shard=2", "train.collective_timeout_s=7"), "cpu")
     return {n: layout.submesh(n).get_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()
             for n in ("pp", "dp_replicate", "dp_shard", "tp")}
 

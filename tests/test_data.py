@@ -15,7 +15,7 @@ from loom.data.corpus import corpus_files, iter_documents
 from loom.data.corpus_dataset import corpus_prefix
 from loom.data.indexed import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from loom.data.preprocess import add_arguments, preprocess
-from loom.data.sampler import BlendedDataset, SampleDataset
+from loom.data.samples import BlendedDataset, SampleDataset
 from loom.data.tokenizer import Tokenizer, get_tokenizer, train_bpe
 from loom.errors import UserError
 

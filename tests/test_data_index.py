@@ -4,7 +4,6 @@ which is kept here as the independent reference."""
 
 import json
 import multiprocessing
-import os
 import tracemalloc
 
 import numpy as np
@@ -12,10 +11,9 @@ import pytest
 import torch
 
 import loom.data.indexed as indexed
-import loom.data.sampler as sampler
+import loom.data.samples as samples
 from loom.data.indexed import DocumentRange, IndexedDataset, IndexedDatasetBuilder
-from loom.data.loader import batch
-from loom.data.sampler import BlendedDataset, SampleDataset
+from loom.data.samples import BlendedDataset, SampleDataset
 from loom.errors import UserError
 
 
@@ -94,7 +92,7 @@ def random_docs(n, longest, seed, vocab=60000):
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(sampler, "CHUNK", 7)  # many chunks per epoch, samples crossing chunk boundaries
+    monkeypatch.setattr(samples, "CHUNK", 7)  # many chunks per epoch, samples crossing chunk boundaries
 
 
 @pytest.mark.parametrize("seq_len,num_samples,longest", [(16, 500, 30), (5, 900, 12), (64, 40, 200), (3, 1, 4)])
@@ -114,7 +112,8 @@ def test_index_and_samples_equal_the_reference(tmp_path, monkeypatch, seq_len, n
         np.testing.assert_array_equal(sd.rows(np.arange(num_samples)), want)
         for i in (0, num_samples - 1, -1):
             np.testing.assert_array_equal(sd[i], want[i])
-        x, y = batch(sd, num_samples // 3, min(7, num_samples))
+        b = sd.batch(num_samples // 3, min(7, num_samples))
+        x, y = b["input_ids"], b["labels"]
         assert x.dtype == torch.int64
         np.testing.assert_array_equal(x.numpy(), want[num_samples // 3 : num_samples // 3 + 7, :-1])
         np.testing.assert_array_equal(y.numpy(), want[num_samples // 3 : num_samples // 3 + 7, 1:])
@@ -132,7 +131,7 @@ def test_document_ranges_and_blends_equal_the_reference(tmp_path):
     np.testing.assert_array_equal(sd.rows(np.arange(300)), want)
     other = SampleDataset(ds, 8, 200, seed=6, cache_dir=tmp_path / "cache", name="q")
     blend = BlendedDataset([sd, other], [0.6, 0.4], 400)
-    np.testing.assert_array_equal(batch(blend, 17, 50)[0].numpy(), np.stack([blend[i][:-1] for i in range(17, 67)]))
+    np.testing.assert_array_equal(blend.batch(17, 50)["input_ids"].numpy(), np.stack([blend[i][:-1] for i in range(17, 67)]))
 
 
 def test_built_once_then_opened_without_hashing(tmp_path, monkeypatch):
@@ -148,7 +147,7 @@ def test_built_once_then_opened_without_hashing(tmp_path, monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("rebuilt or hashed on open")
 
-    monkeypatch.setattr(sampler, "build_indices", must_not_run)
+    monkeypatch.setattr(samples, "build_indices", must_not_run)
     monkeypatch.setattr(indexed, "_sha256", must_not_run)  # identity from the recorded hash, not the .idx
     again = SampleDataset(ds, 8, 300, seed=1, cache_dir=cache, name="train")
     assert not again.built and {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == files
@@ -172,7 +171,7 @@ def test_changed_data_gets_a_new_index(tmp_path):
 def test_a_failed_or_partial_build_is_never_read(tmp_path, monkeypatch):
     ds = write(tmp_path / "ds", random_docs(40, 30, seed=1))
     cache = tmp_path / "cache"
-    real = sampler._permutation
+    real = samples._permutation
     calls = []
 
     def dies_at_the_shuffle(n, rng):  # the doc and sample files are written by then
@@ -181,7 +180,7 @@ def test_a_failed_or_partial_build_is_never_read(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(n, rng)
 
-    monkeypatch.setattr(sampler, "_permutation", dies_at_the_shuffle)
+    monkeypatch.setattr(samples, "_permutation", dies_at_the_shuffle)
     with pytest.raises(KeyboardInterrupt):
         SampleDataset(ds, 8, 300, seed=1, cache_dir=cache)
     assert calls[-1] == 300 and [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
@@ -218,7 +217,7 @@ def test_concurrent_processes_build_once(tmp_path):
 def test_build_memory_is_bounded(tmp_path, monkeypatch):
     """Heap peak (numpy reports its allocations to tracemalloc) of the streamed build against the reference
     construction, on 1M documents with 2 epochs of 8-token samples."""
-    monkeypatch.setattr(sampler, "CHUNK", 1 << 16)
+    monkeypatch.setattr(samples, "CHUNK", 1 << 16)
     n_docs, seq_len = 1_000_000, 8
     rng = np.random.default_rng(0)
     sizes = rng.integers(1, 16, size=n_docs).astype(np.int32)
@@ -260,7 +259,7 @@ def test_blend_index_built_once_and_equal_to_the_reference(tmp_path, monkeypatch
     np.testing.assert_array_equal(blend.sample_index, within)
     uncached = BlendedDataset(parts, weights, 700)
     np.testing.assert_array_equal(uncached.dataset_index, which)
-    monkeypatch.setattr(sampler, "blend_indices", lambda *a, **k: pytest.fail("blend rebuilt"))
+    monkeypatch.setattr(samples, "blend_indices", lambda *a, **k: pytest.fail("blend rebuilt"))
     again = BlendedDataset(parts, [5, 3, 2], 700, cache_dir=tmp_path / "cache", name="train-blend")
     assert not again.built
     want = np.stack([parts[d][j] for d, j in zip(which[100:140], within[100:140])])
@@ -271,7 +270,7 @@ def test_a_run_builds_its_indices_once(tmp_path, monkeypatch):
     """What the launcher builds before the workers start, each worker opens: the blend, its parts and the
     held-out split all come from the cache the second time."""
     from conftest import small_config
-    from loom.data.loader import build_datasets
+    from loom.data.token_datasets import build_datasets
 
     monkeypatch.setenv("LOOM_CACHE", str(tmp_path / "cache"))
     paths = [str(write(tmp_path / f"ds{k}", random_docs(300, 40, seed=k, vocab=500)).prefix) for k in (1, 2)]

@@ -115,7 +115,7 @@ def test_dpo_and_ipo_loss_objects_count_pairs_and_report_sums():
     ("dpo", ["--parallel.tp=2"], "parallel.tp=2"),
     ("dpo", ["--train.micro_batch=3", "--train.global_batch=6"], "must be even"),
     ("rm", ["--pref.recipe=dpo"], "pref.recipe=dpo"),
-    ("train", ["--pref.recipe=auto"], "pref.recipe=auto"),
+    ("train", ["--pref.recipe=auto"], "`loom train` runs pre-training"),
     ("dpo", ["--pref.beta=0"], "pref.beta=0"),
     ("dpo", ["--sft.data=synthetic:10"], "pref.data is set together with sft.data"),
 ])
@@ -143,7 +143,7 @@ def test_resumed_dpo_needs_its_reference_log_probs(dpo_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(dpo_run, run)
     (run / "dpo_reference.pt").unlink()
-    code = main(["train", "--config", str(run / "config.toml"), "--run-dir", str(run), "--checkpoint.resume=true",
+    code = main(["dpo", "--config", str(run / "config.toml"), "--run-dir", str(run), "--checkpoint.resume=true",
                  "--train.steps=4"])
     assert code == 2 and "dpo_reference.pt is missing" in capsys.readouterr().err
 
@@ -151,7 +151,7 @@ def test_resumed_dpo_needs_its_reference_log_probs(dpo_run, tmp_path, capsys):
 def test_only_the_last_reply_is_scored(tmp_path):
     """A conversation with an earlier assistant turn: that turn is shared context, only the compared reply
     (with its end-of-turn marker) is scored, on both sides."""
-    from loom.data.loader import load_tokenizer
+    from loom.data.tokenizer import load_tokenizer
     from loom.post.chat import load_template
     from loom.post.pref_data import Pairs, prepare_pairs
 

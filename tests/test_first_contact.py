@@ -15,7 +15,7 @@ from conftest import SMALL, run_cli, small_config
 from loom.cli import main
 from loom.config import load_config
 from loom.data.indexed import IndexedDatasetBuilder, stats_path
-from loom.data.loader import build_datasets
+from loom.data.token_datasets import build_datasets
 from loom.errors import UserError
 
 

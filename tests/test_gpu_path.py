@@ -115,8 +115,8 @@ def _runner_step(overrides, backend=None):
     """One forward/backward + gradient norm through loom's SPMD runner (in a rank of run_ranks, or alone)."""
     import torch.distributed as dist
 
-    from loom.parallel import build_layout
-    from loom.parallel.distributed import all_reduce_sum, clip_grad_norm, local
+    from loom.parallel import place_in_mesh
+    from loom.parallel.distributed import all_reduce_sum, clip_grad_norm, full_tensor
     from loom.parallel.tensor import loss_context  # noqa: F401
     from loom.train.steps import SPMDRunner
 
@@ -128,7 +128,7 @@ def _runner_step(overrides, backend=None):
             "model.vocab_size=512", "model.max_seq_len=64", "train.seq_len=32", "train.micro_batch=2",
             "train.global_batch=4"]
     cfg = load_config("tiny", base + overrides)
-    layout = build_layout(cfg, "cpu")
+    layout = place_in_mesh(cfg, "cpu")
     model = build_model(cfg.model, seed=3)
     loss = TokenCrossEntropy(cfg.train.loss_chunk)
     compute_dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else None
@@ -143,7 +143,7 @@ def _runner_step(overrides, backend=None):
     norm = clip_grad_norm(runner.model.parameters(), 0.0)
     loss_sum = all_reduce_sum(loss_sum) / layout.tp if dist.is_initialized() else loss_sum
     compiled = [getattr(b, "_compiled_call_impl", None) is not None for b in runner.model.layers.values()]
-    return float(loss_sum / total), float(local(norm)), compiled
+    return float(loss_sum / total), float(full_tensor(norm)), compiled
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,8 @@ def test_loom_memory_and_the_planner_agree_on_state(policy, tp, dp, cp, style):
     """params, gradients and optimizer state per rank: `loom memory` (counted on the model built on meta)
     and the planner (formula), for the same layout and accumulation policy; cp ranks join the shard group."""
     from loom.memory import state_bytes
-    from loom.planner.costmodel import Estimate, Layout, Workload, memory
+    from loom.planner.memory import memory
+    from loom.planner.workload import Estimate, Layout, Workload
     from loom.planner.hardware import load_gpu
     from loom.planner.report import to_loom_config
 

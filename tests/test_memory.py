@@ -1,7 +1,6 @@
 """Activation memory and FLOPs measured against the published formulas (Korthikanti et al. 2022)."""
 
 import json
-import math
 
 import pytest
 import torch
@@ -40,12 +39,12 @@ CASES = {
 
 
 def _measure_all(t):
-    from loom.parallel.dims import build_layout
+    from loom.parallel.dims import place_in_mesh
 
     out = {}
     for case, extra in CASES.items():
         cfg = korthikanti(t, *extra)
-        out[case] = measure_activations(cfg, build_layout(cfg, "cpu", measuring=True), device="cpu")["layer_activation_bytes"]
+        out[case] = measure_activations(cfg, place_in_mesh(cfg, "cpu", measuring=True), device="cpu")["layer_activation_bytes"]
     return out
 
 
@@ -119,12 +118,12 @@ def test_llama_layer_matches_derived_formula(kv):
 
 
 def _llama_tp(t):
-    from loom.parallel.dims import build_layout
+    from loom.parallel.dims import place_in_mesh
 
     out = {}
     for sp in (False, True):
         cfg = load_config("tiny", LLAMA + ["model.kv_heads=4", f"parallel.tp={t}", f"parallel.sp={str(sp).lower()}"])
-        out[sp] = measure_activations(cfg, build_layout(cfg, "cpu"), device="cpu")["layer_activation_bytes"]
+        out[sp] = measure_activations(cfg, place_in_mesh(cfg, "cpu"), device="cpu")["layer_activation_bytes"]
     return out
 
 
@@ -219,7 +218,8 @@ def test_analytic_formula_in_flops_module_matches_measurement():
 def test_context_parallel_layer_matches_the_planner(cp):
     """A cp rank keeps its seq_len / cp tokens' activations plus the gathered keys/values of the rest of
     the sequence: the ledger's count (meta, fused attention) against the planner's per-layer term."""
-    from loom.planner.costmodel import Layout, Workload, memory
+    from loom.planner.memory import memory
+    from loom.planner.workload import Layout, Workload
     from loom.planner.hardware import load_gpu
 
     cfg = load_config("tiny", LLAMA + ["model.kv_heads=2", f"parallel.cp={cp}"])

@@ -40,14 +40,14 @@ import json, resource, torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from loom.config import load_config
 from loom.models.llama import build_model
-from loom.parallel import build_layout, parallelize
+from loom.parallel import place_in_mesh, parallelize
 from loom.parallel.pipeline import split_stages
-from loom.planner.costmodel import total_params
+from loom.planner.params import total_params
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # torch and loom imported
 cfg = load_config("llama3-70b", ["parallel.tp=8", "parallel.pp=2", "parallel.dp_shard=4", "parallel.sp=true",
                                  "train.global_batch=64", "train.micro_batch=1"])
-layout = build_layout(cfg, "cpu")
+layout = place_in_mesh(cfg, "cpu")
 model = build_model(cfg.model, device="meta")
 chunks, ids = split_stages(model, cfg, layout.pp_rank)
 for c in chunks:

@@ -59,11 +59,11 @@ def _exchange_worker():
 
     from loom.models.llama import build_model
     from loom.models.moe import moe_layers
-    from loom.parallel import build_layout, parallelize
+    from loom.parallel import place_in_mesh, parallelize
     from loom.parallel.expert import apply_expert_parallel
 
     cfg, layer, x, grad_out = _starving_layer_and_data()
-    layout = build_layout(cfg, "cpu")
+    layout = place_in_mesh(cfg, "cpu")
     rank = dist.get_rank()
     rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
     apply_expert_parallel(layer, layout.submesh("ep"))

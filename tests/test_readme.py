@@ -1,4 +1,4 @@
-"""Every `loom` command in README.md's ```bash blocks works as written.
+"""Every `loom` command in the ```bash blocks of README.md, bench/README.md and docs/*.md works as written.
 
 Commands that finish in seconds run exactly as written, in a scratch directory: `loom plan` (all but
 `--profile-hardware`, which benchmarks this machine), `loom memory` and anything that only prints
@@ -22,10 +22,14 @@ from loom.cli import build_parser, main, split_overrides
 READER_FILES = {"my.toml": ROOT / "configs" / "tiny.toml"}
 
 
-def readme_commands() -> list[tuple[int, list[str]]]:
-    """(line number, arguments after `loom`) of every `loom ...` command in README.md's bash blocks."""
+# The manual, the measurements (bench/README.md) and the design notes (docs/): their commands are checked alike.
+DOC_FILES = ["README.md", "bench/README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+
+
+def readme_commands(name: str = "README.md") -> list[tuple[str, int, list[str]]]:
+    """(file, line number, arguments after `loom`) of every `loom ...` command in the file's bash blocks."""
     commands, in_bash, text, start = [], False, "", 0
-    for number, line in enumerate((ROOT / "README.md").read_text().splitlines(), 1):
+    for number, line in enumerate((ROOT / name).read_text().splitlines(), 1):
         if line.strip().startswith("```"):
             in_bash = line.strip() == "```bash"
             continue
@@ -38,11 +42,12 @@ def readme_commands() -> list[tuple[int, list[str]]]:
         words = shlex.split(text + line, comments=True)
         text = ""
         if words[:1] == ["loom"]:
-            commands.append((start, words[1:]))
+            commands.append((name, start, words[1:]))
     return commands
 
 
-COMMANDS = readme_commands()
+COMMANDS = readme_commands()  # the README alone: what a reader of the manual runs
+ALL_COMMANDS = [c for name in DOC_FILES for c in readme_commands(name)]
 
 
 def runs_in_seconds(argv: list[str]) -> bool:
@@ -52,10 +57,10 @@ def runs_in_seconds(argv: list[str]) -> bool:
 
 
 def ids(commands):
-    return [f"README.md:{line}:{argv[0] if argv else ''}" for line, argv in commands]
+    return [f"{name}:{line}:{argv[0] if argv else ''}" for name, line, argv in commands]
 
 
-CHEAP = [c for c in COMMANDS if runs_in_seconds(c[1])]
+CHEAP = [c for c in COMMANDS if runs_in_seconds(c[2])]
 
 
 def measures_on_many_ranks(argv: list[str]) -> bool:
@@ -63,7 +68,9 @@ def measures_on_many_ranks(argv: list[str]) -> bool:
     test_memory's 4-rank measurement. In make test: the 2-rank measurement in real processes (test_memory)
     and the launcher's `loom memory --nproc 4` arguments (test_rules, torchrun faked)."""
     return argv[:1] == ["memory"] and "--nproc" in argv and int(argv[argv.index("--nproc") + 1]) > 2
-CHECKED = [c for c in COMMANDS if not runs_in_seconds(c[1])]
+CHECKED = [c for c in COMMANDS if not runs_in_seconds(c[2])]
+ALL_CHEAP = [c for c in ALL_COMMANDS if runs_in_seconds(c[2])]
+ALL_CHECKED = [c for c in ALL_COMMANDS if not runs_in_seconds(c[2])]
 
 
 @pytest.fixture
@@ -86,38 +93,38 @@ def run_loom(argv: list[str]) -> int:
 
 
 def test_readme_commands_are_found():
-    assert {"train", "plan", "memory", "generate", "convert", "preprocess"} <= {argv[0] for _, argv in COMMANDS}
+    assert {"train", "sft", "rm", "dpo", "rl", "plan", "memory", "generate", "convert", "preprocess"} <= {
+        argv[0] for _, _, argv in COMMANDS}
     assert len(CHEAP) >= 8 and len(CHECKED) >= 20
 
 
-@pytest.mark.parametrize("line, argv", [pytest.param(*c, marks=pytest.mark.slow) if measures_on_many_ranks(c[1]) else c
-                                        for c in CHEAP], ids=ids(CHEAP))
-def test_cheap_readme_command_runs_as_written(line, argv, scratch, capsys):
+@pytest.mark.parametrize("name, line, argv", [pytest.param(*c, marks=pytest.mark.slow) if measures_on_many_ranks(c[2])
+                                              else c for c in ALL_CHEAP], ids=ids(ALL_CHEAP))
+def test_cheap_readme_command_runs_as_written(name, line, argv, scratch, capsys):
     code = run_loom(argv)
-    assert code == 0, f"README.md line {line}: loom {shlex.join(argv)} exited {code}\n{capsys.readouterr().err[-3000:]}"
+    assert code == 0, f"{name} line {line}: loom {shlex.join(argv)} exited {code}\n{capsys.readouterr().err[-3000:]}"
 
 
-@pytest.mark.parametrize("line, argv", CHECKED, ids=ids(CHECKED))
-def test_readme_command_passes_loom_checks(line, argv, scratch):
+@pytest.mark.parametrize("name, line, argv", ALL_CHECKED, ids=ids(ALL_CHECKED))
+def test_readme_command_passes_loom_checks(name, line, argv, scratch):
     from loom.config import load_config
     from loom.memory import plan_budget
-    from loom.parallel.dims import validate_layout
+    from loom.post import recipe_for
+    from loom.rules import check_layout
 
     args, extra = build_parser().parse_known_args(argv)  # a bad option or value exits 2 here
     if args.command not in ("train", "sft", "rm", "dpo", "rl"):
-        assert not extra, f"README.md line {line}: unrecognised arguments {extra}"
+        assert not extra, f"{name} line {line}: unrecognised arguments {extra}"
         return
     cfg = load_config(args.config, split_overrides(extra))
-    validate_layout(cfg, args.nproc * args.nnodes)
-    if args.command == "rl":
-        from loom.post.rl import check
-
-        check(cfg)
+    recipe = recipe_for(args.command)
+    recipe.check(cfg)
+    check_layout(cfg, args.nproc * args.nnodes, recipe=recipe.command)
     if cfg.recompute.mode == "budget" and cfg.parallel.tp == 1:
         plan_budget(cfg)  # on the meta device, as the trainer plans a rank without tensor parallelism
 
 
-@pytest.mark.parametrize("subcommand", sorted({argv[0] for _, argv in COMMANDS if argv and argv[0][0] != "-"}))
+@pytest.mark.parametrize("subcommand", sorted({argv[0] for _, _, argv in ALL_COMMANDS if argv and argv[0][0] != "-"}))
 def test_every_subcommand_answers_help(subcommand, scratch, capsys):
     assert run_loom([subcommand, "--help"]) == 0
     assert "usage: loom " + subcommand in capsys.readouterr().out

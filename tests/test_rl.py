@@ -1,4 +1,4 @@
-"""Online RL (loom/post/rl.py): the engine in the loop learns a reward, refits leave no stale weights, the
+"""Online RL (loom/post/rl/): the engine in the loop learns a reward, refits leave no stale weights, the
 trainer/engine mismatch is measured, layouts compute what one process computes, bad input exits 2."""
 
 import json
@@ -14,7 +14,9 @@ from conftest import ROOT
 from loom.cli import main
 from loom.config import load_config
 from loom.post import tasks
-from loom.post.rl import RLTrainer, rows_of
+from loom.post.rl.recipe import RL as RLRecipe
+from loom.post.rl.rollouts import rows_of
+from loom.train.trainer import Trainer
 from loom.infer.engine import Completion
 
 RL = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=160",
@@ -63,13 +65,13 @@ def test_stale_engine_weights_show_in_the_mismatch(tmp_path, monkeypatch):
     """Without the refit after each update the engine samples from the initial weights: the logged
     mismatch catches it from step 2 on (and the refit test above would fail)."""
     calls = []
-    original = RLTrainer._setup_rl
+    original = RLRecipe.set_up
 
-    def setup_then_freeze(self):
-        original(self)
+    def setup_then_freeze(self, trainer):
+        original(self, trainer)
         self.engine.refit = lambda model: calls.append(1) or 0.0
 
-    monkeypatch.setattr(RLTrainer, "_setup_rl", setup_then_freeze)
+    monkeypatch.setattr(RLRecipe, "set_up", setup_then_freeze)
     assert rl_main(tmp_path / "run") == 0
     steps, _ = rows(tmp_path / "run")
     assert calls and steps[0]["logp_abs_diff"] < 1e-4
@@ -79,15 +81,16 @@ def test_stale_engine_weights_show_in_the_mismatch(tmp_path, monkeypatch):
 def test_engine_equals_policy_after_training(tmp_path):
     cfg = load_config("tiny-grpo", [*RL, "train.steps=2"])
     cfg.validate()
-    trainer = RLTrainer(cfg, tmp_path / "run", quiet=True)
-    before = {k: v.clone() for k, v in trainer.engine.model.state_dict().items()}
+    recipe = RLRecipe()
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True, recipe=recipe)
+    before = {k: v.clone() for k, v in recipe.engine.model.state_dict().items()}
     trainer.fit()
     policy = trainer.model.state_dict()
     changed = 0
-    for name, p in trainer.engine.model.named_parameters():
+    for name, p in recipe.engine.model.named_parameters():
         assert torch.equal(p, policy[name]), name
         changed += not torch.equal(p, before[name])
-    assert changed == len(list(trainer.engine.model.parameters()))
+    assert changed == len(list(recipe.engine.model.parameters()))
 
 
 @pytest.mark.slow
@@ -96,9 +99,9 @@ def test_compiled_engine_in_the_loop_matches_the_trainer(tmp_path):
     update, and its log-probs stay the trainer's."""
     cfg = load_config("tiny-grpo", [*RL, "train.steps=3", "rl.engine_compile=true"])
     cfg.validate()
-    trainer = RLTrainer(cfg, tmp_path / "run", quiet=True)
-    trainer.fit()
-    stats = trainer.engine.stats
+    recipe = RLRecipe()
+    Trainer(cfg, tmp_path / "run", quiet=True, recipe=recipe).fit()
+    stats = recipe.engine.stats
     assert stats["compiled_steps"] == stats["decode_steps"] > 0 and stats["warmup_s"] > 0
     steps, _ = rows(tmp_path / "run")
     assert len(steps) == 3 and all(r["logp_abs_diff"] < 1e-4 for r in steps)
@@ -272,7 +275,7 @@ def test_bad_prompt_record_names_the_line(tmp_path, capsys):
 def test_reward_model_rewards_add_to_the_callable_and_ignore_padding(tmp_path):
     """rl.reward_model: a `loom rm` run's scores, times rl.reward_model_coef, are added to rl.reward's; a
     batch of ragged sequences is scored as each sequence alone."""
-    from loom.post.rl import Rewards
+    from loom.post.rl.rewards import Rewards
 
     rm_dir = tmp_path / "rm"
     model = [o for o in RL if o.startswith("model.")] + ["model.max_seq_len=256"]
@@ -290,3 +293,12 @@ def test_reward_model_rewards_add_to_the_callable_and_ignore_padding(tmp_path):
     together = rewards.score(sequences)
     alone = torch.cat([rewards.score([s]) for s in sequences])
     assert torch.allclose(together, alone, atol=1e-5) and together.std() > 0
+
+
+def test_loom_train_with_rl_prompts_is_refused_naming_loom_rl(tmp_path, capsys):
+    """The recipe is the subcommand's, never inferred from which data is set: `loom train` on an RL config
+    exits 2 and names the command that trains on rl.prompts."""
+    assert main(["train", "--config", "tiny-grpo", "--run-dir", str(tmp_path / "run"), "--rl.prompts=addition:8"]) == 2
+    err = capsys.readouterr().err
+    assert "rl.prompts is set, but `loom train` runs pre-training" in err and "run loom rl" in err
+    assert not (tmp_path / "run").exists()

@@ -10,7 +10,7 @@ import torch
 from conftest import ROOT
 from loom.cli import main
 from loom.config import load_config
-from loom.data.loader import load_tokenizer
+from loom.data.tokenizer import load_tokenizer
 from loom.data.tokenizer import Tokenizer
 from loom.models.io import load_model_dir, save_model_dir
 from loom.models.llama import build_model

@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT
 from loom.config import ModelConfig, load_config
 from loom.errors import UserError
-from loom.planner.costmodel import Workload
+from loom.planner.workload import Workload
 from loom.planner.hardware import PRESETS
 from loom.rules import check_layout, infer_dp_shard, tp_problems
 
@@ -111,13 +111,14 @@ def fake_torchrun(monkeypatch):
     checked without starting a worker."""
     import torch.distributed.run
 
-    import loom.data.loader
+    import loom.data.token_datasets
+    import loom.data.tokenizer
     import loom.train.trainer  # noqa: F401  imported before the patch, so it keeps the real functions
 
     calls = []
     monkeypatch.setattr(torch.distributed.run, "run", lambda args: calls.append(args))
-    monkeypatch.setattr(loom.data.loader, "load_tokenizer", lambda cfg: None)
-    monkeypatch.setattr(loom.data.loader, "build_datasets", lambda cfg, tok: None)
+    monkeypatch.setattr(loom.data.tokenizer, "load_tokenizer", lambda cfg: None)
+    monkeypatch.setattr(loom.data.token_datasets, "build_datasets", lambda cfg, tok: None)
     return calls
 
 

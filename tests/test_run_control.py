@@ -113,11 +113,11 @@ def test_ctrl_c_under_nproc_exits_0_and_the_printed_resume_command_works(tmp_pat
 def test_a_custom_loss_plugs_into_the_step_runner(tmp_path):
     """A loss that counts only some tokens (as a masked SFT loss will) gets the mean over exactly those,
     through the same runner: here the loss over the second half of every sequence."""
-    from loom.data.loader import batch
     from loom.models import build_model
-    from loom.models.losses import token_loss_sum
+    from loom.models.losses import Loss, token_loss_sum
+    from loom.train.recipe import Recipe
 
-    class SecondHalf:
+    class SecondHalf(Loss):
         count_varies = True
 
         def __call__(self, output, batch):
@@ -128,8 +128,13 @@ def test_a_custom_loss_plugs_into_the_step_runner(tmp_path):
             return batch["labels"][:, batch["labels"].shape[1] // 2:].numel()
 
     cfg = small_config("train.steps=1")
-    trainer = Trainer(cfg, tmp_path / "r", quiet=True, loss=SecondHalf())
-    x, y = batch(trainer.train_data, 0, cfg.train.global_batch)
+    class SecondHalfRecipe(Recipe):
+        def loss(self, cfg):
+            return SecondHalf()
+
+    trainer = Trainer(cfg, tmp_path / "r", quiet=True, recipe=SecondHalfRecipe())
+    first = trainer.train_data.batch(0, cfg.train.global_batch)
+    x, y = first["input_ids"], first["labels"]
     reference = build_model(cfg.model, seed=cfg.train.seed)  # the same initial weights, built independently
     with torch.no_grad():
         want = torch.nn.functional.cross_entropy(reference(x)[:, 16:].flatten(0, 1), y[:, 16:].flatten()).item()

@@ -152,9 +152,11 @@ def test_malformed_data_exits_2(tmp_path, capsys):
     assert f"{path}, line 3: \"messages\" must be a non-empty list" in capsys.readouterr().err
 
 
-def test_sft_needs_data_and_refuses_learned_positions_with_sp():
-    with pytest.raises(UserError, match="parallel.sp=true"):
-        load_config("tiny-sft", ["model.position=learned", "parallel.tp=2", "parallel.sp=true"])
+def test_sft_needs_data_and_refuses_learned_positions_with_sp(capsys):
+    # packing restarts positions per example: the SFT recipe's rule (loom/rules.py recipe_problem)
+    assert main(["sft", "--config", "tiny-sft", "--print-config", "--model.position=learned", "--parallel.tp=2",
+                 "--parallel.sp=true"]) == 2
+    assert "packed sequences restart learned positions" in capsys.readouterr().err
     with pytest.raises(UserError, match="sft.data and data.paths"):
         load_config("tiny-sft", ["data.paths=x"])
     assert main(["sft", "--config", "tiny", "--print-config"]) == 2
@@ -228,7 +230,7 @@ def test_packed_loss_and_gradients_equal_unpacked(variant):
 
 
 def test_document_ids_from_end_of_document_tokens():
-    from loom.data.loader import documents
+    from loom.data.samples import documents
 
     x = torch.tensor([[5, 6, 0, 7, 0, 0, 8, 9], [0, 1, 2, 3, 4, 5, 6, 7]])
     out = documents(x, eod=0)
@@ -237,15 +239,15 @@ def test_document_ids_from_end_of_document_tokens():
 
 
 def test_pretraining_document_mask_batches(tmp_path):
-    from loom.data.loader import build_datasets, load_tokenizer
-    from loom.train.steps import read_batch
+    from loom.data.token_datasets import build_datasets
+    from loom.data.tokenizer import load_tokenizer
 
     from conftest import small_config
 
     cfg = small_config("data.document_mask=true", "train.steps=100")
     tok = load_tokenizer(cfg)
     train, _ = build_datasets(cfg, tok)
-    batch = read_batch(train, 0, 400)
+    batch = train.batch(0, 400)
     x = batch["input_ids"]
     assert (x == tok.eod_id).any()  # the rows hold several documents
     for row, docs, pos in zip(x.tolist(), batch["doc_ids"].tolist(), batch["positions"].tolist()):
@@ -275,7 +277,7 @@ def test_rows_hold_every_example_once_with_its_mask(tmp_path):
     over = int((examples.sizes - 1 > 256).sum())
     assert over > 0 and packed.stats["overlong"] == over == packed.stats["dropped"]
     assert cut.stats["overlong"] == over and cut.stats["dropped"] < over  # truncated ones are kept
-    assert f"{over} longer than seq_len + 1 tokens, {over} dropped, policy drop" in packed.summary()
+    assert f"{over} longer than seq_len + 1 tokens, {over} dropped, policy drop" in packed.summary(1, 1)
     assert packed.stats["padding"] < 0.5 * padded.stats["padding"]
     batch = packed.batch(0, len(packed))
     x, y, docs, pos = (batch[k].numpy() for k in ("input_ids", "labels", "doc_ids", "positions"))

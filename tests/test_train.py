@@ -68,9 +68,9 @@ def test_metrics_rows_follow_the_contract(tmp_path):
     assert len(evals) == 1 and evals[0]["step"] == 6
     ev = evals[0]
     # bits per byte is the mean token loss rescaled by tokens / bytes of the same held-out text
-    ref = trainer.val_reference()
+    scored = trainer.val_data.scored_bytes(trainer.tokenizer)  # the held-out text the loss scores
     n_tokens = len(trainer.val_data) * trainer.cfg.train.seq_len
-    assert math.isclose(ev["val_bpb"], ev["val_loss"] * n_tokens / math.log(2) / ref["bytes"], rel_tol=1e-9)
+    assert math.isclose(ev["val_bpb"], ev["val_loss"] * n_tokens / math.log(2) / len(scored), rel_tol=1e-9)
     assert 0.5 < ev["gzip_bpb"] < 8 and 0.5 < ev["xz_bpb"] < 8
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step-6"
 
@@ -88,7 +88,8 @@ def test_loss_is_mean_over_global_batch_independent_of_micro_batch(tmp_path):
 def test_first_loss_equals_manual_cross_entropy(tmp_path):
     """Step 1's reported loss is the plain cross-entropy of the initial model on the first global batch,
     computed here apart from the trainer: a fresh model from the same seed, in float64."""
-    from loom.data.loader import batch, build_datasets, load_tokenizer
+    from loom.data.token_datasets import build_datasets
+    from loom.data.tokenizer import load_tokenizer
     from loom.models import build_model
 
     cfg = small_config("train.steps=1")
@@ -96,7 +97,8 @@ def test_first_loss_equals_manual_cross_entropy(tmp_path):
     got = rows(tmp_path / "r")[0][0]["loss"]
 
     train_data, _ = build_datasets(cfg, load_tokenizer(cfg))
-    x, y = batch(train_data, 0, cfg.train.global_batch)
+    first = train_data.batch(0, cfg.train.global_batch)
+    x, y = first["input_ids"], first["labels"]
     model = build_model(cfg.model, dtype=torch.float64, seed=cfg.train.seed)
     with torch.no_grad():
         want = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()

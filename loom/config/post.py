@@ -104,7 +104,7 @@ class RLConfig(Section):
     max_new_tokens: int = 16  # train.seq_len must hold the longest prompt plus this
     engine_batch: int = 64  # engine slots: sequences decoded together
     # Decode steps through torch.compile in batch buckets: "auto" is on on a GPU (a CUDA graph per step) and off
-    # on a CPU (compiling costs more than it saves there), decided by loom.infer.engine.resolve_compile; "on" /
+    # on a CPU (compiling costs more than it saves there), decided by loom.infer.step.resolve_compile; "on" /
     # "off" force it (true / false, as earlier configs wrote it, mean the same and are read as on / off).
     engine_compile: Literal["auto", "on", "off", "true", "false", True, False] = "auto"
     engine_sync_every: int = 8  # decode steps the engine runs on the device between reads back to the host

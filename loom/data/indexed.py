@@ -181,6 +181,8 @@ class IndexedDatasetBuilder:
 class IndexedDataset:
     """Memory-mapped reader: `ds[i]` is document i's tokens as a read-only numpy array."""
 
+    subset_key = ""  # the whole dataset (a `DocumentRange` names its documents)
+
     def __init__(self, prefix: str | os.PathLike) -> None:
         self.prefix = str(prefix)
         self.bin_path, self.idx_path = _paths(prefix)

@@ -205,3 +205,16 @@ def get_tokenizer(spec: str, vocab_size: int, max_bytes: int = 0) -> Tokenizer:
     tok = train_bpe(vocab_size, max_bytes)
     tok.save(path)
     return tok
+
+
+def load_tokenizer(cfg) -> Tokenizer:
+    """The run's tokenizer (`data.tokenizer`), refused when its vocabulary does not fit `model.vocab_size`."""
+    from loom.errors import UserError
+
+    tok = get_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.corpus_max_bytes)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise UserError(
+            f"the tokenizer ({cfg.data.tokenizer}) has {tok.vocab_size} tokens but model.vocab_size="
+            f"{cfg.model.vocab_size}; set model.vocab_size >= {tok.vocab_size} or use a smaller tokenizer"
+        )
+    return tok

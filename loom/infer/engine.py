@@ -58,7 +58,7 @@ from loom.infer.kv import KVSlab, upload
 from loom.infer.sampling import Sampler, SamplingParams, reduce_logits
 from loom.infer.step import CompiledDecode, resolve_compile
 from loom.models.init import canonical_name
-from loom.parallel.distributed import local
+from loom.parallel.distributed import full_tensor
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class Engine:
         """fp32 logits [rows, vocab] of the LM head (on a CPU as its decode path computes them)."""
         if self._cpu is not None:
             return self._cpu.head_logits(hidden)
-        return local(self._decoder.output(hidden)).float()
+        return full_tensor(self._decoder.output(hidden)).float()
 
     # --- generation -----------------------------------------------------------------------------------------
 
@@ -245,7 +245,7 @@ class Engine:
         tokens, last = host[:total][None], host[total:]
         positions = self.slab.bind_packed(rows, lengths)
         self.stats["prefill_steps"] += 1
-        hidden = local(self.model(tokens, cache=self.slab, positions=positions, return_hidden=True))
+        hidden = full_tensor(self.model(tokens, cache=self.slab, positions=positions, return_hidden=True))
         head = reduce_logits(self._head_logits(hidden[0, last]))
         self._emit(seqs, [self._pick(head, self._sampler(seqs, 1), 0)], self._stop_table(seqs), 1, fed=0)
         return seqs
@@ -312,7 +312,7 @@ class Engine:
         Compiled: the rows are a bucket of slots 0..size-1, `where` the busy ones among them (None: all)."""
         if self._compiled is None:
             self.slab.bind(rows, positions, keys=keys)
-            hidden = local(self._decoder(tokens, cache=self.slab, positions=positions, return_hidden=True))[:, 0]
+            hidden = full_tensor(self._decoder(tokens, cache=self.slab, positions=positions, return_hidden=True))[:, 0]
             return reduce_logits(self._head_logits(hidden))
         x = self._compiled(tokens, positions, keys)
         in_step = self._compiled.head_in_step
@@ -396,7 +396,7 @@ class Engine:
                             f"{missing[:3]}; give the whole model's state dict (a pipeline stage holds only some "
                             "layers: gather them first)")
         for name, p in params.items():
-            src = local(state[name])
+            src = full_tensor(state[name])
             if tuple(src.shape) != tuple(p.shape):
                 raise UserError(f"refit: {name} has shape {tuple(src.shape)}; the engine's model has {tuple(p.shape)}")
             if isinstance(p, DTensor):  # a tensor-parallel engine: this rank's shard of the full tensor

@@ -18,7 +18,7 @@ from torch import nn
 from loom.errors import UserError
 from loom.infer.kv import KVSlab
 from loom.infer.sampling import reduce_logits
-from loom.parallel.distributed import local
+from loom.parallel.distributed import full_tensor
 
 # A command's compile setting (`loom generate --compile`, `rl.engine_compile`) and what each means for `Engine`.
 COMPILE_SETTINGS = {"auto": None, "on": True, "off": False, "true": True, "false": False}
@@ -70,7 +70,7 @@ class CompiledDecode:
         torch._dynamo.maybe_mark_dynamic(mask, 3)
         for t in (tokens, positions, mask):  # one graph for every bucket (sizes 1 aside), not one per bucket
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        return local(self._step(tokens, positions, mask))
+        return full_tensor(self._step(tokens, positions, mask))
 
     def bucket(self, n: int) -> int:
         """The batch a step of n rows runs at: the next power of two, at most max_batch."""

@@ -256,7 +256,7 @@ def load_pretrained(model: torch.nn.Module, path: str | Path) -> dict:
             return handles[file_of[name]].get_slice(name)
 
         for name, param in model.named_parameters():
-            if name in getattr(model, "fresh_parameters", ()):  # a recipe's new module (a reward head)
+            if name in model.fresh_parameters:  # a recipe's new module (a reward head)
                 continue
             key = "tok_embeddings.weight" if cfg.tie_embeddings and name == "output.weight" else name
             if key not in pieces:
@@ -278,7 +278,7 @@ def _load_dcp(model: torch.nn.Module, src: Source) -> int:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    fresh = getattr(model, "fresh_parameters", ())  # a recipe's new modules (a reward head) keep their init
+    fresh = model.fresh_parameters  # a recipe's new modules (a reward head) keep their init
     state = {k: v for k, v in get_model_state_dict(model).items() if k not in fresh}
     saved = FileSystemReader(str(src.path)).read_metadata().state_dict_metadata
     for name, tensor in state.items():

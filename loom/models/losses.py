@@ -8,8 +8,8 @@ micro-batch size. A loss that counts data-dependent units (a masked SFT loss cou
 tokens) says so with `count_varies = True`; the runner then sums the counts over the data-parallel ranks
 before the backward passes.
 
-A batch is a dict of tensors whose first dimension is the sample: `input_ids` and `labels` today
-(`labels[:, i]` is the token after `input_ids[:, i]`).
+A batch is a dict of tensors whose first dimension is the sample: `input_ids` and `labels`
+(`labels[:, i]` is the token after `input_ids[:, i]`), and what a recipe's loss reads.
 
 A loss whose `wants_hidden` is true gets a `HeadInput` (the final hidden states and the LM head module)
 instead of logits, and applies the head itself: `TokenCrossEntropy(chunk_tokens=N)` computes head and
@@ -19,7 +19,7 @@ the whole micro-batch (4 bytes x tokens x vocabulary: 4 GiB per 8k tokens at voc
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +31,28 @@ from loom.ledger import SavedTensorLedger
 Batch = dict[str, torch.Tensor]
 
 
-class Loss(Protocol):
-    count_varies: bool
+class Loss:
+    """A loss of the model's output and a micro-batch, summed over what it counts (see the module docstring).
 
-    def __call__(self, output: torch.Tensor, batch: Batch) -> torch.Tensor: ...
+    - `__call__(output, batch)`: the summed loss (`output`: logits, or a `HeadInput` when `wants_hidden`);
+    - `count(batch)`: how many units that sum covers;
+    - `count_varies`: whether the count depends on the data (summed over ranks before the backward passes);
+    - `wants_hidden`: whether it takes the final hidden states and the LM head instead of logits;
+    - `take_sums()`: statistics summed over the units counted since the last call ({name: tensor}), logged as
+      their means with each step and, prefixed val_, with each evaluation.
+    """
 
-    def count(self, batch: Batch) -> int | torch.Tensor: ...
+    count_varies: bool = False
+    wants_hidden: bool = False
+
+    def __call__(self, output, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def count(self, batch: Batch) -> int | torch.Tensor:
+        raise NotImplementedError
+
+    def take_sums(self) -> dict[str, torch.Tensor]:
+        return {}
 
 
 class HeadInput(NamedTuple):
@@ -76,7 +92,7 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
-class TokenCrossEntropy:
+class TokenCrossEntropy(Loss):
     """Next-token cross-entropy summed over every position; counts every position.
 
     `chunk_tokens > 0`: the loss takes the hidden states and the head (`wants_hidden`) and never holds

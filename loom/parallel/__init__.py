@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from loom.config import Config
-from loom.parallel.dims import MeshPlace, build_layout, validate_layout
+from loom.parallel.dims import MeshPlace, place_in_mesh
 
 
 def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype: torch.dtype | None,
@@ -34,7 +34,7 @@ def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype:
     if layout.cp > 1:
         from loom.parallel.context import apply_context_parallel
 
-        apply_context_parallel(model, layout.submesh("cp"), cfg.train.seq_len)
+        apply_context_parallel(model, layout.submesh("cp"))
     if layout.ep > 1:
         from loom.parallel.expert import apply_expert_parallel
 
@@ -70,4 +70,4 @@ def compile_blocks(model: nn.Module) -> None:
         block.compile(backend=backend)
 
 
-__all__ = ["MeshPlace", "build_layout", "parallelize", "validate_layout"]
+__all__ = ["MeshPlace", "place_in_mesh", "parallelize"]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def apply_data_parallel(model: nn.Module, dp_mesh, compute_dtype: torch.dtype | None,
@@ -64,7 +64,7 @@ def set_gradient_sync(model: nn.Module, last_micro_batch: bool, sharded: bool) -
     """Before a micro-batch's backward: reduce its gradients now (`sharded` accumulation under FSDP, or the
     last micro-batch), or keep them whole until the last one. The replica all-reduce of HSDP and of
     replicated data parallelism runs on the last micro-batch only."""
-    if not hasattr(model, "set_requires_gradient_sync"):
+    if not isinstance(model, FSDPModule):
         return
     model.set_requires_gradient_sync(last_micro_batch or sharded)
     if sharded:

@@ -22,17 +22,12 @@ from loom.config import Config
 from loom.rules import check_layout
 
 
-def validate_layout(cfg: Config, world_size: int | None = None, measuring: bool = False) -> None:
-    """The rule book's check (loom/rules.py), for callers that hold a mesh-level view."""
-    check_layout(cfg, world_size, measuring)
-
-
 @dataclass
 class MeshPlace:
     """Where the running process sits in the device mesh (everything 0/1 when not distributed).
 
     Not a layout description: the layout is `loom.config.ParallelConfig` (the sizes), checked by the
-    rule book `loom/rules.py`; the planner's `planner.costmodel.Layout` adds the knobs it searches and
+    rule book `loom/rules.py`; the planner's `planner.workload.Layout` adds the knobs it searches and
     converts to a loom config in exactly one place, `planner.report.to_loom_config`."""
 
     mesh: object | None  # torch.distributed.device_mesh.DeviceMesh
@@ -68,17 +63,17 @@ class MeshPlace:
         return self.mesh[names if len(names) > 1 else names[0]]
 
 
-def build_layout(cfg: Config, device_type: str, measuring: bool = False) -> MeshPlace:
+def place_in_mesh(cfg: Config, device_type: str, measuring: bool = False) -> MeshPlace:
     """Create the mesh for an initialised process group (or a trivial layout on one process)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        validate_layout(cfg, 1, measuring)
+        check_layout(cfg, 1, measuring)
         return MeshPlace(mesh=None)
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    validate_layout(cfg, world, measuring)
+    check_layout(cfg, world, measuring)
     p = cfg.parallel
     names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     # The mesh's groups get train.collective_timeout_s too (new groups otherwise take PyTorch's default).

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from loom.errors import UserError
 
@@ -58,9 +59,9 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     return t
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor from a (replicated) DTensor result such as the vocabulary-parallel loss."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor gathered from its shards (e.g. the vocabulary-parallel loss), a plain one as is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def clip_grad_norm(parameters, max_norm: float, pp_group=None, also_clip=()) -> torch.Tensor:
@@ -73,8 +74,8 @@ def clip_grad_norm(parameters, max_norm: float, pp_group=None, also_clip=()) -> 
     # plain gradients (replicated parameters such as norms under TP without SP) are whole on every rank.
     groups: dict = {}
     for p in params:
-        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    norms = [local(torch.nn.utils.get_total_norm([p.grad for p in group])) for group in groups.values()]
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = [full_tensor(torch.nn.utils.get_total_norm([p.grad for p in group])) for group in groups.values()]
     norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
     if pp_group is not None:
         norm = all_reduce_sum(norm.double() ** 2, pp_group).sqrt().float()

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from loom.models.init import fill, to_empty_keeping_ties
 
 
 def local_slice(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The tensor this rank stores for parameter `p` and its offset in the full parameter."""
-    if hasattr(p, "device_mesh"):  # DTensor: a shard (TP, FSDP or both) of the full parameter
+    if isinstance(p, DTensor):  # a shard (TP, FSDP or both) of the full parameter
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)

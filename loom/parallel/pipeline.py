@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from loom.config import Config
 from loom.rules import chunk_layer_counts, chunk_owner, rank_chunks
@@ -93,18 +94,16 @@ def split_stages(model: nn.Module, cfg: Config, pp_rank: int) -> tuple[list[nn.M
 class RankView(nn.Module):
     """All of this rank's stage modules under the full model's names (for the optimizer and state dicts)."""
 
-    is_pipeline_view = True
-
     def __init__(self, chunks: list[nn.Module]):
         super().__init__()
-        self.cfg = chunks[0].cfg
+        self.cfg, self.fresh_parameters = chunks[0].cfg, chunks[0].fresh_parameters
         self.layers = nn.ModuleDict()
         for chunk in chunks:
             for name, layer in chunk.layers.items():
                 self.layers[name] = layer
-            for attr in ("tok_embeddings", "pos_embeddings", "embed_dropout", "norm", "output"):
-                if getattr(chunk, attr, None) is not None:
-                    setattr(self, attr, getattr(chunk, attr))
+            for name, module in chunk.named_children():  # a stage's embedding, norm and head (None: absent)
+                if name in ("tok_embeddings", "pos_embeddings", "embed_dropout", "norm", "output"):
+                    setattr(self, name, module)
 
     def forward(self, *args, **kwargs):  # pragma: no cover - the schedule runs the stages
         raise RuntimeError("a pipeline rank's view is not callable; the schedule runs its stages")
@@ -126,6 +125,7 @@ class WaitTimer:
     seconds = 0.0
     use_cuda_events = False
     pending: list = []  # (start, end) CUDA events of the current step
+    installed = None  # the wrapper now in torch's schedules module
 
     @classmethod
     def install(cls, device: torch.device | None = None) -> None:
@@ -133,7 +133,7 @@ class WaitTimer:
 
         cls.use_cuda_events = device is not None and device.type == "cuda"
         original = schedules._wait_batch_p2p
-        if getattr(original, "loom_timed", False):
+        if original is cls.installed:
             return
 
         def timed(work):
@@ -151,8 +151,7 @@ class WaitTimer:
             finally:
                 cls.seconds += time.perf_counter() - t0
 
-        timed.loom_timed = True
-        schedules._wait_batch_p2p = timed
+        schedules._wait_batch_p2p = cls.installed = timed
 
     @classmethod
     def reset(cls) -> None:
@@ -251,7 +250,7 @@ class TiedEmbedding:
         own reduction), both copies are the same rows on the same tensor-parallel rank. The gradient is
         replaced by its redistributed form, so the optimizer sees it too."""
         grad = param.grad
-        if not hasattr(grad, "to_local"):
+        if not isinstance(grad, DTensor):
             return grad
         if tuple(grad.placements) != tuple(param.placements):
             grad = grad.redistribute(param.device_mesh, param.placements)

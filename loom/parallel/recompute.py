@@ -16,6 +16,7 @@ masks in a recomputed region are the ones of the original forward.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -32,6 +33,9 @@ def _record_inputs(*tensors) -> None:
                 ledger.record(t)
 
 
+_CHECKPOINTED: weakref.WeakSet = weakref.WeakSet()  # the wrappers made here: a region is wrapped once
+
+
 def _checkpointed(fn):
     @functools.wraps(fn)
     def run(*args, **kwargs):
@@ -40,7 +44,7 @@ def _checkpointed(fn):
         _record_inputs(*args)
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
-    run.loom_recompute = True
+    _CHECKPOINTED.add(run)
     return run
 
 
@@ -49,14 +53,15 @@ def recompute_attention_core(block) -> None:
     # A core that exchanges data first (context parallelism's key/value all-gather) exposes its local
     # computation as `inner`: only that is recomputed, the exchange is not repeated in backward.
     owner, name = (attn.core, "inner") if hasattr(attn.core, "inner") else (attn, "core")
-    if not getattr(getattr(owner, name), "loom_recompute", False):
-        setattr(owner, name, _checkpointed(getattr(owner, name)))
+    core = getattr(owner, name)
+    if core not in _CHECKPOINTED:
+        setattr(owner, name, _checkpointed(core))
 
 
 def recompute_layer(block) -> None:
     # Replace the instance's forward (module hooks such as FSDP's still run around it, and names
     # are unchanged, so checkpoints and parallel plans see the same module).
-    if not getattr(block.forward, "loom_recompute", False):
+    if block.forward not in _CHECKPOINTED:
         block.forward = _checkpointed(block.forward)
 
 

@@ -101,7 +101,6 @@ class _GatheredInput:
 
     def regather(self) -> torch.Tensor:
         if self.full is None:
-            GatherSequence.stats["regathered"] += 1
             dt = DTensor.from_local(self.shard, self.mesh, [Shard(1)], run_check=False)
             self.full = dt.redistribute(placements=[Replicate()]).to_local().contiguous()
         return self.full
@@ -116,8 +115,6 @@ class GatherSequence(ParallelStyle):
     every saved view of it for the local `[b, s/t, h]` shard and all-gathers again in backward — the
     memory layout of Korthikanti et al. (2022), at the price of one extra all-gather per region.
     """
-
-    stats = {"gathered": 0, "saved_as_shard": 0, "regathered": 0}  # counters the tests read
 
     def _apply(self, module: nn.Module, mesh) -> nn.Module:
         state: dict = {}
@@ -134,7 +131,6 @@ class GatherSequence(ParallelStyle):
             if ledger is not None:
                 ledger.record(gathered.shard)
             gathered.pending += 1
-            GatherSequence.stats["saved_as_shard"] += 1
             spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
             return _Regather(gathered, local.shape, local.stride(), local.storage_offset(), spec)
 
@@ -159,7 +155,6 @@ class GatherSequence(ParallelStyle):
             if torch.is_grad_enabled():
                 gathered = _GatheredInput(x.to_local(), mesh, full.to_local())
                 state["current"] = gathered
-                GatherSequence.stats["gathered"] += 1
                 state["hooks"] = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
                 state["hooks"].__enter__()
             return (full, *rest)
@@ -187,13 +182,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
     top["norm"] = SequenceParallel() if sp else Replicated()
     # Heads a recipe added on top of the trunk (the reward model's `score`, PPO's `value`: the modules of
     # `model.fresh_parameters`) read the final hidden state, replicated here: every rank holds the whole head.
-    for name in dict.fromkeys(p.split(".")[0] for p in getattr(model, "fresh_parameters", ())):
+    for name in dict.fromkeys(p.split(".")[0] for p in model.fresh_parameters):
         top[name] = Replicated(use_local_output=True)
     if model.pos_embeddings is not None:
         # Learned positions: the [seq, hidden] rows, cut to this rank's sequence chunk under SP.
-        top["pos_embeddings"] = Replicated(Shard(0) if sp else Replicate(), use_local_output=True)
+        top["pos_embeddings"] = Replicated(Shard(-2) if sp else Replicate(), use_local_output=True)
     # A pipeline stage holds only some of these modules.
-    top = {name: style for name, style in top.items() if getattr(model, name, None) is not None}
+    present = dict(model.named_children())
+    top = {name: style for name, style in top.items() if name in present}
     parallelize_module(model, tp_mesh, top)
     if tied and model.output is not None and model.tok_embeddings is not None:
         model.output.weight = model.tok_embeddings.weight  # both got their own DTensor; share again
@@ -201,8 +197,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
     for block in model.layers.values():
         plan = {
             "attention": GatherSequence() if sp else PrepareModuleInput(
-                input_layouts=(seq, None, None, None, None),
-                desired_input_layouts=(Replicate(), None, None, None, None),
+                input_layouts=(seq, None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None),
             ),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
@@ -214,8 +210,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
             plan["feed_forward"] = PrepareModuleInputOutput(
                 input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
                 output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
-            for name in ("shared", "shared_gate"):
-                if getattr(moe, name) is not None:
+            for name, _ in moe.named_children():
+                if name in ("shared", "shared_gate"):
                     plan[f"feed_forward.{name}"] = Replicated(use_local_output=True)
             for module in (moe.router, moe.experts):
                 for pname, param in list(module.named_parameters(recurse=False)):

@@ -182,14 +182,19 @@ def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
     return torch.exp(trainer_logp.detach() - rollout_logp).clamp(max=cap)
 
 
-def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, mean=None,
+                     maximum=None) -> dict[str, float]:
     """Trainer/engine agreement over the response tokens: mean |delta log p|, mean and max token-probability
-    ratio p_trainer / p_rollout."""
-    m = mask.bool()
-    delta = (trainer_logp.detach() - rollout_logp)[m].float()
-    ratio = torch.exp(delta)
-    return {"logp_abs_diff": delta.abs().mean().item(), "prob_ratio_mean": ratio.mean().item(),
-            "prob_ratio_max": ratio.max().item()}
+    ratio p_trainer / p_rollout. `mean([(sum, count), ...])` and `maximum(value)` reduce over processes (RL:
+    over the data-parallel ranks); by default this process's tokens alone."""
+    delta = (trainer_logp.detach() - rollout_logp) * mask
+    ratio = torch.exp(delta)[mask.bool()]
+    tokens = mask.sum()
+    mean = mean or (lambda pairs: [float(s) / float(c) if float(c) > 0 else float("nan") for s, c in pairs])
+    abs_diff, ratio_mean = mean([(delta.abs().sum(), tokens), (ratio.sum(), tokens)])
+    ratio_max = ratio.max().item() if ratio.numel() else 1.0
+    return {"logp_abs_diff": abs_diff, "prob_ratio_mean": ratio_mean,
+            "prob_ratio_max": maximum(ratio_max) if maximum else ratio_max}
 
 
 # --- PPO -----------------------------------------------------------------------------------------------------

@@ -20,9 +20,8 @@ resumed run reads back (its weights are no longer the initial policy). Every ran
 evaluation scores the whole held-out set on every rank): a data-parallel split would save compute, at the
 cost of a gather. Cost: one forward pass over the pairs the run visits, without gradients.
 
-Layouts: data parallelism, replicated and fully sharded (FSDP), in any combination. Tensor, pipeline and
-context parallelism are refused before launch for now (per-sequence log-probs of vocabulary-sharded logits,
-the loss only on the last stage, and sequences split across ranks each need their own reduction).
+Layouts: data parallelism, replicated and fully sharded (FSDP), in any combination; what else is refused
+before launch, and why, is in the rule book (loom/rules.py, `recipe_problem`).
 """
 
 from __future__ import annotations
@@ -34,41 +33,17 @@ import torch
 from torch import nn
 
 from loom.config import Config
+from loom.data.dataset import held_out_split
 from loom.data.tokenizer import Tokenizer
 from loom.errors import UserError
-from loom.models.losses import HeadInput
+from loom.models.losses import HeadInput, Loss
 from loom.post.chat import load_template
 from loom.post.losses import dpo_losses, preference_sums, reward_model_losses, sequence_logprobs
 from loom.post.pref_data import PairDataset, Pairs, prepare_pairs
+from loom.rules import recipe_problem
+from loom.train.recipe import Recipe
 
 REFERENCE_FILE = "dpo_reference.pt"
-
-
-def check(cfg: Config, command: str) -> None:
-    """Settings a preference run cannot use, refused before launch; fills pref.recipe from the command."""
-    p, t = cfg.pref, cfg.train
-    wanted = {"dpo": "dpo", "rm": "rm"}.get(command)
-    if p.recipe == "auto":
-        if wanted is None:
-            raise UserError("pref.data is set but pref.recipe=auto and `loom train` does not say which recipe to run: "
-                            "use `loom dpo` or `loom rm`, or set pref.recipe=dpo or rm")
-        p.recipe = wanted
-    elif wanted is not None and p.recipe != wanted:
-        raise UserError(f"`loom {command}` but pref.recipe={p.recipe}; drop pref.recipe or run `loom {p.recipe}`")
-    par = cfg.parallel
-    for name in ("tp", "pp", "cp"):
-        if getattr(par, name) > 1:
-            raise UserError(f"parallel.{name}={getattr(par, name)}: the preference recipes (loom dpo, loom rm) run with "
-                            "data parallelism only for now (parallel.dp_shard, parallel.dp_replicate); set "
-                            f"parallel.{name}=1")
-    dp = par.dp_shard * par.dp_replicate
-    if t.micro_batch % 2 or (t.global_batch // dp) % 2:
-        raise UserError(f"train.global_batch={t.global_batch} and train.micro_batch={t.micro_batch} count sequences, "
-                        f"two per preference pair (chosen and rejected): the micro-batch and each of the {dp} "
-                        "data-parallel ranks' share of the global batch must be even")
-    if t.loss_chunk:
-        raise UserError(f"train.loss_chunk={t.loss_chunk}: the preference recipes compute whole logits; set "
-                        "train.loss_chunk=0")
 
 
 def template_for(cfg: Config):
@@ -91,10 +66,8 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[PairDataset, Pair
         train_members, valid_members = np.arange(len(pairs)), np.arange(len(held))
         source = f"pref.valid_data ({', '.join(cfg.pref.valid_data)})"
     else:
-        (lo, hi), (vlo, vhi), _ = cfg.data.split_ranges(len(pairs))
-        if vhi <= vlo:
-            raise UserError(f"data.split={cfg.data.split} leaves no validation pairs of the {len(pairs)} in pref.data; "
-                            "give pref.valid_data or a split with a validation share, e.g. 90,10")
+        (lo, hi), (vlo, vhi) = held_out_split(cfg.data, len(pairs), "validation pairs", f"of the {len(pairs)} in "
+                                              "pref.data", "pref.valid_data or a split with a validation share")
         held, train_members, valid_members = pairs, np.arange(lo, hi), np.arange(vlo, vhi)
         source = f"data.split={cfg.data.split}: pairs {vlo}..{vhi - 1} of pref.data, never trained on"
     pad = tokenizer.eod_id or 0
@@ -104,10 +77,8 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[PairDataset, Pair
     return train, val
 
 
-class _Sums:
+class _Sums(Loss):
     """Accumulates `preference_sums` over micro-batches until `take_sums` (the trainer's protocol)."""
-
-    count_varies = False
 
     def __init__(self):
         self.sums: dict[str, torch.Tensor] = {}
@@ -126,8 +97,6 @@ class _Sums:
 
 class DPOLoss(_Sums):
     """Summed DPO (or IPO) loss over the micro-batch's pairs; counts pairs."""
-
-    wants_hidden = False
 
     def __init__(self, kind: str, beta: float):
         super().__init__()
@@ -168,7 +137,7 @@ def rewards_at(hidden: torch.Tensor, last: torch.Tensor, score: nn.Module) -> to
 
 
 class ReferencePass:
-    """DPO's `setup`: the initial policy's summed reply log-probs for every pair of the training and held-out
+    """DPO's set-up: the initial policy's summed reply log-probs for every pair of the training and held-out
     sets, before the first step (or read back from the run directory when resuming)."""
 
     def __call__(self, trainer) -> None:
@@ -214,12 +183,55 @@ class ReferencePass:
         return ref
 
 
-def recipe(cfg: Config) -> dict:
-    """The Trainer's hooks for cfg.pref.recipe."""
-    if cfg.pref.recipe == "rm":
-        loss = RewardLoss()
-        return {"datasets": build_datasets, "loss": loss, "extend_model": loss.attach}
-    return {"datasets": build_datasets, "loss": DPOLoss(cfg.pref.loss, cfg.pref.beta), "setup": ReferencePass()}
+class _Preference(Recipe):
+    """A preference recipe: pairs (pref.data), refused settings checked before launch."""
+
+    def check(self, cfg: Config) -> None:
+        """Settings a preference run cannot use, refused before launch; fills pref.recipe from the command."""
+        if not cfg.pref.data:
+            raise UserError(f"loom {self.command} needs pref.data: .jsonl files of {{\"prompt\", \"chosen\", "
+                            "\"rejected\"}} records (strings, or lists of chat messages), or synthetic:N, e.g. "
+                            "--pref.data=pairs.jsonl")
+        p = cfg.pref
+        if p.recipe == "auto":
+            p.recipe = self.command
+        elif p.recipe != self.command:
+            raise UserError(f"`loom {self.command}` but pref.recipe={p.recipe}; drop pref.recipe or run `loom {p.recipe}`")
+        if problem := recipe_problem(self.command, cfg):
+            raise UserError(problem)
+
+    def prepare_data(self, cfg: Config, tokenizer: Tokenizer) -> None:
+        prepare_data(cfg, tokenizer)
+
+    def datasets(self, cfg: Config, tokenizer: Tokenizer) -> tuple[PairDataset, PairDataset]:
+        return build_datasets(cfg, tokenizer)
+
+
+class RewardModel(_Preference):
+    """`loom rm`: a score head on the model, trained on -log sigmoid(r_chosen - r_rejected)."""
+
+    command = "rm"
+
+    def __init__(self):
+        self.reward_loss = RewardLoss()
+
+    def loss(self, cfg: Config) -> RewardLoss:
+        return self.reward_loss
+
+    def extend_model(self, model: nn.Module) -> None:
+        self.reward_loss.attach(model)
+
+
+class DPO(_Preference):
+    """`loom dpo`: DPO or IPO (pref.loss) against the initial policy's log-probs, computed before the first step."""
+
+    command = "dpo"
+
+    def loss(self, cfg: Config) -> DPOLoss:
+        return DPOLoss(cfg.pref.loss, cfg.pref.beta)
+
+    def set_up(self, trainer) -> None:
+        ReferencePass()(trainer)
 
 
 def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32):

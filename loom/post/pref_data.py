@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loom.data.dataset import Dataset
 from loom.data.tokenizer import Tokenizer, cache_dir
 from loom.errors import UserError
 from loom.data.jsonl import jsonl_records
@@ -133,7 +134,7 @@ class Pairs:
         return ids.astype(np.int64), mask
 
 
-class PairDataset:
+class PairDataset(Dataset):
     """Rows (2 per pair) over pairs `members` of `pairs`: `batch(start, count)` is rows start..start+count-1.
     Training visits the pairs in a fresh seeded order each epoch; `num_rows` None: each pair once, in order."""
 
@@ -190,7 +191,7 @@ class PairDataset:
         return {k * per_epoch // global_batch + 1: f"preference data: pass {k} complete, pairs repeat from here"
                 for k in range(1, -(-self.rows // per_epoch)) if k * per_epoch < self.rows}
 
-    def summary(self) -> str:
+    def summary(self, steps: int, global_batch: int) -> str:
         st = self.stats
         return (f"{st['pairs']} preference pairs ({st['dropped']} dropped: a side longer than seq_len + 1 tokens), "
                 f"2 rows per pair")

@@ -1,7 +1,7 @@
 """The SFT recipe: the one training loop (loom/train/trainer.py) with SFT data and the masked loss.
 
-`loom sft --config C` (or `loom train` with `sft.data` set) trains on chat / prompt-completion examples
-(loom/post/sft_data.py), usually from `train.init_from`. The loss is the mean cross-entropy over the
+`loom sft --config C` trains on chat / prompt-completion examples (loom/post/sft_data.py), usually from
+`train.init_from`. The loss is the mean cross-entropy over the
 supervised (assistant / completion) tokens of each global batch (`MaskedTokenCrossEntropy`); everything
 else — layouts, checkpoints, resuming, metrics — is the trainer's.
 """
@@ -11,10 +11,14 @@ from __future__ import annotations
 import numpy as np
 
 from loom.config import Config
+from loom.data.dataset import held_out_split
 from loom.data.tokenizer import Tokenizer
+from loom.errors import UserError
 from loom.models.losses import MaskedTokenCrossEntropy
 from loom.post.chat import load_template
 from loom.post.sft_data import Examples, SFTDataset, prepare
+from loom.rules import recipe_problem
+from loom.train.recipe import Recipe
 
 
 def template_for(cfg: Config):
@@ -36,12 +40,9 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[SFTDataset, SFTDa
         train_members, held = np.arange(len(examples)), Examples(valid_prefixes)
         valid_members, source = np.arange(len(held)), f"sft.valid_data ({', '.join(s.valid_data)})"
     else:  # data.split's validation share of the examples, never trained on
-        (lo, hi), (vlo, vhi), _ = cfg.data.split_ranges(len(examples))
-        if vhi <= vlo:
-            from loom.errors import UserError
-
-            raise UserError(f"data.split={cfg.data.split} leaves no validation examples of the {len(examples)} in "
-                            "sft.data; give sft.valid_data or a split with a validation share, e.g. 90,10")
+        (lo, hi), (vlo, vhi) = held_out_split(cfg.data, len(examples), "validation examples",
+                                              f"of the {len(examples)} in sft.data",
+                                              "sft.valid_data or a split with a validation share")
         train_members, valid_members, held = np.arange(lo, hi), np.arange(vlo, vhi), examples
         source = f"data.split={cfg.data.split}: examples {vlo}..{vhi - 1} of sft.data, never trained on"
     pad = tokenizer.eod_id or 0
@@ -52,5 +53,24 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[SFTDataset, SFTDa
     return train, val
 
 
-def loss_for(cfg: Config) -> MaskedTokenCrossEntropy:
-    return MaskedTokenCrossEntropy(cfg.train.loss_chunk)
+class SFT(Recipe):
+    """`loom sft`: the examples, and the loss over their learned tokens only."""
+
+    command = "sft"
+
+    def check(self, cfg: Config) -> None:
+        if not cfg.sft.data:
+            raise UserError("loom sft needs sft.data: .jsonl files of {\"messages\": [...]} or {\"prompt\", "
+                            "\"completion\"} records (or prefixes from `loom preprocess --sft`), e.g. "
+                            "--sft.data=chat.jsonl")
+        if problem := recipe_problem(self.command, cfg):
+            raise UserError(problem)
+
+    def prepare_data(self, cfg: Config, tokenizer: Tokenizer) -> None:
+        prepare_data(cfg, tokenizer)
+
+    def datasets(self, cfg: Config, tokenizer: Tokenizer) -> tuple[SFTDataset, SFTDataset]:
+        return build_datasets(cfg, tokenizer)
+
+    def loss(self, cfg: Config) -> MaskedTokenCrossEntropy:
+        return MaskedTokenCrossEntropy(cfg.train.loss_chunk)

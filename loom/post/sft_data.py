@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loom.data.dataset import Dataset
 from loom.data.indexed import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from loom.data.tokenizer import Tokenizer, cache_dir
 from loom.errors import UserError
@@ -151,7 +152,7 @@ class Examples:
         return ids.get(local, 0, n), mask.get(local, 0, n)
 
 
-class SFTDataset:
+class SFTDataset(Dataset):
     """Rows of `seq_len` positions over examples `members` of `examples`; `batch(start, count)` is the batch
     dict of rows start..start+count-1 (input_ids, labels, and with packing doc_ids and positions)."""
 
@@ -235,7 +236,7 @@ class SFTDataset:
         return {int(rows) // global_batch + 1: f"SFT data: pass {k} complete, examples repeat from here"
                 for k, rows in enumerate(self.epoch_rows[:-1], start=1) if rows < self.rows}
 
-    def summary(self) -> str:
+    def summary(self, steps: int, global_batch: int) -> str:
         st = self.stats
         return (f"{st['examples']} examples ({st['overlong']} longer than seq_len + 1 tokens, "
                 f"{st['dropped']} dropped, policy {st['overlong_policy']}), packing "

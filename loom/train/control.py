@@ -16,7 +16,7 @@ import torch
 
 from loom.config import Config
 from loom.errors import UserError
-from loom.parallel.distributed import local
+from loom.parallel.distributed import full_tensor
 from loom.train.checkpoint import Checkpointer, TrainState, list_checkpoints, verify_everywhere
 
 STOP_RECORD = "stopped.json"  # the main rank writes it after a signal stop's checkpoint is complete (launch.py reads it)
@@ -104,7 +104,7 @@ class RunControl:
     def diagnose(self, model, runner, batch, step: int) -> str:
         """Where the run went non-finite: non-finite parameters, and the first module whose forward
         output is non-finite on `batch` (this rank's view; the main rank reports)."""
-        bad = [n for n, p in model.named_parameters() if not torch.isfinite(local(p.detach())).all()]
+        bad = [n for n, p in model.named_parameters() if not torch.isfinite(full_tensor(p.detach())).all()]
         first = runner.first_non_finite(batch)
         where = f"first non-finite output: {first}" if first else "forward outputs finite on the last batch"
         params = (f"non-finite parameters: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}" if bad else

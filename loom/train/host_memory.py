@@ -2,12 +2,11 @@
 
 glibc's malloc hands every freed block above 32 MiB (the logits of a micro-batch, their gradient,
 the log-probabilities) straight back to the kernel, and shrinks the heap whenever its top is free.
-The next step allocates the same sizes again, and the kernel faults every page back in zero-filled:
-70-85 thousand page faults per step of the `tiny` model, about a tenth of its time on 2 cores.
-Training allocates the same shapes every step, so keeping the memory is the better bargain for a
-training process. The price: the process keeps its high-water mark until it exits, and glibc's heap
-fragments a little (`tiny` on 2 cores: peak resident 1167 MiB instead of 1032, reached within ~5
-steps and flat after; 0 page faults per step instead of ~80 thousand; bench/results/cpu_profile.md).
+The next step allocates the same sizes again, and the kernel faults every page back in zero-filled,
+every step. Training allocates the same shapes every step, so keeping the memory is the better bargain
+for a training process. The price: the process keeps its high-water mark until it exits, and glibc's
+heap fragments a little (the measured faults and resident memory, before and after:
+bench/results/cpu_profile.md).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from loom.config import OptimConfig
 
@@ -89,14 +90,14 @@ def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimiz
 
 
 def _local_bytes(t: torch.Tensor) -> int:
-    t = t.to_local() if hasattr(t, "to_local") else t
+    t = t.to_local() if isinstance(t, DTensor) else t
     return t.numel() * t.element_size()
 
 
 def state_bytes_per_param(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Bytes this rank holds per parameter it owns, measured from the live tensors (after a step)."""
     params = {id(p): p for p in model.parameters()}.values()
-    owned = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
+    owned = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
     out = {
         "params": sum(_local_bytes(p) for p in params) / owned,
         "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None) / owned,

@@ -25,28 +25,14 @@ import torch
 from torch import nn
 
 from loom.config import Config
-from loom.data.loader import batch as sample_rows
-from loom.data.loader import documents
 from loom.models.losses import Batch, HeadInput, Loss
 from loom.models.moe import set_aux_grad_scale
 from loom.parallel import MeshPlace, parallelize
 from loom.parallel.context import shard_batch
 from loom.parallel.data import set_gradient_sync
-from loom.parallel.distributed import all_reduce_sum, local
+from loom.parallel.distributed import all_reduce_sum, full_tensor
 from loom.parallel.tensor import loss_context
 from loom.rules import grads_stay_sharded
-
-
-def read_batch(dataset, start: int, count: int) -> Batch:
-    """Samples [start, start+count) of `dataset` as a batch: `input_ids` and next-token `labels`, and with
-    document masking `doc_ids` and `positions`. A dataset with a `batch` method (SFT) makes its own."""
-    if hasattr(dataset, "batch"):
-        return dataset.batch(start, count)
-    x, y = sample_rows(dataset, start, count)
-    eod = getattr(dataset, "document_eod", None)  # data.document_mask (loom/data/loader.py)
-    if eod is None:
-        return {"input_ids": x, "labels": y}
-    return {"input_ids": x, "labels": y, **documents(x, eod)}
 
 
 PACKING = ("doc_ids", "positions")  # batch entries the model takes beside the tokens (packed sequences)
@@ -165,7 +151,7 @@ class SPMDRunner(_Runner):
 
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         with self.autocast():
-            if getattr(self.loss, "wants_hidden", False):  # the loss applies the head itself (chunked)
+            if self.loss.wants_hidden:  # the loss applies the head itself (chunked)
                 hidden = self.model(batch["input_ids"], return_hidden=True, **model_kwargs(batch))
                 return self.loss(HeadInput(hidden, self.model.output), batch)
             output = self.model(batch["input_ids"], **model_kwargs(batch))
@@ -184,12 +170,12 @@ class SPMDRunner(_Runner):
             with loss_context(self.layout.tp):
                 micro_loss = self.loss_sum(mb)
                 (micro_loss * scale).backward()
-            loss_sum += local(micro_loss).detach()
+            loss_sum += full_tensor(micro_loss).detach()
         return loss_sum
 
     def eval_loss_sum(self, batch: Batch) -> torch.Tensor:
         with loss_context(self.layout.tp):
-            loss = local(self.loss_sum(to_device(self.cp_shard(batch), self.device))).detach()
+            loss = full_tensor(self.loss_sum(to_device(self.cp_shard(batch), self.device))).detach()
         return self.cp_sum(loss)
 
     def first_non_finite(self, batch: Batch) -> str | None:
@@ -199,7 +185,7 @@ class SPMDRunner(_Runner):
             def hook(module, inputs, output):
                 nonlocal first
                 out = output[0] if isinstance(output, tuple) else output
-                if first is None and torch.is_tensor(out) and not torch.isfinite(local(out.detach())).all():
+                if first is None and torch.is_tensor(out) and not torch.isfinite(full_tensor(out.detach())).all():
                     first = name
             return hook
 
@@ -283,7 +269,7 @@ class PipelineRunner(_Runner):
         self.bubble = (all_reduce_sum(bubble) / self.layout.world_size).item()
         if not losses:
             return torch.zeros((), device=self.device)
-        return sum(local(loss).detach() for loss in losses) / self.scale
+        return sum(full_tensor(loss).detach() for loss in losses) / self.scale
 
     def eval_loss_sum(self, batch: Batch) -> torch.Tensor:
         from loom.parallel.pipeline import forward_through_stages
@@ -293,7 +279,7 @@ class PipelineRunner(_Runner):
             with self.autocast():
                 output = forward_through_stages(self.chunks, self.stage_ids, self.cfg, self.grad_norm_group,
                                                 batch["input_ids"], **model_kwargs(batch))
-            loss = (local(self.loss(output, batch)).detach() if output is not None
+            loss = (full_tensor(self.loss(output, batch)).detach() if output is not None
                     else torch.zeros((), device=self.device))
         return self.cp_sum(all_reduce_sum(loss, self.grad_norm_group))  # only the last stage has it
 

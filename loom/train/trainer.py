@@ -6,9 +6,12 @@ function counts (tokens for cross-entropy): each micro-batch contributes its sum
 global count, so accumulation is exact and independent of the micro-batch size.
 
 The parts, each small enough to read on its own:
-- set-up (`Trainer.__init__`): devices and process groups, data, model, the step runner, the optimizer,
-  checkpoints and resuming;
-- `train_step`: one optimizer step through the step runner (steps.py: plain SPMD or a pipeline schedule);
+- the recipe (recipe.py): what a subcommand trains (data, loss, model extension, set-up, step, evaluation),
+  the only way a recipe changes the loop;
+- set-up (`Trainer.__init__`): devices and process groups, data, model (loom/build.py), the step runner, the
+  optimizer, checkpoints and resuming;
+- `batch_step`: one optimizer step over the next global batch through the step runner (steps.py: plain SPMD
+  or a pipeline schedule);
 - evaluation (evaluate.py) and run control (control.py: signals, checkpoint interval, divergence);
 - `fit`: the loop.
 """
@@ -26,18 +29,17 @@ from pathlib import Path
 import torch
 
 from loom import flops
+from loom.build import build_in_layout, compute_dtype
 from loom.config import Config
 from loom.data.indexed import fingerprint
-from loom.data.loader import build_datasets, load_tokenizer
+from loom.data.dataset import Dataset
+from loom.data.tokenizer import load_tokenizer
 from loom.errors import TrainingDiverged, UserError
 from loom.models.io import atomic_write_text
-from loom.models.llama import build_model
-from loom.models.losses import Loss, TokenCrossEntropy
 from loom.models.moe import step_stats, update_router_biases
-from loom.parallel import build_layout
+from loom.parallel import place_in_mesh
 from loom.parallel.distributed import all_reduce_sum, clip_grad_norm, init_distributed, pick_device
-from loom.parallel.materialize import materialize
-from loom.train.banner import banner, epoch_steps
+from loom.train.banner import banner
 from loom.train.checkpoint import Checkpointer, TrainState, latest_checkpoint
 from loom.train.control import STOP_RECORD, RunControl, is_finite, resume
 from loom.train.evaluate import Evaluator
@@ -45,15 +47,15 @@ from loom.train.hang import Beacon
 from loom.train.host_memory import keep_freed_memory, return_freed_memory
 from loom.train.metrics import MetricsWriter, Progress, Reporter
 from loom.train.optim import build_optimizer
+from loom.train.recipe import Recipe
 from loom.train.schedule import lr_at
-from loom.train.steps import BatchPrefetcher, build_runner, read_batch
+from loom.train.steps import BatchPrefetcher, build_runner
 
 
-def valid_source(cfg: Config, val_data) -> str:
+def valid_source(cfg: Config, val_data: Dataset) -> str:
     """Where the held-out samples come from, in words."""
-    source = getattr(val_data, "source", None)
-    if source:
-        return source
+    if val_data.source:
+        return val_data.source
     if cfg.data.valid_paths:
         return f"data.valid_paths ({', '.join(cfg.data.valid_paths)})"
     if not cfg.data.paths:
@@ -63,20 +65,14 @@ def valid_source(cfg: Config, val_data) -> str:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, quiet: bool = False,
-                 loss: Loss | None = None, datasets=None, extend_model=None, setup=None):
-        """`loss` and `datasets` (a function (cfg, tokenizer) -> (train, held-out)) plug a recipe's data and
-        objective into this loop (SFT: loom/post/sft.py); by default next-token loss over the token datasets.
-        `extend_model(model)` adds a recipe's modules (a reward head) to the model built on meta, before it is
-        parallelised; `setup(trainer)` runs once the model holds its starting weights (DPO's reference pass).
-        A loss with `take_sums()` (a dict of tensors summed over what it counted since the last call) has
-        their means logged with each step and, prefixed val_, with each evaluation (loom/post/pref.py)."""
-        self.extend_model, self.setup = extend_model, setup
+                 recipe: Recipe | None = None):
+        """`recipe`: what this run trains (recipe.py); pre-training's by default."""
+        self.recipe = recipe or Recipe()
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir else cfg.default_run_dir()
         self.ckpt_root = self.run_dir / "checkpoints"
         self.quiet = quiet
-        self.make_datasets = datasets or build_datasets
-        self.loss = loss or TokenCrossEntropy(cfg.train.loss_chunk)
+        self.loss = self.recipe.loss(cfg)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.device = pick_device(cfg.train.device)
@@ -94,11 +90,10 @@ class Trainer:
 
     def _set_up(self, cfg: Config) -> None:
         t = cfg.train
-        self.layout = build_layout(cfg, self.device.type)
+        self.layout = place_in_mesh(cfg, self.device.type)
         if self.device.type == "cuda" and self.layout.distributed:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.is_main = self.layout.is_main
-        compute_dtype = torch.bfloat16 if t.dtype == "bfloat16" else None
 
         # A worker restarted by the elastic launcher (--max-restarts) continues from the latest checkpoint.
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -120,32 +115,24 @@ class Trainer:
             )
 
         self.tokenizer = load_tokenizer(cfg)
-        self.train_data, self.val_data = self.make_datasets(cfg, self.tokenizer)
+        self.train_data, self.val_data = self.recipe.datasets(cfg, self.tokenizer)
 
         torch.manual_seed(t.seed)
-        # The model's structure on meta: no rank ever allocates the whole model. The runner applies the
-        # layout (pipeline stages, TP, FSDP) on meta; then each rank allocates and initialises only its
-        # shards, with the values one process would hold there (loom/models/init.py).
-        model = build_model(cfg.model, device="meta")
-        if self.extend_model is not None:
-            self.extend_model(model)
-        model.train()
-        self.num_params = model.num_params()
         layer_plan = None
         if cfg.recompute.mode == "budget":
             from loom.memory import plan_budget
 
             measure_on = self.device if self.layout.tp > 1 else "meta"
             layer_plan = plan_budget(cfg, self.layout, measure_on)["plan"]
-        self.runner = build_runner(model, cfg, self.layout, self.loss, self.device, compute_dtype, layer_plan)
-        materialize(self.runner.parts, self.device, t.seed)
-        self.model = self.runner.model
-        if t.init_from and resume_from is None:  # pretrained weights replace the initialisation, slice by slice
-            from loom.interop.pretrained import check_matches_source, load_pretrained
 
-            self.beacon.mark(f"train.init_from load ({t.init_from})")
-            check_matches_source(cfg)
-            load_pretrained(self.model, t.init_from)
+        def place(model):  # the runner applies the layout (pipeline stages, TP, FSDP) on meta
+            model.train()
+            self.num_params = model.num_params()
+            return build_runner(model, cfg, self.layout, self.loss, self.device, compute_dtype(cfg), layer_plan)
+
+        self.runner = build_in_layout(cfg, self.device, place, extend=self.recipe.extend_model,
+                                      init_from=t.init_from if resume_from is None else "", mark=self.beacon.mark)
+        self.model = self.runner.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.evaluator = Evaluator(self.runner, self.val_data, self.tokenizer, t.micro_batch)
         self.batches = BatchPrefetcher(self.rank_batch, pin=self.device.type == "cuda", background=cfg.data.prefetch)
@@ -176,17 +163,21 @@ class Trainer:
         self.flops_per_token = flops.train_flops_per_token(cfg.model, t.seq_len)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.peak_tflops = flops.device_peak_tflops(name)
-        if self.setup is not None:
-            self.setup(self)
+        self.recipe.set_up(self)
 
     # --- one step ---------------------------------------------------------------------------------
 
     def rank_batch(self, consumed_samples: int) -> dict:
         """This data-parallel rank's slice of the global batch that starts at `consumed_samples`."""
         per_rank = self.cfg.train.global_batch // self.layout.dp_size
-        return read_batch(self.train_data, consumed_samples + self.layout.dp_rank * per_rank, per_rank)
+        return self.train_data.batch(consumed_samples + self.layout.dp_rank * per_rank, per_rank)
 
     def train_step(self) -> dict:
+        """One step of the recipe, and its metrics."""
+        return self.recipe.train_step(self)
+
+    def batch_step(self) -> dict:
+        """One optimizer step over the next global batch (pre-training's step, and SFT's and DPO's)."""
         t = self.cfg.train
         following = self.state.consumed_samples + t.global_batch if self.state.step + 1 < t.steps else None
         batch, data_wait = self.batches.get(self.state.consumed_samples, following)
@@ -222,7 +213,7 @@ class Trainer:
         # stages fill their own layers' rows; see step_stats for tensor-parallel replicas).
         moe, loads = step_stats(self.model, torch.distributed.group.WORLD if layout.distributed else None)
         # A recipe's statistics (DPO rewards and accuracy): means over the global batch's counted units.
-        sums = self.loss.take_sums() if hasattr(self.loss, "take_sums") else {}
+        sums = self.loss.take_sums()
         recipe = ([all_reduce_sum(torch.stack([v.float() for v in sums.values()])) / (layout.tp * layout.pp
                                                                                      * layout.cp) / total]
                   if sums else [])
@@ -241,10 +232,7 @@ class Trainer:
                 **dict(zip(moe, moe_values)), **dict(zip(sums, recipe_values))}
 
     def evaluate(self) -> dict:
-        return self.evaluator.evaluate()
-
-    def val_reference(self) -> dict:
-        return self.evaluator.reference()
+        return self.recipe.evaluate(self)
 
     def memory_gib(self) -> float:
         if self.device.type == "cuda":
@@ -256,23 +244,16 @@ class Trainer:
         self.beacon.mark(f"step {self.state.step}: checkpoint save")
         return self.checkpointer.save(self.state)
 
-    def clocked_step(self, what: str) -> tuple[dict, float]:
-        """`train_step()` and its wall time (the device synchronised), marked for hang reports as `what`."""
-        self.beacon.mark(f"step {self.state.step + 1}: {what}")
+    def timed_step(self) -> dict:
+        """One step of the recipe and its metrics row: the step's wall time (the device synchronised), marked
+        for hang reports."""
+        self.beacon.mark(f"step {self.state.step + 1}: {self.recipe.command}")
         t0 = time.perf_counter()
         out = self.train_step()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return out, time.perf_counter() - t0
-
-    def timed_step(self) -> dict:
-        """One optimizer step and its metrics row."""
-        out, dt = self.clocked_step("train")
-        tps = self.tokens_per_step / dt
-        tflops = tps * self.flops_per_token / 1e12 / self.layout.world_size  # per device
-        return {"step": self.state.step, **out, "tokens": self.state.consumed_samples * self.cfg.train.seq_len,
-                "tokens_per_s": tps, "tflops_per_device": tflops,
-                "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+        dt = time.perf_counter() - t0
+        return {"step": self.state.step, **out, **self.recipe.throughput(self, out, dt),
                 "memory_gib": self.memory_gib(), "step_time_s": dt}
 
     # --- the loop ---------------------------------------------------------------------------------
@@ -280,41 +261,38 @@ class Trainer:
     def fit(self) -> dict:
         """Train to train.steps; a timed-out collective becomes a CollectiveTimeout naming the ranks behind."""
         with self.beacon.naming_hangs():
-            return self._fit()
-
-    def _fit(self) -> dict:
-        t, control = self.cfg.train, self.control
-        report = self._reporter()
-        last_eval: dict = {}
-        self.stopped_at = None
-        try:
-            with control.signals():
-                while self.state.step < t.steps:
-                    row = self.timed_step()
-                    step = self.state.step
-                    if control.diverged:
-                        report.step(row)
-                        self._stop_diverged(step)
-                    evaluation = None
-                    if control.eval_due(step):
-                        self.beacon.mark(f"step {step}: evaluation")
-                        evaluation = last_eval = {"step": step, **self.evaluate()}
-                    stop = control.stop_requested(self.beacon, step)
-                    if control.save_due(step, stop):
-                        row["checkpoint_blocking_s"] = self.save()
-                    report.step(row, evaluation)
-                    # A checkpoint becomes `latest` only after this step's rows are written, so a run killed at
-                    # any moment resumes with metrics.jsonl complete up to the checkpoint's step. A synchronous
-                    # save commits here; an asynchronous one at the first step after its write finished.
-                    self.checkpointer.poll()
-                    if stop:
-                        self._stop_by_signal(step)
-                        break
-                self.checkpointer.wait()  # the last checkpoint is complete before the run ends
-        finally:
-            self.batches.close()
-            report.close()
-        return last_eval
+            t, control = self.cfg.train, self.control
+            report = self._reporter()
+            last_eval: dict = {}
+            self.stopped_at = None
+            try:
+                with control.signals():
+                    while self.state.step < t.steps:
+                        row = self.timed_step()
+                        step = self.state.step
+                        if control.diverged:
+                            report.step(row)
+                            self._stop_diverged(step)
+                        evaluation = None
+                        if control.eval_due(step):
+                            self.beacon.mark(f"step {step}: evaluation")
+                            evaluation = last_eval = {"step": step, **self.evaluate()}
+                        stop = control.stop_requested(self.beacon, step)
+                        if control.save_due(step, stop):
+                            row["checkpoint_blocking_s"] = self.save()
+                        report.step(row, evaluation)
+                        # A checkpoint becomes `latest` only after this step's rows are written, so a run killed at
+                        # any moment resumes with metrics.jsonl complete up to the checkpoint's step. A synchronous
+                        # save commits here; an asynchronous one at the first step after its write finished.
+                        self.checkpointer.poll()
+                        if stop:
+                            self._stop_by_signal(step)
+                            break
+                    self.checkpointer.wait()  # the last checkpoint is complete before the run ends
+            finally:
+                self.batches.close()
+                report.close()
+            return last_eval
 
     def _reporter(self) -> Reporter:
         t, resumed = self.cfg.train, self.resumed_from is not None
@@ -322,19 +300,23 @@ class Trainer:
                                 enabled=self.is_main)
         progress = Progress(self.cfg.log.progress, t.steps, self.state.step, t.log_interval,
                             enabled=not self.quiet and self.is_main)
-        progress.message(banner(self.cfg, self.layout, self.num_params, self.train_data, self.run_dir,
-                                self.resumed_from, valid_source(self.cfg, self.val_data)))
+        progress.message(banner(self.cfg, self.recipe.command, self.layout, self.num_params, self.train_data,
+                                self.run_dir, self.resumed_from, valid_source(self.cfg, self.val_data)))
         if resumed:
             progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
         elif t.init_from:
             progress.message(f"weights from train.init_from={t.init_from}")
-        return Reporter(metrics, progress, self.ckpt_root, self.cfg.checkpoint.async_save,
-                        epoch_steps(self.train_data, t.global_batch))
+        report = Reporter(metrics, progress, self.ckpt_root, self.cfg.checkpoint.async_save,
+                          self.train_data.epoch_steps(t.global_batch))
+        if (row := self.recipe.start(self)) is not None:  # a row before the first step (RL's starting point)
+            metrics.write(row)
+            progress.evaluation(row)
+        return report
 
     def _stop_diverged(self, step: int) -> None:
         t = self.cfg.train
         self.checkpointer.wait()  # the last good checkpoint, if still being written, is kept
-        last = read_batch(self.train_data, self.state.consumed_samples - t.global_batch, t.micro_batch)
+        last = self.train_data.batch(self.state.consumed_samples - t.global_batch, t.micro_batch)
         raise TrainingDiverged(self.control.diagnose(self.model, self.runner, last, step))
 
     def _stop_by_signal(self, step: int) -> None:
@@ -349,7 +331,7 @@ class Trainer:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         procs = "" if world == 1 else f" --nproc {local}" + (f" --nnodes {world // local} (with this node's "
                                                                 "--node-rank and --rdzv-endpoint)" if local != world else "")
-        return (f"loom train --config {shlex.quote(str(self.run_dir / 'config.toml'))} --run-dir "
+        return (f"loom {self.recipe.command} --config {shlex.quote(str(self.run_dir / 'config.toml'))} --run-dir "
                 f"{shlex.quote(str(self.run_dir))}{procs} --checkpoint.resume=true")
 
     def _announce_stop(self) -> None:

@@ -25,7 +25,7 @@ from torch import nn
 
 from loom.infer.cpu import kernels
 from loom.infer.cpu.kernels import PackedLinear
-from loom.parallel.distributed import local
+from loom.parallel.distributed import full_tensor
 
 
 class CpuDecode:
@@ -53,7 +53,7 @@ class CpuDecode:
         if (type(head) is nn.Linear and type(w) is nn.Parameter and head.bias is None
                 and w.dtype == hidden.dtype == torch.float32 and 1 < hidden.shape[0] <= 64):
             return torch.mm(w, hidden.t()).t().contiguous()
-        return local(head(hidden)).float()
+        return full_tensor(head(hidden)).float()
 
 
 def cpu_decode(model: nn.Module, use_kernels: bool = True) -> CpuDecode | None:

@@ -1,4 +1,5 @@
-"""Fixed-length training samples over an indexed dataset, and weighted blends of such datasets.
+"""Fixed-length training samples over an indexed dataset, and weighted blends of such datasets: the token
+data a pre-training run reads (`TokenSamples`: batches, with document masking, and what the banner says).
 
 Like Megatron's GPTDataset, three index arrays are built once and cached:
 
@@ -32,7 +33,9 @@ import time
 from typing import Sequence
 
 import numpy as np
+import torch
 
+from loom.data.dataset import Dataset
 from loom.data.indexed import IndexedDataset, fingerprint
 from loom.errors import UserError
 
@@ -188,7 +191,80 @@ def cached_arrays(cache_dir: pathlib.Path, stem: str, kinds: Sequence[str], spec
         return arrays, True, paths, meta_path
 
 
-class SampleDataset:
+class TokenSamples(Dataset):
+    """Samples of seq_len + 1 tokens as training rows: `batch` gives next-token `input_ids` and `labels` (and
+    with `document_eod` set, data.document_mask, `doc_ids` and `positions`); `parts()` the sample datasets
+    behind it (one, or a blend's)."""
+
+    document_eod: int | None = None  # the end-of-document token when attention stays within documents
+
+    def rows(self, ids) -> np.ndarray:
+        raise NotImplementedError
+
+    def parts(self) -> list["SampleDataset"]:
+        raise NotImplementedError
+
+    def batch(self, start: int, count: int) -> dict:
+        tokens = torch.from_numpy(self.rows(np.arange(start, start + count)).astype(np.int64, copy=False))
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        if self.document_eod is None:
+            return {"input_ids": x, "labels": y}
+        return {"input_ids": x, "labels": y, **documents(x, self.document_eod)}
+
+    def data_summary(self) -> tuple[int, int]:
+        """(tokens in the datasets behind it, samples in one pass over them at this sequence length)."""
+        tokens = samples = 0
+        for part in self.parts():
+            n = int(part.dataset.num_tokens)
+            tokens += n
+            samples += max(1, (n - 1) // part.seq_len)
+        return tokens, samples
+
+    def summary(self, steps: int, global_batch: int) -> str:
+        tokens, samples_per_pass = self.data_summary()
+        run_tokens = steps * global_batch * self.parts()[0].seq_len
+        epochs = steps * global_batch / samples_per_pass
+        return (f"{tokens:,} tokens; {steps} steps read {run_tokens:,} tokens = {epochs:.2f} "
+                "epochs" + (", attention within documents" if self.document_eod is not None else ""))
+
+    def epoch_steps(self, global_batch: int) -> dict[int, str]:
+        """{step: message} for each step after which the run has read one more full pass over a dataset behind
+        it. Samples are shuffled across the whole run, so an "epoch" here is a count: after it, documents repeat."""
+        parts = self.parts()
+        out: dict[int, str] = {}
+        for d, part in enumerate(parts):
+            per_epoch = max(1, (int(part.dataset.num_tokens) - 1) // part.seq_len)
+            if len(parts) == 1:
+                drawn = np.arange(1, len(self) + 1)
+            else:  # samples drawn from part d after each global sample of the blend
+                drawn = np.cumsum(np.asarray(self.dataset_index) == d)
+            for k in range(1, int(drawn[-1]) // per_epoch + 1 if len(drawn) else 1):
+                i = int(np.searchsorted(drawn, k * per_epoch))  # the sample that completes pass k
+                step = i // global_batch + 1
+                name = part.dataset.prefix if len(parts) > 1 else "the training data"
+                out[step] = (out.get(step, "") + "; " if step in out else "") + \
+                    f"{name}: pass {k} complete, documents repeat from here"
+        return out
+
+    def scored_bytes(self, tokenizer) -> bytes:
+        """The bytes of every predicted token (each sample's tokens after its first)."""
+        return b"".join(tokenizer.token_bytes(self[i][1:].tolist()) for i in range(len(self)))
+
+
+def documents(inputs: torch.Tensor, eod: int) -> dict[str, torch.Tensor]:
+    """Document masking of sample rows [b, s] whose documents end with token `eod`: `doc_ids` (documents
+    numbered along each row; an `eod` belongs to the document it ends) and `positions` (each token's position
+    in its document, restarting after every `eod`; a row's first document counts from the row's start)."""
+    ends = inputs == eod
+    doc_ids = torch.cumsum(ends, dim=1) - ends.long()
+    index = torch.arange(inputs.shape[1]).expand_as(inputs)
+    starts = torch.ones_like(ends)
+    starts[:, 1:] = ends[:, :-1]
+    first = torch.cummax(torch.where(starts, index, 0), dim=1).values
+    return {"doc_ids": doc_ids, "positions": index - first}
+
+
+class SampleDataset(TokenSamples):
     """`num_samples` samples of `seq_len + 1` tokens (int64) drawn from `dataset`'s token stream."""
 
     def __init__(
@@ -205,6 +281,7 @@ class SampleDataset:
         if num_samples < 0:
             raise UserError(f"num_samples must be >= 0, got {num_samples}")
         self.dataset, self.seq_len, self.num_samples, self.seed = dataset, seq_len, num_samples, seed
+        self._fingerprint: dict | None = None
         total = dataset.num_tokens
         if total < seq_len + 1:
             raise UserError(
@@ -235,17 +312,17 @@ class SampleDataset:
     def cache_key(self) -> str:
         """Hash of the dataset's fingerprint (its .bin size and recorded .idx hash; see
         loom.data.indexed.fingerprint), the document subset and the sampling parameters."""
-        if getattr(self, "_fingerprint", None) is None:
+        if self._fingerprint is None:
             self._fingerprint = fingerprint(self.dataset.prefix)
         fp = self._fingerprint
-        subset = getattr(self.dataset, "subset_key", "")
+        subset = self.dataset.subset_key
         params = (f"{INDEX_VERSION}|{fp['bin_bytes']}|{fp['idx_sha256']}|{self.seq_len}|{self.num_samples}|"
                   f"{self.seed}{'|' + subset if subset else ''}")
         return hashlib.sha256(params.encode()).hexdigest()[:20]
 
     def _load_or_build(self, cache_dir: pathlib.Path, name: str) -> None:
         stem = f"{name or pathlib.Path(self.dataset.prefix).name}-{self.cache_key()}"
-        meta = {"dataset": str(self.dataset.prefix), "subset": getattr(self.dataset, "subset_key", ""),
+        meta = {"dataset": str(self.dataset.prefix), "subset": self.dataset.subset_key,
                 "fingerprint": self._fingerprint, "seq_len": self.seq_len,
                 "num_samples": self.num_samples, "seed": self.seed, "epochs": self.num_epochs,
                 "documents": len(self.dataset)}
@@ -294,6 +371,9 @@ class SampleDataset:
             raise IndexError(f"sample {i} out of range for {self.num_samples} samples")
         return self.rows([i])[0]
 
+    def parts(self) -> list["SampleDataset"]:
+        return [self]
+
 
 class _lock:
     """An exclusive advisory lock on `path` (fcntl.flock) for the duration of a with-block. Where the file
@@ -327,7 +407,8 @@ def blend_indices(weights: np.ndarray, num_samples: int, which_out=None, within_
     Returns (dataset of each sample, index of the sample within that dataset); with writers, streams them
     into the writers instead, `chunk` samples at a time."""
     w = [float(x) for x in weights]
-    if which_out is None:
+    in_memory = which_out is None
+    if in_memory:
         which_out = _ArrayWriter(_blend_dtype(len(w)), (num_samples,))
         within_out = _ArrayWriter(np.int64, (num_samples,))
     chunk = chunk or CHUNK
@@ -348,14 +429,14 @@ def blend_indices(weights: np.ndarray, num_samples: int, which_out=None, within_
             counts[best] += 1
         which_out.write(which)
         within_out.write(within)
-    return getattr(which_out, "array", None), getattr(within_out, "array", None)
+    return (which_out.array, within_out.array) if in_memory else (None, None)
 
 
 def _blend_dtype(num_datasets: int) -> np.dtype:
     return np.dtype(np.int16 if num_datasets < 2**15 else np.int32)
 
 
-class BlendedDataset:
+class BlendedDataset(TokenSamples):
     """`num_samples` samples mixed from `datasets` in proportion to `weights`."""
 
     def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int,
@@ -405,15 +486,11 @@ class BlendedDataset:
         out = None
         for d in np.unique(which):
             mask = which == d
-            got = rows_of(self.datasets[int(d)], within[mask])
+            got = self.datasets[int(d)].rows(within[mask])
             if out is None:
                 out = np.empty((len(ids), *got.shape[1:]), dtype=got.dtype)
             out[mask] = got
         return out if out is not None else np.zeros((0, 0), dtype=np.int64)
 
-
-def rows_of(dataset, ids) -> np.ndarray:
-    """Samples `ids` of `dataset` stacked: its vectorised `rows` when it has one, else one item at a time."""
-    if hasattr(dataset, "rows"):
-        return dataset.rows(ids)
-    return np.stack([np.asarray(dataset[int(i)]) for i in ids])
+    def parts(self) -> list[SampleDataset]:
+        return self.datasets

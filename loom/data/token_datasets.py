@@ -1,4 +1,5 @@
-"""From a config to the tokenizer and the train / held-out sample datasets a run reads.
+"""The token datasets a pre-training run reads, from its config: `data.paths` split into training and
+held-out documents (or `data.valid_paths`), else the embedded corpus.
 
 Global batch `i` is samples `[i*B, (i+1)*B)` of the training dataset, so the data position of a run
 is one number (consumed samples) and resuming is exact.
@@ -7,26 +8,16 @@ is one number (consumed samples) and resuming is exact.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from loom.config import Config
 from loom.errors import UserError
 from loom.data.corpus_dataset import corpus_prefix
 from loom.data.indexed import DocumentRange, IndexedDataset
-from loom.data.sampler import BlendedDataset, SampleDataset, rows_of
-from loom.data.tokenizer import Tokenizer, cache_dir, get_tokenizer
+from loom.data.dataset import split_range
+from loom.data.samples import BlendedDataset, SampleDataset, TokenSamples
+from loom.data.tokenizer import Tokenizer, cache_dir
 
 VAL_SEED = 0  # the held-out samples are the same for every run of a given seq_len
-
-
-def load_tokenizer(cfg: Config) -> Tokenizer:
-    tok = get_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.corpus_max_bytes)
-    if tok.vocab_size > cfg.model.vocab_size:
-        raise UserError(
-            f"the tokenizer ({cfg.data.tokenizer}) has {tok.vocab_size} tokens but model.vocab_size="
-            f"{cfg.model.vocab_size}; set model.vocab_size >= {tok.vocab_size} or use a smaller tokenizer"
-        )
-    return tok
 
 
 def _samples(datasets: list, weights: list[float], seq_len: int, num_samples: int, seed: int, name: str):
@@ -56,17 +47,13 @@ def check_token_ids(dataset: IndexedDataset, vocab_size: int) -> None:
 
 def _split(cfg: Config, dataset: IndexedDataset, part: int) -> DocumentRange:
     """Part `part` (0 train, 1 valid) of `dataset` under data.split; UserError when it is empty."""
-    lo, hi = cfg.data.split_ranges(len(dataset))[part]
-    if hi <= lo:
-        what = "training" if part == 0 else "validation"
-        raise UserError(
-            f"data.split={cfg.data.split} leaves no {what} documents in {dataset.prefix} ({len(dataset)} documents); "
-            "give data.valid_paths (held-out datasets), or a data.split with a non-zero share for it, e.g. 98,2,0"
-        )
+    lo, hi = split_range(cfg.data, len(dataset), part, "training documents" if part == 0 else "validation documents",
+                         f"in {dataset.prefix} ({len(dataset)} documents)", "data.valid_paths (held-out datasets), or "
+                         "a data.split with a non-zero share for it", "98,2,0")
     return DocumentRange(dataset, lo, hi)
 
 
-def build_datasets(cfg: Config, tokenizer: Tokenizer):
+def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[TokenSamples, TokenSamples]:
     """(train samples for the whole run, held-out samples for evaluation).
 
     Held-out data is `data.valid_paths` when given; else, for `data.paths`, the validation share of each
@@ -95,27 +82,7 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer):
     train = _samples(train_parts, d.weights, t.seq_len, t.steps * t.global_batch, t.seed, "train")
     val = _samples(val_parts, [], t.seq_len, t.eval_samples, VAL_SEED, "val")
     val.source = source
-    if d.document_mask:  # batches then carry doc_ids and positions (loom/train/steps.py read_batch)
+    if d.document_mask:  # batches then carry doc_ids and positions
         train.document_eod = val.document_eod = tokenizer.require_eod(
             "data.document_mask=true", "set data.document_mask=false or use a tokenizer that has one")
     return train, val
-
-
-def documents(inputs: torch.Tensor, eod: int) -> dict[str, torch.Tensor]:
-    """Document masking of sample rows [b, s] whose documents end with token `eod`: `doc_ids` (documents
-    numbered along each row; an `eod` belongs to the document it ends) and `positions` (each token's position
-    in its document, restarting after every `eod`; a row's first document counts from the row's start)."""
-    ends = inputs == eod
-    doc_ids = torch.cumsum(ends, dim=1) - ends.long()
-    index = torch.arange(inputs.shape[1]).expand_as(inputs)
-    starts = torch.ones_like(ends)
-    starts[:, 1:] = ends[:, :-1]
-    first = torch.cummax(torch.where(starts, index, 0), dim=1).values
-    return {"doc_ids": doc_ids, "positions": index - first}
-
-
-def batch(dataset, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Samples [start, start+count) as (inputs, targets), each [count, seq_len] int64."""
-    rows = rows_of(dataset, np.arange(start, start + count))
-    tokens = torch.from_numpy(rows.astype(np.int64, copy=False))
-    return tokens[:, :-1], tokens[:, 1:]

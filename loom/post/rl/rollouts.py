@@ -1,0 +1,46 @@
+"""Rollouts: the engine that generates them, each completion's seed, and training rows of prompt + completion."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+from loom.config import Config
+from loom.models.losses import IGNORE
+from loom.post.rl.prompts import engine_max_len
+
+
+def rollout_engine(cfg: Config, model: nn.Module):
+    """The engine that generates the rollouts, on `model` (the engine's own copy of the policy). Decode steps are
+    compiled per `rl.engine_compile`: "auto" (the default) is on on a GPU (a CUDA graph per step) and off on a
+    CPU, decided by `loom.infer.step.resolve_compile` as for `loom generate`."""
+    from loom.infer.engine import Engine
+
+    rl = cfg.rl
+    return Engine(model, max_batch=rl.engine_batch, max_len=engine_max_len(cfg), seed=cfg.train.seed,
+                  compile=rl.engine_compile, sync_every=rl.engine_sync_every)
+
+
+def rollout_seed(seed: int, step: int, index: int) -> int:
+    """The sampling seed of completion `index` of the global batch at `step`: the same in every layout."""
+    digest = hashlib.sha256(f"{seed}/{step}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
+
+
+def rows_of(prompts: list[list[int]], completions, seq_len: int, pad: int) -> dict[str, torch.Tensor]:
+    """Training rows of prompt + completion: `input_ids`, `labels` (IGNORE outside the completion),
+    `mask` (1 on completion tokens) and `rollout_logp` (the engine's log-prob of each label), [rows, seq_len]."""
+    n = len(prompts)
+    ids = torch.full((n, seq_len + 1), pad, dtype=torch.long)
+    labels = torch.full((n, seq_len), IGNORE, dtype=torch.long)
+    rollout = torch.zeros(n, seq_len, dtype=torch.float32)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        seq = p + c.tokens
+        ids[b, :len(seq)] = torch.tensor(seq)
+        start = len(p) - 1  # label position of the first completion token
+        labels[b, start:start + len(c.tokens)] = torch.tensor(c.tokens)
+        rollout[b, start:start + len(c.tokens)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": labels, "mask": (labels != IGNORE).float(),
+            "rollout_logp": rollout}
