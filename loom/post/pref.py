@@ -40,7 +40,6 @@ from loom.models.losses import HeadInput, Loss
 from loom.post.chat import load_template
 from loom.post.losses import dpo_losses, preference_sums, reward_model_losses, sequence_logprobs
 from loom.post.pref_data import PairDataset, Pairs, prepare_pairs
-from loom.rules import recipe_problem
 from loom.train.recipe import Recipe
 
 REFERENCE_FILE = "dpo_reference.pt"
@@ -186,8 +185,8 @@ class ReferencePass:
 class _Preference(Recipe):
     """A preference recipe: pairs (pref.data), refused settings checked before launch."""
 
-    def check(self, cfg: Config) -> None:
-        """Settings a preference run cannot use, refused before launch; fills pref.recipe from the command."""
+    def check_settings(self, cfg: Config) -> None:
+        """Pairs given, and pref.recipe filled from the command."""
         if not cfg.pref.data:
             raise UserError(f"loom {self.command} needs pref.data: .jsonl files of {{\"prompt\", \"chosen\", "
                             "\"rejected\"}} records (strings, or lists of chat messages), or synthetic:N, e.g. "
@@ -197,8 +196,6 @@ class _Preference(Recipe):
             p.recipe = self.command
         elif p.recipe != self.command:
             raise UserError(f"`loom {self.command}` but pref.recipe={p.recipe}; drop pref.recipe or run `loom {p.recipe}`")
-        if problem := recipe_problem(self.command, cfg):
-            raise UserError(problem)
 
     def prepare_data(self, cfg: Config, tokenizer: Tokenizer) -> None:
         prepare_data(cfg, tokenizer)

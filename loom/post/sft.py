@@ -17,7 +17,6 @@ from loom.errors import UserError
 from loom.models.losses import MaskedTokenCrossEntropy
 from loom.post.chat import load_template
 from loom.post.sft_data import Examples, SFTDataset, prepare
-from loom.rules import recipe_problem
 from loom.train.recipe import Recipe
 
 
@@ -58,13 +57,11 @@ class SFT(Recipe):
 
     command = "sft"
 
-    def check(self, cfg: Config) -> None:
+    def check_settings(self, cfg: Config) -> None:
         if not cfg.sft.data:
             raise UserError("loom sft needs sft.data: .jsonl files of {\"messages\": [...]} or {\"prompt\", "
                             "\"completion\"} records (or prefixes from `loom preprocess --sft`), e.g. "
                             "--sft.data=chat.jsonl")
-        if problem := recipe_problem(self.command, cfg):
-            raise UserError(problem)
 
     def prepare_data(self, cfg: Config, tokenizer: Tokenizer) -> None:
         prepare_data(cfg, tokenizer)

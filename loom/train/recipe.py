@@ -4,7 +4,8 @@ The training loop (trainer.py) is the same for every recipe; a recipe names what
 calls exactly these hooks, passing itself (`trainer`, a `loom.train.trainer.Trainer`) where a hook needs the
 run (the defaults are pre-training's, `loom train`):
 
-- `check(cfg)`: settings it cannot run, refused before launch (layout facts in loom/rules.py);
+- `check(cfg)`: settings it cannot run, refused before launch: its own (`check_settings(cfg)`), then the
+  rule book's layout facts about it (loom/rules.py `recipe_problem`);
 - `prepare_data(cfg, tokenizer)`: shared caches built once by the launcher, before the workers start;
 - `datasets(cfg, tokenizer)`: the training and held-out `Dataset`s (loom/data/dataset.py);
 - `loss(cfg)`: its `Loss` (loom/models/losses.py);
@@ -27,6 +28,7 @@ from loom.data.dataset import Dataset
 from loom.data.tokenizer import Tokenizer
 from loom.errors import UserError
 from loom.models.losses import Loss, TokenCrossEntropy
+from loom.rules import recipe_problem
 
 if TYPE_CHECKING:
     from torch import nn
@@ -38,6 +40,11 @@ class Recipe:
     command = "train"
 
     def check(self, cfg: Config) -> None:
+        self.check_settings(cfg)
+        if problem := recipe_problem(self.command, cfg):
+            raise UserError(problem)
+
+    def check_settings(self, cfg: Config) -> None:
         """The recipe is the subcommand's, never inferred from which data is set: another recipe's data is
         refused, naming the command that trains on it."""
         for given, field, command in ((cfg.rl.prompts, "rl.prompts", "loom rl"), (cfg.sft.data, "sft.data", "loom sft"),

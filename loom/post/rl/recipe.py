@@ -55,7 +55,6 @@ from loom.post.rl.policy import PolicyLoss, add_value_head, value_of
 from loom.post.rl.prompts import PromptSet, build_datasets
 from loom.post.rl.rewards import Rewards, is_user_code, load_callable
 from loom.post.rl.rollouts import rollout_engine, rollout_seed, rows_of
-from loom.rules import recipe_problem
 from loom.train.recipe import Recipe
 from loom.train.schedule import lr_at
 from loom.train.trainer import Trainer
@@ -73,14 +72,12 @@ class RL(Recipe):
 
     # --- before launch and set-up -------------------------------------------------------------------------
 
-    def check(self, cfg: Config) -> None:
-        """Settings an RL run cannot use, refused before launch."""
+    def check_settings(self, cfg: Config) -> None:
+        """RL's prompts, and its reward function importable before launch."""
         if not cfg.rl.prompts:
             raise UserError("loom rl needs rl.prompts: .jsonl files of {\"prompt\": ...} records (other fields go to "
                             "the reward function), or addition:N, e.g. --rl.prompts=prompts.jsonl "
                             "--rl.reward=mypkg.rewards:score")
-        if problem := recipe_problem(self.command, cfg):
-            raise UserError(problem)
         if cfg.rl.reward:
             load_callable(cfg.rl.reward)
 
