@@ -34,8 +34,8 @@ def parameter_counts(model_cfg) -> tuple[int, int]:
     model = build_model(model_cfg, device="meta")
     total = model.num_params()
     inactive = 0
-    if model_cfg.moe_experts:
-        share = 1 - model_cfg.moe_top_k / model_cfg.moe_experts
+    if model_cfg.moe.experts:
+        share = 1 - model_cfg.moe.top_k / model_cfg.moe.experts
         inactive = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * share
     return total, int(total - inactive)
 

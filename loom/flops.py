@@ -41,9 +41,9 @@ def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int, moe: bool = Fa
     out = 2 * a * d * h
     matrices = 3 if cfg.mlp == "swiglu" else 2
     if moe:
-        fe = cfg.moe_ffn_hidden or f
-        mlp = 2 * h * cfg.moe_experts + 2 * matrices * h * fe * (cfg.moe_top_k + cfg.moe_shared_experts)
-        if cfg.moe_shared_experts and cfg.moe_shared_gate:
+        fe = cfg.moe.ffn_hidden or f
+        mlp = 2 * h * cfg.moe.experts + 2 * matrices * h * fe * (cfg.moe.top_k + cfg.moe.shared_experts)
+        if cfg.moe.shared_experts and cfg.moe.shared_gate:
             mlp += 2 * h
     else:
         mlp = 2 * matrices * h * f

@@ -333,9 +333,9 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False, recipe:
     """
     p, m, t = cfg.parallel, cfg.model, cfg.train
     check_sizes(p)
-    experts = m.moe_experts
+    experts = m.moe.experts
     if problem := ep_problem(p.ep, experts, p.dp_replicate, p.dp_shard, p.cp) or moe_problem(
-            experts, p.pp, p.schedule, p.cp, m.moe_capacity_factor, t.compile):
+            experts, p.pp, p.schedule, p.cp, m.moe.capacity_factor, t.compile):
         raise UserError(problem)
     if problem := sp_problem(p.tp, p.sp):
         raise UserError(problem)

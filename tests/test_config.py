@@ -116,7 +116,7 @@ def test_llama3_rope_scaling_bounds(override, fragment):
 
 
 def test_section_checks_name_the_toml_key():
-    """The shared checks spell a field as its TOML key (`model.moe.ffn_hidden`, not `moe_ffn_hidden`)."""
+    """The shared checks spell a field as its TOML key (`model.moe.ffn_hidden`, not `ffn_hidden`)."""
     with pytest.raises(UserError, match=r"model\.moe\.ffn_hidden=-1 must be >= 0"):
         load_config("tiny-moe", ["model.moe.ffn_hidden=-1"])
     with pytest.raises(UserError, match=r"model\.moe\.load_balance_coeff=nan must be a finite number >= 0"):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import loom
 from conftest import randomize_hf_weights, save_hf_models
 from loom.cli import main
-from loom.config import Config, ModelConfig
+from loom.config import Config, ModelConfig, MoEConfig
 from loom.errors import UserError
 from loom.interop import convert, export_hf, hf_config_from_model, import_hf, model_config_from_hf
 from loom.interop.hf_names import Piece, read_piece
@@ -104,11 +104,11 @@ def test_logits_match_transformers_and_round_trip(tmp_path, hf_dirs, kind):
 
     model = loom.load_model(src)
     cfg = model.cfg
-    assert (cfg.moe_router, cfg.moe_capacity_factor) == ("softmax", 0.0)
-    assert cfg.moe_renormalize == (kind != "qwen2_moe")
-    assert (cfg.moe_shared_experts, cfg.moe_shared_gate, cfg.moe_first_dense) == (
+    assert (cfg.moe.router, cfg.moe.capacity_factor) == ("softmax", 0.0)
+    assert cfg.moe.renormalize == (kind != "qwen2_moe")
+    assert (cfg.moe.shared_experts, cfg.moe.shared_gate, cfg.moe.first_dense) == (
         (2, True, 1) if kind == "qwen2_moe" else (0, False, 0))
-    assert cfg.moe_load_balance_coeff == hf_model.config.router_aux_loss_coef
+    assert cfg.moe.load_balance_coeff == hf_model.config.router_aux_loss_coef
     assert (logits(model, ids) - want).abs().max().item() < TOL
 
     loom_dir = convert(src, tmp_path / "loom", to="loom")
@@ -202,8 +202,8 @@ def test_loom_born_moe_exports_with_its_layer_rule(tmp_path):
     """An MoE model made in loom (MoE on layers 0 and 2 of 4: moe.interval=2) exports as Qwen3-MoE with
     mlp_only_layers [1, 3]; transformers computes its logits, and reading it back gives the same rule."""
     cfg = Config(model=ModelConfig(layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=80, vocab_size=200,
-                                   max_seq_len=64, qk_norm=True, moe_experts=4, moe_top_k=2, moe_ffn_hidden=40,
-                                   moe_interval=2, moe_renormalize=True))
+                                   max_seq_len=64, qk_norm=True,
+                                   moe=MoEConfig(experts=4, top_k=2, ffn_hidden=40, interval=2, renormalize=True)))
     model = build_model(cfg.model, seed=0).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -215,7 +215,7 @@ def test_loom_born_moe_exports_with_its_layer_rule(tmp_path):
     ids = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(0))
     assert (logits(reloaded, ids) - logits(model, ids)).abs().max().item() < TOL
     back = model_config_from_hf(hf)
-    assert (back.moe_first_dense, back.moe_interval, back.moe_layers) == (0, 2, 2)
+    assert (back.moe.first_dense, back.moe.interval, back.moe_layers) == (0, 2, 2)
 
 
 # --- train.init_from and generate ------------------------------------------------------------------------
@@ -307,9 +307,9 @@ def test_refuses_what_loom_cannot_compute(hf_dirs):
     # What is valid still reads: a prefix of dense layers, every other layer, and norm_topk_prob=false at top-1.
     ok = model_config_from_hf({**base["qwen3_moe"], "mlp_only_layers": [0], "num_experts_per_tok": 1,
                                "norm_topk_prob": False})
-    assert (ok.moe_first_dense, ok.moe_interval, ok.moe_top_k, ok.moe_renormalize) == (1, 1, 1, False)
+    assert (ok.moe.first_dense, ok.moe.interval, ok.moe.top_k, ok.moe.renormalize) == (1, 1, 1, False)
     ok = model_config_from_hf({**base["qwen2_moe"], "mlp_only_layers": [1]})  # MoE on layers 0 and 2
-    assert (ok.moe_first_dense, ok.moe_interval) == (0, 2)
+    assert (ok.moe.first_dense, ok.moe.interval) == (0, 2)
 
 
 def test_cli_convert_refusal_exit_code(tmp_path, hf_dirs):
@@ -332,23 +332,24 @@ def test_cli_convert_refusal_exit_code(tmp_path, hf_dirs):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"moe_router": "sinkhorn", "moe_top_k": 1}, "model.moe.router='sinkhorn'"),
-    ({"moe_capacity_factor": 1.25}, "model.moe.capacity_factor=1.25"),
-    ({"moe_renormalize": False}, "model.moe.renormalize=false with model.moe.top_k=2 .Mixtral renormalises"),
-    ({"moe_first_dense": 1}, "model.moe.first_dense=1 with model.moe.interval=1 .Mixtral's layers are all MoE"),
-    ({"moe_shared_experts": 1}, "model.moe.shared_gate=false .Qwen2-MoE gates"),
-    ({"qk_norm": True, "moe_shared_experts": 1, "moe_shared_gate": True}, "Qwen3-MoE has no shared experts"),
+    ({"moe": {"router": "sinkhorn", "top_k": 1}}, "model.moe.router='sinkhorn'"),
+    ({"moe": {"capacity_factor": 1.25}}, "model.moe.capacity_factor=1.25"),
+    ({"moe": {"renormalize": False}}, "model.moe.renormalize=false with model.moe.top_k=2 .Mixtral renormalises"),
+    ({"moe": {"first_dense": 1}}, "model.moe.first_dense=1 with model.moe.interval=1 .Mixtral's layers are all MoE"),
+    ({"moe": {"shared_experts": 1}}, "model.moe.shared_gate=false .Qwen2-MoE gates"),
+    ({"qk_norm": True, "moe": {"shared_experts": 1, "shared_gate": True}}, "Qwen3-MoE has no shared experts"),
     ({"qkv_bias": True}, "model.qkv_bias=true without shared experts"),
 ])
 def test_export_refuses_moe_without_hf_equivalent(tmp_path, change, message):
-    fields = dict(layers=2, hidden=32, heads=2, kv_heads=2, ffn_hidden=64, vocab_size=50, moe_experts=4,
-                  moe_top_k=2, moe_renormalize=True)
-    cfg = Config(model=ModelConfig(**{**fields, **change}))
+    fields = dict(layers=2, hidden=32, heads=2, kv_heads=2, ffn_hidden=64, vocab_size=50)
+    moe = dict(experts=4, top_k=2, renormalize=True)
+    cfg = Config(model=ModelConfig(**fields, **{k: v for k, v in change.items() if k != "moe"},
+                                   moe=MoEConfig(**{**moe, **change.get("moe", {})})))
     with pytest.raises(UserError, match="no exact Hugging Face equivalent.*" + message):
         export_hf(build_model(cfg.model), cfg, tmp_path / "out")
     assert not list(tmp_path.iterdir())
     # Without the change it exports (as Mixtral).
-    assert hf_config_from_model(ModelConfig(**fields))["model_type"] == "mixtral"
+    assert hf_config_from_model(ModelConfig(**fields, moe=MoEConfig(**moe)))["model_type"] == "mixtral"
 
 
 def test_import_hf_names_missing_experts(tmp_path, hf_dirs):

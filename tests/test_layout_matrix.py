@@ -77,7 +77,7 @@ def combo_of(overrides: list[str]) -> Combo:
     cfg = load_config("tiny", overrides)
     p = cfg.parallel
     return Combo(p.tp, p.sp, p.cp, p.pp, p.dp_shard, p.dp_replicate, p.ep, cfg.model.tie_embeddings,
-                 cfg.model.moe_experts > 0)
+                 cfg.model.moe.experts > 0)
 
 
 def matrix() -> dict[str, tuple[Combo, str | None]]:

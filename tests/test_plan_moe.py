@@ -26,7 +26,7 @@ def test_moe_parameter_count_equals_the_built_model_and_published_sizes():
     from loom.models.llama import build_model
 
     cfg = load_config("tiny-moe").model
-    cfg.moe_shared_experts, cfg.moe_shared_gate, cfg.moe_interval = 1, True, 2  # dense and MoE layers mixed
+    cfg.moe.shared_experts, cfg.moe.shared_gate, cfg.moe.interval = 1, True, 2  # dense and MoE layers mixed
     model = build_model(cfg, device="meta")
     assert total_params(cfg) == sum(p.numel() for p in model.parameters())
     # Mixtral 8x7B: 46.7B parameters (Jiang et al. 2024); Qwen3-30B-A3B: 30.5B (its model card).
@@ -66,7 +66,7 @@ def test_all_to_all_and_expert_gemms_follow_the_token_arithmetic():
     w = _w()
     cfg, gpu = w.model, w.gpu
     one = layer_times(w, 1, 1, 1, False, "none", 8)
-    tokens, k, h = 4096, cfg.moe_top_k, cfg.hidden
+    tokens, k, h = 4096, cfg.moe.top_k, cfg.hidden
     # Two all-to-alls forward (dispatch, combine): each rank sends 7/8 of its tokens x top_k rows of h bf16,
     # inside the node (ep=8 fits), at NVLink bandwidth x efficiency, plus a latency each.
     volume = tokens * k * h * 2 * 7 / 8
@@ -83,7 +83,7 @@ def test_all_to_all_and_expert_gemms_follow_the_token_arithmetic():
     # A dense model has no all-to-all; the MoE model's matmuls count top_k experts per token: with 2 of 8
     # experts of the dense MLP's width, the MLP GEMM work doubles, whatever ep.
     dense_cfg = load_config("mixtral-8x7b").model
-    dense_cfg.moe_experts = 0
+    dense_cfg.moe.experts = 0
     dense = layer_times(Workload(dense_cfg, 4096, 256, 64, H100), 1, 1, 1, False, "none")
     assert dense.fwd["ep_comm"] == 0.0
     mlp_flops = 2 * 3 * h * cfg.ffn_hidden * tokens

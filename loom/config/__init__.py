@@ -12,10 +12,10 @@ The sections live in `model`, `training` (parallel, train, optim, checkpoint, re
 
 from loom.config.data import DataConfig
 from loom.config.load import CONFIG_DIR, available_configs, config_from_dict, load_config, resolve_config_path
-from loom.config.model import ModelConfig
+from loom.config.model import ModelConfig, MoEConfig
 from loom.config.post import PrefConfig, RLConfig, SFTConfig
 from loom.config.schema import SECTIONS, Config
-from loom.config.section import key_of
+from loom.config.section import flat_values, key_of, leaves
 from loom.config.toml_io import dumps_toml
 from loom.config.training import (CheckpointConfig, LogConfig, OptimConfig, ParallelConfig, RecomputeConfig,
                                   TrainConfig)
@@ -28,6 +28,7 @@ __all__ = [
     "DataConfig",
     "LogConfig",
     "ModelConfig",
+    "MoEConfig",
     "OptimConfig",
     "ParallelConfig",
     "PrefConfig",
@@ -38,7 +39,9 @@ __all__ = [
     "available_configs",
     "config_from_dict",
     "dumps_toml",
+    "flat_values",
     "key_of",
+    "leaves",
     "load_config",
     "resolve_config_path",
 ]

@@ -3,14 +3,13 @@ any path), then `section.key=value` overrides (the command line's `--section.key
 
 from __future__ import annotations
 
-import dataclasses
 import tomllib
 import typing
 from pathlib import Path
 from typing import Any
 
 from loom.config.schema import SECTIONS, Config
-from loom.config.section import key_of
+from loom.config.section import leaves
 from loom.config.toml_io import coerce, flat_items
 from loom.errors import UserError, closest
 
@@ -88,9 +87,10 @@ def set_value(cfg: Config, dotted: str, value: Any, parse_text: bool) -> None:
     if section not in SECTIONS:
         raise UserError(f"unknown config section {section!r}{closest(section, SECTIONS)}; valid: {', '.join(SECTIONS)}")
     obj = cfg.sections()[section]
-    fields = {key_of(f): f for f in dataclasses.fields(obj)}
+    fields = {k: (owner, f) for k, _, owner, f in leaves(obj)}  # `moe.experts`: a nested section's field
     if key not in fields:
         valid = [f"{section}.{k}" for k in fields]
         raise UserError(f"unknown config key {dotted!r}{closest(dotted, valid)}; valid keys in [{section}]: {', '.join(fields)}")
-    hint = typing.get_type_hints(type(obj))[fields[key].name]
-    setattr(obj, fields[key].name, coerce(dotted, value, hint, parse_text))
+    owner, f = fields[key]
+    hint = typing.get_type_hints(type(owner))[f.name]
+    setattr(owner, f.name, coerce(dotted, value, hint, parse_text))

@@ -12,6 +12,29 @@ from loom.rules import divisors
 
 
 @dataclass
+class MoEConfig(Section):
+    """Mixture of experts, the `model.moe.*` keys (loom/models/moe.py); checked by ModelConfig, which knows
+    the layer count. experts=0: every MLP dense."""
+
+    experts: int = 0
+    top_k: int = 2
+    ffn_hidden: int = 0  # per expert; 0: model.ffn_hidden
+    shared_experts: int = 0  # always-on, each moe.ffn_hidden
+    shared_gate: bool = False  # sigmoid gate (Qwen2-MoE)
+    router: Literal["softmax", "sinkhorn", "sigmoid_bias"] = "softmax"
+    renormalize: bool = False  # gates over the k chosen
+    bias_update_rate: float = 1e-3  # sigmoid_bias
+    load_balance: Literal["batch", "sequence"] = "batch"
+    load_balance_coeff: float = 0.01
+    z_loss_coeff: float = 0.0
+    capacity_factor: float = 0.0  # 0: dropless
+    drop_policy: Literal["probs", "position"] = "probs"
+    # Which layers are MoE: layer i when i >= moe.first_dense and i % moe.interval == 0 (DeepSeek's rule).
+    interval: int = 1
+    first_dense: int = 0
+
+
+@dataclass
 class ModelConfig(Section):
     """Architecture of a decoder-only transformer (Llama 2/3 by default, GPT-3 through options)."""
 
@@ -45,33 +68,17 @@ class ModelConfig(Section):
     attn_dropout: float = 0.0  # on attention probabilities
     init_std: float = 0.02
     # Mixture of experts (`model.moe.*`, loom/models/moe.py). moe.experts=0: every MLP dense.
-    moe_experts: int = field(default=0, metadata={"key": "moe.experts"})
-    moe_top_k: int = field(default=2, metadata={"key": "moe.top_k"})
-    moe_ffn_hidden: int = field(default=0, metadata={"key": "moe.ffn_hidden"})  # per expert; 0: model.ffn_hidden
-    moe_shared_experts: int = field(default=0, metadata={"key": "moe.shared_experts"})  # always-on, each moe.ffn_hidden
-    moe_shared_gate: bool = field(default=False, metadata={"key": "moe.shared_gate"})  # sigmoid gate (Qwen2-MoE)
-    moe_router: Literal["softmax", "sinkhorn", "sigmoid_bias"] = field(default="softmax",
-                                                                       metadata={"key": "moe.router"})
-    moe_renormalize: bool = field(default=False, metadata={"key": "moe.renormalize"})  # gates over the k chosen
-    moe_bias_update_rate: float = field(default=1e-3, metadata={"key": "moe.bias_update_rate"})  # sigmoid_bias
-    moe_load_balance: Literal["batch", "sequence"] = field(default="batch", metadata={"key": "moe.load_balance"})
-    moe_load_balance_coeff: float = field(default=0.01, metadata={"key": "moe.load_balance_coeff"})
-    moe_z_loss_coeff: float = field(default=0.0, metadata={"key": "moe.z_loss_coeff"})
-    moe_capacity_factor: float = field(default=0.0, metadata={"key": "moe.capacity_factor"})  # 0: dropless
-    moe_drop_policy: Literal["probs", "position"] = field(default="probs", metadata={"key": "moe.drop_policy"})
-    # Which layers are MoE: layer i when i >= moe.first_dense and i % moe.interval == 0 (DeepSeek's rule).
-    moe_interval: int = field(default=1, metadata={"key": "moe.interval"})
-    moe_first_dense: int = field(default=0, metadata={"key": "moe.first_dense"})
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.moe_experts > 0 and i >= self.moe_first_dense and i % self.moe_interval == 0
+        return self.moe.experts > 0 and i >= self.moe.first_dense and i % self.moe.interval == 0
 
     @property
     def moe_layers(self) -> int:
-        if not self.moe_experts:
+        if not self.moe.experts:
             return 0
-        first = -(-self.moe_first_dense // self.moe_interval) * self.moe_interval  # first multiple >= first_dense
-        return len(range(first, self.layers, self.moe_interval))  # the layers is_moe_layer accepts
+        first = -(-self.moe.first_dense // self.moe.interval) * self.moe.interval  # first multiple >= first_dense
+        return len(range(first, self.layers, self.moe.interval))  # the layers is_moe_layer accepts
 
     @property
     def head_dim(self) -> int:
@@ -118,22 +125,23 @@ class ModelConfig(Section):
         positive("model", self, "rope_original_max_len")
 
     def _validate_moe(self) -> None:
-        if self.moe_experts < 0:
-            raise UserError(f"model.moe.experts={self.moe_experts} must be >= 0 (0: dense MLPs, no experts)")
-        if not self.moe_experts:
+        moe = self.moe
+        if self.moe.experts < 0:
+            raise UserError(f"model.moe.experts={self.moe.experts} must be >= 0 (0: dense MLPs, no experts)")
+        if not self.moe.experts:
             return
-        if not 1 <= self.moe_top_k <= self.moe_experts:
-            raise UserError(f"model.moe.top_k={self.moe_top_k} must be in 1..model.moe.experts={self.moe_experts}")
-        non_negative("model", self, "moe_ffn_hidden", "moe_shared_experts", "moe_first_dense")
-        positive("model", self, "moe_interval")
+        if not 1 <= self.moe.top_k <= self.moe.experts:
+            raise UserError(f"model.moe.top_k={self.moe.top_k} must be in 1..model.moe.experts={self.moe.experts}")
+        non_negative("model.moe", moe, "ffn_hidden", "shared_experts", "first_dense")
+        positive("model.moe", moe, "interval")
         if self.moe_layers == 0:
-            raise UserError(f"model.moe.first_dense={self.moe_first_dense} with model.moe.interval={self.moe_interval} "
+            raise UserError(f"model.moe.first_dense={self.moe.first_dense} with model.moe.interval={self.moe.interval} "
                             f"leaves no MoE layer among model.layers={self.layers}; valid first_dense: "
                             f"0..{self.layers - 1}")
-        finite_non_negative("model", self, "moe_bias_update_rate", "moe_load_balance_coeff", "moe_z_loss_coeff",
-                            "moe_capacity_factor")
-        if 0 < self.moe_capacity_factor * self.moe_top_k < 1e-9:
-            raise UserError(f"model.moe.capacity_factor={self.moe_capacity_factor} is too small; 0 means dropless")
-        if self.moe_shared_gate and not self.moe_shared_experts:
+        finite_non_negative("model.moe", moe, "bias_update_rate", "load_balance_coeff", "z_loss_coeff",
+                            "capacity_factor")
+        if 0 < self.moe.capacity_factor * self.moe.top_k < 1e-9:
+            raise UserError(f"model.moe.capacity_factor={self.moe.capacity_factor} is too small; 0 means dropless")
+        if self.moe.shared_gate and not self.moe.shared_experts:
             raise UserError("model.moe.shared_gate=true gates the shared experts, but model.moe.shared_experts=0; "
                             "set model.moe.shared_experts >= 1 or model.moe.shared_gate=false")

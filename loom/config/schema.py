@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 from loom.config.data import DataConfig
 from loom.config.model import ModelConfig
 from loom.config.post import PrefConfig, RLConfig, SFTConfig
-from loom.config.section import Section, key_of
+from loom.config.section import Section, flat_values, leaves
 from loom.config.toml_io import dumps_toml
 from loom.config.training import (CheckpointConfig, LogConfig, OptimConfig, ParallelConfig, RecomputeConfig,
                                   TrainConfig)
@@ -38,9 +39,10 @@ class Config:
         return {name: value for name, value in vars(self).items() if isinstance(value, Section)}
 
     def field_values(self) -> dict[str, Any]:
-        """`section.field` -> value for every field of every section, by Python name (`model.moe_experts`)."""
-        return {f"{name}.{key}": value for name, section in self.sections().items()
-                for key, value in vars(section).items()}
+        """`section.field` -> value for every field of every section, by Python path (`model.moe.experts`,
+        `model.explicit_head_dim`)."""
+        return {f"{name}.{path}": value for name, section in self.sections().items()
+                for path, value in flat_values(section).items()}
 
     def validate(self, measuring: bool = False) -> "Config":
         for section in self.sections().values():
@@ -65,14 +67,13 @@ class Config:
     def to_dict(self) -> dict:
         out = {}
         for section, obj in self.sections().items():
-            values = dataclasses.asdict(obj)
             table: dict = {}
-            for f in dataclasses.fields(obj):  # a dotted key (`moe.experts`) is a nested table, as TOML reads it
-                *parents, leaf = key_of(f).split(".")
+            for key, _, owner, f in leaves(obj):  # a dotted key (`moe.experts`) is a nested table, as TOML reads it
+                *parents, leaf = key.split(".")
                 node = table
                 for part in parents:
                     node = node.setdefault(part, {})
-                node[leaf] = values[f.name]
+                node[leaf] = copy.deepcopy(getattr(owner, f.name))
             out[section] = table
         return out
 

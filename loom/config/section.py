@@ -1,8 +1,9 @@
 """What every config section shares: its keys and the checks its `validate` is made of.
 
 A section is a dataclass of one component's settings. A field's key in TOML and overrides is its name,
-unless metadata "key" spells it otherwise (`model.moe.experts` for `moe_experts`, `checkpoint.async` for
-the Python keyword). The checks raise a UserError naming `section.key`, the value and what is valid.
+unless metadata "key" spells it otherwise (`checkpoint.async` for the Python keyword); a field that is itself
+a section nests its keys under its own (`model.moe.experts` is `ModelConfig.moe.experts`). The checks raise
+a UserError naming `section.key`, the value and what is valid.
 """
 
 from __future__ import annotations
@@ -17,6 +18,22 @@ from loom.errors import UserError
 def key_of(f: dataclasses.Field) -> str:
     """A field's key in TOML and overrides: its name, unless that is a Python keyword (metadata "key")."""
     return f.metadata.get("key", f.name)
+
+
+def leaves(obj: "Section", key: str = "", path: str = ""):
+    """(key, path, owner, field) for every value of a section, a nested section's under its name: key is the
+    TOML key (`moe.experts`, `head_dim`), path the Python one (`moe.experts`, `explicit_head_dim`)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, Section):
+            yield from leaves(value, f"{key}{key_of(f)}.", f"{path}{f.name}.")
+        else:
+            yield f"{key}{key_of(f)}", f"{path}{f.name}", obj, f
+
+
+def flat_values(obj: "Section") -> dict[str, Any]:
+    """Python path (`moe.experts`) -> value for every value of a section, nested sections' included."""
+    return {path: getattr(owner, f.name) for _, path, owner, f in leaves(obj)}
 
 
 class Section:

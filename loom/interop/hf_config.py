@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from loom.config import ModelConfig
+from loom.config import ModelConfig, MoEConfig
 from loom.errors import UserError
 
 HF_CONFIG = "config.json"
@@ -105,8 +105,8 @@ def _moe_layer_rule(hf: dict, layers: int, where: str) -> tuple[int, int]:
                     "== 0); valid: e.g. decoder_sparse_step=1 with mlp_only_layers [] or a prefix [0, ..., k-1]")
 
 
-def _moe_from_hf(hf: dict, model_type: str, layers: int, need, where: str) -> dict:
-    """The `moe_*` ModelConfig fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json."""
+def _moe_from_hf(hf: dict, model_type: str, layers: int, need, where: str) -> MoEConfig:
+    """The `model.moe` section of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json."""
     mixtral = model_type == "mixtral"
     experts = int(need("num_local_experts" if mixtral or "num_experts" not in hf else "num_experts"))
     if experts < 1:
@@ -133,10 +133,10 @@ def _moe_from_hf(hf: dict, model_type: str, layers: int, need, where: str) -> di
                             f"moe_intermediate_size={ffn}: loom's shared experts are model.moe.shared_experts "
                             "times model.moe.ffn_hidden wide (every Qwen2-MoE release: 4 or 8 times)")
         shared = size // ffn
-    return dict(moe_experts=experts, moe_top_k=top_k, moe_ffn_hidden=ffn, moe_shared_experts=shared,
-                moe_shared_gate=shared > 0, moe_router="softmax", moe_renormalize=renormalize,
-                moe_load_balance_coeff=float(hf.get("router_aux_loss_coef", 0.001)), moe_z_loss_coeff=0.0,
-                moe_capacity_factor=0.0, moe_first_dense=first_dense, moe_interval=interval)
+    return MoEConfig(experts=experts, top_k=top_k, ffn_hidden=ffn, shared_experts=shared, shared_gate=shared > 0,
+                     router="softmax", renormalize=renormalize,
+                     load_balance_coeff=float(hf.get("router_aux_loss_coef", 0.001)), z_loss_coeff=0.0,
+                     capacity_factor=0.0, first_dense=first_dense, interval=interval)
 
 
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -191,7 +191,7 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
                         f"{str(mlp_bias).lower()} is unsupported; loom's bias option covers attention and MLP "
                         "together, valid: both false or both true")
     layers = int(need("num_hidden_layers"))
-    moe = _moe_from_hf(hf, model_type, layers, need, where) if model_type in MOE_TYPES else {}
+    moe = _moe_from_hf(hf, model_type, layers, need, where) if model_type in MOE_TYPES else MoEConfig()
     cfg = ModelConfig(
         layers=layers,
         hidden=hidden,
@@ -212,7 +212,7 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         attn_dropout=float(hf.get("attention_dropout", 0.0)),
         init_std=float(hf.get("initializer_range", 0.02)),
         **_rope(hf, where),
-        **moe,
+        moe=moe,
     )
     try:
         cfg.validate()
@@ -225,22 +225,22 @@ def hf_moe_type(cfg: ModelConfig) -> str:
     """The Hugging Face model_type an MoE model exports as: 'qwen3_moe' (q/k norm), 'qwen2_moe' (shared
     experts) or 'mixtral'; refuses what none of them computes exactly."""
     problems = []
-    if cfg.moe_router != "softmax":
-        problems.append(f"model.moe.router={cfg.moe_router!r} (valid: 'softmax', the routing transformers computes)")
-    if cfg.moe_capacity_factor:
-        problems.append(f"model.moe.capacity_factor={cfg.moe_capacity_factor} (valid: 0, dropless, as transformers)")
+    if cfg.moe.router != "softmax":
+        problems.append(f"model.moe.router={cfg.moe.router!r} (valid: 'softmax', the routing transformers computes)")
+    if cfg.moe.capacity_factor:
+        problems.append(f"model.moe.capacity_factor={cfg.moe.capacity_factor} (valid: 0, dropless, as transformers)")
     if cfg.bias:
         problems.append("model.bias=true (valid: false)")
     if cfg.qk_norm:
         kind = "qwen3_moe"
-        if cfg.moe_shared_experts:
-            problems.append(f"model.moe.shared_experts={cfg.moe_shared_experts} with model.qk_norm=true (Qwen3-MoE "
+        if cfg.moe.shared_experts:
+            problems.append(f"model.moe.shared_experts={cfg.moe.shared_experts} with model.qk_norm=true (Qwen3-MoE "
                             "has no shared experts; valid: 0)")
         if cfg.qkv_bias:
             problems.append("model.qkv_bias=true with model.qk_norm=true (Qwen3-MoE has no biases; valid: false)")
-    elif cfg.moe_shared_experts:
+    elif cfg.moe.shared_experts:
         kind = "qwen2_moe"
-        if not cfg.moe_shared_gate:
+        if not cfg.moe.shared_gate:
             problems.append("model.moe.shared_gate=false (Qwen2-MoE gates its shared expert; valid: true)")
     else:
         kind = "mixtral"
@@ -248,11 +248,11 @@ def hf_moe_type(cfg: ModelConfig) -> str:
             problems.append("model.qkv_bias=true without shared experts (Mixtral has no biases; valid: false, or "
                             "shared experts with a gate for Qwen2-MoE)")
         if cfg.moe_layers != cfg.layers:
-            problems.append(f"model.moe.first_dense={cfg.moe_first_dense} with model.moe.interval={cfg.moe_interval} "
+            problems.append(f"model.moe.first_dense={cfg.moe.first_dense} with model.moe.interval={cfg.moe.interval} "
                             "(Mixtral's layers are all MoE; valid: 0 and 1, or model.qk_norm=true for Qwen3-MoE)")
-        if not (cfg.moe_renormalize and cfg.moe_top_k > 1):
-            problems.append(f"model.moe.renormalize={str(cfg.moe_renormalize).lower()} with model.moe.top_k="
-                            f"{cfg.moe_top_k} (Mixtral renormalises its top-k gates; valid: true with top_k >= 2)")
+        if not (cfg.moe.renormalize and cfg.moe.top_k > 1):
+            problems.append(f"model.moe.renormalize={str(cfg.moe.renormalize).lower()} with model.moe.top_k="
+                            f"{cfg.moe.top_k} (Mixtral renormalises its top-k gates; valid: true with top_k >= 2)")
     if problems:
         raise UserError("this mixture-of-experts model has no exact Hugging Face equivalent (Mixtral, Qwen2-MoE, "
                         "Qwen3-MoE): " + "; ".join(problems))
@@ -260,16 +260,16 @@ def hf_moe_type(cfg: ModelConfig) -> str:
 
 
 def _moe_to_hf(cfg: ModelConfig, kind: str) -> dict:
-    ffn = cfg.moe_ffn_hidden or cfg.ffn_hidden
-    out = {"num_experts_per_tok": cfg.moe_top_k, "router_aux_loss_coef": cfg.moe_load_balance_coeff,
+    ffn = cfg.moe.ffn_hidden or cfg.ffn_hidden
+    out = {"num_experts_per_tok": cfg.moe.top_k, "router_aux_loss_coef": cfg.moe.load_balance_coeff,
            "output_router_logits": False}
     if kind == "mixtral":
-        return {**out, "num_local_experts": cfg.moe_experts, "intermediate_size": ffn, "router_jitter_noise": 0.0}
-    out.update(num_experts=cfg.moe_experts, moe_intermediate_size=ffn, decoder_sparse_step=1,
-               norm_topk_prob=cfg.moe_renormalize and cfg.moe_top_k > 1,  # loom leaves a top-1 gate as is
+        return {**out, "num_local_experts": cfg.moe.experts, "intermediate_size": ffn, "router_jitter_noise": 0.0}
+    out.update(num_experts=cfg.moe.experts, moe_intermediate_size=ffn, decoder_sparse_step=1,
+               norm_topk_prob=cfg.moe.renormalize and cfg.moe.top_k > 1,  # loom leaves a top-1 gate as is
                mlp_only_layers=[i for i in range(cfg.layers) if not cfg.is_moe_layer(i)])
     if kind == "qwen2_moe":
-        out.update(shared_expert_intermediate_size=cfg.moe_shared_experts * ffn, qkv_bias=cfg.qkv_bias)
+        out.update(shared_expert_intermediate_size=cfg.moe.shared_experts * ffn, qkv_bias=cfg.qkv_bias)
     return out
 
 
@@ -290,7 +290,7 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -
                         + ", ".join(unsupported))
     dtype_name = DTYPE_NAMES.get(dtype, "float32")
     model_type, arch = "llama", "LlamaForCausalLM"
-    if cfg.moe_experts:
+    if cfg.moe.experts:
         model_type = hf_moe_type(cfg)
         arch = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM"}[model_type]
@@ -333,7 +333,7 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -
         del out["attention_bias"], out["mlp_bias"]
         if model_type in ("qwen3", "qwen3_moe"):
             out["attention_bias"] = False
-    if cfg.moe_experts:
+    if cfg.moe.experts:
         out.update(_moe_to_hf(cfg, model_type))
     return out
 

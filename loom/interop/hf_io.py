@@ -75,7 +75,7 @@ def hf_to_loom_state(hf_state: dict[str, torch.Tensor], cfg: ModelConfig,
 def loom_to_hf_state(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Hugging Face tensors in the layout transformers' save_pretrained writes: one nn.Linear weight per
     routed expert (Mixtral: block_sparse_moe.experts.K.w1/w2/w3; Qwen: mlp.experts.K.gate/up/down_proj)."""
-    mixtral = bool(cfg.moe_experts) and hf_moe_type(cfg) == "mixtral"
+    mixtral = bool(cfg.moe.experts) and hf_moe_type(cfg) == "mixtral"
     out = {}
     for name, tensor in model.state_dict().items():
         if cfg.tie_embeddings and name == "output.weight":

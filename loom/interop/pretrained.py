@@ -24,7 +24,7 @@ a rank holding some experts (or a slice of each) reads those elements only.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import copy
 import json
 import warnings
 from dataclasses import dataclass
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from loom.config import Config, ModelConfig, key_of
+from loom.config import Config, ModelConfig, flat_values, leaves
 from loom.errors import UserError
 from loom.interop.hf_config import HF_CONFIG, HF_WEIGHTS, model_config_from_hf, read_hf_config
 from loom.interop.hf_io import HF_INDEX, TOKENIZER
@@ -90,18 +90,18 @@ def resolve_init_from(cfg: Config, overrides=None) -> Config:
         return cfg
     src = describe_source(cfg.train.init_from)
     explicit = _override_keys(overrides)
-    model = dataclasses.replace(src.model)
-    mine, theirs = vars(cfg.model), vars(src.model)
-    for f in dataclasses.fields(ModelConfig):
-        key = f"model.{key_of(f)}"
+    model = copy.deepcopy(src.model)  # its nested sections (model.moe) too
+    mine, theirs = flat_values(cfg.model), flat_values(src.model)
+    for name, path, owner, f in leaves(model):
+        key = f"model.{name}"
         if key not in explicit:
             continue
-        if f.name in FREE_KEYS:
-            setattr(model, f.name, mine[f.name])
-        elif mine[f.name] != theirs[f.name]:
+        if path in FREE_KEYS:
+            setattr(owner, f.name, mine[path])
+        elif mine[path] != theirs[path]:
             raise UserError(
-                f"{key}={mine[f.name]!r} contradicts train.init_from={cfg.train.init_from}, whose model has "
-                f"{key_of(f)}={theirs[f.name]!r}; the architecture comes from the pretrained weights, so drop "
+                f"{key}={mine[path]!r} contradicts train.init_from={cfg.train.init_from}, whose model has "
+                f"{name}={theirs[path]!r}; the architecture comes from the pretrained weights, so drop "
                 f"--{key} (only {', '.join('model.' + k for k in FREE_KEYS)} may be changed)")
     cfg.model = model
     _resolve_tokenizer(cfg, src)
@@ -141,7 +141,7 @@ def check_matches_source(cfg: Config) -> None:
     """UserError when `cfg.model` is not the architecture of `cfg.train.init_from` (a config built without
     `resolve_init_from`)."""
     src = describe_source(cfg.train.init_from)
-    mine, theirs = vars(cfg.model), vars(src.model)
+    mine, theirs = flat_values(cfg.model), flat_values(src.model)
     diffs = [f"model.{n}: {mine[n]!r} here, {theirs[n]!r} in {src.path}"
              for n in mine if n not in FREE_KEYS and mine[n] != theirs[n]]
     if diffs:

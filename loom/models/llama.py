@@ -228,7 +228,7 @@ def _dropout(p: float) -> nn.Module:
 
 def build_moe(cfg: ModelConfig) -> MoE:
     """A mixture-of-experts MLP; its shared experts are one FeedForward, shared_experts x moe.ffn_hidden wide."""
-    n, ffn = cfg.moe_shared_experts, cfg.moe_ffn_hidden or cfg.ffn_hidden
+    n, ffn = cfg.moe.shared_experts, cfg.moe.ffn_hidden or cfg.ffn_hidden
     return MoE(cfg, FeedForward(cfg, n * ffn) if n else None)
 
 

@@ -118,12 +118,12 @@ class Router(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.kind = cfg.moe_router
-        self.top_k = cfg.moe_top_k
-        self.renormalize = cfg.moe_renormalize
-        self.weight = nn.Parameter(torch.empty(cfg.moe_experts, cfg.hidden))
+        self.kind = cfg.moe.router
+        self.top_k = cfg.moe.top_k
+        self.renormalize = cfg.moe.renormalize
+        self.weight = nn.Parameter(torch.empty(cfg.moe.experts, cfg.hidden))
         # DeepSeek-V3's selection bias (sigmoid_bias only): state, checkpointed, updated outside autograd.
-        self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts) if self.kind == "sigmoid_bias" else None)
+        self.register_buffer("expert_bias", torch.zeros(cfg.moe.experts) if self.kind == "sigmoid_bias" else None)
 
     def forward(self, x: torch.Tensor, shards=None):
         """`shards`: the MoE layer's `token_shards` (Sinkhorn balances over all of their tokens), or None."""
@@ -251,17 +251,17 @@ class MoE(nn.Module):
         """`shared`: the always-on shared experts as one MLP (model.moe.shared_experts x moe.ffn_hidden wide),
         built by the caller (loom/models/llama.py's FeedForward), or None."""
         super().__init__()
-        self.num_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
-        self.capacity_factor = cfg.moe_capacity_factor
-        self.drop_policy = cfg.moe_drop_policy
-        self.balance = cfg.moe_load_balance
-        self.balance_coeff, self.z_coeff = cfg.moe_load_balance_coeff, cfg.moe_z_loss_coeff
-        self.bias_rate = cfg.moe_bias_update_rate
-        ffn = cfg.moe_ffn_hidden or cfg.ffn_hidden
+        self.num_experts, self.top_k = cfg.moe.experts, cfg.moe.top_k
+        self.capacity_factor = cfg.moe.capacity_factor
+        self.drop_policy = cfg.moe.drop_policy
+        self.balance = cfg.moe.load_balance
+        self.balance_coeff, self.z_coeff = cfg.moe.load_balance_coeff, cfg.moe.z_loss_coeff
+        self.bias_rate = cfg.moe.bias_update_rate
+        ffn = cfg.moe.ffn_hidden or cfg.ffn_hidden
         self.router = Router(cfg)
-        self.experts = GroupedExperts(cfg.moe_experts, cfg.hidden, ffn, cfg.mlp == "swiglu")
+        self.experts = GroupedExperts(cfg.moe.experts, cfg.hidden, ffn, cfg.mlp == "swiglu")
         self.shared = shared
-        self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False) if shared is not None and cfg.moe_shared_gate else None
+        self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False) if shared is not None and cfg.moe.shared_gate else None
         self.aux_grad_scale = 1.0  # the runner sets 1 / micro-batches per optimizer step
         # Expert parallelism (loom/parallel/expert.py) installs its token exchange here: called as
         # `expert_parallel(experts, rows, counts)` in place of `experts(rows, counts)`.
@@ -425,7 +425,7 @@ def step_stats(model: nn.Module, group=None) -> tuple[dict[str, torch.Tensor], l
     n, slots = _slots(model)
     if not n:
         return {}, []
-    e = next(m for _, m in slots).num_experts if slots else model.cfg.moe_experts
+    e = next(m for _, m in slots).num_experts if slots else model.cfg.moe.experts
     device = next(model.parameters()).device
     stats = torch.zeros(n, e + 5, device=device)
     for row, m in slots:

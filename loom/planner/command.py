@@ -112,11 +112,11 @@ def build_workload(args):
         model.attention = "math" if args.attention == "math" else "sdpa"
     if args.dropout is not None:
         model.dropout = model.attn_dropout = args.dropout
-    for flag, key in (("experts", "moe_experts"), ("top_k", "moe_top_k"), ("moe_ffn", "moe_ffn_hidden"),
-                      ("shared_experts", "moe_shared_experts")):
+    for flag, key in (("experts", "experts"), ("top_k", "top_k"), ("moe_ffn", "ffn_hidden"),
+                      ("shared_experts", "shared_experts")):  # flag -> field of model.moe
         if opts[flag] is not None:
-            setattr(model, key, opts[flag])
-    if model.moe_experts or args.top_k is not None:
+            setattr(model.moe, key, opts[flag])
+    if model.moe.experts or args.top_k is not None:
         model.validate()  # the rule book's MoE checks (top_k within the experts, ...): a UserError names the key
     if args.loss_chunk < 0:
         raise UserError(f"--loss-chunk={args.loss_chunk} must be >= 0 (0: no chunking)")
@@ -180,7 +180,7 @@ def run(args, engine_probe=None) -> int:
     start = time.perf_counter()
     w, base_name = build_workload(args)
     if args.inference:
-        if w.model.moe_experts:
+        if w.model.moe.experts:
             raise UserError("--inference does not model mixture-of-experts models yet (which experts a decode step "
                             "reads depends on the batch); plan their training, or use a dense model")
         return _run_inference(args, w)

@@ -125,8 +125,8 @@ def _moe_forward(w: Workload, tokens: int, tp: int, sp: bool, ep: int) -> dict:
     else at the network's bandwidth for the part that leaves the node. Permuting the rows in and out and the
     experts' activation function are HBM traffic."""
     cfg, gpu, prec = w.model, w.gpu, w.precision
-    h, k, E = cfg.hidden, cfg.moe_top_k, cfg.moe_experts
-    fe = cfg.moe_ffn_hidden or cfg.ffn_hidden
+    h, k, E = cfg.hidden, cfg.moe.top_k, cfg.moe.experts
+    fe = cfg.moe.ffn_hidden or cfg.ffn_hidden
     gated = cfg.mlp == "swiglu"
     half = 4 if prec == "fp32" else 2
     routed_tokens = tokens
@@ -137,14 +137,14 @@ def _moe_forward(w: Workload, tokens: int, tp: int, sp: bool, ep: int) -> dict:
             + gemm_time(gpu, prec, per_expert, h, fe, local)
             + gemm_time(gpu, "bf16" if prec == "fp8" else prec, routed_tokens, E, h))  # the router (fp32 in
     # loom; priced at the 16-bit rate: E x h per token is small next to the experts')
-    if cfg.moe_shared_experts:
-        fs = cfg.moe_shared_experts * fe
+    if cfg.moe.shared_experts:
+        fs = cfg.moe.shared_experts * fe
         gemm += gemm_time(gpu, prec, tokens, (2 if gated else 1) * fs, h) + gemm_time(gpu, prec, tokens, h, fs)
     # Bytes: rows gathered in and scattered back (read + write each), the activation function over the rows,
     # the router's softmax / top-k over E scores per token (fp32).
     traffic = rows * (2 * 2 * h * half + (3 if gated else 2) * fe * half) + routed_tokens * E * 4 * 3
-    if cfg.moe_shared_experts:
-        traffic += tokens * (3 if gated else 2) * cfg.moe_shared_experts * fe * half
+    if cfg.moe.shared_experts:
+        traffic += tokens * (3 if gated else 2) * cfg.moe.shared_experts * fe * half
     ep_comm = 0.0
     if ep > 1:
         volume = rows * h * half * (ep - 1) / ep  # bytes each rank sends per exchange

@@ -54,9 +54,9 @@ def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: in
     cfg = w.model
     if recompute == "full":
         return 0.0
-    b, h, f, k, E = lay.micro_batch, cfg.hidden, cfg.ffn_hidden, cfg.moe_top_k, cfg.moe_experts
-    fe = cfg.moe_ffn_hidden or f
-    fs = cfg.moe_shared_experts * fe
+    b, h, f, k, E = lay.micro_batch, cfg.hidden, cfg.ffn_hidden, cfg.moe.top_k, cfg.moe.experts
+    fe = cfg.moe.ffn_hidden or f
+    fs = cfg.moe.shared_experts * fe
     gated = cfg.mlp == "swiglu"
     lin = 1 if mega and w.precision == "fp8" else e
 

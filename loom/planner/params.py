@@ -34,16 +34,16 @@ def layer_params(cfg: ModelConfig, moe: bool = False) -> int:
 
 def expert_params(cfg: ModelConfig) -> int:
     """The routed experts of one MoE layer (stacked w1, w3, w2: no biases), what expert parallelism shards."""
-    return cfg.moe_experts * (3 if cfg.mlp == "swiglu" else 2) * cfg.hidden * (cfg.moe_ffn_hidden or cfg.ffn_hidden)
+    return cfg.moe.experts * (3 if cfg.mlp == "swiglu" else 2) * cfg.hidden * (cfg.moe.ffn_hidden or cfg.ffn_hidden)
 
 
 def moe_mlp_params(cfg: ModelConfig) -> int:
     """An MoE layer's MLP: the router [E, h], the routed experts, the shared experts (one MLP shared_experts x
     moe.ffn_hidden wide) and their sigmoid gate [1, h]."""
-    fe = cfg.moe_ffn_hidden or cfg.ffn_hidden
-    shared = _mlp_params(cfg, cfg.moe_shared_experts * fe) if cfg.moe_shared_experts else 0
-    gate = cfg.hidden if cfg.moe_shared_experts and cfg.moe_shared_gate else 0
-    return cfg.moe_experts * cfg.hidden + expert_params(cfg) + shared + gate
+    fe = cfg.moe.ffn_hidden or cfg.ffn_hidden
+    shared = _mlp_params(cfg, cfg.moe.shared_experts * fe) if cfg.moe.shared_experts else 0
+    gate = cfg.hidden if cfg.moe.shared_experts and cfg.moe.shared_gate else 0
+    return cfg.moe.experts * cfg.hidden + expert_params(cfg) + shared + gate
 
 
 def average_layer(cfg: ModelConfig) -> tuple[float, float]:
@@ -81,10 +81,10 @@ def model_sizes(w: Workload) -> dict:
     """The parameter counts the cost model reuses for every layout of a workload (computed once)."""
     cfg = w.model
     dense_layer, expert_layer = average_layer(cfg)
-    fe = cfg.moe_ffn_hidden or cfg.ffn_hidden
+    fe = cfg.moe.ffn_hidden or cfg.ffn_hidden
     # fp8 casts every linear weight: attention and dense MLPs, shared experts on MoE layers (routed experts apart).
     linear = linear_weights(cfg) - cfg.moe_layers / cfg.layers * (
-        _mlp_params(cfg, cfg.ffn_hidden) - (_mlp_params(cfg, cfg.moe_shared_experts * fe) if cfg.moe_shared_experts else 0))
+        _mlp_params(cfg, cfg.ffn_hidden) - (_mlp_params(cfg, cfg.moe.shared_experts * fe) if cfg.moe.shared_experts else 0))
     return {"dense_layer": dense_layer, "expert_layer": expert_layer, "total": total_params(cfg),
             "experts": cfg.moe_layers * expert_params(cfg), "embedding": embedding_params(cfg),
             "head": head_params(cfg), "linear_layer": linear}

@@ -130,15 +130,15 @@ def _min_full_layers(w: Workload, lay: Layout, capacity: float) -> int | None:
 def ep_options(cfg: ModelConfig, dp: int, cp: int) -> list[int]:
     """Expert-parallel sizes the rule book allows (loom.rules.valid_ep_sizes: ep is carved from the data- and
     context-parallel ranks, so it divides dp x cp, and divides the expert count). [1] for a dense model."""
-    return valid_ep_sizes(cfg.moe_experts, dp * cp) if cfg.moe_experts else [1]
+    return valid_ep_sizes(cfg.moe.experts, dp * cp) if cfg.moe.experts else [1]
 
 
 def ep_problem(cfg: ModelConfig, ep: int, dp: int, cp: int) -> str | None:
     """Why `--layout ep=N` cannot be priced (None: it can), in --layout's names."""
-    if ep != 1 and not cfg.moe_experts:
+    if ep != 1 and not cfg.moe.experts:
         return f"ep={ep} needs a mixture-of-experts model (model.moe.experts > 0); this model is dense, valid: ep=1"
     if ep not in ep_options(cfg, dp, cp):
-        return (f"ep={ep} must divide dp x cp = {dp * cp} and the {cfg.moe_experts} experts; valid: "
+        return (f"ep={ep} must divide dp x cp = {dp * cp} and the {cfg.moe.experts} experts; valid: "
                 f"{', '.join(map(str, ep_options(cfg, dp, cp)))}")
     return None
 

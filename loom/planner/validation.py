@@ -43,7 +43,7 @@ def nemo_gpt(layers: int, hidden: int, heads: int) -> ModelConfig:
 
 def moe(cfg: ModelConfig, experts: int, top_k: int, ffn: int) -> ModelConfig:
     """`cfg` with every MLP a mixture of `experts` SwiGLU experts of `ffn`, top_k of them per token."""
-    cfg.moe_experts, cfg.moe_top_k, cfg.moe_ffn_hidden, cfg.moe_renormalize = experts, top_k, ffn, True
+    cfg.moe.experts, cfg.moe.top_k, cfg.moe.ffn_hidden, cfg.moe.renormalize = experts, top_k, ffn, True
     return cfg
 
 
