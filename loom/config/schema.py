@@ -73,7 +73,7 @@ class Config:
                 node = table
                 for part in parents:
                     node = node.setdefault(part, {})
-                node[leaf] = copy.deepcopy(getattr(owner, f.name))
+                node[leaf] = copy.deepcopy(vars(owner)[f.name])
             out[section] = table
         return out
 

@@ -24,7 +24,7 @@ def leaves(obj: "Section", key: str = "", path: str = ""):
     """(key, path, owner, field) for every value of a section, a nested section's under its name: key is the
     TOML key (`moe.experts`, `head_dim`), path the Python one (`moe.experts`, `explicit_head_dim`)."""
     for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
+        value = vars(obj)[f.name]
         if isinstance(value, Section):
             yield from leaves(value, f"{key}{key_of(f)}.", f"{path}{f.name}.")
         else:
@@ -33,7 +33,7 @@ def leaves(obj: "Section", key: str = "", path: str = ""):
 
 def flat_values(obj: "Section") -> dict[str, Any]:
     """Python path (`moe.experts`) -> value for every value of a section, nested sections' included."""
-    return {path: getattr(owner, f.name) for _, path, owner, f in leaves(obj)}
+    return {path: vars(owner)[f.name] for _, path, owner, f in leaves(obj)}
 
 
 class Section:
