@@ -263,6 +263,9 @@ class Trainer:
         with self.beacon.naming_hangs():
             t, control = self.cfg.train, self.control
             report = self._reporter()
+            if (row := self.recipe.start(self)) is not None:  # a row before the first step (RL's starting point)
+                report.metrics.write(row)
+                report.progress.evaluation(row)
             last_eval: dict = {}
             self.stopped_at = None
             try:
@@ -308,9 +311,6 @@ class Trainer:
             progress.message(f"weights from train.init_from={t.init_from}")
         report = Reporter(metrics, progress, self.ckpt_root, self.cfg.checkpoint.async_save,
                           self.train_data.epoch_steps(t.global_batch))
-        if (row := self.recipe.start(self)) is not None:  # a row before the first step (RL's starting point)
-            metrics.write(row)
-            progress.evaluation(row)
         return report
 
     def _stop_diverged(self, step: int) -> None:
