@@ -12,15 +12,30 @@ from loom.config.section import Section, finite_non_negative, positive, unit_int
 from loom.errors import UserError
 
 
+def check_columns(section: str, obj: Section, *names: str) -> None:
+    """Column keys: non-empty and distinct (two roles read from one column would be a silent mix-up)."""
+    values = [getattr(obj, n) for n in names]
+    for name, value in zip(names, values):
+        if not isinstance(value, str) or not value.strip():
+            raise UserError(f"{section}.{name}={value!r} must name a JSON key / Parquet column")
+    if len(set(values)) < len(values):
+        raise UserError(f"{section}: {', '.join(f'{n}={v!r}' for n, v in zip(names, values))} must name different "
+                        "columns")
+
+
 @dataclass
 class SFTConfig(Section):
     """Supervised fine-tuning (`loom sft`, loom/post/sft.py): the examples it trains on."""
 
-    # .jsonl files of {"messages": [{"role", "content"}, ...]} or {"prompt", "completion"} records, or
-    # prefixes written by `loom preprocess --sft`. Held out for validation: sft.valid_data when given, else
-    # the data.split validation share of the examples (the last ones of the files).
+    # .jsonl or .parquet files (or globs of them) of {"messages": [{"role", "content"}, ...]} or {"prompt",
+    # "completion"} records, or prefixes written by `loom preprocess --sft`. Held out for validation:
+    # sft.valid_data when given, else the data.split validation share of the examples (the last ones of the files).
     data: list[str] = field(default_factory=list)
     valid_data: list[str] = field(default_factory=list)
+    # The JSON keys / Parquet columns holding a record's conversation, or its prompt and completion.
+    messages_column: str = "messages"
+    prompt_column: str = "prompt"
+    completion_column: str = "completion"
     # "auto": the chat_template of the tokenizer_config.json beside the tokenizer (data.tokenizer or
     # train.init_from); "llama3" or "chatml": built in; else a tokenizer_config.json or .jinja file.
     template: str = "auto"
@@ -29,27 +44,33 @@ class SFTConfig(Section):
     overlong: Literal["truncate", "drop"] = "truncate"
 
     def validate(self) -> None:
-        check_data_lists("sft", self, "data", "valid_data", ".jsonl files or prefixes written by `loom preprocess "
-                         "--sft`", "examples")
+        check_data_lists("sft", self, "data", "valid_data", ".jsonl or .parquet files (or globs) or prefixes written "
+                         "by `loom preprocess --sft`", "examples")
+        check_columns("sft", self, "messages_column", "prompt_column", "completion_column")
 
 
 @dataclass
 class PrefConfig(Section):
     """Preference training (`loom rm`, `loom dpo`, loom/post/pref.py): the pairs they train on."""
 
-    # .jsonl files of {"prompt", "chosen", "rejected"} records: strings (plain text, as SFT's prompt and
-    # completion) or lists of {"role", "content"} messages rendered with pref.template; "synthetic:N" makes N
-    # pairs locally. Held out: pref.valid_data when given, else the data.split validation share of the pairs.
+    # .jsonl or .parquet files (or globs of them) of {"prompt", "chosen", "rejected"} records: strings (plain
+    # text, as SFT's prompt and completion) or lists of {"role", "content"} messages rendered with
+    # pref.template; "synthetic:N" makes N pairs locally. Held out: pref.valid_data when given, else the
+    # data.split validation share of the pairs.
     data: list[str] = field(default_factory=list)
     valid_data: list[str] = field(default_factory=list)
+    prompt_column: str = "prompt"  # the JSON keys / Parquet columns of a pair
+    chosen_column: str = "chosen"
+    rejected_column: str = "rejected"
     template: str = "auto"  # as sft.template
     recipe: Literal["auto", "dpo", "rm"] = "auto"  # auto: the command's (loom dpo, loom rm)
     loss: Literal["dpo", "ipo"] = "dpo"  # the DPO recipe's objective
     beta: float = 0.1  # DPO/IPO temperature
 
     def validate(self) -> None:
-        check_data_lists("pref", self, "data", "valid_data", ".jsonl files of {\"prompt\", \"chosen\", \"rejected\"} "
-                         "records or synthetic:N", "pairs")
+        check_data_lists("pref", self, "data", "valid_data", ".jsonl or .parquet files (or globs) of {\"prompt\", "
+                         "\"chosen\", \"rejected\"} records or synthetic:N", "pairs")
+        check_columns("pref", self, "prompt_column", "chosen_column", "rejected_column")
         if not (self.beta > 0 and math.isfinite(self.beta)):
             raise UserError(f"pref.beta={self.beta} must be a finite number > 0 (DPO's usual values: 0.01 to 0.5)")
 
@@ -59,9 +80,11 @@ class RLConfig(Section):
     """Online RL with the generation engine in the loop (`loom rl`, loom/post/rl/). Every setting of the objective is named here, none implied; the defaults are GRPO
     as Shao et al. (2024) wrote it, with DAPO's token-level aggregation."""
 
-    # .jsonl files of {"prompt": str | [messages], ...}: every other field of a record goes to the reward
-    # function as a keyword argument (e.g. "answer"); "addition:N" makes N problems locally (loom/post/tasks.py).
+    # .jsonl or .parquet files (or globs of them) of {"prompt": str | [messages], ...}: every other field of a
+    # record goes to the reward function as a keyword argument (e.g. "answer"); "addition:N" makes N problems
+    # locally (loom/post/tasks.py).
     prompts: list[str] = field(default_factory=list)
+    prompt_column: str = "prompt"  # the JSON key / Parquet column of the prompt
     valid_prompts: list[str] = field(default_factory=list)  # held out: greedy completions scored each evaluation
     template: str = "none"  # "none": a string prompt is the model's input as is; else as sft.template (chat)
     # Rewards: a Python callable "package.module:function" called as f(prompt, completion, **fields) -> float,
@@ -102,6 +125,9 @@ class RLConfig(Section):
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 16  # train.seq_len must hold the longest prompt plus this
+    # Text that ends a completion (cut before it), besides the tokenizer's end-of-sequence and the chat
+    # template's end-of-turn tokens, where every completion stops (loom.post.chat.stop_token_ids).
+    stop: list[str] = field(default_factory=list)
     engine_batch: int = 64  # engine slots: sequences decoded together
     # Decode steps through torch.compile in batch buckets: "auto" is on on a GPU (a CUDA graph per step) and off
     # on a CPU (compiling costs more than it saves there), decided by loom.infer.step.resolve_compile; "on" /
@@ -110,8 +136,9 @@ class RLConfig(Section):
     engine_sync_every: int = 8  # decode steps the engine runs on the device between reads back to the host
 
     def validate(self) -> None:
-        check_data_lists("rl", self, "prompts", "valid_prompts", ".jsonl files of {\"prompt\": ...} records or "
-                         "addition:N", "prompts")
+        check_data_lists("rl", self, "prompts", "valid_prompts", ".jsonl or .parquet files (or globs) of "
+                         "{\"prompt\": ...} records or addition:N", "prompts")
+        check_columns("rl", self, "prompt_column")
         if self.prompts and not (self.reward or self.reward_model):
             raise UserError("an RL run needs a reward: rl.reward=package.module:function (e.g. "
                             "loom.post.tasks:exact_match) and/or rl.reward_model=RUN_OR_CHECKPOINT")
@@ -119,6 +146,9 @@ class RLConfig(Section):
             raise UserError(f"rl.reward={self.reward!r} must be package.module:function, e.g. loom.post.tasks:exact_match")
         positive("rl", self, "group_size", "epochs", "minibatches", "max_new_tokens", "engine_batch",
                  "engine_sync_every")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise UserError(f"rl.stop={self.stop!r} must be a list of non-empty strings: comma-separated on the "
+                            "command line (--rl.stop=END,DONE), a TOML list in a config file (stop = [\"\\n\\n\"])")
         finite_non_negative("rl", self, "std_eps", "kl_coef", "tis_cap", "value_clip", "value_coef", "temperature",
                             "clip_low", "clip_high")
         if self.clip_low >= 1:

@@ -149,3 +149,26 @@ class RecomputeConfig(Section):
 class LogConfig(Section):
     progress: Literal["auto", "rich", "plain", "none"] = "auto"
     tensorboard: bool = True  # scalars under run-dir/tensorboard when tensorboard is installed
+    # Weights & Biases (loom/train/tracking.py; `pip install "loom[wandb]"`): every metrics.jsonl row at its
+    # step and the resolved config, from rank 0; a resumed run continues the same W&B run (its id is kept
+    # in run-dir/wandb_id). Files go to $WANDB_DIR, else the run directory.
+    wandb: bool = False
+    wandb_project: str = "loom"
+    wandb_name: str = ""  # "": the run directory's name
+    wandb_tags: list[str] = field(default_factory=list)
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"  # auto: $WANDB_MODE if set, else online
+
+    def validate(self) -> None:
+        if not self.wandb:
+            return
+        import importlib.util
+
+        try:
+            missing = importlib.util.find_spec("wandb") is None  # found before launch, without importing it
+        except (ImportError, ValueError):  # a broken or blocked installation
+            missing = True
+        if missing:
+            raise UserError('log.wandb=true needs the wandb package, which is not installed: pip install "loom[wandb]" '
+                            "(or set log.wandb=false)")
+        if not self.wandb_project.strip():
+            raise UserError("log.wandb_project is empty; name the W&B project the run logs to (e.g. loom)")

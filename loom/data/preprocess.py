@@ -1,15 +1,17 @@
-"""`loom preprocess`: tokenize JSON-lines or text files into an indexed dataset.
+"""`loom preprocess`: tokenize JSON-lines, Parquet or text files into an indexed dataset.
 
-Inputs: a `.jsonl`/`.json` file (one JSON object per line, the text under `--json-key`), a `.txt` file
-(the whole file is one document) or a directory (all such files below it, in sorted order).
-Records are validated in the main process, so errors name the file and line; tokenization runs in
-`workers` processes, results taken in input order, so the output is byte-identical for any worker count.
+Inputs: a `.jsonl`/`.json` file (one JSON object per line, the text under `--json-key`), a `.parquet` file
+(the text in the column `--json-key` names, also spelt `--column`; streamed a record batch at a time, so a
+file larger than memory works), a `.txt` file (the whole file is one document), a directory (all such
+files below it, in sorted order) or a glob of files (`data/*.parquet`, sorted). Records are validated in
+the main process, so errors name the file and line (row for Parquet), every malformed record is counted
+and the first few named; tokenization runs in `workers` processes, results taken in input order, so the
+output is byte-identical for any worker count. Nothing is held per document but its size in the index.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import pathlib
@@ -19,64 +21,84 @@ from contextlib import closing, nullcontext
 from typing import Iterator
 
 from loom.data.indexed import IndexedDatasetBuilder, best_dtype
+from loom.data.records import PARQUET_SUFFIXES, Malformed, expand, is_glob, records
 from loom.data.tokenizer import Tokenizer
 from loom.errors import UserError
 
 JSON_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".txt",)
+SUFFIXES = JSON_SUFFIXES + PARQUET_SUFFIXES + TEXT_SUFFIXES
 CHUNK_DOCS = 64  # documents per tokenization task
 
 
 def input_files(inputs: str) -> list[pathlib.Path]:
-    """The files to tokenize: `inputs` itself, or every .jsonl/.json/.txt below a directory, sorted."""
+    """The files to tokenize: `inputs` itself, a glob's matches, or every .jsonl/.json/.parquet/.txt below a
+    directory; sorted."""
+    if is_glob(inputs):
+        files = expand(inputs, "--input")
+        bad = [p for p in files if p.suffix not in SUFFIXES]
+        if bad:
+            raise UserError(f"--input {inputs!r} matches {bad[0]}, whose suffix {bad[0].suffix!r} is not one of "
+                            f"{', '.join(SUFFIXES)}; narrow the glob (e.g. *.parquet)")
+        return files
     root = pathlib.Path(inputs)
-    suffixes = JSON_SUFFIXES + TEXT_SUFFIXES
     if root.is_dir():
         files = sorted(
-            (p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes),
+            (p for p in root.rglob("*") if p.is_file() and p.suffix in SUFFIXES),
             key=lambda p: p.relative_to(root).as_posix(),
         )
         if not files:
-            raise UserError(f"input directory {root} holds no {', '.join('*' + s for s in suffixes)} files")
+            raise UserError(f"input directory {root} holds no {', '.join('*' + s for s in SUFFIXES)} files")
         return files
     if not root.exists():
-        raise UserError(f"input {root} does not exist; give a .jsonl, .json or .txt file or a directory")
-    if root.suffix not in suffixes:
-        raise UserError(f"input {root} has unknown suffix {root.suffix!r}; valid: {', '.join(suffixes)} or a directory")
+        raise UserError(f"input {root} does not exist; give a .jsonl, .json, .parquet or .txt file, a directory "
+                        "or a glob")
+    if root.suffix not in SUFFIXES:
+        raise UserError(f"input {root} has unknown suffix {root.suffix!r}; valid: {', '.join(SUFFIXES)}, a directory "
+                        "or a glob")
     return [root]
 
 
-def _read_json_lines(path: pathlib.Path, json_key: str) -> Iterator[tuple[str, int]]:
-    """(text, raw byte count) for each record of a JSON-lines file; blank lines are skipped."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            line = raw.decode("utf-8", errors="replace").strip()
-            if not line:
-                continue
-            where = f"{path}, line {lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: not valid JSON ({e.msg}); expected one JSON object per line") from None
-            if not isinstance(record, dict):
-                raise UserError(f"{where}: expected a JSON object with a {json_key!r} key, got {type(record).__name__}")
-            if json_key not in record:
-                keys = ", ".join(map(repr, record)) or "none"
-                raise UserError(f"{where}: no key {json_key!r} (keys here: {keys}); choose one with --json-key")
-            text = record[json_key]
-            if not isinstance(text, str):
-                raise UserError(f"{where}: {json_key!r} must be a string, got {type(text).__name__}")
-            yield text, len(raw)
+def _record_texts(path: pathlib.Path, json_key: str, malformed: Malformed) -> Iterator[tuple[str, int]]:
+    """(text, raw byte share) for each record of a JSON-lines or Parquet file. After the first malformed
+    record the rest are only checked, so that all of them are counted before the error."""
+    parquet = path.suffix in PARQUET_SUFFIXES
+    share = 0
+    if parquet:  # the progress bar counts file bytes: each row advances it by an equal share
+        import pyarrow.parquet as pq
+
+        share = path.stat().st_size // max(pq.ParquetFile(path).metadata.num_rows, 1)
+    hint = "choose the column with --json-key (or --column)" if parquet else "choose one with --json-key"
+    for _, where, record in records(path, malformed, example=f'{{"{json_key}": "..."}}', columns=[json_key],
+                                    column_hint=hint):
+        if not isinstance(record, dict):
+            malformed.add(f"{where}: expected a JSON object with a {json_key!r} key, got {type(record).__name__}", path)
+            continue
+        if json_key not in record:
+            keys = ", ".join(map(repr, record)) or "none"
+            malformed.add(f"{where}: no key {json_key!r} (keys here: {keys}); {hint}", path)
+            continue
+        text = record[json_key]
+        if not isinstance(text, str):
+            what = "null" if text is None else type(text).__name__
+            malformed.add(f"{where}: {json_key!r} must be a string, got {what}", path)
+            continue
+        if not malformed:
+            yield text, share or len(text)
 
 
 def iter_texts(files: list[pathlib.Path], json_key: str) -> Iterator[tuple[str, int]]:
-    """(document text, raw byte count) over all input files, in order."""
+    """(document text, raw byte count) over all input files, in order; UserError after the last file
+    when some record was malformed (named by file and line or row, and counted)."""
+    malformed = Malformed("records", "fix or remove such records (nothing was written)")
     for path in files:
         if path.suffix in TEXT_SUFFIXES:
             raw = path.read_bytes()
-            yield raw.decode("utf-8", errors="replace"), len(raw)
+            if not malformed:
+                yield raw.decode("utf-8", errors="replace"), len(raw)
         else:
-            yield from _read_json_lines(path, json_key)
+            yield from _record_texts(path, json_key, malformed)
+    malformed.check()
 
 
 def _chunks(texts: Iterator[tuple[str, int]], size: int) -> "Chunks":
@@ -180,15 +202,21 @@ def preprocess(
                     tokens += len(ids)
             if bar is not None:
                 bar.update(task, advance=nbytes)
+        if not documents:  # raised inside the builder's block: nothing is left behind
+            raise UserError(f"{inputs}: no non-empty document in {len(files)} file{'s' if len(files) != 1 else ''}; "
+                            "give files with text (a .parquet file's rows, a .jsonl file's records)")
     return {"documents": documents, "tokens": tokens, "files": len(files)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `loom preprocess` options."""
-    parser.add_argument("--input", required=True, help="a .jsonl/.json/.txt file or a directory of them")
+    parser.add_argument("--input", required=True,
+                        help="a .jsonl/.json/.parquet/.txt file, a directory of them or a glob (quoted: "
+                        "'data/*.parquet')")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--tokenizer", required=True, help="a config name (e.g. tiny) or a tokenizer.json path")
-    parser.add_argument("--json-key", default="text", help="the JSON field holding the text (default: text)")
+    parser.add_argument("--json-key", "--column", dest="json_key", default="text",
+                        help="the JSON field or Parquet column holding the text (default: text)")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
     parser.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
     parser.add_argument("--eod-token", default=None,

@@ -1,11 +1,14 @@
-"""Preference data: .jsonl pairs -> tokenized chosen and rejected examples -> batches of pair rows.
+"""Preference data: .jsonl or .parquet pairs -> tokenized chosen and rejected examples -> batches of pair rows.
 
 A record is {"prompt", "chosen", "rejected"}: either three strings (plain text, encoded as SFT encodes a
 prompt and completion: prompt ids, then completion ids and the end-of-document token) or lists of
 {"role", "content"} messages (the conversation so far, and the chosen and rejected replies: usually one
 assistant message each), rendered with the chat template as SFT renders a conversation. Tokenizing reuses
 SFT's machinery (loom/post/sft_data.py): each file is split into a chosen and a rejected SFT file in the
-cache (line i of each is record i, so an error names the record's line), tokenized once into SFT prefixes.
+cache (line i of each is record i, so an error names the record's line; Parquet row r is line r + 1),
+tokenized once into SFT prefixes. Files are read by loom/data/records.py (globs expanded, the
+`pref.*_column` keys naming the columns); every malformed pair is counted before the run stops, the first
+few named by file and line or row.
 
 Scored tokens: the last assistant reply (or the completion) of each side; earlier assistant turns belong
 to the shared conversation. A batch holds whole pairs: row 2i is pair i's chosen sequence, row 2i + 1 its
@@ -33,7 +36,8 @@ import torch
 from loom.data.dataset import Dataset
 from loom.data.tokenizer import Tokenizer, cache_dir
 from loom.errors import UserError
-from loom.data.jsonl import jsonl_records
+from loom.data.records import Malformed, expand, is_glob, is_parquet
+from loom.data.records import records as read_records
 from loom.models.losses import IGNORE
 from loom.post.chat import ROLES, ChatTemplate
 from loom.post.sft_data import Examples, prepare
@@ -71,24 +75,47 @@ def split_record(record, where: str) -> tuple[dict, dict]:
     return {"messages": prompt + sides[0]}, {"messages": prompt + sides[1]}
 
 
-def _split_file(path: Path) -> tuple[Path, Path]:
+COLUMNS = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
+
+
+def pair_columns(pref) -> dict[str, str]:
+    """{name a pair record has: column in the files} from the pref.*_column keys (pref: a PrefConfig)."""
+    return {"prompt": pref.prompt_column, "chosen": pref.chosen_column, "rejected": pref.rejected_column}
+
+
+def _split_file(path: Path, columns: dict[str, str] | None = None) -> tuple[Path, Path]:
     """The chosen and rejected SFT files of a pair file, written into the cache once per file version."""
     if not path.is_file():
-        raise UserError(f"preference data file {path} does not exist; give .jsonl files of {{\"prompt\", \"chosen\", "
-                        "\"rejected\"} records, or synthetic:N")
+        raise UserError(f"preference data file {path} does not exist; give .jsonl or .parquet files of {{\"prompt\", "
+                        "\"chosen\", \"rejected\"} records, or synthetic:N")
+    columns = columns or COLUMNS
+    renamed = {k: v for k, v in columns.items() if k != v}  # in the key only when renamed: earlier entries stay valid
     stat = path.stat()
-    key = hashlib.sha256(json.dumps([FORMAT, str(path.resolve()), stat.st_size, stat.st_mtime_ns]).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([FORMAT, str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+                                    + ([renamed] if renamed else [])).encode()).hexdigest()
     out = [cache_dir() / "pref" / f"{path.stem}-{key[:16]}.{side}.jsonl" for side in ("chosen", "rejected")]
     if all(p.is_file() for p in out):
         return out[0], out[1]
     lines: tuple[list[str], list[str]] = ([], [])
-    for where, record in jsonl_records(path, '{"prompt": "...", "chosen": "...", "rejected": "..."}'):
-        if record is None:
+    malformed = Malformed("preference pairs", "fix or remove such records, or name the columns with "
+                          "pref.prompt_column, pref.chosen_column and pref.rejected_column")
+    first_line = 1 if is_parquet(path) else 0  # Parquet rows count from 0, lines from 1
+    rows = read_records(path, malformed, example='{"prompt": "...", "chosen": "...", "rejected": "..."}',
+                        columns=list(columns.values()), rename=columns,
+                        column_hint="name the columns with pref.prompt_column, pref.chosen_column and "
+                        "pref.rejected_column")
+    for index, where, record in rows:
+        try:
+            pair = split_record(record, where)
+        except UserError as e:
+            malformed.add(str(e), path)
+            continue
+        while len(lines[0]) < index + first_line - 1:  # blank lines keep line i of each side = record i
             lines[0].append("")
             lines[1].append("")
-            continue
-        for side, rec in zip(lines, split_record(record, where)):
+        for side, rec in zip(lines, pair):
             side.append(json.dumps(rec))
+    malformed.check()
     if not any(lines[0]):
         raise UserError(f"{path}: no records; a preference data file needs at least one pair")
     out[0].parent.mkdir(parents=True, exist_ok=True)
@@ -99,12 +126,14 @@ def _split_file(path: Path) -> tuple[Path, Path]:
     return out[0], out[1]
 
 
-def prepare_pairs(specs: list[str], tokenizer: Tokenizer, template: ChatTemplate) -> tuple[list[str], list[str]]:
-    """(chosen prefixes, rejected prefixes) of the pair files `specs` ("synthetic:N" made locally)."""
+def prepare_pairs(specs: list[str], tokenizer: Tokenizer, template: ChatTemplate,
+                  columns: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
+    """(chosen prefixes, rejected prefixes) of the pair files `specs` ("synthetic:N" made locally, globs
+    expanded)."""
     chosen, rejected = [], []
-    for spec in specs:
+    for spec in [str(p) for entry in specs for p in (expand(entry, "pref.data") if is_glob(entry) else [entry])]:
         path = _synthetic(spec) if spec.startswith("synthetic:") else Path(spec)
-        c, r = _split_file(path)
+        c, r = _split_file(path, columns)
         chosen += prepare([str(c)], tokenizer, template)
         rejected += prepare([str(r)], tokenizer, template)
     return chosen, rejected

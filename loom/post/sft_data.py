@@ -1,11 +1,14 @@
-"""SFT data: .jsonl conversations -> tokenized examples with a loss mask -> packed training rows.
+"""SFT data: .jsonl or .parquet conversations -> tokenized examples with a loss mask -> packed training rows.
 
 Tokenized once (`prepare`): each example's token ids go to PREFIX.bin/.idx (Megatron's indexed format),
 its 0/1 loss mask (1 on the tokens the model learns: assistant replies, completions) to
 PREFIX.mask.bin/.idx, the position of its first learned token to PREFIX.first.npy, and what made it
 (source files, tokenizer, template) to PREFIX.sft.json, written last. `loom preprocess --sft` writes such a
-prefix; a run given .jsonl files makes one under the cache directory, keyed by the files' size and
-modification time, the tokenizer and the template, so later runs start without re-tokenizing.
+prefix; a run given .jsonl or .parquet files (or globs of them) makes one per file under the cache directory,
+keyed by the file's size and modification time, the column names, the tokenizer and the template, so later
+runs start without re-tokenizing. Files are read by loom/data/records.py: the `sft.*_column` keys name the
+columns (a Parquet `messages` column is a list of structs with `role` and `content`), and every malformed
+record is counted before the run stops, the first few named by file and line or row.
 
 A row of the batch holds `train.seq_len` input positions. An example of n tokens fills n - 1 of them
 (inputs = tokens[:-1], labels = tokens[1:], a label -100 where the mask is 0). Examples longer than
@@ -35,7 +38,7 @@ from loom.data.dataset import Dataset
 from loom.data.indexed import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from loom.data.tokenizer import Tokenizer, cache_dir
 from loom.errors import UserError
-from loom.data.jsonl import jsonl_records
+from loom.data.records import Malformed, expand, is_glob, records
 from loom.models.losses import IGNORE
 from loom.post import tasks
 from loom.post.chat import ChatTemplate, check_record, encode_chat, encode_completion
@@ -47,33 +50,54 @@ def _is_prefix(path: str) -> bool:
     return Path(path + ".sft.json").is_file()
 
 
-def iter_examples(path: Path, tokenizer: Tokenizer, template: ChatTemplate):
-    """(ids, mask) for each record of a .jsonl file; UserError naming the file and line of a bad one."""
+EXAMPLE = '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
+COLUMNS = {"messages": "messages", "prompt": "prompt", "completion": "completion"}
+
+
+def columns_of(sft) -> dict[str, str]:
+    """{name SFT reads: column in the files} from the sft.*_column keys (sft: an SFTConfig)."""
+    return {"messages": sft.messages_column, "prompt": sft.prompt_column, "completion": sft.completion_column}
+
+
+def iter_examples(path: Path, tokenizer: Tokenizer, template: ChatTemplate, columns: dict[str, str] | None = None):
+    """(ids, mask) for each record of a .jsonl or .parquet file; after the whole file is read, a UserError
+    naming the first malformed records by file and line (row) and counting them all."""
     if not path.is_file():
-        raise UserError(f"SFT data file {path} does not exist; give .jsonl files of {{\"messages\": [...]}} or "
-                        "{\"prompt\", \"completion\"} records, or a prefix written by `loom preprocess --sft`")
-    for where, record in jsonl_records(path, '{"messages": [{"role": "user", "content": "..."}, ...]}'):
-        if record is None:
+        raise UserError(f"SFT data file {path} does not exist; give .jsonl or .parquet files of {{\"messages\": "
+                        "[...]} or {\"prompt\", \"completion\"} records, or a prefix written by `loom preprocess --sft`")
+    columns = columns or COLUMNS
+    malformed = Malformed("SFT records", "fix or remove such records, or name the columns with sft.messages_column, "
+                          "sft.prompt_column and sft.completion_column")
+    hint = ("name the columns with sft.messages_column (a list of {role, content}) or sft.prompt_column and "
+            "sft.completion_column (strings)")
+    for _, where, record in records(path, malformed, example=EXAMPLE, columns=list(columns.values()),
+                                    rename=columns, column_hint=hint):
+        try:
+            conversation = check_record(record, where)
+            if isinstance(conversation, tuple):
+                ids, mask = encode_completion(tokenizer, *conversation)
+            else:
+                ids, mask = encode_chat(template, tokenizer, conversation, where)
+            if len(ids) < 2 or not mask[1:].any():
+                raise UserError(f"{where}: the record tokenizes to {len(ids)} tokens with no learned token after "
+                                "the first; give the assistant reply or completion some text")
+        except UserError as e:
+            malformed.add(str(e), path)
             continue
-        conversation = check_record(record, where)
-        if isinstance(conversation, tuple):
-            ids, mask = encode_completion(tokenizer, *conversation)
-        else:
-            ids, mask = encode_chat(template, tokenizer, conversation, where)
-        if len(ids) < 2 or not mask[1:].any():
-            raise UserError(f"{where}: the record tokenizes to {len(ids)} tokens with no learned token after the "
-                            "first; give the assistant reply or completion some text")
-        yield ids, mask
+        if not malformed:  # after the first malformed record the rest are only checked
+            yield ids, mask
+    malformed.check()
 
 
-def write_prefix(files: list[Path], prefix: str | Path, tokenizer: Tokenizer, template: ChatTemplate) -> dict:
+def write_prefix(files: list[Path], prefix: str | Path, tokenizer: Tokenizer, template: ChatTemplate,
+                 columns: dict[str, str] | None = None) -> dict:
     """Tokenize `files` into the SFT prefix `prefix` (see the module docstring); returns its metadata."""
     prefix = Path(prefix)
     firsts, tokens, learned = [], 0, 0
     with IndexedDatasetBuilder(prefix, dtype=best_dtype(tokenizer.vocab_size)) as ids_out, \
             IndexedDatasetBuilder(f"{prefix}.mask", dtype=np.uint8) as mask_out:
         for path in files:
-            for ids, mask in iter_examples(path, tokenizer, template):
+            for ids, mask in iter_examples(path, tokenizer, template, columns):
                 ids_out.add_document(ids)
                 mask_out.add_document(mask)
                 firsts.append(int(np.argmax(mask[1:])) + 1)
@@ -91,11 +115,14 @@ def write_prefix(files: list[Path], prefix: str | Path, tokenizer: Tokenizer, te
     return meta
 
 
-def prepare(paths: list[str], tokenizer: Tokenizer, template: ChatTemplate) -> list[str]:
-    """SFT prefixes for `paths`: prefixes as given (their tokenizer checked), .jsonl files tokenized into the
-    cache once (reused while the files, tokenizer and template are unchanged)."""
+def prepare(paths: list[str], tokenizer: Tokenizer, template: ChatTemplate,
+            columns: dict[str, str] | None = None) -> list[str]:
+    """SFT prefixes for `paths`: prefixes as given (their tokenizer checked), .jsonl and .parquet files (globs
+    expanded) tokenized into the cache once each (reused while the file, columns, tokenizer and template are
+    unchanged)."""
     out = []
-    for spec in paths:
+    columns = columns or COLUMNS
+    for spec in [str(p) for entry in paths for p in (expand(entry, "sft.data") if is_glob(entry) else [entry])]:
         if spec.startswith("synthetic:"):  # the locally generated chat set (loom/post/synthetic.py)
             spec = str(_synthetic(spec))
         spec = tasks.materialise(spec, "sft", "sft.data")  # a verifiable task's problems (loom/post/tasks.py)
@@ -109,14 +136,17 @@ def prepare(paths: list[str], tokenizer: Tokenizer, template: ChatTemplate) -> l
             continue
         path = Path(spec)
         if not path.is_file():
-            raise UserError(f"sft.data entry {spec!r} is neither a .jsonl file nor a prefix written by `loom "
-                            "preprocess --sft` (PREFIX.sft.json); give one of those")
+            raise UserError(f"sft.data entry {spec!r} is neither a .jsonl or .parquet file (or a glob of them) nor a "
+                            "prefix written by `loom preprocess --sft` (PREFIX.sft.json); give one of those")
         stat = path.stat()
+        # The columns join the key only when renamed, so default-named data keeps its earlier cache entries.
+        renamed = {k: v for k, v in columns.items() if k != v}
         key = hashlib.sha256(json.dumps([FORMAT, str(path.resolve()), stat.st_size, stat.st_mtime_ns,
-                                         tokenizer.sha256(), template.source, template.special]).encode()).hexdigest()
+                                         tokenizer.sha256(), template.source, template.special]
+                                        + ([renamed] if renamed else [])).encode()).hexdigest()
         prefix = cache_dir() / "sft" / f"{path.stem}-{key[:16]}"
         if not _is_prefix(str(prefix)):
-            write_prefix([path], prefix, tokenizer, template)
+            write_prefix([path], prefix, tokenizer, template, columns)
         out.append(str(prefix))
     return out
 

@@ -1,4 +1,5 @@
-"""Where a run reports: `metrics.jsonl`, TensorBoard scalars, and a progress display.
+"""Where a run reports: `metrics.jsonl`, TensorBoard scalars, Weights & Biases (`log.wandb`,
+loom/train/tracking.py), and a progress display.
 
 `metrics.jsonl` gets one JSON object per optimizer step (contract keys: step, loss, grad_norm, lr,
 tokens, tokens_per_s, tflops_per_device, mfu, memory_gib; plus checkpoint_blocking_s on steps that
@@ -31,13 +32,19 @@ def hms(seconds: float) -> str:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, resume_step: int | None, tensorboard: bool, enabled: bool = True):
+    def __init__(self, run_dir: Path, resume_step: int | None, tensorboard: bool, enabled: bool = True,
+                 config=None):
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.file = None
         self.tb = None
+        self.tracker = None
         if not enabled:  # only the main rank writes
             return
+        if config is not None and config.log.wandb:  # imported only when asked for: wandb is an optional extra
+            from loom.train.tracking import WandbTracker
+
+            self.tracker = WandbTracker(config, run_dir, resumed=resume_step is not None)
         if resume_step is None:
             self.path.write_text("")
         elif self.path.exists():
@@ -62,12 +69,28 @@ class MetricsWriter:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and value is not None:
                     self.tb.add_scalar(key, value, row["step"])
+        if self.tracker is not None:
+            self.tracker.log(row)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.tracker is not None:
+            self.tracker.close()
+
+
+def recipe_summary(row: dict) -> str:
+    """The post-training part of a progress line: DPO's pair accuracy and margin, a reward model's accuracy,
+    RL's mean reward, its spread and the response length (empty for pre-training and SFT)."""
+    if "reward_std" in row:  # RL
+        return (f"  reward {row['reward']:.3f} (std {row['reward_std']:.3f})  response {row['response_length']:.1f} "
+                f"tokens" + (f", {row['stopped']:.0%} stopped" if "stopped" in row else ""))
+    if "accuracy" in row:  # DPO / IPO / reward model
+        margin = f"  margin {row['margin']:.3f}" if "margin" in row else ""
+        return f"  accuracy {row['accuracy']:.3f}{margin}"
+    return ""
 
 
 def moe_summary(row: dict) -> str:
@@ -111,7 +134,7 @@ class Progress:
             eta = elapsed / max(done, 1) * (self.total - row["step"])
             print(
                 f"step {row['step']:>6}/{self.total}  loss {row['loss']:.4f}  grad_norm {row['grad_norm']:.3f}  "
-                f"lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s  eta {hms(eta)}{moe_summary(row)}",
+                f"lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s  eta {hms(eta)}{recipe_summary(row)}{moe_summary(row)}",
                 flush=True,
             )
 

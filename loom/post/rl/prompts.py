@@ -1,5 +1,8 @@
 """RL's prompts (`rl.prompts`, `rl.valid_prompts`): records tokenized once, as the model sees them, with the
-fields the reward function reads, and the run's stream of them (shuffled passes)."""
+fields the reward function reads, and the run's stream of them (shuffled passes). Files are .jsonl or .parquet
+(or globs of them), read by loom/data/records.py; `rl.prompt_column` names the prompt's column, every
+other column goes to the reward function; every malformed record is counted before the run stops, the first
+few named by file and line or row."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import numpy as np
 
 from loom.config import Config
 from loom.data.dataset import Dataset, held_out_split
-from loom.data.jsonl import jsonl_records
+from loom.data.records import Malformed, expand, is_glob, records
 from loom.data.tokenizer import Tokenizer
 from loom.errors import UserError
 from loom.post import tasks
@@ -22,24 +25,35 @@ class PromptSet(Dataset):
     prompt, `fields[i]` the record's other fields (keyword arguments of the reward function)."""
 
     def __init__(self, specs: list[str], role: str, tokenizer: Tokenizer, template, max_prompt: int,
-                 where: str):
+                 where: str, prompt_column: str = "prompt"):
         self.texts, self.ids, self.fields = [], [], []
         self.too_long = 0
-        for spec in specs:
+        malformed = Malformed("prompt records", f"fix or remove such records, or name the prompt's column with "
+                              f"rl.prompt_column (now {prompt_column!r})")
+        files = [p for spec in specs for p in (expand(spec, where) if is_glob(spec) else [spec])]
+        for spec in map(str, files):
             path = Path(tasks.materialise(spec, role, where))
             if not path.is_file():
-                raise UserError(f"{where} entry {spec!r} is not a file; give .jsonl files of records like {EXAMPLE}, "
-                                "or addition:N")
-            for line, record in jsonl_records(path, EXAMPLE):
-                if record is None:
+                raise UserError(f"{where} entry {spec!r} is not a file; give .jsonl or .parquet files (or globs) of "
+                                f"records like {EXAMPLE}, or addition:N")
+            for _, line, record in records(path, malformed, example=EXAMPLE, rename={"prompt": prompt_column}):
+                try:
+                    text, ids = self._encode(record, line, tokenizer, template)
+                except UserError as e:
+                    malformed.add(str(e), path)
                     continue
-                text, ids = self._encode(record, line, tokenizer, template)
+                if malformed:  # after the first malformed record the rest are only checked
+                    continue
                 if len(ids) > max_prompt:
                     self.too_long += 1
                     continue
                 self.texts.append(text)
                 self.ids.append(ids)
                 self.fields.append({k: v for k, v in record.items() if k != "prompt"})
+        malformed.check()
+        if not self.ids and not self.too_long:
+            raise UserError(f"{where} ({', '.join(specs)}): no records; give files with at least one prompt record "
+                            f"like {EXAMPLE}")
         if not self.ids:
             raise UserError(f"{where} ({', '.join(specs)}): no prompt of at most {max_prompt} tokens ({self.too_long} "
                             "longer): raise train.seq_len or lower rl.max_new_tokens (train.seq_len + 1 holds prompt "
@@ -98,14 +112,16 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer):
     if rl.template != "none":
         from loom.post.chat import load_template
 
-        template = load_template(rl.template, None if cfg.data.tokenizer == "bpe" else cfg.data.tokenizer)
+        template = load_template(rl.template, None if cfg.data.tokenizer == "bpe" else cfg.data.tokenizer,
+                                 "rl.template")
     max_prompt = engine_max_len(cfg) - rl.max_new_tokens
     if max_prompt < 1:
         raise UserError(f"rl.max_new_tokens={rl.max_new_tokens} leaves no room for a prompt in train.seq_len + 1="
                         f"{engine_max_len(cfg)} tokens; raise train.seq_len or lower rl.max_new_tokens")
-    train = PromptSet(rl.prompts, "rl", tokenizer, template, max_prompt, "rl.prompts")
+    train = PromptSet(rl.prompts, "rl", tokenizer, template, max_prompt, "rl.prompts", rl.prompt_column)
     if rl.valid_prompts:
-        valid = PromptSet(rl.valid_prompts, "valid", tokenizer, template, max_prompt, "rl.valid_prompts")
+        valid = PromptSet(rl.valid_prompts, "valid", tokenizer, template, max_prompt, "rl.valid_prompts",
+                          rl.prompt_column)
         valid.source = f"rl.valid_prompts ({', '.join(rl.valid_prompts)})"
         return train, valid
     (lo, hi), (vlo, vhi) = held_out_split(cfg.data, len(train), "held-out prompts",
