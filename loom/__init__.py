@@ -20,7 +20,8 @@ def load_model(path, dtype=None, device="cpu"):
 
     from loom.errors import UserError
     from loom.interop import import_hf, is_hf_dir
-    from loom.models.io import CONFIG, load_model_dir
+    from loom.interop.peft import load_model_dir  # a LoRA checkpoint: its base and adapters, merged
+    from loom.models.io import CONFIG
 
     dtype = torch.float32 if dtype is None else dtype
     p = Path(path)

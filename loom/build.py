@@ -73,17 +73,24 @@ P = TypeVar("P", bound=Placed)
 
 def build_in_layout(cfg: Config, device: torch.device | str, place: Callable[[nn.Module], P], *,
                     dtype: torch.dtype = torch.float32, extend: Callable[[nn.Module], None] | None = None,
-                    seed: int | None = None, init_from: str = "", mark: Callable[[str], None] | None = None) -> P:
+                    seed: int | None = None, init_from: str = "", mark: Callable[[str], None] | None = None,
+                    adapters: bool = False) -> P:
     """Build `cfg.model` on meta, `extend` it (a recipe's modules, before the layout is applied), `place` it
     (apply the layout), allocate this rank's shards on `device` initialised from `seed` (train.seed by
     default; nothing is allocated when `device` is meta), then load `init_from`'s weights (a Hugging Face or
     loom model directory, or a loom checkpoint; every rank reads its slices). `mark(what)` names the load
-    for hang reports. Returns what `place` returned."""
+    for hang reports. `adapters`: with `lora.rank > 0`, LoRA adapters on `lora.targets` (loom/models/lora.py),
+    added after `extend` so that the recipe's heads stay trained and everything else is frozen in train.dtype;
+    the base's names are unchanged, so `init_from` loads into it. Returns what `place` returned."""
     from loom.models.llama import build_model
 
     model = build_model(cfg.model, device="meta", dtype=dtype)
     if extend is not None:
         extend(model)
+    if adapters and cfg.lora.enabled:
+        from loom.models.lora import apply_lora
+
+        apply_lora(model, cfg.lora, torch_dtype(cfg))
     placed = place(model)
     if str(device) != "meta":
         from loom.parallel.materialize import materialize

@@ -174,15 +174,23 @@ def step_flops(cfg: Config, layer_plan=None) -> dict:
 def state_bytes(cfg: Config, layout=None) -> dict:
     """Parameters, gradients and optimizer state per rank (fp32 master weights and gradients)."""
     model = _build(cfg, "meta", None)
-    total = model.num_params()
+    total = trained = model.num_params()
+    frozen_bytes = 0.0
+    if cfg.lora.enabled:  # LoRA: the base frozen in train.dtype (no gradient, no optimizer state), adapters trained
+        from loom.models.lora import apply_lora, trainable_count
+
+        apply_lora(model, cfg.lora, torch_dtype(cfg))
+        trained, total = trainable_count(model)
+        frozen_bytes = (total - trained) * torch_dtype(cfg).itemsize
     p = cfg.parallel
     shard = p.dp_shard * p.cp  # FSDP shards over the data-parallel shards and their cp ranks
-    per_rank = total / (p.tp * p.pp * shard)
+    ranks = p.tp * p.pp * shard
+    per_rank = trained / ranks
     moment_bytes = 4 if cfg.optim.state_dtype == "bfloat16" else 8
     # Gradients between a step's micro-batches: this rank's shard, or the whole stage's (rules.py).
     micro_batches = cfg.train.global_batch // (p.dp * cfg.train.micro_batch)
     sharded = grads_stay_sharded(p.grad_accum, p.pp, micro_batches)
-    return {"params_total": total, "params_bytes": per_rank * 4,
+    return {"params_total": total, "params_trained": trained, "params_bytes": per_rank * 4 + frozen_bytes / ranks,
             "grads_bytes": per_rank * 4 * (1 if sharded else shard),
             "grad_accum": ("whole: dp_shard=1" if shard == 1 else
                            "sharded every micro-batch" if sharded else "whole until the last micro-batch"),
@@ -292,8 +300,12 @@ def format_table(r: dict) -> str:
         f"  outside the layers           {gib(r['outside_layers_bytes'])}  (embedding, head, loss)",
         f"  all layers + outside         {gib(r['total_activation_bytes'])}",
         "",
-        "state per rank (fp32 master weights and gradients):",
-        f"  parameters                   {gib(r['params_bytes'])}  ({r['params_total']:,} parameters in the model)",
+        "state per rank (fp32 master weights and gradients):" if r.get("params_trained", r["params_total"])
+        == r["params_total"] else "state per rank (LoRA: the frozen base in train.dtype, no gradients or optimizer "
+        "state for it; fp32 adapters, gradients, moments):",
+        f"  parameters                   {gib(r['params_bytes'])}  ({r['params_total']:,} parameters in the model"
+        + (f", {r['params_trained']:,} trained: LoRA)"
+           if r.get("params_trained", r["params_total"]) != r["params_total"] else ")"),
         f"  gradients                    {gib(r['grads_bytes'])}  ({r['grad_accum']})",
         f"  optimizer                    {gib(r['optimizer_bytes'])}",
         "",

@@ -371,6 +371,36 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False, recipe:
         )
     if problem := recipe_problem(recipe, cfg):
         raise UserError(problem)
+    lora = getattr(cfg, "lora", None)  # the planner's and memory's configs are full Configs; older callers' not
+    if lora is not None and (problem := lora_problem(lora.rank, p.tp, t.fp8)):
+        raise UserError(problem)
+
+
+def lora_bytes_per_param(dtype: str, state_dtype: str) -> tuple[int, int, int]:
+    """Bytes held between steps per parameter: (a frozen base weight: train.dtype alone, no gradient, no
+    optimizer state; a trained one: fp32 weight + fp32 gradient + AdamW's two moments; the same trained one in
+    full fine-tuning). One formula for the banner, `loom memory` and the planner."""
+    moments = 4 if state_dtype == "bfloat16" else 8
+    trained = 4 + 4 + moments
+    return (2 if dtype in ("bfloat16", "bf16", "fp16", "fp8") else 4), trained, trained
+
+
+def lora_problem(rank: int, tp: int, fp8: str) -> str | None:
+    """Which runs LoRA adapters (lora.rank > 0) compose with (None: this one). Proven equal to one process: data
+    parallelism, fully sharded (FSDP2 shards the frozen base and the adapters alike, mixed requires_grad in one
+    unit) and pipeline parallelism (adapters live in their block, on its stage). Tensor parallelism would shard
+    A and B as it shards the projection they sit on (ColwiseParallel splits every parameter of the module by
+    rows), which is wrong for A; fp8 training replaces the linear layers the adapters sit on."""
+    if rank <= 0:
+        return None
+    if tp > 1:
+        return (f"lora.rank={rank} with parallel.tp={tp} is not supported: tensor parallelism would split the "
+                "adapters' A matrices by rows as it splits their projections; set parallel.tp=1 and use "
+                "parallel.dp_shard (FSDP shards the frozen base and the adapters)")
+    if fp8 != "off":
+        return (f"lora.rank={rank} with train.fp8={fp8} is not supported: fp8 training replaces the linear layers "
+                "the adapters sit on; set train.fp8=off")
+    return None
 
 
 # --- post-training recipes --------------------------------------------------------------------------

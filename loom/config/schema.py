@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.config.data import DataConfig
+from loom.config.lora import LoRAConfig, check_lora_model
 from loom.config.model import ModelConfig
 from loom.config.post import PrefConfig, RLConfig, SFTConfig
 from loom.config.section import Section, flat_values, leaves
@@ -29,6 +30,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     pref: PrefConfig = field(default_factory=PrefConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -57,6 +59,7 @@ class Config:
         if self.rl.prompts and (self.pref.data or self.sft.data or self.data.paths or self.data.valid_paths):
             raise UserError("rl.prompts is set together with pref.data, sft.data or data.paths; an RL run (loom rl) "
                             "reads its prompts from rl.prompts (and rl.valid_prompts) only: clear the others")
+        check_lora_model(self.lora, self.model)
         if self.train.seq_len > self.model.max_seq_len:
             raise UserError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "

@@ -37,6 +37,7 @@ from loom.errors import UserError
 from loom.interop.hf_config import HF_CONFIG, HF_WEIGHTS, model_config_from_hf, read_hf_config
 from loom.interop.hf_io import HF_INDEX, TOKENIZER
 from loom.interop.hf_names import Piece, hf_pieces, loom_to_hf_name, piece_shape, read_piece
+from loom.models.init import canonical_name
 from loom.models.io import CONFIG, DCP_METADATA, WEIGHTS, read_config, resolve_model_dir
 
 # Model keys that do not change the weights' names or shapes: an explicit override is kept.
@@ -243,6 +244,9 @@ def load_pretrained(model: torch.nn.Module, path: str | Path) -> dict:
     src = describe_source(path)
     cfg: ModelConfig = model.cfg
     if src.kind == "dcp":
+        saved = read_config(src.path)
+        if saved.lora.enabled:  # a LoRA run: its base, then its adapters folded in
+            return _load_lora_run(model, src, saved)
         return {"kind": "dcp", "elements_read": _load_dcp(model, src)}
     pieces, file_of, shapes = _safetensors_index(src)
     _check_safetensors(pieces, shapes, cfg, src.path, src.kind)
@@ -256,7 +260,7 @@ def load_pretrained(model: torch.nn.Module, path: str | Path) -> dict:
             return handles[file_of[name]].get_slice(name)
 
         for name, param in model.named_parameters():
-            if name in model.fresh_parameters:  # a recipe's new module (a reward head)
+            if canonical_name(name) in model.fresh_parameters:  # a recipe's new module (a reward head, adapters)
                 continue
             key = "tok_embeddings.weight" if cfg.tie_embeddings and name == "output.weight" else name
             if key not in pieces:
@@ -268,6 +272,44 @@ def load_pretrained(model: torch.nn.Module, path: str | Path) -> dict:
             local.copy_(piece)
             read += piece.numel()
     return {"kind": src.kind, "elements_read": read}
+
+
+@torch.no_grad()
+def _load_lora_run(model: torch.nn.Module, src: Source, saved: Config) -> dict:
+    """`train.init_from` = a LoRA run (loom sft with lora.rank > 0, then loom dpo from it): the run's own base
+    (its train.init_from) slice by slice, then W + (alpha / rank) B A on each adapted weight's slice. The
+    adapters are small: every rank reads them whole (no collective) and keeps only its slices of the products."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    base = saved.train.init_from
+    if not base:
+        raise UserError(f"train.init_from={src.path} is a LoRA run whose base was initialised from train.seed, not "
+                        f"loaded from a model directory; export it merged (loom convert {src.path} DIR --to hf "
+                        "--merge) and start from DIR")
+    if not Path(base).is_dir():
+        raise UserError(f"train.init_from={src.path} is a LoRA run (adapters only); its base model, train.init_from="
+                        f"{base} in its {CONFIG}, does not exist (any more): restore it, or export the run merged "
+                        "where the base is available (loom convert RUN DIR --to hf --merge)")
+    out = load_pretrained(model, base)
+    meta = FileSystemReader(str(src.path)).read_metadata().state_dict_metadata
+    state = {key[len("model."):]: torch.empty(tuple(m.size), dtype=m.properties.dtype) for key, m in meta.items()
+             if key.startswith("model.") and key.endswith((".lora_A", ".lora_B"))
+             and isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": state}, checkpoint_id=src.path, no_dist=True)
+    params = {canonical_name(n): p for n, p in model.named_parameters()}
+    scale = saved.lora.alpha / saved.lora.rank
+    for name in (k.removesuffix(".lora_A") for k in state if k.endswith(".lora_A")):
+        weight = params.get(f"{name}.weight")
+        if weight is None:  # a pipeline stage without this layer
+            continue
+        local, where = local_slice(weight)
+        delta = (state[f"{name}.lora_B"].float()[where[0]] @ state[f"{name}.lora_A"].float()[:, where[1]]) * scale
+        local.copy_((local.float() + delta).to(local.dtype))
+    return {**out, "lora_run": str(src.path)}
 
 
 def _load_dcp(model: torch.nn.Module, src: Source) -> int:

@@ -15,6 +15,7 @@ so the weights would depend on the layout.
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -46,7 +47,8 @@ def canonical_name(name: str) -> str:
 def fill(out: torch.Tensor, full_shape: tuple[int, ...], offset: tuple[int, ...], seed: int, name: str,
          kind: str, std: float = 0.0) -> None:
     """Fill `out` (a slice of shape out.shape at `offset` of a parameter of `full_shape`) with exactly the
-    values that the whole parameter holds there. kind: "normal" (mean 0, `std`), "ones" or "zeros"."""
+    values that the whole parameter holds there. kind: "normal" (mean 0, `std`), "kaiming_uniform" (uniform
+    in +-1/sqrt(fan_in), nn.Linear's and PEFT's LoRA A), "ones" or "zeros"."""
     if kind == "ones":
         out.fill_(1.0)
         return
@@ -63,7 +65,12 @@ def fill(out: torch.Tensor, full_shape: tuple[int, ...], offset: tuple[int, ...]
     for b in range(first // rows, (first + count - 1) // rows + 1):
         lo, hi = b * rows, min((b + 1) * rows, full_shape[0])
         gen = torch.Generator().manual_seed(_block_seed(seed, name, b))
-        block = torch.empty((hi - lo, *full_shape[1:]), dtype=torch.float32).normal_(0.0, std, generator=gen)
+        block = torch.empty((hi - lo, *full_shape[1:]), dtype=torch.float32)
+        if kind == "kaiming_uniform":
+            bound = 1 / math.sqrt(full_shape[-1])
+            block.uniform_(-bound, bound, generator=gen)
+        else:
+            block.normal_(0.0, std, generator=gen)
         a, z = max(lo, first), min(hi, first + count)
         out[a - first : z - first].copy_(block[(slice(a - lo, z - lo), *rest)])
 

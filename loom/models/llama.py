@@ -279,8 +279,10 @@ class Transformer(nn.Module):
         1/sqrt(2L) (GPT-2); ("ones", 0) norm weights; ("zeros", 0) biases. Stacked experts [E, ...] draw
         each element like a dense layer's (std per element, whatever E), their output projection w2 scaled as
         a dense w2; the router's weight [E, hidden] is drawn with init_std."""
-        if name.endswith("bias"):
+        if name.endswith(("bias", "lora_B")):  # LoRA: B = 0, so an adapted model starts as its base
             return "zeros", 0.0
+        if name.endswith("lora_A"):
+            return "kaiming_uniform", 0.0
         if "norm" in name.rsplit(".", 2)[-2]:
             return "ones", 0.0
         if name.endswith(("wo.weight", "w2.weight", "experts.w2")):

@@ -67,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--recipe", choices=["train", "sft", "rm", "dpo", "rl"], default="train",
                    help="the loom command that will run the layout: only layouts it accepts are offered (loom dpo and "
                    "loom rm run data parallelism only; loom rl data and tensor parallelism)")
+    s.add_argument("--lora-rank", "--lora.rank", dest="lora_rank", type=int, default=0, metavar="R",
+                   help="LoRA adapters of rank R (0: full fine-tuning): the base frozen in the training dtype, no "
+                   "gradients or optimizer state for it")
+    s.add_argument("--lora-targets", "--lora.targets", dest="lora_targets", default="q_proj,k_proj,v_proj,o_proj",
+                   help="with --lora-rank: the projections adapted, as lora.targets (default "
+                   "q_proj,k_proj,v_proj,o_proj)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help='print {"candidates": [...]} (best first)')
     o.add_argument("--plot", type=Path, default=None, help="draw the top candidates' time and memory terms (PNG)")
@@ -85,7 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_workload(args):
-    from loom.config import ModelConfig, load_config
+    from loom.config import LoRAConfig, ModelConfig, load_config
+    from loom.config.lora import check_lora_model, loom_targets
     from loom.planner.hardware import load_gpu
     from loom.planner.workload import Workload
 
@@ -140,11 +147,15 @@ def build_workload(args):
     margin = round(0.05 * gpu.memory_gib, 1) if args.memory_margin is None else args.memory_margin
     if not 0 <= margin < gpu.memory_gib:
         raise UserError(f"--memory-margin={margin} GiB must be >= 0 and below the GPU's {gpu.memory_gib:.1f} GiB")
+    lora = LoRAConfig(rank=args.lora_rank, targets=[t for t in args.lora_targets.split(",") if t])
+    lora.validate()  # a UserError names lora.rank / lora.targets and what is valid
+    check_lora_model(lora, model)
     return Workload(model=model, seq_len=seq, global_batch=batch, gpus=args.gpus, gpu=gpu, precision=args.precision,
                     state_dtype=args.state_dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce,
                     grad_accum=args.grad_accum, memory_margin_gib=margin, framework=args.framework,
                     grad_dtype=args.grad_dtype, moe_imbalance=args.moe_imbalance,
-                    loss_chunk=args.loss_chunk, recipe=args.recipe), args.model
+                    loss_chunk=args.loss_chunk, recipe=args.recipe, lora_rank=lora.rank,
+                    lora_targets=tuple(loom_targets(lora.targets)) if lora.enabled else ()), args.model
 
 
 def run(args, engine_probe=None) -> int:

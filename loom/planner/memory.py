@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from loom.config import ModelConfig
 from loom.flops import layer_activation_bytes
-from loom.rules import grads_stay_sharded
-from loom.planner.params import model_sizes
+from loom.rules import grads_stay_sharded, lora_bytes_per_param
+from loom.planner.params import lora_params, model_sizes
 from loom.planner.stages import local_params, loom_shard_groups, priced_as_megatron, rank_shapes, recomputed_layers
 from loom.planner.workload import GIB, Layout, Workload
 
@@ -134,6 +134,12 @@ def memory(w: Workload, lay: Layout) -> dict:
         e_state = (states(experts, expert_group if e_style == "fsdp" else dp // lay.ep, max(1, lay.cp // lay.ep),
                           e_style, sharded and dense_group > 1) if experts else (0.0, 0.0, 0.0))
         params, grads, optim = (a + b for a, b in zip(d_state, e_state))
+        if w.lora_rank:  # LoRA (no tp: loom.rules.lora_problem): frozen base, adapters as any trained weight
+            frozen_b, trained_b, _ = lora_bytes_per_param(w.precision, w.state_dtype)
+            shard = dp if lay.dp_style == "fsdp" else 1
+            adapters = lora_params(cfg, w.lora_rank, w.lora_targets) * shape.layers / cfg.layers  # this stage's
+            params = ((dense + experts) * frozen_b + 4 * adapters) / shard
+            grads, optim = 4 * adapters / shard, moment_bytes * adapters / shard
         activations = shape.held_layers * per_layer
         if lay.recompute == "full":  # k layers of every chunk keep only their input
             activations -= sum(held * recomputed_layers(lay, c) for c, held in zip(shape.chunks, shape.held)) * (per_layer - full)

@@ -60,6 +60,14 @@ def linear_weights(cfg: ModelConfig) -> int:
     return h * (a + 2 * g) * d + a * d * h + (3 if cfg.mlp == "swiglu" else 2) * h * f
 
 
+def lora_params(cfg: ModelConfig, rank: int, targets: tuple) -> int:
+    """The adapters' parameters over all layers: rank x (in + out) for every targeted projection (loom's names)."""
+    h, d, a, g, f = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
+    sizes = {"wq": (h, a * d), "wk": (h, g * d), "wv": (h, g * d), "wo": (a * d, h), "w1": (h, f), "w3": (h, f),
+             "w2": (f, h)}
+    return cfg.layers * sum(rank * sum(sizes[t]) for t in targets if t in sizes)
+
+
 def embedding_params(cfg: ModelConfig) -> int:
     return cfg.vocab_size * cfg.hidden + (cfg.max_seq_len * cfg.hidden if cfg.position == "learned" else 0)
 

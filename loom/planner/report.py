@@ -92,6 +92,7 @@ def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
     t.fp8 = "tensorwise" if w.precision == "fp8" else "off"
     t.loss_chunk = w.loss_chunk
     cfg.optim.state_dtype = w.state_dtype
+    cfg.lora.rank, cfg.lora.targets = w.lora_rank, list(w.lora_targets) or cfg.lora.targets
     cfg.parallel.grad_accum = w.grad_accum
     r = cfg.recompute
     r.mode = lay.recompute

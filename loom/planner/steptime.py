@@ -20,7 +20,7 @@ from loom.planner.hardware import GPU
 from loom.planner.kernels import collective_time, hbm_time, members_per_node, p2p_time
 from loom.planner.layertime import head_times, layer_times
 from loom.planner.memory import memory
-from loom.planner.params import model_sizes
+from loom.planner.params import lora_params, model_sizes
 from loom.planner.stages import local_params, loom_shard_groups, priced_as_megatron, rank_shapes, recomputed_layers
 from loom.planner.workload import Estimate, Layout, Workload
 
@@ -125,6 +125,8 @@ def step_time(w: Workload, lay: Layout) -> dict:
     else:
         shard = dense / group + experts / egroup
     moment = 2 if w.state_dtype == "bfloat16" else 4
+    if w.lora_rank:  # LoRA: AdamW updates the adapters only (the frozen base has no gradient)
+        shard = lora_params(w.model, w.lora_rank, w.lora_targets) / lay.pp / (group if lay.dp_style == "fsdp" else 1)
     step["optimizer"] = hbm_time(gpu, shard * (4 + 4 + 2 * moment + 4 + 2 * moment + 2))
     return step
 

@@ -56,6 +56,10 @@ class Workload:
     # The loom command that will run the layout (train, sft, rm, dpo, rl): its recipe's refusals
     # (loom.rules.recipe_problem, e.g. DPO on data parallelism only) rule layouts out as `loom <recipe>` would.
     recipe: str = "train"
+    # LoRA (lora.rank > 0): the base frozen in the training dtype (no gradients, no optimizer state) and adapters
+    # of this rank on `lora_targets` (loom's module names: wq, wk, wv, wo, w1, w2, w3) trained in fp32.
+    lora_rank: int = 0
+    lora_targets: tuple = ()
 
     @property
     def usable_bytes(self) -> float:

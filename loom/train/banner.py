@@ -5,8 +5,23 @@ from __future__ import annotations
 from loom.data.dataset import Dataset
 
 
+def lora_line(cfg, params: int, trained: int) -> str:
+    """LoRA's trained share and the weight-state memory it saves per rank against full fine-tuning (frozen
+    weights in train.dtype with no gradient or optimizer state; loom.rules.lora_bytes_per_param)."""
+    from loom.rules import lora_bytes_per_param
+
+    lo = cfg.lora
+    frozen_b, trained_b, full_b = lora_bytes_per_param(cfg.train.dtype, cfg.optim.state_dtype)
+    frozen = params - trained
+    saved = frozen * (full_b - frozen_b) / cfg.parallel.dp_shard
+    return (f"  lora         rank {lo.rank}, alpha {lo.alpha:g} on {','.join(lo.targets)}: {trained:,} trainable "
+            f"of {params:,} parameters ({100 * trained / params:.2f}%); weight memory saved "
+            + (f"{saved / 2**30:,.2f} GiB" if saved >= 2**30 else f"{saved / 2**20:,.1f} MiB")
+            + f" per rank ({full_b} -> {frozen_b} bytes per frozen parameter)")
+
+
 def banner(cfg, command: str, layout, params: int, train_data: Dataset, run_dir, resumed_from,
-           valid_source: str) -> str:
+           valid_source: str, trained: int | None = None) -> str:
     p, t = cfg.parallel, cfg.train
     tokens_per_step = t.global_batch * t.seq_len
     sizes = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard,
@@ -29,4 +44,6 @@ def banner(cfg, command: str, layout, params: int, train_data: Dataset, run_dir,
         f"  validation   {valid_source}",
         f"  run dir      {run_dir}" + (f" (resuming from {resumed_from.name})" if resumed_from else ""),
     ]
+    if cfg.lora.enabled and trained is not None:
+        lines.insert(1, lora_line(cfg, params, trained))
     return "\n".join(lines)

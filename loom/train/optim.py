@@ -5,6 +5,8 @@ update reads them into fp32, computes in fp32 and rounds back, so only storage i
 the optimizer updates are always fp32 (the master weights; FSDP2 casts bf16 copies for compute).
 Bytes per parameter held between steps (parameter + gradient + moments):
 fp32 moments 4 + 4 + 8 = 16; bf16 moments 4 + 4 + 4 = 12 (see `state_bytes_per_param`).
+Frozen parameters (LoRA's base, `requires_grad=False`, kept in train.dtype) are not given to the optimizer:
+no moments, no master copy.
 """
 
 from __future__ import annotations

@@ -1,0 +1,199 @@
+"""LoRA runs outside training: loading one (base + adapters), PEFT adapter directories, merged exports.
+
+A LoRA checkpoint (loom/train/checkpoint.py) holds the trained tensors only (adapters, a recipe's heads);
+its base is the run's `train.init_from` (a path its config.toml records, also named in trainer_state.json's
+"lora_base"), or the weights `train.seed` initialises when it has none. `load_adapted` rebuilds the adapted
+model in one process; `load_model_dir` is `loom.models.io.load_model_dir` for any checkpoint, a LoRA one
+returned merged (a plain model: what `loom generate` and `loom.load_model` run).
+
+`loom convert RUN DST --to peft` writes what Hugging Face's `peft` reads on the base model:
+adapter_config.json (`LoraConfig` fields) and adapter_model.safetensors with PEFT's key names
+(base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight, [rank, in]; lora_B [out, rank]).
+`--to hf --merge` folds the adapters into the base weights and writes a full Hugging Face model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+
+import torch
+
+from loom.config import Config
+from loom.config.lora import hf_target, loom_targets
+from loom.errors import UserError
+from loom.interop.hf_io import TARGETS as HF_TARGETS
+from loom.interop.hf_io import _atomic_dir, _check_free
+from loom.interop.hf_io import convert as convert_hf
+from loom.interop.hf_names import loom_to_hf_name
+from loom.models.io import CONFIG, DCP_METADATA, read_config, resolve_model_dir, save_model_dir
+
+TARGETS = (*HF_TARGETS, "peft")
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# Files of a checkpoint that are not the model's (written by the trainer for resuming).
+_CHECKPOINT_ONLY = ("manifest.json", "trainer_state.json", CONFIG, DCP_METADATA)
+
+
+def is_lora_checkpoint(path: str | Path) -> bool:
+    try:
+        return read_config(resolve_model_dir(path)).lora.enabled
+    except UserError:
+        return False
+
+
+def load_adapted(path: str | Path, extend=None):
+    """(model with its adapters, unmerged, float32, Config, directory) from a LoRA run or checkpoint: the base
+    from the run's train.init_from (or train.seed), then the checkpoint's trained tensors. `extend(model)`: a
+    recipe's heads (a reward model's score), added before the adapters as training added them."""
+    from loom.interop.pretrained import load_pretrained
+    from loom.models.llama import build_model
+    from loom.models.lora import adapter_state, apply_lora
+
+    model_dir = resolve_model_dir(path)
+    cfg = read_config(model_dir)
+    if not cfg.lora.enabled:
+        raise UserError(f"{model_dir} is not a LoRA checkpoint (its lora.rank is 0): it holds the whole model")
+    if not (model_dir / DCP_METADATA).is_file():
+        raise UserError(f"{model_dir}: a LoRA checkpoint is a sharded training checkpoint ({DCP_METADATA} + *.distcp)")
+    model = build_model(cfg.model, dtype=torch.float32, seed=cfg.train.seed)
+    if extend is not None:
+        extend(model)
+    apply_lora(model, cfg.lora, torch.float32)
+    base = cfg.train.init_from
+    if base:
+        if not Path(base).is_dir():
+            raise UserError(f"{model_dir} holds LoRA adapters only; their base model, train.init_from={base} in its "
+                            f"{CONFIG}, does not exist (any more). Restore it at that path, or set train.init_from in "
+                            f"{model_dir / CONFIG} to where the same base model is now")
+        load_pretrained(model, base)
+    _read_trained(model_dir, adapter_state(model))
+    return model.eval(), cfg, model_dir
+
+
+def _read_trained(model_dir: Path, params: dict[str, torch.Tensor]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = {name: p.detach() for name, p in params.items()}
+    try:
+        with warnings.catch_warnings():  # one process, no process group: DCP warns that it assumes so
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": state}, checkpoint_id=model_dir, no_dist=True)
+    except Exception as exc:  # CheckpointException: a missing entry, another shape
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise UserError(f"{model_dir}: its adapters cannot be read as its config.toml's lora.* settings describe "
+                        f"({first}); the checkpoint is damaged or its config.toml was edited") from None
+
+
+def plain_config(cfg: Config) -> Config:
+    """The config of the merged model: the same network, no adapters."""
+    import copy
+
+    merged = copy.deepcopy(cfg)
+    merged.lora.rank = 0
+    return merged
+
+
+def load_model_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """(model in eval mode, Config, directory) as loom.models.io.load_model_dir, a LoRA checkpoint merged."""
+    from loom.models import io
+    from loom.models.lora import merge
+
+    if not is_lora_checkpoint(path):
+        return io.load_model_dir(path, dtype=dtype, device=device)
+    model, cfg, model_dir = load_adapted(path)
+    model = merge(model).to(device=device, dtype=dtype)
+    model.reset_buffers()  # rotary tables stay fp32
+    return model.eval(), plain_config(cfg), model_dir
+
+
+def peft_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT's names for every adapter of `model` (unmerged, one process)."""
+    from loom.models.lora import lora_layers
+
+    out = {}
+    for name, layer in lora_layers(model).items():
+        hf = loom_to_hf_name(f"{name}.weight").removesuffix(".weight")
+        out[f"base_model.model.{hf}.lora_A.weight"] = layer.lora_A.detach().float().contiguous()
+        out[f"base_model.model.{hf}.lora_B.weight"] = layer.lora_B.detach().float().contiguous()
+    return out
+
+
+def peft_config(cfg: Config) -> dict:
+    """adapter_config.json: peft's LoraConfig fields for what loom trained."""
+    lo = cfg.lora
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lo.rank, "lora_alpha": lo.alpha,
+        "lora_dropout": lo.dropout, "target_modules": [hf_target(n) for n in loom_targets(lo.targets)],
+        "base_model_name_or_path": str(Path(cfg.train.init_from).resolve()) if cfg.train.init_from else None,
+        "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+        "modules_to_save": None, "use_rslora": False, "use_dora": False, "layers_to_transform": None,
+        "revision": None,
+    }
+
+
+def export_peft(src: str | Path, dst: str | Path) -> Path:
+    """Write a PEFT adapter directory for the LoRA run or checkpoint `src`."""
+    from safetensors.torch import save_file
+
+    from loom.files import honour_umask
+
+    model, cfg, model_dir = load_adapted(src)
+    if not cfg.train.init_from:
+        raise UserError(f"{model_dir} trained adapters on a base initialised from train.seed, not on a saved model; "
+                        "peft loads adapters onto a base model directory, so export the merged model instead: "
+                        "loom convert SRC DST --to hf --merge")
+    if cfg.pref.recipe == "rm":
+        raise UserError(f"{model_dir} is a reward model: its score head, trained beside the adapters, has no place in "
+                        "a PEFT causal-LM adapter directory; load it with loom (rl.reward_model=RUN)")
+    with _atomic_dir(Path(dst)) as tmp:
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(cfg), indent=2) + "\n")
+        save_file(peft_state(model), str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt", "producer": "loom"})
+        honour_umask(tmp / ADAPTER_WEIGHTS)
+        for f in model_dir.iterdir():  # the tokenizer and chat template the adapters were trained with, as PEFT saves
+            if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json",
+                                                                             "chat_template.jinja")):
+                shutil.copyfile(f, tmp / f.name)
+    return Path(dst)
+
+
+def convert(src: str | Path, dst: str | Path, to: str, dtype: torch.dtype | None = None, merge: bool = False,
+            **kwargs) -> Path:
+    """`loom convert`: loom <-> Hugging Face (loom/interop/hf_io.py `convert`), and for LoRA runs `--to peft`
+    (the adapters) or `--to hf --merge` (the merged full model)."""
+    if to not in TARGETS:
+        raise UserError(f"convert target {to!r} is not valid; valid: {', '.join(TARGETS)}")
+    lora = to != "loom" and is_lora_checkpoint(src)
+    if to == "peft":
+        if not lora:
+            raise UserError(f"--to peft writes a LoRA run's adapters, and {src} has none (not a loom run with "
+                            "lora.rank > 0); use --to hf for a whole model")
+        if merge:
+            raise UserError("--merge writes a full model: use it with --to hf, not --to peft")
+        return export_peft(src, dst)
+    if merge and not lora:
+        raise UserError(f"--merge folds a LoRA run's adapters into its base, and {src} has none; drop --merge")
+    if lora and not merge:
+        raise UserError(f"{src} holds LoRA adapters only; write them as a PEFT adapter directory (--to peft) or "
+                        "merged into a full Hugging Face model (--to hf --merge)")
+    if not lora:
+        return convert_hf(src, dst, to, dtype=dtype, **kwargs)
+    # Merged: a plain loom model directory (beside dst, removed after) that the one Hugging Face export reads, so
+    # the tokenizer and chat files travel exactly as they do for any run.
+    dst = Path(dst)
+    _check_free(dst)
+    model, cfg, model_dir = load_model_dir(src)
+    staging = dst.parent / f".{dst.name}.merged-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    try:
+        save_model_dir(model, cfg, staging)
+        for f in model_dir.iterdir():  # tokenizer.json, tokenizer_config.json, chat template, generation config
+            if f.is_file() and f.name not in _CHECKPOINT_ONLY and not f.name.endswith((".distcp", ".pt")) \
+                    and not (staging / f.name).exists():
+                shutil.copyfile(f, staging / f.name)
+        return convert_hf(staging, dst, "hf", dtype=dtype, **kwargs)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
