@@ -54,6 +54,8 @@ def cmd_train(args, extra) -> int:
     if args.print_config:
         print(cfg.to_toml(), end="")
         return 0
+    if args.export_hf:
+        _check_export(args.export_hf, cfg)
     if args.nproc < 1 or args.nnodes < 1:
         raise UserError(f"--nproc={args.nproc} and --nnodes={args.nnodes} must be >= 1")
     if (args.nproc > 1 or args.nnodes > 1) and not in_worker():
@@ -66,9 +68,12 @@ def cmd_train(args, extra) -> int:
 
             recipe.prepare_data(cfg, load_tokenizer(cfg))
 
-        return launch(cfg, [args.command, "--config", args.config, "--run-dir", str(run_dir)], overrides, args.nproc,
+        code = launch(cfg, [args.command, "--config", args.config, "--run-dir", str(run_dir)], overrides, args.nproc,
                       args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts, prepare_data=prepare_data,
                       recipe=recipe.command)
+        if code == 0 and args.export_hf and args.node_rank == 0:  # the workers' final checkpoint, exported here
+            _export_hf(run_dir, args.export_hf)
+        return code
     from loom.train.trainer import Trainer
 
     trainer = Trainer(cfg, args.run_dir, recipe=recipe)
@@ -77,11 +82,32 @@ def cmd_train(args, extra) -> int:
         print(f"run directory: {trainer.run_dir}")
         if result:
             print("final eval: " + "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "step"))
+        if args.export_hf and trainer.stopped_at is None and not in_worker():
+            _export_hf(trainer.run_dir, args.export_hf)
     import torch.distributed as dist
 
     if dist.is_initialized():  # every rank finished the same steps: release the process groups cleanly
         dist.destroy_process_group()
     return 0
+
+
+def _check_export(dst: str, cfg) -> None:
+    """`--export-hf DIR`, refused before training: DIR must be new (or empty) and the final step checkpointed."""
+    from loom.interop.hf_io import _check_free
+
+    _check_free(Path(dst))
+    if not cfg.checkpoint.save_final:
+        raise UserError(f"--export-hf {dst} exports the final checkpoint, but checkpoint.save_final=false; drop "
+                        "--checkpoint.save_final=false or --export-hf")
+
+
+def _export_hf(run_dir, dst: str) -> None:
+    """The run's final checkpoint as a Hugging Face model directory with its tokenizer files (loom convert)."""
+    from loom.interop import convert
+    from loom.interop.peft import is_lora_checkpoint
+
+    # A LoRA run's checkpoint holds its adapters: the export is the merged full model.
+    print(f"exported a Hugging Face model to {convert(run_dir, dst, 'hf', merge=is_lora_checkpoint(run_dir))}")
 
 
 def cmd_memory(args, extra) -> int:
@@ -123,92 +149,9 @@ def cmd_plan(args, extra) -> int:
 
 
 def cmd_generate(args, extra) -> int:
-    from loom import load_model
-    from loom.data.tokenizer import Tokenizer
-    from loom.infer.batch import read_prompts
-    from loom.infer.engine import Engine
-    from loom.infer.sampling import SamplingParams
+    from loom.generate import generate
 
-    if extra:
-        raise UserError(f"unrecognised arguments {' '.join(extra)}; see `loom generate --help`")
-    if (args.prompt is None) == (args.input is None) or (args.input is None) != (args.output is None):
-        raise UserError("give either --prompt TEXT (prints its continuation) or --input prompts.jsonl together with "
-                        "--output out.jsonl (batch mode)")
-    if args.max_new_tokens < 1 or args.max_batch < 1 or args.sync_every < 1:
-        raise UserError(f"--max-new-tokens={args.max_new_tokens}, --max-batch={args.max_batch} and "
-                        f"--sync-every={args.sync_every} must be >= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
-        raise UserError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
-    from loom.parallel.distributed import pick_device
-
-    device = pick_device(args.device, "--device")
-    texts = [args.prompt] if args.input is None else read_prompts(args.input)
-    model = load_model(args.checkpoint, device=device)
-    tok = Tokenizer.from_file(find_tokenizer(args.checkpoint))
-    context = model.cfg.max_seq_len
-    ids = [tok.encode(t) for t in texts]
-    for n, prompt in enumerate(ids):
-        where = "--prompt" if args.input is None else f"{args.input} record {n + 1}"
-        if not prompt:
-            raise UserError(f"{where} is empty; give some text to continue")
-        if len(prompt) >= context:
-            raise UserError(f"{where} is {len(prompt)} tokens; this model's context is {context} tokens, so the "
-                            "prompt must be shorter")
-    params = [SamplingParams(args.temperature, args.top_k, args.top_p, args.max_new_tokens,
-                             () if tok.eod_id is None else (tok.eod_id,), args.seed + n) for n in range(len(ids))]
-    # The slab holds what these requests can reach, not the model's whole context.
-    max_len = min(context, max(map(len, ids)) + args.max_new_tokens)
-    engine = Engine(model, max_batch=min(args.max_batch, len(ids)), max_len=max_len, compile=args.compile,
-                    sync_every=args.sync_every)
-    if args.input is None:
-        return _print_completion(args, tok, ids[0], engine.generate(ids, params)[0], context)
-    return _generate_file(args, tok, texts, ids, params, engine)
-
-
-def _print_completion(args, tok, prompt, done, context) -> int:
-    new = done.tokens[:-1] if done.finish_reason == "stop" else done.tokens
-    print(args.prompt + tok.decode(new))
-    if done.finish_reason == "context":
-        print(f"loom generate: stopped after {len(done.tokens)} new tokens at the model's context length "
-              f"(max_seq_len={context}, prompt {len(prompt)} tokens), before --max-new-tokens="
-              f"{args.max_new_tokens}", file=sys.stderr)
-    return 0
-
-
-def _generate_file(args, tok, texts, ids, params, engine) -> int:
-    import time
-
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from loom.infer.batch import write_records
-
-    start = time.perf_counter()
-    columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True)) as bar:
-        task = bar.add_task("generate", total=len(ids))
-        results = engine.generate(ids, params, on_done=lambda i, done: bar.advance(task))
-    records = []
-    for text, done in zip(texts, results):
-        new = done.tokens[:-1] if done.finish_reason == "stop" else done.tokens
-        records.append({"prompt": text, "completion": tok.decode(new), "tokens": done.tokens,
-                        "logprobs": done.logprobs, "finish_reason": done.finish_reason})
-    write_records(args.output, records)
-    tokens = sum(len(done.tokens) for done in results)
-    seconds = time.perf_counter() - start
-    print(f"wrote {len(records)} completions ({tokens} tokens, {tokens / seconds:.1f} tokens/s) to {args.output}")
-    return 0
-
-
-def find_tokenizer(path: str) -> Path:
-    from loom.interop import is_hf_dir
-    from loom.models.io import resolve_model_dir
-
-    directory = Path(path) if is_hf_dir(path) else resolve_model_dir(path)
-    tok = directory / "tokenizer.json"
-    if not tok.is_file():
-        raise UserError(f"{directory} has no tokenizer.json, so its text cannot be encoded")
-    return tok
+    return generate(args, extra)
 
 
 def cmd_convert(args, extra) -> int:
@@ -216,7 +159,7 @@ def cmd_convert(args, extra) -> int:
 
     if extra:
         raise UserError(f"unrecognised arguments {' '.join(extra)}; see `loom convert --help`")
-    out = convert(args.src, args.dst, args.to)
+    out = convert(args.src, args.dst, args.to, merge=args.merge)
     print(f"wrote {out}")
     return 0
 
@@ -249,7 +192,7 @@ def cmd_preprocess(args, extra) -> int:
             raise UserError(f"{', '.join(map(str, existing))} already exist; pass --overwrite to replace them, or choose "
                             "another --output-prefix (nothing was changed)")
         Path(f"{args.output_prefix}.sft.json").unlink(missing_ok=True)  # incomplete until written again, last
-        template = load_template(args.template, tok.path)
+        template = load_template(args.template, tok.path, "--template")
         meta = write_prefix(input_files(args.input), args.output_prefix, tok, template)
         print(f"wrote {args.output_prefix}.bin/.idx and its loss mask: {meta['examples']} examples, {meta['tokens']} "
               f"tokens, {meta['learned_tokens']} learned (template {template.name})")
@@ -278,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0, help="restart the workers this many times on failure")
     p.add_argument("--print-config", action="store_true",
                    help="print the merged config (defaults, file, overrides) as TOML and exit")
+    p.add_argument("--export-hf", default=None, metavar="DIR",
+                   help="when training ends, write the final checkpoint as a Hugging Face model directory DIR (as "
+                   "loom convert RUN DIR --to hf: config.json, safetensors, the tokenizer with its chat template, "
+                   "eos_token and generation_config.json)")
     p.set_defaults(func=cmd_train)
     train_parser = p
 
@@ -330,39 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "softmax (math); default: the config's model.attention")
     p.set_defaults(func=cmd_memory)
 
-    p = sub.add_parser("generate", help="continue a prompt with a trained model",
-                       description="Continue --prompt with a trained model, or every record of --input (a .jsonl "
-                       "of {\"prompt\": str}) into --output with token ids and log-probabilities: greedy at "
-                       "--temperature 0, else sampled with top-k / top-p. Stops at --max-new-tokens, at the "
-                       "end-of-document token when the tokenizer has one, or at the model's context length (and "
-                       "says so). Examples: loom generate --checkpoint runs/t1 --prompt 'def ' --max-new-tokens 64; "
-                       "loom generate --checkpoint runs/t1 --input prompts.jsonl --output out.jsonl")
-    p.add_argument("--checkpoint", required=True,
-                   help="a run directory (its latest checkpoint), a checkpoint step-N directory, a loom model "
-                   "directory or a Hugging Face model directory")
-    p.add_argument("--prompt", default=None, help="the text to continue (printed with its continuation)")
-    p.add_argument("--input", default=None, help='batch mode: a .jsonl file of {"prompt": str} records')
-    p.add_argument("--output", default=None, help="batch mode: the .jsonl file to write, one record per input record "
-                   "in the same order: prompt, completion (text), tokens (generated ids), logprobs (one per token, "
-                   "log-softmax of the model's logits at temperature 1), finish_reason")
-    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (default 16)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="where the model runs, in fp32: auto (default) is the GPU when there is one, else the CPU")
-    p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
-                   help="decode steps through torch.compile in batch buckets, compiled before the first request. "
-                        "auto (default): on on a GPU, where each decode step then replays one CUDA graph instead "
-                        "of the host dispatching every op, off on a CPU, where compiling costs more than it saves "
-                        "(measurements: bench/README.md, generation). on ('--compile' alone) / off: always / never "
-                        "(off on a GPU for a few short prompts: building compiles first)")
-    p.add_argument("--sync-every", type=int, default=8,
-                   help="decode steps run on the device between reads back to the host (default 8; 1 reads after "
-                        "every step, which refills a slot freed by a stop token soonest)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this much probability")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling; record n of --input uses seed + n, "
-                   "so its sample does not depend on the others")
+    from loom.generate import DESCRIPTION as GENERATE, add_arguments as add_generate_arguments
+
+    p = sub.add_parser("generate", help="continue a prompt with a trained model", description=GENERATE)
+    add_generate_arguments(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("convert", help="convert between Hugging Face (Llama, Qwen2.5, Qwen3, Mixtral, Qwen2/3-MoE) "
@@ -372,7 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "exported/t1-hf --to hf")
     p.add_argument("src", help="a Hugging Face model directory, or a loom run / checkpoint / model directory")
     p.add_argument("dst", help="the directory to write (new, or an empty directory)")
-    p.add_argument("--to", required=True, choices=["loom", "hf"], help="the format to write")
+    p.add_argument("--to", required=True, choices=["loom", "hf", "peft"],
+                   help="the format to write; peft: a LoRA run's adapters (adapter_config.json, "
+                   "adapter_model.safetensors) for peft on the base model")
+    p.add_argument("--merge", action="store_true", help="with --to hf: a LoRA run's adapters folded into its base "
+                   "weights, written as a full Hugging Face model")
     p.set_defaults(func=cmd_convert)
 
     from loom.data.preprocess import add_arguments

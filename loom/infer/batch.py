@@ -1,10 +1,12 @@
 """Batch generation files for `loom generate --input/--output`: read prompt records, write completion records.
 
-Input: `.jsonl`, one `{"prompt": str}` per line (other keys are ignored; blank lines are skipped). Output, in
-input order: `{"prompt", "completion", "tokens", "logprobs", "finish_reason"}`, where `tokens` are the
-generated ids (a stop token that ended the sequence included, its text left out of `completion`) and
-`logprobs` the log-probability of each under the model at temperature 1. The output appears only when
-complete: it is written to a temporary file beside it and renamed.
+Input: `.jsonl`, one `{"prompt": str}` or chat `{"messages": [{"role", "content"}, ...]}` per line (the caller
+renders a conversation with the model's chat template and its generation prompt; blank lines are skipped).
+Output, in input order: each input record with `completion`, `tokens`, `logprobs` and `finish_reason` set
+(replacing fields of those names), where `tokens` are the generated ids (a stop token that ended the
+sequence included, its text left out of `completion`, which also ends before a stop string), `logprobs` the
+log-probability of each under the model at temperature 1, and `finish_reason` "stop" or "length". The
+output appears only when complete: it is written to a temporary file beside it and renamed.
 """
 
 from __future__ import annotations
@@ -18,25 +20,28 @@ from loom.data.jsonl import jsonl_records
 from loom.errors import UserError
 from loom.files import honour_umask
 
-
-def read_prompts(path: str | os.PathLike) -> list[str]:
-    """The "prompt" of every record of a .jsonl file; bad input names the file and line."""
+def read_prompts(path: str | os.PathLike) -> list[tuple[str, dict]]:
+    """(where, record) of every record of a .jsonl file: a string "prompt" or a non-empty list "messages";
+    bad input names the file and line."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--input {str(path)!r} does not exist or is not a file; give a .jsonl file with one "
-                        '{"prompt": "..."} record per line')
-    prompts = []
+                        '{"prompt": "..."} or {"messages": [...]} record per line')
+    records = []
     for where, record in jsonl_records(p, '{"prompt": "Once upon a time"}'):
         if record is None:
             continue
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            got = (f"a record without \"prompt\" (keys: {sorted(record)})" if isinstance(record, dict)
-                   and "prompt" not in record else f"{json.dumps(record)[:80]}")
-            raise UserError(f'{where}: expected a record with a string "prompt", got {got}')
-        prompts.append(record["prompt"])
-    if not prompts:
+        ok = isinstance(record, dict) and (isinstance(record.get("prompt"), str) or (
+            "prompt" not in record and isinstance(record.get("messages"), list) and record["messages"]))
+        if not ok:
+            got = (f"a record without \"prompt\" or \"messages\" (keys: {sorted(record)})" if isinstance(record, dict)
+                   and "prompt" not in record and "messages" not in record else f"{json.dumps(record)[:80]}")
+            raise UserError(f'{where}: expected a record with a string "prompt" or a non-empty list of chat '
+                            f'"messages", got {got}')
+        records.append((where, record))
+    if not records:
         raise UserError(f'--input {p} holds no records; give one {{"prompt": "..."}} per line')
-    return prompts
+    return records
 
 
 def write_records(path: str | os.PathLike, records: list[dict]) -> None:

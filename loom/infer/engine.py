@@ -33,7 +33,8 @@ positions advance by one per step without being read, and the window's tokens an
 one copy at its end. A window ends early when some request reaches max_new_tokens or max_len, so those
 slots are refilled at once; a request that hits a stop token inside a window decodes on (in its own slot)
 until the window ends and its extra tokens are dropped (`stats["discarded_tokens"]`). `sync_every=1` reads
-back after every step.
+back after every step. Stop strings (`SamplingParams.stop`, text) are matched on the host: a request that has
+them has its completion decoded (`decode`) after each window and is cut at the token that completes one.
 
 GPU: `compile=True` decodes through CUDA graphs per bucket (`loom generate` and `loom rl` compile by default
 on a GPU: `resolve_compile`). An eager step's time on a GPU is the host's, dispatching op after op: per layer
@@ -65,14 +66,24 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Completion:
-    """One finished request. `finish_reason`: "stop" (a stop token, the last of `tokens`), "length"
-    (max_new_tokens reached) or "context" (prompt + completion reached the engine's max_len)."""
+    """One finished request. `finish_reason`: "stop" (a stop token, the last of `tokens`, or a stop string,
+    `stop_string`, which the last of `tokens` completes), "length" (max_new_tokens reached) or "context"
+    (prompt + completion reached the engine's max_len)."""
 
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # log-softmax of the raw logits (temperature 1)
     sampling_logprobs: list[float] = field(default_factory=list)  # under the distribution sampled from
     finish_reason: str = ""
+    stop_string: str = ""  # the stop string (SamplingParams.stop) that ended it, if one did
+
+    def text(self, decode) -> str:
+        """The completion's text (`decode`: ids -> str): without the stop token that ended it, cut before the
+        stop string that ended it."""
+        if self.stop_string:
+            text = decode(self.tokens)
+            return text[:text.find(self.stop_string)]
+        return decode(self.tokens[:-1] if self.finish_reason == "stop" else self.tokens)
 
 
 class _Sequence:
@@ -103,14 +114,18 @@ class Engine:
     every bucket at construction. Prefill (ragged, packed) stays eager. A command's setting is taken too:
     "on", "off", or "auto", which `resolve_compile` decides (on on a GPU, off on a CPU).
 
+    `decode` (token ids -> text): how requests with stop strings (`SamplingParams.stop`) read their text; the
+    host decodes such a request's completion after each window.
+
     `cpu_kernel` (CPU, fp32 weights, one process): decode steps, and the prefill's head on the prompts' last
     positions, run through the CPU decode path (loom/infer/cpu: packed small-batch products on a twin of the
     model that shares its parameters, and a decode attention kernel); a refit repacks in place. Where it cannot
     run the engine uses F.linear and SDPA; `stats["packed_linears"]` counts the layers that run packed."""
 
     def __init__(self, model: nn.Module, max_batch: int = 16, max_len: int | None = None, seed: int = 0,
-                 compile: bool | str = False, sync_every: int = 8, cpu_kernel: bool = True):
+                 compile: bool | str = False, sync_every: int = 8, cpu_kernel: bool = True, decode=None):
         cfg = model.cfg
+        self.decode = decode  # token ids -> text (a tokenizer's decode): needed by requests with stop strings
         max_len = cfg.max_seq_len if max_len is None else max_len
         if max_batch < 1 or not 2 <= max_len <= cfg.max_seq_len or sync_every < 1:
             raise UserError(f"Engine(max_batch={max_batch}, max_len={max_len}, sync_every={sync_every}): max_batch "
@@ -177,6 +192,9 @@ class Engine:
                                 f"(the engine's max_len={self.max_len} holds prompt and completion)")
             if min(prompt) < 0 or max(prompt) >= self.vocab:
                 raise UserError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab})")
+            if p.stop and self.decode is None:
+                raise UserError(f"request {i} has stop strings {list(p.stop)} but the engine has no decode "
+                                "function to read text with; build it with Engine(..., decode=tokenizer.decode)")
         seeds = [p.seed if p.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seeds))
                  for p in params]
         waiting = deque(range(len(prompts)))
@@ -371,8 +389,27 @@ class Engine:
                     out.finish_reason = "context"
                 if out.finish_reason:
                     break
+            if p.stop:  # text stops: the host reads the completion's text (`decode`)
+                kept -= self._stop_at_string(out, p.stop, len(out.tokens) - (step + 1))
             seq.length += fed
         return kept
+
+    def _stop_at_string(self, out: Completion, stops: tuple[str, ...], start: int) -> int:
+        """End `out` at its first token whose completion text contains one of `stops` (earlier windows' text
+        held none, so from token `start`, this window's first); returns the tokens dropped. A stop string may
+        span tokens of earlier windows."""
+        if not any(s in self.decode(out.tokens) for s in stops):
+            return 0
+        for n in range(start + 1, len(out.tokens) + 1):
+            head = self.decode(out.tokens[:n])
+            hits = [(head.find(s), s) for s in stops if s in head]
+            if hits:
+                out.stop_string = min(hits)[1]
+                dropped = len(out.tokens) - n
+                del out.tokens[n:], out.logprobs[n:], out.sampling_logprobs[n:]
+                out.finish_reason = "stop"
+                return dropped
+        return 0
 
     # --- weights --------------------------------------------------------------------------------------------
 

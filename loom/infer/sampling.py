@@ -1,7 +1,8 @@
 """Sampling of the generation engine: per-request settings (`SamplingParams`) and `Sampler`, which picks
 every request's next token on the logits' device.
 
-Sampling is per request: temperature (0 = greedy), top-k, top-p, max_new_tokens, stop tokens, seed. Each
+Sampling is per request: temperature (0 = greedy), top-k, top-p, max_new_tokens, stop tokens and stop
+strings, seed. Each
 request draws its random numbers from its own generator, one uniform per token, so what it samples does
 not depend on which other requests share the batch.
 """
@@ -19,7 +20,9 @@ from loom.infer.kv import upload
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is continued. `temperature` 0 is greedy; `top_k` 0 and `top_p` 1 keep every token.
-    Generation stops after `max_new_tokens`, at any of `stop_token_ids` (kept as the last token), or when
+    Generation stops after `max_new_tokens`, at any of `stop_token_ids` (kept as the last token), once the
+    decoded completion contains any of `stop` (text; the completion keeps the tokens up to the one that
+    completes it, `Completion.text` cuts the text before it; the engine needs a `decode` for these), or when
     prompt + completion fill the engine's `max_len`. `seed` None draws one from the engine's seed."""
 
     temperature: float = 0.0
@@ -28,6 +31,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    stop: tuple[str, ...] = ()
 
     def check(self) -> None:
         bad = []
@@ -39,6 +43,8 @@ class SamplingParams:
             bad.append(f"top_p={self.top_p} (must be in (0, 1])")
         if self.max_new_tokens < 1:
             bad.append(f"max_new_tokens={self.max_new_tokens} (must be >= 1)")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad.append(f"stop={list(self.stop)} (stop strings must be non-empty text)")
         if bad:
             raise UserError("invalid sampling parameters: " + "; ".join(bad))
 

@@ -206,10 +206,39 @@ def export_hf(model: torch.nn.Module, cfg: Config, out_dir: str | Path, tokenize
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         if tokenizer_path is not None and Path(tokenizer_path).is_file():
-            shutil.copyfile(tokenizer_path, tmp / TOKENIZER)
-            (tmp / "tokenizer_config.json").write_text(
-                json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
+            write_hf_tokenizer(Path(tokenizer_path), tmp)
     return out
+
+
+def write_hf_tokenizer(tokenizer_path: Path, out: Path) -> None:
+    """tokenizer.json and the files carried beside it (loom.models.io.TOKENIZER_FILES) into a Hugging Face
+    directory, completed so that transformers' AutoTokenizer reads it whole: tokenizer_config.json names a
+    tokenizer class that needs only tokenizer.json and keeps the chat template (or chat_template.jinja comes
+    along) and `eos_token`; generation_config.json holds `eos_token_id` (the eos token's id and the
+    end-of-document token's)."""
+    from loom.data.tokenizer import Tokenizer
+    from loom.models.io import copy_tokenizer_files
+
+    copied = copy_tokenizer_files(tokenizer_path, out)
+    tok = Tokenizer.from_file(out / TOKENIZER)
+    config_file, generation_file = out / "tokenizer_config.json", out / "generation_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if "tokenizer_config.json" in copied else {}
+    # The model's own class (Qwen2Tokenizer, ...) may want vocabulary files loom does not carry; this one reads
+    # tokenizer.json alone and tokenizes the same.
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    eod = None if tok.eod_id is None else tok.tok.id_to_token(tok.eod_id)
+    if not config.get("eos_token") and eod is not None:
+        config["eos_token"] = eod
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    honour_umask(config_file)
+    if "generation_config.json" not in copied:
+        eos = config.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        ids = [i for i in dict.fromkeys((tok.tok.token_to_id(eos) if isinstance(eos, str) else None, tok.eod_id))
+               if i is not None]
+        if ids:
+            generation_file.write_text(json.dumps({"eos_token_id": ids if len(ids) > 1 else ids[0]}, indent=2) + "\n")
+            honour_umask(generation_file)
 
 
 def convert(src: str | Path, dst: str | Path, to: str, dtype: torch.dtype | None = None,

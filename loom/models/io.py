@@ -1,7 +1,8 @@
 """Model directories: what generation, conversion and `loom.load_model` read without the trainer.
 
-A loom model directory holds `config.toml` (the full run config), when known `tokenizer.json`, and the
-weights in one of two forms:
+A loom model directory holds `config.toml` (the full run config), when known `tokenizer.json` and the files
+carried beside it (`TOKENIZER_FILES`: the chat template and special tokens of `tokenizer_config.json`,
+`chat_template.jinja`, `generation_config.json`'s end-of-sequence ids), and the weights in one of two forms:
 
 - `model.safetensors` (a converted model; a tied output weight is stored once, as `tok_embeddings.weight`);
 - a sharded training checkpoint `run/checkpoints/step-N/` (`.metadata` + `*.distcp`, written by
@@ -33,10 +34,31 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.toml"
 TOKENIZER = "tokenizer.json"
 DCP_METADATA = ".metadata"  # marks a sharded (torch.distributed.checkpoint) checkpoint
+# What makes a tokenizer a chat model's: its chat template, special tokens and stop ids travel with it.
+TOKENIZER_FILES = (TOKENIZER, "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                   "special_tokens_map.json")
+
+
+def copy_tokenizer_files(tokenizer_path: Path | str | None, dst: Path, names=TOKENIZER_FILES) -> list[str]:
+    """Copy `tokenizer_path` (a tokenizer.json) and those of `names` that lie beside it into directory `dst`;
+    the names copied."""
+    if tokenizer_path is None or not Path(tokenizer_path).is_file():
+        return []
+    src = Path(tokenizer_path).parent
+    copied = []
+    for name in names:
+        source = Path(tokenizer_path) if name == TOKENIZER else src / name
+        target = Path(dst) / name
+        if source.is_file() and (not target.exists() or not target.samefile(source)):
+            target.write_bytes(source.read_bytes())
+            honour_umask(target)
+            copied.append(name)
+    return copied
 
 
 def save_model_dir(model: Transformer | dict, cfg: Config, path: Path, tokenizer_path: Path | str | None = None) -> None:
-    """Write weights (a model or its full state dict), config and tokenizer into `path` (which must exist)."""
+    """Write weights (a model or its full state dict), config and tokenizer (with the files carried beside it)
+    into `path` (which must exist)."""
     path = Path(path)
     state = model if isinstance(model, dict) else model.state_dict()
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
@@ -45,8 +67,7 @@ def save_model_dir(model: Transformer | dict, cfg: Config, path: Path, tokenizer
     save_file(state, str(path / WEIGHTS), metadata={"format": "pt", "producer": "loom"})
     honour_umask(path / WEIGHTS)
     (path / CONFIG).write_text(cfg.to_toml())
-    if tokenizer_path is not None and Path(tokenizer_path).is_file():
-        (path / TOKENIZER).write_bytes(Path(tokenizer_path).read_bytes())
+    copy_tokenizer_files(tokenizer_path, path)
 
 
 def resolve_model_dir(path: str | Path) -> Path:

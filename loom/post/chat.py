@@ -14,6 +14,12 @@ where the reply (with the template's end-of-turn marker) ends. Both must be pref
 conversation's text, or the template does not render prefixes consistently (some drop earlier turns'
 reasoning) and the record is refused. A token is supervised when it starts inside such a span (tokenizer
 offsets), so a reply's end-of-turn token is learned and nothing the user wrote is.
+
+Where a chat model's template and stops come from: the files carried beside its tokenizer.json (run
+directories, checkpoints and `loom convert` keep them, loom.models.io.TOKENIZER_FILES): chat_template.jinja
+(transformers 5 writes it) or tokenizer_config.json's chat_template (`find_template`), and the ids where
+generation stops (`stop_token_ids`: end-of-document, eos_token, generation_config.json's eos_token_id, the
+template's end-of-turn), which `loom generate` and `loom rl` both use.
 """
 
 from __future__ import annotations
@@ -105,45 +111,126 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _from_tokenizer_config(path: Path) -> ChatTemplate:
+def read_json_file(path: Path, what: str) -> dict:
+    """A JSON object file (tokenizer_config.json, generation_config.json); UserError naming it otherwise."""
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read chat template file {path}: {e}; expected a tokenizer_config.json") from None
+        raise UserError(f"cannot read {path}: {e}; expected {what}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} holds {type(config).__name__}; expected {what} (a JSON object)")
+    return config
+
+
+def special_tokens(config: dict) -> dict:
+    """bos_token, eos_token, ... of a tokenizer_config.json's contents, as strings."""
+    return {k: v for k in SPECIAL_KEYS if (v := _token_text(config.get(k))) is not None}
+
+
+def _from_tokenizer_config(path: Path, key: str, jinja: Path | None = None) -> ChatTemplate:
+    """The template of a tokenizer_config.json, or of `jinja` (chat_template.jinja, which transformers 5 writes
+    beside it and reads first) with the config's special tokens."""
+    config = read_json_file(path, "a tokenizer_config.json") if path.is_file() else {}
+    if jinja is not None:
+        return ChatTemplate(jinja.read_text(encoding="utf-8"), special_tokens(config), str(jinja))
     source = config.get("chat_template")
     if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(source, str) or not source:
-        raise UserError(f"{path} has no chat_template (a string, or a list holding one named 'default'); set "
-                        "sft.template=llama3 or chatml, or to a file that has one")
-    special = {k: v for k in SPECIAL_KEYS if (v := _token_text(config.get(k))) is not None}
-    return ChatTemplate(source, special, str(path))
+        raise UserError(f"{path} has no chat_template (a string, or a list holding one named 'default'), and no "
+                        f"{JINJA} lies beside it; set {key}=llama3 or chatml, or to a file that has one")
+    return ChatTemplate(source, special_tokens(config), str(path))
 
 
-def load_template(spec: str, tokenizer_path: str | Path | None = None) -> ChatTemplate:
-    """`sft.template`: "auto" (tokenizer_config.json beside the tokenizer), "llama3", "chatml", a
-    tokenizer_config.json, or a .jinja file."""
+JINJA = "chat_template.jinja"
+
+
+def template_dir(tokenizer_path: str | Path | None) -> Path | None:
+    """The directory whose tokenizer files (tokenizer_config.json, chat_template.jinja) go with a tokenizer."""
+    directory = Path(tokenizer_path) if tokenizer_path else None
+    if directory is not None and directory.is_file():
+        directory = directory.parent
+    return directory
+
+
+def find_template(tokenizer_path: str | Path | None, key: str = "sft.template") -> ChatTemplate | None:
+    """The chat template carried beside a tokenizer (chat_template.jinja, else tokenizer_config.json's
+    chat_template), or None when there is none."""
+    directory = template_dir(tokenizer_path)
+    if directory is None:
+        return None
+    jinja, config = directory / JINJA, directory / "tokenizer_config.json"
+    if jinja.is_file():
+        return _from_tokenizer_config(config, key, jinja)
+    if config.is_file() and read_json_file(config, "a tokenizer_config.json").get("chat_template"):
+        return _from_tokenizer_config(config, key)
+    return None
+
+
+def load_template(spec: str, tokenizer_path: str | Path | None = None, key: str = "sft.template") -> ChatTemplate:
+    """`key` (sft.template, pref.template, rl.template): "auto" (chat_template.jinja or tokenizer_config.json
+    beside the tokenizer), "llama3", "chatml", a tokenizer_config.json, or a .jinja file."""
     if spec in BUILT_IN:
         source, special = BUILT_IN[spec]
         return ChatTemplate(source, dict(special), spec)
     if spec == "auto":
-        directory = Path(tokenizer_path) if tokenizer_path else None
-        if directory is not None and directory.is_file():
-            directory = directory.parent
-        candidate = directory / "tokenizer_config.json" if directory is not None else None
-        if candidate is None or not candidate.is_file():
+        directory = template_dir(tokenizer_path)
+        template = find_template(directory, key)
+        if template is None:
+            where = ("the bpe tokenizer has none" if directory is None else
+                     f"{directory} holds neither {JINJA} nor a tokenizer_config.json with a chat_template")
             raise UserError(
-                f"sft.template=auto takes the chat template from the tokenizer_config.json beside the tokenizer, "
-                f"but {'the bpe tokenizer has none' if candidate is None else f'{candidate} does not exist'}; set "
-                f"sft.template=llama3 or chatml (built in), or to a tokenizer_config.json or .jinja file")
-        return _from_tokenizer_config(candidate)
+                f"{key}=auto takes the chat template from the {JINJA} or tokenizer_config.json beside the "
+                f"tokenizer, but {where}; set {key}=llama3 or chatml (built in), or to a tokenizer_config.json "
+                "or .jinja file")
+        return template
     path = Path(spec)
     if not path.is_file():
-        raise UserError(f"sft.template={spec!r} is neither a built-in template (llama3, chatml, auto) nor a file; "
+        raise UserError(f"{key}={spec!r} is neither a built-in template (llama3, chatml, auto) nor a file; "
                         "give one of those or a tokenizer_config.json / .jinja path")
     if path.suffix == ".json":
-        return _from_tokenizer_config(path)
+        return _from_tokenizer_config(path, key)
     return ChatTemplate(path.read_text(encoding="utf-8"), {}, str(path))
+
+
+def end_of_turn(template: ChatTemplate, tokenizer) -> int | None:
+    """The special token the template writes right after an assistant's reply (ChatML's <|im_end|>, Llama 3's
+    <|eot_id|>), found by rendering a reply; None when the template writes none."""
+    import jinja2
+
+    marker = "loom-reply-marker"
+    try:
+        text = template.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}])
+    except jinja2.TemplateError:
+        return None
+    if marker not in text:
+        return None
+    after = text[text.index(marker) + len(marker):]
+    ids = tokenizer.encode(after)[:1]
+    return ids[0] if ids and tokenizer.decode(ids) in tokenizer.special_tokens() else None
+
+
+def stop_token_ids(tokenizer, template: ChatTemplate | None = None) -> tuple[int, ...]:
+    """Where generation stops, from every source loom knows, in one place: the end-of-document id, the
+    `eos_token` of the tokenizer_config.json beside the tokenizer (or the template's), generation_config.json's
+    `eos_token_id` (an id or a list), and the chat template's end-of-turn token (`end_of_turn`). `template`
+    None: the one carried beside the tokenizer, if any."""
+    ids = [tokenizer.eod_id]
+    directory = template_dir(tokenizer.path)
+    eos = []
+    if directory is not None and (config := directory / "tokenizer_config.json").is_file():
+        eos.append(special_tokens(read_json_file(config, "a tokenizer_config.json")).get("eos_token"))
+    if template is None:
+        template = find_template(directory)
+    if template is not None:
+        eos.append(template.special.get("eos_token"))
+        ids.append(end_of_turn(template, tokenizer))
+    ids += [tokenizer.tok.token_to_id(t) for t in eos if t]
+    if directory is not None and (generation := directory / "generation_config.json").is_file():
+        value = read_json_file(generation, "a generation_config.json").get("eos_token_id")
+        values = value if isinstance(value, list) else [value]
+        ids += [v for v in values if isinstance(v, int) and 0 <= v < tokenizer.vocab_size]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 def check_record(record, where: str) -> list[dict] | tuple[str, str]:
@@ -198,6 +285,36 @@ def encode_chat(template: ChatTemplate, tokenizer, messages: list[dict], where: 
     for lo, hi in spans:
         mask[(starts >= lo) & (starts < hi)] = 1
     return np.asarray(enc.ids, dtype=np.int64), mask
+
+
+def generation_prompts(records: list[tuple[str, dict]], tokenizer_path) -> list[str]:
+    """`loom generate`'s prompts: each (where, record)'s "prompt", or its chat "messages" rendered with the
+    model's chat template (the one carried beside its tokenizer) and the generation prompt."""
+    import jinja2
+
+    template = None
+    texts = []
+    for where, record in records:
+        if "prompt" in record:
+            texts.append(record["prompt"])
+            continue
+        if template is None:
+            template = find_template(tokenizer_path)
+            if template is None:
+                raise UserError(f"{where}: a chat record (\"messages\") needs the model's chat template, but "
+                                f"{template_dir(tokenizer_path)} holds neither {JINJA} nor a tokenizer_config.json "
+                                "with a chat_template; give {\"prompt\": text} records instead")
+        messages = record["messages"]
+        bad = [i for i, m in enumerate(messages) if not isinstance(m, dict) or m.get("role") not in ROLES
+               or not isinstance(m.get("content"), str)]
+        if bad:
+            raise UserError(f"{where}: messages[{bad[0]}] = {json.dumps(messages[bad[0]])[:120]} must be an object "
+                            f"with \"role\" one of {', '.join(ROLES)} and a string \"content\"")
+        try:
+            texts.append(template.render(messages, add_generation_prompt=True))
+        except jinja2.TemplateError as e:
+            raise UserError(f"{where}: chat template {template.name} refused the conversation: {e}") from None
+    return texts
 
 
 def encode_completion(tokenizer, prompt: str, completion: str) -> tuple[np.ndarray, np.ndarray]:

@@ -12,13 +12,14 @@ the rest; `load_reward_model` reads it back.
 
 DPO: the reference log-probs come from the frozen initial policy, computed once in a pass over every pair
 before the first step (`ReferencePass`) and kept as two numbers per pair, instead of a second, frozen copy
-of the model sharded beside the policy. Reasons: the reference is a fixed function of the data, so one
-forward pass per pair the run visits suffices where a frozen copy would run one per pair per visit; no second model's
-weights in memory (which at scale is the difference between fitting and not); and the pass runs through
-the same runner, in the same layout, as training. The numbers are written to RUN/dpo_reference.pt, which a
-resumed run reads back (its weights are no longer the initial policy). Every rank computes all of them (as
-evaluation scores the whole held-out set on every rank): a data-parallel split would save compute, at the
-cost of a gather. Cost: one forward pass over the pairs the run visits, without gradients.
+of the model sharded beside the policy (with LoRA, `lora.rank > 0`, the pass runs the model with its
+adapters switched off: the base, at step 0 and on resuming alike). Reasons: the reference is a fixed function
+of the data, so one forward pass per pair the run visits suffices where a frozen copy would run one per pair
+per visit; no second model's weights in memory (which at scale is the difference between fitting and not);
+and the pass runs through the same runner, in the same layout, as training. The numbers are written to
+RUN/dpo_reference.pt, which a resumed run reads back (its weights are no longer the initial policy). Every
+rank computes all of them (as evaluation scores the whole held-out set on every rank): a data-parallel split
+would save compute, at the cost of a gather. Cost: one forward pass over the pairs the run visits, without gradients.
 
 Layouts: data parallelism, replicated and fully sharded (FSDP), in any combination; what else is refused
 before launch, and why, is in the rule book (loom/rules.py, `recipe_problem`).
@@ -36,24 +37,27 @@ from loom.config import Config
 from loom.data.dataset import held_out_split
 from loom.data.tokenizer import Tokenizer
 from loom.errors import UserError
+from loom.models.lora import adapters_disabled
 from loom.models.losses import HeadInput, Loss
 from loom.post.chat import load_template
 from loom.post.losses import dpo_losses, preference_sums, reward_model_losses, sequence_logprobs
-from loom.post.pref_data import PairDataset, Pairs, prepare_pairs
+from loom.post.pref_data import PairDataset, Pairs, pair_columns, prepare_pairs
 from loom.train.recipe import Recipe
 
 REFERENCE_FILE = "dpo_reference.pt"
 
 
 def template_for(cfg: Config):
-    return load_template(cfg.pref.template, None if cfg.data.tokenizer == "bpe" else cfg.data.tokenizer)
+    return load_template(cfg.pref.template, None if cfg.data.tokenizer == "bpe" else cfg.data.tokenizer,
+                         "pref.template")
 
 
 def prepare_data(cfg: Config, tokenizer: Tokenizer):
     """((chosen, rejected) prefixes of the training pairs, of the held-out pairs), tokenized once into the cache."""
     template = template_for(cfg)
-    valid = prepare_pairs(cfg.pref.valid_data, tokenizer, template) if cfg.pref.valid_data else None
-    return prepare_pairs(cfg.pref.data, tokenizer, template), valid
+    columns = pair_columns(cfg.pref)
+    valid = prepare_pairs(cfg.pref.valid_data, tokenizer, template, columns) if cfg.pref.valid_data else None
+    return prepare_pairs(cfg.pref.data, tokenizer, template, columns), valid
 
 
 def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[PairDataset, PairDataset]:
@@ -142,7 +146,9 @@ class ReferencePass:
     def __call__(self, trainer) -> None:
         path = Path(trainer.run_dir) / REFERENCE_FILE
         datasets = [trainer.train_data, trainer.val_data]
-        if trainer.resumed_from is not None:
+        # LoRA: the reference is the base, the model with its adapters switched off, at any step: a resumed run
+        # computes it again rather than trusting a file.
+        if trainer.resumed_from is not None and not trainer.cfg.lora.enabled:
             if not path.is_file():
                 raise UserError(f"{path} is missing: a resumed DPO run needs the reference log-probs its first start "
                                 "wrote (the weights are no longer the initial policy); start a new run instead")
@@ -175,7 +181,7 @@ class ReferencePass:
         for i in range(0, len(members), per_batch):
             ids = members[i:i + per_batch]
             batch = to_device(data.rows_of(ids), trainer.device)
-            with runner.autocast():
+            with runner.autocast(), adapters_disabled(model):  # LoRA: the base; else the initial policy itself
                 logits = model(batch["input_ids"], **model_kwargs(batch))
             ref[torch.as_tensor(ids)] = sequence_logprobs(logits, batch["labels"]).double().cpu().view(-1, 2)
         model.train(was_training)
@@ -202,6 +208,9 @@ class _Preference(Recipe):
 
     def datasets(self, cfg: Config, tokenizer: Tokenizer) -> tuple[PairDataset, PairDataset]:
         return build_datasets(cfg, tokenizer)
+
+    def chat_template(self, cfg: Config):
+        return template_for(cfg)
 
 
 class RewardModel(_Preference):
@@ -239,6 +248,14 @@ def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32):
 
     directory = resolve_model_dir(path)
     cfg = read_config(directory)
+    if cfg.lora.enabled:  # a LoRA reward model: its base, adapters and score head, the adapters merged
+        from loom.interop.peft import load_adapted
+        from loom.models.lora import merge
+
+        model, cfg, _ = load_adapted(directory, extend=add_score_head)
+        merge(model).to(dtype)
+        model.reset_buffers()
+        return model.eval(), cfg
     model = build_model(cfg.model, dtype=dtype)
     add_score_head(model)
     model.score.to(dtype)

@@ -16,7 +16,7 @@ from loom.data.tokenizer import Tokenizer
 from loom.errors import UserError
 from loom.models.losses import MaskedTokenCrossEntropy
 from loom.post.chat import load_template
-from loom.post.sft_data import Examples, SFTDataset, prepare
+from loom.post.sft_data import Examples, SFTDataset, columns_of, prepare
 from loom.train.recipe import Recipe
 
 
@@ -27,7 +27,8 @@ def template_for(cfg: Config):
 def prepare_data(cfg: Config, tokenizer: Tokenizer) -> tuple[list[str], list[str]]:
     """(train prefixes, held-out prefixes): .jsonl files tokenized into the cache once."""
     template = template_for(cfg)
-    return prepare(cfg.sft.data, tokenizer, template), prepare(cfg.sft.valid_data, tokenizer, template)
+    columns = columns_of(cfg.sft)
+    return prepare(cfg.sft.data, tokenizer, template, columns), prepare(cfg.sft.valid_data, tokenizer, template, columns)
 
 
 def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[SFTDataset, SFTDataset]:
@@ -68,6 +69,9 @@ class SFT(Recipe):
 
     def datasets(self, cfg: Config, tokenizer: Tokenizer) -> tuple[SFTDataset, SFTDataset]:
         return build_datasets(cfg, tokenizer)
+
+    def chat_template(self, cfg: Config):
+        return template_for(cfg)
 
     def loss(self, cfg: Config) -> MaskedTokenCrossEntropy:
         return MaskedTokenCrossEntropy(cfg.train.loss_chunk)

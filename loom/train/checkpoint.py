@@ -5,8 +5,8 @@
 - `.metadata` and `__R_K.distcp`: model and optimizer state written with `torch.distributed.checkpoint`
   (DCP). Every rank writes its own shards, in parallel; keys are parameter names independent of the
   layout (pipeline stages keep the original names), so any layout — or one process — can load them;
-- `config.toml`, `tokenizer.json`, `trainer_state.json` (step, consumed samples, world size) and
-  `rng-R.pt` (every RNG rank R draws from);
+- `config.toml`, `tokenizer.json` with the chat files beside it (`loom.models.io.TOKENIZER_FILES`),
+  `trainer_state.json` (step, consumed samples, world size) and `rng-R.pt` (every RNG rank R draws from);
 - `manifest.json`: size and sha256 of every file. Each rank hashes the files it wrote; the
   coordinator merges the parts once every rank has finished.
 
@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from loom.config import Config
 from loom.errors import UserError
-from loom.models.io import CONFIG, TOKENIZER, atomic_write_text, read_config, write_json
+from loom.models.io import CONFIG, atomic_write_text, copy_tokenizer_files, read_config, write_json
 
 # One process saves and loads without a process group on purpose (DCP's no_dist mode).
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -49,6 +49,10 @@ STATE = "trainer_state.json"
 # Optimizer state keyed `state.<param>.<key>` / `param_groups.<param>.<key>`: the union over pipeline
 # ranks is the whole optimizer, and each key means the same thing in every layout.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# LoRA (lora.rank > 0): the trained tensors only (adapters, a recipe's heads) and their optimizer state; the
+# frozen base is train.init_from's (or train.seed's), which trainer_state.json's "lora_base" names and a resume
+# loads again. A checkpoint of a 8B model's adapters is megabytes, not 16 bytes x 8B.
+LORA_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 
 
 @dataclass
@@ -133,8 +137,17 @@ class Checkpointer:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
         self.pending = None  # (future, tmp dir, name) of an asynchronous save in flight
 
+    @property
+    def options(self) -> StateDictOptions:
+        return LORA_OPTIONS if self.cfg.lora.enabled else OPTIONS
+
     def _state(self) -> dict:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=OPTIONS)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self.options)
+        if self.cfg.lora.enabled:  # a tied head's second name survives ignore_frozen_params: keep trained names only
+            from loom.models.lora import adapter_state
+
+            trained = adapter_state(self.model)
+            model_state = {k: v for k, v in model_state.items() if k in trained}
         return {"model": model_state, "optim": optim_state}
 
     def save(self, state: TrainState) -> float:
@@ -156,11 +169,11 @@ class Checkpointer:
         if self.rank == 0:
             (tmp / CONFIG).write_text(self.cfg.to_toml())
             write_json(tmp / STATE, {"step": state.step, "consumed_samples": state.consumed_samples,
-                                     "world_size": self.world, "data": self.data_fingerprints})
+                                     "world_size": self.world, "data": self.data_fingerprints,
+                                     **({"lora_base": self.cfg.train.init_from or f"train.seed={self.cfg.train.seed}"}
+                                        if self.cfg.lora.enabled else {})})
             own += [CONFIG, STATE]
-            if self.tokenizer_path is not None and Path(self.tokenizer_path).is_file():
-                shutil.copyfile(self.tokenizer_path, tmp / TOKENIZER)
-                own.append(TOKENIZER)
+            own += copy_tokenizer_files(self.tokenizer_path, tmp)  # with its chat template and stop ids
         writer = _ManifestWriter(tmp, own)
         if self.cfg.checkpoint.async_save:
             # Copies the state to memory now; the write runs in a background thread.
@@ -220,7 +233,7 @@ class Checkpointer:
         # traceback and is never taken for a damaged checkpoint.
         dcp.load(state, checkpoint_id=path, process_group=self.group, no_dist=self.world == 1)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=OPTIONS)
+                       options=self.options)
         from loom.train.optim import apply_hyperparameters
 
         apply_hyperparameters(self.optimizer, self.cfg.optim)

@@ -88,3 +88,8 @@ class Recipe:
 
     def runs_user_code(self, cfg: Config) -> bool:
         return False
+
+    def chat_template(self, cfg: Config):
+        """The chat template (loom.post.chat.ChatTemplate) the recipe renders its data with, written into the
+        run directory's tokenizer files when none came with the tokenizer; None: no chat data."""
+        return None

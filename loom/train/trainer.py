@@ -18,10 +18,12 @@ The parts, each small enough to read on its own:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -31,11 +33,13 @@ import torch
 from loom import flops
 from loom.build import build_in_layout, compute_dtype
 from loom.config import Config
+from loom.config.advice import run_advice
 from loom.data.indexed import fingerprint
-from loom.data.dataset import Dataset
+from loom.data.dataset import Dataset, first_passes
 from loom.data.tokenizer import load_tokenizer
 from loom.errors import TrainingDiverged, UserError
-from loom.models.io import atomic_write_text
+from loom.models.io import TOKENIZER_FILES, atomic_write_text, copy_tokenizer_files
+from loom.models.lora import trainable_count
 from loom.models.moe import step_stats, update_router_biases
 from loom.parallel import place_in_mesh
 from loom.parallel.distributed import all_reduce_sum, clip_grad_norm, init_distributed, pick_device
@@ -70,6 +74,8 @@ class Trainer:
         self.recipe = recipe or Recipe()
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir else cfg.default_run_dir()
+        # A run that fails on bad input before its first step leaves no directory behind it made (`fit`).
+        self.made_run_dir = not self.run_dir.exists()
         self.ckpt_root = self.run_dir / "checkpoints"
         self.quiet = quiet
         self.loss = self.recipe.loss(cfg)
@@ -130,8 +136,10 @@ class Trainer:
             self.num_params = model.num_params()
             return build_runner(model, cfg, self.layout, self.loss, self.device, compute_dtype(cfg), layer_plan)
 
-        self.runner = build_in_layout(cfg, self.device, place, extend=self.recipe.extend_model,
-                                      init_from=t.init_from if resume_from is None else "", mark=self.beacon.mark)
+        # A LoRA checkpoint holds the adapters only (checkpoint.py): a resumed LoRA run loads its base again.
+        base = t.init_from if resume_from is None or cfg.lora.enabled else ""
+        self.runner = build_in_layout(cfg, self.device, place, extend=self.recipe.extend_model, init_from=base,
+                                      mark=self.beacon.mark, adapters=True)
         self.model = self.runner.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.evaluator = Evaluator(self.runner, self.val_data, self.tokenizer, t.micro_batch)
@@ -156,7 +164,11 @@ class Trainer:
         self.resumed_from = resume_from
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            source = self.tokenizer.path
             self.tokenizer.save(self.tokenizer_path)
+            # A chat model's template, special tokens and stop ids travel with its tokenizer (loom.models.io).
+            copy_tokenizer_files(source, self.run_dir, TOKENIZER_FILES[1:])
+            self._carry_template(self.recipe.chat_template(cfg))
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
 
         self.tokens_per_step = t.global_batch * t.seq_len
@@ -164,6 +176,17 @@ class Trainer:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.peak_tflops = flops.device_peak_tflops(name)
         self.recipe.set_up(self)
+
+    def _carry_template(self, template) -> None:
+        """The recipe's chat template (a built-in or a file the tokenizer did not come with) into the run
+        directory's tokenizer_config.json, so that template=auto finds it in the next stage (SFT -> DPO, RL)."""
+        config_file = self.run_dir / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        if template is None or config.get("chat_template") or (self.run_dir / "chat_template.jinja").is_file():
+            return
+        config = {**template.special, **config, "chat_template": template.source}
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        atomic_write_text(config_file, json.dumps(config, indent=2) + "\n")
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -260,7 +283,7 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train to train.steps; a timed-out collective becomes a CollectiveTimeout naming the ranks behind."""
-        with self.beacon.naming_hangs():
+        with self.beacon.naming_hangs(), self._no_trace_of_bad_input():
             t, control = self.cfg.train, self.control
             report = self._reporter()
             if (row := self.recipe.start(self)) is not None:  # a row before the first step (RL's starting point)
@@ -297,20 +320,34 @@ class Trainer:
                 report.close()
             return last_eval
 
+    @contextlib.contextmanager
+    def _no_trace_of_bad_input(self):
+        """Bad input found before the first step ends (a user's reward function failing on the first rollouts)
+        removes the run directory this run made: nothing half-written is left behind."""
+        try:
+            yield
+        except UserError:
+            if self.is_main and self.made_run_dir and self.state.step == 0 and self.resumed_from is None:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+
     def _reporter(self) -> Reporter:
         t, resumed = self.cfg.train, self.resumed_from is not None
         metrics = MetricsWriter(self.run_dir, self.state.step if resumed else None, self.cfg.log.tensorboard,
-                                enabled=self.is_main)
+                                enabled=self.is_main, config=self.cfg)
         progress = Progress(self.cfg.log.progress, t.steps, self.state.step, t.log_interval,
                             enabled=not self.quiet and self.is_main)
         progress.message(banner(self.cfg, self.recipe.command, self.layout, self.num_params, self.train_data,
-                                self.run_dir, self.resumed_from, valid_source(self.cfg, self.val_data)))
+                                self.run_dir, self.resumed_from, valid_source(self.cfg, self.val_data),
+                                trained=trainable_count(self.model)[0]))
+        for line in run_advice(self.cfg, self.recipe.command):
+            progress.message(line)
         if resumed:
             progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
         elif t.init_from:
             progress.message(f"weights from train.init_from={t.init_from}")
         report = Reporter(metrics, progress, self.ckpt_root, self.cfg.checkpoint.async_save,
-                          self.train_data.epoch_steps(t.global_batch))
+                          first_passes(self.train_data.epoch_steps(t.global_batch)))
         return report
 
     def _stop_diverged(self, step: int) -> None:

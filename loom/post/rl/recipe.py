@@ -18,7 +18,8 @@ One step (`RL.train_step`, the recipe's step in the one training loop), every ph
    then `rl.epochs` x `rl.minibatches` optimizer steps through the run's step runner: the loss is the mean
    over the global batch's counted units (tokens or sequences, `rl.aggregation`) whatever the layout.
 5. refit (`refit_s`): the engine's weights replaced in place by the updated policy's (gathered from FSDP
-   or TP shards).
+   or TP shards); with LoRA by the merged weights W + (alpha / rank) B A (the engine has no adapters), and the
+   KL term's reference is the policy with its adapters switched off (no second model).
 
 Layouts: data parallelism (replicated, FSDP, hybrid) and tensor parallelism (the engine then shards its
 weights over the same tensor-parallel group, and every rank of the group runs the same requests). Groups
@@ -49,15 +50,22 @@ from loom.build import build_in_layout, parallelized, tensor_parallel, torch_dty
 from loom.config import Config
 from loom.data.tokenizer import Tokenizer
 from loom.errors import UserError
+from loom.models.lora import adapters_disabled, lora_layers, merged_state_dict
 from loom.parallel.distributed import all_reduce_sum, full_tensor
 from loom.post import losses as L
 from loom.post.rl.policy import PolicyLoss, add_value_head, value_of
 from loom.post.rl.prompts import PromptSet, build_datasets
 from loom.post.rl.rewards import Rewards, is_user_code, load_callable
-from loom.post.rl.rollouts import rollout_engine, rollout_seed, rows_of
+from loom.post.rl.rollouts import rollout_engine, rollout_seed, rows_of, stop_ids
 from loom.train.recipe import Recipe
 from loom.train.schedule import lr_at
 from loom.train.trainer import Trainer
+
+
+def policy_weights(model: nn.Module) -> nn.Module | dict:
+    """What the engine is refitted with: the policy, or with LoRA its merged weights (W + scale B A, shard by
+    shard), so that the engine, which has no adapters, samples from the trained policy."""
+    return merged_state_dict(model) if lora_layers(model) else model
 
 
 class RL(Recipe):
@@ -100,6 +108,13 @@ class RL(Recipe):
     def runs_user_code(self, cfg: Config) -> bool:
         return is_user_code(cfg.rl.reward)
 
+    def chat_template(self, cfg: Config):
+        from loom.post.chat import load_template
+
+        if cfg.rl.template == "none":
+            return None
+        return load_template(cfg.rl.template, None if cfg.data.tokenizer == "bpe" else cfg.data.tokenizer, "rl.template")
+
     def set_up(self, trainer: Trainer) -> None:
         self.trainer = trainer
         cfg, rl = trainer.cfg, trainer.cfg.rl
@@ -109,11 +124,13 @@ class RL(Recipe):
         # initial values are replaced by the policy's at once.
         engine_model = build_in_layout(cfg, trainer.device, tensor_parallel(trainer.layout), dtype=torch_dtype(cfg),
                                        seed=0).model
-        self.engine = rollout_engine(cfg, engine_model)
-        self.engine.refit(trainer.model)
-        self.reference = self._build_reference() if rl.kl_coef else None
+        self.engine = rollout_engine(cfg, engine_model, trainer.tokenizer.decode)
+        self.engine.refit(policy_weights(trainer.model))
+        # LoRA: the reference is the policy with its adapters switched off (the base), not a second model.
+        self.reference = self._build_reference() if rl.kl_coef and not cfg.lora.enabled else None
         self.rewards = Rewards(cfg, trainer.tokenizer, trainer.device)
-        self.stop_ids = tuple(i for i in (trainer.tokenizer.eod_id,) if i is not None)
+        # Completions end at the end-of-turn / end-of-sequence (and rl.stop text): what follows is never trained on.
+        self.stop_ids = stop_ids(cfg, trainer.tokenizer)
 
     def _build_reference(self) -> nn.Module:
         """The frozen initial policy in the run's layout: train.init_from's weights, or train.seed's."""
@@ -136,10 +153,12 @@ class RL(Recipe):
         from loom.infer.sampling import SamplingParams
 
         rl = self.trainer.cfg.rl
+        stop = tuple(rl.stop)
         if greedy:
-            return SamplingParams(temperature=0.0, max_new_tokens=rl.max_new_tokens, stop_token_ids=self.stop_ids)
+            return SamplingParams(temperature=0.0, max_new_tokens=rl.max_new_tokens, stop_token_ids=self.stop_ids,
+                                  stop=stop)
         return SamplingParams(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
-                              max_new_tokens=rl.max_new_tokens, stop_token_ids=self.stop_ids)
+                              max_new_tokens=rl.max_new_tokens, stop_token_ids=self.stop_ids, stop=stop)
 
     def rollouts(self, data: PromptSet, indices: list[int], repeat: int, seeds: list[int] | None, greedy: bool):
         """Completions of every prompt in `indices`, `repeat` times each (a group), with their texts."""
@@ -149,15 +168,15 @@ class RL(Recipe):
         prompts = [data.ids[i] for i in indices for _ in range(repeat)]
         params = [dataclasses.replace(base, seed=s) for s in seeds] if seeds else base
         done = self.engine.generate(prompts, params)
-        stop = set(self.stop_ids)
-        texts = [self.trainer.tokenizer.decode([t for t in c.tokens if t not in stop]) for c in done]
+        texts = [c.text(self.trainer.tokenizer.decode) for c in done]  # without the stop token or string
         return prompts, done, texts
 
     def score(self, data: PromptSet, indices: list[int], repeat: int, prompts, done, texts) -> dict:
         """The rewards (`Rewards`) of `rollouts(data, indices, repeat, ...)`'s completions."""
         prompt_texts = [data.texts[i] for i in indices for _ in range(repeat)]
         fields = [data.fields[i] for i in indices for _ in range(repeat)]
-        return self.rewards(prompt_texts, texts, fields, [p + c.tokens for p, c in zip(prompts, done)])
+        records = [f"prompt record {i} of {data.source}" for i in indices for _ in range(repeat)]
+        return self.rewards(prompt_texts, texts, fields, [p + c.tokens for p, c in zip(prompts, done)], records)
 
     @torch.no_grad()
     def _forward_logp(self, model: nn.Module, batch: dict, values: bool = False):
@@ -222,6 +241,9 @@ class RL(Recipe):
         batch["old_logp"], old_values = self._forward_logp(trainer.model, batch, values=ppo)
         if self.reference is not None:
             batch["ref_logp"], _ = self._forward_logp(self.reference, batch)
+        elif rl.kl_coef:  # LoRA: the base
+            with adapters_disabled(trainer.model):
+                batch["ref_logp"], _ = self._forward_logp(trainer.model, batch)
         times["logprobs_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -247,7 +269,7 @@ class RL(Recipe):
             outs = [{"loss": 0.0, "grad_norm": 0.0, "lr": lr_at(step, cfg.optim, t.steps),
                      "skipped_steps": trainer.control.skipped_steps}]
 
-        times["refit_s"] = self.engine.refit(trainer.model)
+        times["refit_s"] = self.engine.refit(policy_weights(trainer.model))
         trainer.state.step += 1
         trainer.state.consumed_samples += t.global_batch
         last = outs[-1]

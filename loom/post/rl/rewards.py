@@ -4,6 +4,11 @@
 from __future__ import annotations
 
 import importlib
+import json
+import math
+import numbers
+import os
+import sys
 
 import torch
 
@@ -19,17 +24,33 @@ def is_user_code(spec: str) -> bool:
 
 
 def load_callable(spec: str):
-    """`package.module:function` -> the function; UserError naming what is wrong."""
+    """`package.module:function` -> the function; UserError naming what is wrong. The current directory is on
+    the import path (as for `python -m`), so a reward module beside the user imports without PYTHONPATH."""
     module_name, _, name = spec.partition(":")
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)  # after everything else: the user's file never shadows an installed module
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise UserError(f"rl.reward={spec!r}: cannot import {module_name!r} ({e}); give package.module:function "
-                        "importable from this environment, e.g. loom.post.tasks:exact_match") from None
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):  # the module itself, not one it imports
+            looked = ", ".join(p or "." for p in sys.path[:6]) + (", ..." if len(sys.path) > 6 else "")
+            raise UserError(f"rl.reward={spec!r}: cannot import {module_name!r}: no such module in the current "
+                            f"directory ({here}) or on the import path ({looked}); put {module_name.replace('.', '/')}.py in "
+                            "the current directory or on PYTHONPATH, or name an installed module, e.g. "
+                            "loom.post.tasks:exact_match") from None
+        raise UserError(f"rl.reward={spec!r}: importing {module_name!r} failed: {type(e).__name__}: {e}") from None
+    except Exception as e:  # the module itself raised while being imported: the user's code
+        raise UserError(f"rl.reward={spec!r}: importing {module_name!r} raised {type(e).__name__}: {e}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise UserError(f"rl.reward={spec!r}: {module_name} has no function {name!r}")
     return fn
+
+
+def _excerpt(prompt: str, completion: str, fields: dict, width: int = 160) -> str:
+    text = json.dumps({"prompt": prompt, "completion": completion, **fields}, ensure_ascii=False, default=str)
+    return text if len(text) <= width else text[:width] + "..."
 
 
 class Rewards:
@@ -37,6 +58,7 @@ class Rewards:
 
     def __init__(self, cfg: Config, tokenizer: Tokenizer, device: torch.device):
         rl = cfg.rl
+        self.spec = rl.reward
         self.fn = load_callable(rl.reward) if rl.reward else None
         self.model = None
         self.coef = rl.reward_model_coef
@@ -50,12 +72,31 @@ class Rewards:
             self.model.to(device)
             self.device = device
 
+    def reward_of(self, prompt: str, completion: str, fields: dict, where: str) -> float:
+        """The reward function's value for one completion; a failure of the user's function (an exception, a
+        keyword it does not take, a value that is not a finite number) is bad input naming the function and
+        the record `where`."""
+        try:
+            value = self.fn(prompt, completion, **fields)
+        except Exception as e:
+            error = f"raised {type(e).__name__}: {e}"
+        else:
+            if isinstance(value, numbers.Real) and math.isfinite(float(value)):
+                return float(value)
+            error = f"returned {value!r} ({type(value).__name__}), not a finite number"
+        raise UserError(f"the reward function rl.reward={self.spec} {error}, on {where}: "
+                        f"{_excerpt(prompt, completion, fields)}. It is called as f(prompt, completion, **fields) "
+                        f"with every other field of the record as a keyword (here: "
+                        f"{', '.join(fields) or 'none'}) and must return a number")
+
     def __call__(self, texts: list[str], completions: list[str], fields: list[dict],
-                 sequences: list[list[int]]) -> dict[str, torch.Tensor]:
+                 sequences: list[list[int]], records: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """`records`: where each prompt comes from, in words (for messages)."""
         out = {}
         total = torch.zeros(len(texts), dtype=torch.float64)
         if self.fn is not None:
-            values = torch.tensor([float(self.fn(p, c, **f)) for p, c, f in zip(texts, completions, fields)],
+            where = records or [f"completion {i}" for i in range(len(texts))]
+            values = torch.tensor([self.reward_of(p, c, f, w) for p, c, f, w in zip(texts, completions, fields, where)],
                                   dtype=torch.float64)
             out["reward_fn"] = values
             total += values

@@ -12,15 +12,27 @@ from loom.models.losses import IGNORE
 from loom.post.rl.prompts import engine_max_len
 
 
-def rollout_engine(cfg: Config, model: nn.Module):
+def rollout_engine(cfg: Config, model: nn.Module, decode=None):
     """The engine that generates the rollouts, on `model` (the engine's own copy of the policy). Decode steps are
     compiled per `rl.engine_compile`: "auto" (the default) is on on a GPU (a CUDA graph per step) and off on a
-    CPU, decided by `loom.infer.step.resolve_compile` as for `loom generate`."""
+    CPU, decided by `loom.infer.step.resolve_compile` as for `loom generate`. `decode` (ids -> text) reads
+    completions for `rl.stop`."""
     from loom.infer.engine import Engine
 
     rl = cfg.rl
     return Engine(model, max_batch=rl.engine_batch, max_len=engine_max_len(cfg), seed=cfg.train.seed,
-                  compile=rl.engine_compile, sync_every=rl.engine_sync_every)
+                  compile=rl.engine_compile, sync_every=rl.engine_sync_every, decode=decode)
+
+
+def stop_ids(cfg: Config, tokenizer) -> tuple[int, ...]:
+    """Where rollouts stop: the tokenizer's end-of-sequence ids and the chat template's end-of-turn
+    (`loom.post.chat.stop_token_ids`; the template is rl.template's when it names one)."""
+    from loom.post.chat import load_template, stop_token_ids
+
+    template = None
+    if cfg.rl.template not in ("none", "auto"):
+        template = load_template(cfg.rl.template, None, "rl.template")
+    return stop_token_ids(tokenizer, template)
 
 
 def rollout_seed(seed: int, step: int, index: int) -> int:
