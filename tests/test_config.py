@@ -73,6 +73,26 @@ def test_bad_values_name_field_and_valid_choices(override, fragments):
         assert fragment in str(err.value)
 
 
+@pytest.mark.parametrize("given, meant", [
+    ("train.learning_rate", "optim.lr"),  # another trainer's name for a key of another section
+    ("train.min_lr", "optim.min_lr"),  # the same name, in another section
+    ("optim.max_grad_norm", "train.grad_clip"),
+    ("train.batch_size", "train.global_batch"),
+    ("model.moe.expert", "model.moe.experts"),  # a typo inside a nested section
+    ("rl.max_new_token", "rl.max_new_tokens"),
+])
+def test_unknown_key_suggests_across_sections(given, meant):
+    with pytest.raises(UserError, match=f"unknown config key '{given}' \\(did you mean '{meant}'\\?\\)"):
+        load_config("tiny", [f"{given}=1"])
+
+
+def test_other_trainers_names_point_at_real_keys():
+    from loom.config.load import OTHER_NAMES
+
+    keys = set(Config().field_values())
+    assert [name for name, key in OTHER_NAMES.items() if key not in keys and not key.startswith("--")] == []
+
+
 def test_unknown_config_name_suggests():
     with pytest.raises(UserError) as err:
         load_config("tinny")
@@ -123,3 +143,18 @@ def test_section_checks_name_the_toml_key():
         load_config("tiny-moe", ["model.moe.load_balance_coeff=nan"])
     with pytest.raises(UserError, match=r"rl\.gamma=1\.5 must be in \[0, 1\]"):
         load_config("tiny", ["rl.gamma=1.5"])
+
+
+def test_advice_on_valid_but_doubtful_settings():
+    from loom.config.advice import run_advice
+
+    cfg = load_config("tiny-dpo", ["train.init_from=some/sft-run"], validate=False)
+    (line,) = run_advice(cfg, "dpo")  # tiny-dpo's 1e-3 is tuned for random initialisation
+    assert "optim.lr=0.001 starting from trained weights" in line
+    assert run_advice(cfg, "sft") == []  # the same rate is not doubted for SFT
+    cfg.optim.lr = 1e-6
+    assert run_advice(cfg, "dpo") == []
+    cfg = load_config("tiny", ["train.steps=4", "optim.warmup_steps=8", "optim.lr=1e-3"])
+    assert run_advice(cfg, "train") == ["note: optim.warmup_steps=8 > train.steps=4: the learning rate rises to "
+                                        "5.00e-04 at most and never reaches optim.lr=0.001; lower "
+                                        "optim.warmup_steps to run at optim.lr"]

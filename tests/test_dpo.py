@@ -45,6 +45,9 @@ def test_first_step_is_at_the_reference_and_stats_are_logged(dpo_run):
     assert steps[-1]["margin"] != 0.0 and steps[-1]["loss"] < math.log(2)
     assert {"val_loss", "val_accuracy", "val_margin", "val_chosen_reward", "val_rejected_reward"} <= set(evals[-1])
     assert (dpo_run / "dpo_reference.pt").is_file()
+    from loom.train.metrics import recipe_summary  # the progress line shows accuracy and margin
+
+    assert recipe_summary(steps[-1]) == f"  accuracy {steps[-1]['accuracy']:.3f}  margin {steps[-1]['margin']:.3f}"
 
 
 def test_dpo_dp_shard2_matches_single_process(dpo_run, tmp_path):

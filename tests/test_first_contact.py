@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tokenizers
 
-from conftest import SMALL, run_cli, small_config
+from conftest import SMALL, run_cli, run_main, small_config
 from loom.cli import main
 from loom.config import load_config
 from loom.data.indexed import IndexedDatasetBuilder, stats_path
@@ -145,8 +145,8 @@ def test_version_print_config_and_help_texts(tmp_path):
 
     proc = run_cli("--version")
     assert proc.returncode == 0 and proc.stdout.strip() == f"loom {__version__}"
-    proc = run_cli("train", "--config", "tiny", "--train.steps=7", "--parallel.tp=2", "--run-dir", str(tmp_path / "r"),
-                   "--print-config")
+    proc = run_main("train", "--config", "tiny", "--train.steps=7", "--parallel.tp=2", "--run-dir",
+                    str(tmp_path / "r"), "--print-config")
     assert proc.returncode == 0, proc.stderr
     printed = tomllib.loads(proc.stdout)
     assert printed == load_config("tiny", ["train.steps=7", "parallel.tp=2"]).to_dict()
@@ -154,7 +154,7 @@ def test_version_print_config_and_help_texts(tmp_path):
     for command, needles in (("generate", ["Continue --prompt", "a run directory (its latest checkpoint)"]),
                              ("convert", ["Convert a model", "the directory to write"]),
                              ("preprocess", ["Refuses to replace an existing dataset", "--overwrite", "--eod-token"])):
-        proc = run_cli(command, "--help")
+        proc = run_main(command, "--help")
         assert proc.returncode == 0 and all(n in " ".join(proc.stdout.split()) for n in needles), (command, proc.stdout)
 
 

@@ -6,7 +6,7 @@ import json
 import time
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_main
 
 from loom.config import load_config
 from loom.planner.memory import memory
@@ -329,7 +329,7 @@ def test_layers_that_do_not_split_evenly_get_a_declared_split(tmp_path):
         assert (30 - lay.first_stage_layers - lay.last_stage_layers) % (chunks - 2) == 0
     # --layout prices an indivisible layer count with the uneven split loom runs (as Meta ran 126 layers on
     # 16 stages), searching what it does not fix; a split it gives is kept.
-    r = run_cli("plan", "--model", "llama3-8b", "--layers", "30", "--gpus", "32", "--gpu", "h100", "--global-batch",
+    r = run_main("plan", "--model", "llama3-8b", "--layers", "30", "--gpus", "32", "--gpu", "h100", "--global-batch",
                 "64", "--layout", "tp=2,pp=4,sp=true", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -338,7 +338,7 @@ def test_layers_that_do_not_split_evenly_get_a_declared_split(tmp_path):
         assert (c["tp"], c["pp"], c["sp"]) == (2, 4, True) and c["fits"] and not c["loom_refuses"]
         first, last, chunks = c["first_stage_layers"], c["last_stage_layers"], 4 * c["vpp"]
         assert first and last and (30 - first - last) % (chunks - 2) == 0
-    r = run_cli("plan", "--model", "llama3-8b", "--layers", "30", "--gpus", "32", "--gpu", "h100", "--global-batch",
+    r = run_main("plan", "--model", "llama3-8b", "--layers", "30", "--gpus", "32", "--gpu", "h100", "--global-batch",
                 "64", "--layout", "tp=2,pp=4,sp=true,first=6,last=6,vpp=1", "--json")
     assert r.returncode == 0, r.stderr
     assert {(c["first_stage_layers"], c["last_stage_layers"]) for c in json.loads(r.stdout)["candidates"]} == {(6, 6)}
@@ -408,7 +408,7 @@ def test_full_recompute_layers_count_per_chunk_as_loom_applies_them():
 
 
 def test_cli_json_contract_and_layout():
-    r = run_cli("plan", "--model", "gpt3-175b", "--gpus", "64", "--gpu", "a100-80gb", "--global-batch", "64",
+    r = run_main("plan", "--model", "gpt3-175b", "--gpus", "64", "--gpu", "a100-80gb", "--global-batch", "64",
                 "--json", "--top", "3", "--runtime", "any")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -425,7 +425,7 @@ def test_cli_json_contract_and_layout():
         assert c["tokens_per_s_per_gpu"] == pytest.approx(64 * 2048 / c["step_time_s"] / 64, rel=1e-3)
     steps = [c["step_time_s"] for c in out["candidates"]]
     assert steps == sorted(steps)
-    r = run_cli("plan", "--model", "gpt3-175b", "--gpus", "64", "--gpu", "a100-80gb", "--global-batch", "64",
+    r = run_main("plan", "--model", "gpt3-175b", "--gpus", "64", "--gpu", "a100-80gb", "--global-batch", "64",
                 "--layout", "tp=8,pp=8,dp=1,mbs=1,sp=true,recompute=selective", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -447,7 +447,7 @@ def test_cli_json_contract_and_layout():
     (["--model", "gpt3-175b", "--gpus", "8", "--gpu", "missing.json"], "no such file"),
 ])
 def test_bad_input_exits_2(args, needle):
-    r = run_cli("plan", *args)
+    r = run_main("plan", *args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
@@ -468,7 +468,7 @@ def test_malformed_decode_profile_keys_exit_2(tmp_path, key, value, needle):
                "internode_gbps": 5, "sms": 2, key: value}
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile))
-    r = run_cli("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(path), "--precision", "fp32", "--inference")
+    r = run_main("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(path), "--precision", "fp32", "--inference")
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert needle in r.stderr and "Traceback" not in r.stderr
     profile[key] = {"decode_gbps": {"fp32": [[1, 512, 512, 12.5]]}, "decode_attention_gbps": {"fp32": [[1e6, 4.3]]},
@@ -476,23 +476,23 @@ def test_malformed_decode_profile_keys_exit_2(tmp_path, key, value, needle):
                     "elementwise_gbps": {"fp32": [[1e6, 9.0]]}, "decode_stream_scale": {"fp32": [[1e6, 2.0], [1e8, 1.0]]},
                     "prefill_attention_tflops": {"fp32": [[128, 0.02], [512, 0.03]]}}[key]
     path.write_text(json.dumps(profile))
-    r = run_cli("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(path), "--precision", "fp32", "--inference")
+    r = run_main("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(path), "--precision", "fp32", "--inference")
     assert r.returncode == 0, r.stderr
 
 
 def test_default_search_offers_only_what_loom_runs():
-    r = run_cli("plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch", "64", "--json", "--top", "50")
+    r = run_main("plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch", "64", "--json", "--top", "50")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["candidates"]) == 50 and not any(c["loom_refuses"] for c in out["candidates"])
     assert {c["dp_style"] for c in out["candidates"]} <= {"replicate", "fsdp"}
-    r = run_cli("plan", "--model", "gpt3-175b", "--gpus", "64", "--gpu", "a100-80gb", "--global-batch", "64")
+    r = run_main("plan", "--model", "gpt3-175b", "--gpus", "64", "--gpu", "a100-80gb", "--global-batch", "64")
     assert r.returncode == 2 or "loom cannot run" not in r.stdout, r.stdout
 
 
 def test_config_written_for_the_winner_trains(tmp_path):
     out = tmp_path / "plan.toml"
-    r = run_cli("plan", "--model", "tiny", "--gpus", "2", "--gpu", "a100-80gb", "--global-batch", "4", "--seq", "64",
+    r = run_main("plan", "--model", "tiny", "--gpus", "2", "--gpu", "a100-80gb", "--global-batch", "4", "--seq", "64",
                 "--config", str(out))
     assert r.returncode == 0, r.stderr
     cfg = load_config(str(out))
@@ -531,7 +531,7 @@ def test_context_parallelism_priced_as_loom_runs_it_and_written_as_a_config(tmp_
     assert mem2["optimizer"] == pytest.approx(mem1["optimizer"])
     # The layout written as a config is one loom accepts (and runs: tests/test_parallel.py cp cases).
     out = tmp_path / "cp.toml"
-    r = run_cli("plan", "--model", "llama3-8b", "--gpus", "8", "--seq", "8192", "--global-batch", "32",
+    r = run_main("plan", "--model", "llama3-8b", "--gpus", "8", "--seq", "8192", "--global-batch", "32",
                 "--layout", "tp=1,pp=1,cp=2,dp=4,mbs=1", "--config", str(out))
     assert r.returncode == 0, r.stderr
     assert "CP K/V gather" in r.stdout
@@ -542,7 +542,7 @@ def test_context_parallelism_priced_as_loom_runs_it_and_written_as_a_config(tmp_
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "plan.png"
-    r = run_cli("plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch", "64", "--top", "4", "--plot", str(out))
+    r = run_main("plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch", "64", "--top", "4", "--plot", str(out))
     assert r.returncode == 0, r.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
@@ -574,7 +574,7 @@ def test_inference_pareto_front_and_decode_physics():
     # KV cache: 2 (K, V) x layers x kv heads x head dim x 2 bytes x tokens.
     m = w.model
     assert one.kv_cache_gib * GIB == pytest.approx(2 * m.layers * m.kv_heads * m.head_dim * 2 * (1024 + 256))
-    r = run_cli("plan", "--model", "llama2-7b", "--gpus", "8", "--inference", "--input-len", "1024",
+    r = run_main("plan", "--model", "llama2-7b", "--gpus", "8", "--inference", "--input-len", "1024",
                 "--output-len", "256", "--batch", "64", "--json")
     assert r.returncode == 0, r.stderr
     assert all(c["pareto"] for c in json.loads(r.stdout)["candidates"])
@@ -733,14 +733,14 @@ def test_inference_memory_counts_every_weight_once_and_the_last_logits(tmp_path)
     assert grow == pytest.approx(8 * 1024 * (per_token_kv + per_token_act))
     pytest.importorskip("matplotlib")
     out = tmp_path / "inference.png"
-    r = run_cli("plan", "--model", "llama2-7b", "--gpus", "8", "--inference", "--batch", "16", "--plot", str(out))
+    r = run_main("plan", "--model", "llama2-7b", "--gpus", "8", "--inference", "--batch", "16", "--plot", str(out))
     assert r.returncode == 0, r.stderr
     assert f"wrote {out}" in r.stdout and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_profile_hardware_round_trip(tmp_path):
     out = tmp_path / "cpu.json"
-    r = run_cli("plan", "--profile-hardware", str(out), "--quick")
+    r = run_cli("plan", "--profile-hardware", str(out), "--quick")  # measures: its own process
     assert r.returncode == 0, r.stderr
     prof = json.loads(out.read_text())
     assert prof["gemm"]["fp32"] and prof["hbm_gbps"] > 0 and prof["peak_tflops"]["fp32"] > 0
@@ -757,12 +757,12 @@ def test_profile_hardware_round_trip(tmp_path):
     assert all(len(row) == 2 and row[0] > 0 and row[1] > 0 for row in prof["elementwise_gbps"]["fp32"])
     scale = prof["decode_stream_scale"]["fp32"]
     assert len(scale) >= 2 and all(f > 0 for _, f in scale) and scale[-1][1] == 1.0  # the reference size
-    r = run_cli("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(out), "--precision", "fp32",
+    r = run_main("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(out), "--precision", "fp32",
                 "--global-batch", "16", "--json", "--top", "1")
     assert r.returncode == 0, r.stderr
     best = json.loads(r.stdout)["candidates"][0]
     assert best["step_time_s"] > 0 and best["fits"]
-    r = run_cli("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(out), "--precision", "fp32", "--inference",
+    r = run_main("plan", "--model", "tiny", "--gpus", "1", "--gpu", str(out), "--precision", "fp32", "--inference",
                 "--batch", "4", "--json")
     assert r.returncode == 0, r.stderr
     assert all(c["decode_ms_per_token"] > 0 for c in json.loads(r.stdout)["candidates"])
@@ -771,8 +771,8 @@ def test_profile_hardware_round_trip(tmp_path):
 def test_memory_margin_keeps_headroom_free():
     args = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--seq", "8192", "--global-batch", "32",
             "--json", "--top", "200"]
-    tight = json.loads(run_cli(*args, "--memory-margin", "0").stdout)
-    default = json.loads(run_cli(*args).stdout)
+    tight = json.loads(run_main(*args, "--memory-margin", "0").stdout)
+    default = json.loads(run_main(*args).stdout)
     capacity = PRESETS["h100"].memory_gib
     margin = default["cluster"]["memory_margin_gib"]
     assert margin == pytest.approx(0.05 * capacity, abs=0.05) and tight["cluster"]["memory_margin_gib"] == 0
@@ -780,9 +780,9 @@ def test_memory_margin_keeps_headroom_free():
     # Without the margin the best layouts fill the GPU to the last GiB: the default leaves those out.
     assert max(c["memory_gib"]["total"] for c in tight["candidates"]) > capacity - margin
     assert default["search"]["fit"] < tight["search"]["fit"]
-    r = run_cli(*args, "--memory-margin", "90")
+    r = run_main(*args, "--memory-margin", "90")
     assert r.returncode == 2 and "--memory-margin=90" in r.stderr
-    text = run_cli("plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--global-batch", "32").stdout
+    text = run_main("plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--global-batch", "32").stdout
     assert f"kept free" in text and f"of {capacity:.1f} GiB" in text
 
 
@@ -818,13 +818,13 @@ def test_megatron_memory_term_by_term_for_nvidias_llama3_8b_layout():
 
 
 def test_cli_prices_a_published_megatron_layout_that_fits():
-    r = run_cli("plan", "--model", "llama3-70b", "--gpus", "64", "--seq", "8192", "--global-batch", "128",
+    r = run_main("plan", "--model", "llama3-70b", "--gpus", "64", "--seq", "8192", "--global-batch", "128",
                 "--precision", "fp8", "--grad-dtype", "bfloat16", "--memory-margin", "0",
                 "--layout", "tp=4,pp=4,cp=2,vpp=5,mbs=1,recompute=none,dp_style=distopt", "--json")
     assert r.returncode == 0, r.stderr
     best = json.loads(r.stdout)["candidates"][0]
     assert best["fits"] and best["memory_gib"]["fp8_weights"] > 0 and best["memory_gib"]["total"] < 79.6
-    r = run_cli("plan", "--model", "llama3-70b", "--gpus", "64", "--framework", "deepspeed")
+    r = run_main("plan", "--model", "llama3-70b", "--gpus", "64", "--framework", "deepspeed")
     assert r.returncode == 2 and "--framework" in r.stderr
 
 

@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from conftest import run_cli
+from conftest import run_main
 
 from loom.config import load_config
 from loom.planner.layertime import layer_times
@@ -114,7 +114,7 @@ def test_search_offers_expert_parallel_sizes_that_divide_experts_and_dp():
 
 
 def test_cli_moe_sizes_layout_and_refusals():
-    r = run_cli("plan", "--layers", "8", "--hidden", "1024", "--heads", "8", "--vocab", "32000", "--mlp", "swiglu",
+    r = run_main("plan", "--layers", "8", "--hidden", "1024", "--heads", "8", "--vocab", "32000", "--mlp", "swiglu",
                 "--norm", "rmsnorm", "--experts", "16", "--top-k", "2", "--moe-ffn", "512", "--gpus", "16",
                 "--seq", "2048", "--global-batch", "64", "--layout", "ep=8", "--runtime", "any", "--json")
     assert r.returncode == 0, r.stderr
@@ -125,7 +125,7 @@ def test_cli_moe_sizes_layout_and_refusals():
                          (("--model", "mixtral-8x7b", "--gpus", "16", "--top-k", "9"), "model.moe.top_k"),
                          (("--model", "mixtral-8x7b", "--gpus", "16", "--moe-imbalance", "0.5"), "--moe-imbalance"),
                          (("--model", "mixtral-8x7b", "--gpus", "8", "--inference"), "mixture-of-experts")):
-        r = run_cli("plan", *args)
+        r = run_main("plan", *args)
         assert r.returncode == 2 and needle in r.stderr, (args, r.stderr)
         assert "Traceback" not in r.stderr
 

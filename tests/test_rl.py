@@ -59,6 +59,11 @@ def test_grpo_learns_its_reward_and_logs_every_phase(grpo_run):
         assert r["generated_tokens"] == round(r["response_length"] * 32)
         assert 0 <= r["reward"] <= 1 and r["optimizer_steps"] == 1
     assert any(r["grad_norm"] > 0 for r in steps)
+    from loom.train.metrics import recipe_summary  # the progress line shows the reward, not only the loss
+
+    r = steps[-1]
+    assert recipe_summary(r).startswith(f"  reward {r['reward']:.3f} (std {r['reward_std']:.3f})  response "
+                                        f"{r['response_length']:.1f} tokens")
 
 
 def test_stale_engine_weights_show_in_the_mismatch(tmp_path, monkeypatch):

@@ -75,7 +75,14 @@ def test_banner_first_progress_line_eta_and_announcements(tmp_path, capsys):
     tokens = int(re.search(r"data +([\d,]+) tokens", out).group(1).replace(",", ""))
     passes = 12 * 32 // ((tokens - 1) // 32)
     assert passes >= 1
-    assert len(re.findall(r"pass \d+ complete, documents repeat", out)) == passes
+    announced = re.findall(r"pass (\d+) complete, documents repeat", out)
+    assert announced == [str(k) for k in range(1, min(passes, 2) + 1)]  # the first two, then a count of the rest
+    if passes > 2:
+        assert f"({passes - 2} more passes follow" in out
+    # Advice under the banner: warmup longer than the run (the default 10 > 6 steps here).
+    cfg = small_config("log.progress=plain", "train.steps=2", "optim.warmup_steps=4", "data.corpus_max_bytes=10000")
+    Trainer(cfg, tmp_path / "r2").fit()
+    assert "note: optim.warmup_steps=4 > train.steps=2" in capsys.readouterr().out
 
 
 def test_ctrl_c_under_nproc_exits_0_and_the_printed_resume_command_works(tmp_path):
@@ -212,3 +219,13 @@ def test_loom_memory_accepts_loom_plans_attention_names(capsys):
     math_ = json.loads(capsys.readouterr().out)
     assert flash["attention_counted"].startswith("fused kernel") and math_["attention_counted"].startswith("materialised")
     assert math_["layer_activation_bytes"] > flash["layer_activation_bytes"]
+
+
+def test_only_the_first_passes_over_the_data_are_announced():
+    from loom.data.dataset import first_passes
+
+    notes = {3 * k: f"pass {k} complete" for k in range(1, 101)}  # 100 passes over a small set
+    shown = first_passes(notes)
+    assert list(shown) == [3, 6] and shown[3] == "pass 1 complete"
+    assert shown[6] == "pass 2 complete (98 more passes follow, by step 300; not announced)"
+    assert first_passes({5: "pass 1 complete"}) == {5: "pass 1 complete"}

@@ -3,6 +3,7 @@ any path), then `section.key=value` overrides (the command line's `--section.key
 
 from __future__ import annotations
 
+import difflib
 import tomllib
 import typing
 from pathlib import Path
@@ -82,6 +83,41 @@ def apply_dict(cfg: Config, data: dict, source: str) -> None:
             set_value(cfg, f"{section}.{key}", value, parse_text=False)
 
 
+# Names other trainers give to loom's keys (Hugging Face TrainingArguments, TRL, torchtitan, Megatron-LM).
+OTHER_NAMES = {
+    "learning_rate": "optim.lr", "lr": "optim.lr", "min_learning_rate": "optim.min_lr", "min_lr": "optim.min_lr",
+    "weight_decay": "optim.weight_decay", "warmup": "optim.warmup_steps", "warmup_steps": "optim.warmup_steps",
+    "lr_warmup_iters": "optim.warmup_steps", "max_grad_norm": "train.grad_clip", "clip_grad": "train.grad_clip",
+    "max_norm": "train.grad_clip", "max_steps": "train.steps", "train_iters": "train.steps",
+    "training_steps": "train.steps", "batch_size": "train.global_batch", "global_batch_size": "train.global_batch",
+    "micro_batch_size": "train.micro_batch", "per_device_train_batch_size": "train.micro_batch",
+    "seq_length": "train.seq_len", "max_seq_length": "train.seq_len", "max_length": "train.seq_len",
+    "seed": "train.seed", "bf16": "train.dtype", "dtype": "train.dtype",
+    "tensor_model_parallel_size": "parallel.tp", "pipeline_model_parallel_size": "parallel.pp",
+    "context_parallel_size": "parallel.cp", "expert_model_parallel_size": "parallel.ep",
+    "data_parallel_shard_degree": "parallel.dp_shard", "data_parallel_replicate_degree": "parallel.dp_replicate",
+    "num_layers": "model.layers", "hidden_size": "model.hidden", "num_attention_heads": "model.heads",
+    "num_key_value_heads": "model.kv_heads", "intermediate_size": "model.ffn_hidden",
+    "save_steps": "checkpoint.interval", "eval_steps": "train.eval_interval", "logging_steps": "train.log_interval",
+    "output_dir": "--run-dir", "model_name_or_path": "train.init_from", "resume_from_checkpoint": "checkpoint.resume",
+}
+
+
+def suggest_key(cfg: Config, section: str, key: str) -> str:
+    """' (did you mean X?)': the same name in another section (`train.min_lr` -> `optim.min_lr`), else the loom
+    key another trainer's name stands for (`train.learning_rate` -> `optim.lr`), else the closest name in this
+    section, else the closest in any section."""
+    everywhere = {f"{name}.{k}": k for name, obj in cfg.sections().items() for k, *_ in leaves(obj)}
+    same = [dotted for dotted, leaf in everywhere.items() if leaf == key]
+    guess = same[0] if same else OTHER_NAMES.get(key.rsplit(".", 1)[-1])
+    for scope in ({d: k for d, k in everywhere.items() if d.startswith(f"{section}.")}, everywhere):
+        if guess:
+            break
+        match = difflib.get_close_matches(key, list(scope.values()), n=1, cutoff=0.6)
+        guess = next(d for d, k in scope.items() if k == match[0]) if match else None
+    return f" (did you mean {guess!r}?)" if guess else ""
+
+
 def set_value(cfg: Config, dotted: str, value: Any, parse_text: bool) -> None:
     section, _, key = dotted.partition(".")
     if section not in SECTIONS:
@@ -89,8 +125,8 @@ def set_value(cfg: Config, dotted: str, value: Any, parse_text: bool) -> None:
     obj = cfg.sections()[section]
     fields = {k: (owner, f) for k, _, owner, f in leaves(obj)}  # `moe.experts`: a nested section's field
     if key not in fields:
-        valid = [f"{section}.{k}" for k in fields]
-        raise UserError(f"unknown config key {dotted!r}{closest(dotted, valid)}; valid keys in [{section}]: {', '.join(fields)}")
+        raise UserError(f"unknown config key {dotted!r}{suggest_key(cfg, section, key)}; valid keys in [{section}]: "
+                        f"{', '.join(fields)}")
     owner, f = fields[key]
     hint = typing.get_type_hints(type(owner))[f.name]
     setattr(owner, f.name, coerce(dotted, value, hint, parse_text))

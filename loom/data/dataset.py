@@ -58,3 +58,15 @@ def held_out_split(data, count: int, what: str, where: str, instead: str) -> tup
     """(training range, held-out range) of `count` items under `data.split`; UserError when nothing is held out
     (see `split_range`)."""
     return data.split_ranges(count)[0], split_range(data, count, 1, what, where, instead)
+
+
+def first_passes(notes: dict[int, str], shown: int = 2) -> dict[int, str]:
+    """The first `shown` of `epoch_steps`' notes; the last one shown says how many more passes follow (a run of
+    hundreds of passes over a small set would print a line for each)."""
+    steps = sorted(notes)
+    if len(steps) <= shown:
+        return dict(notes)
+    kept = {step: notes[step] for step in steps[:shown]}
+    rest = steps[shown:]
+    kept[steps[shown - 1]] += f" ({len(rest)} more passes follow, by step {rest[-1]}; not announced)"
+    return kept
