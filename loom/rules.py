@@ -8,7 +8,8 @@ whether loom can run a candidate). So `loom plan` never proposes what `loom trai
 names the field, its value and what would be valid.
 
 The functions take plain values or any object with the config's attributes (`cfg.model`,
-`cfg.parallel`, `cfg.train`, `cfg.recompute`); this module imports nothing from loom but its errors.
+`cfg.parallel`, `cfg.train`, `cfg.recompute`); this module imports nothing from loom but its errors and
+the pipeline facts (loom/pipeline_rules.py: layer splits, chunk owners, schedules), which it re-exports.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from __future__ import annotations
 import math
 
 from loom.errors import UserError
+from loom.pipeline_rules import (SCHEDULES, chunk_layer_counts, chunk_owner, micro_batch_count_problem,  # noqa: F401
+                                 micro_batches_needed, rank_chunks, schedule_problem, split_layers, split_problem,
+                                 valid_split)
 
 
 def divisors(n: int) -> list[int]:
@@ -179,127 +183,6 @@ def batch_problem(global_batch: int, micro_batch: int, dp: int, dp_detail: str =
     valid = [b for b in range(per_step, 8 * per_step + 1, per_step)]
     return (f"train.global_batch={global_batch} is not divisible by data-parallel size {dp}{dp_detail} x "
             f"train.micro_batch={micro_batch} = {per_step}; valid global batches: {', '.join(map(str, valid))}, ...")
-
-
-# --- pipeline splits and schedules ----------------------------------------------------------------
-#
-# A model of L layers runs as pp x vpp chunks. An even split gives every chunk L / (pp*vpp) layers. An
-# uneven split names the first and/or last chunk's layer count (`parallel.first_stage_layers`,
-# `parallel.last_stage_layers`, as Megatron-Core's decoder_first/last_pipeline_num_layers); the other
-# chunks split the rest evenly. The usual reason: the last chunk also runs the LM head and loss, and the
-# first holds the most activations in flight, so giving them fewer layers balances the pipeline.
-
-SCHEDULES = ("1f1b", "interleaved", "zero_bubble")
-
-
-def split_layers(layers: int, chunks: int, first: int = 0, last: int = 0, what: str | None = None) -> list[int]:
-    """Layers in each chunk, first to last; UserError naming what is wrong for an impossible split."""
-    what = what or f"{chunks} pipeline chunks"
-    if chunks > layers:
-        raise UserError(f"{what} = {chunks} pipeline stages but model.layers={layers}; every stage needs at least "
-                        f"one layer: valid pp x vpp <= {layers}")
-    if chunks == 1:
-        return [layers]
-    rest = layers - first - last
-    middle = chunks - (first > 0) - (last > 0)
-    if first < 0 or last < 0 or rest < 0 or (middle == 0 and rest) or (middle and rest % middle) or (middle and rest < middle):
-        if not first and not last:
-            raise UserError(
-                f"model.layers={layers} does not split evenly into pp x vpp = {chunks} stages; valid stage "
-                f"counts: {', '.join(map(str, divisors(layers)))}, or set parallel.first_stage_layers / "
-                "parallel.last_stage_layers for an uneven split"
-            )
-        raise UserError(
-            f"parallel.first_stage_layers={first} and parallel.last_stage_layers={last} leave {rest} of "
-            f"model.layers={layers} for {middle} middle stages, which must split evenly with at least one each"
-        )
-    counts = [rest // middle if middle else 0] * chunks
-    if first:
-        counts[0] = first
-    if last:
-        counts[-1] = last
-    return counts
-
-
-def valid_split(layers: int, chunks: int, first: int = 0, last: int = 0) -> list[int] | None:
-    """split_layers, or None when the split is impossible (for searches)."""
-    try:
-        return split_layers(layers, chunks, first, last)
-    except UserError:
-        return None
-
-
-def split_problem(layers: int, pp: int, vpp: int, first: int = 0, last: int = 0) -> str | None:
-    """Why these pipeline sizes cannot split the model's layers, or None."""
-    if pp == 1:
-        if first or last:
-            return (f"parallel.first_stage_layers={first} / parallel.last_stage_layers={last} split pipeline "
-                    "stages, so they need parallel.pp > 1; valid: 0")
-        return None
-    try:
-        split_layers(layers, pp * vpp, first, last, what=f"parallel.pp={pp} x parallel.vpp={vpp}")
-    except UserError as exc:
-        return str(exc)
-    return None
-
-
-def rank_chunks(pp: int, vpp: int, schedule: str, rank: int) -> list[int]:
-    """The chunk ids pipeline rank `rank` runs: round-robin, or the V shape of ZB-V (schedule
-    zero_bubble with vpp=2: rank r holds chunks r and 2pp-1-r, so rank 0 has the first and the last)."""
-    if schedule == "zero_bubble" and vpp == 2:
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + v * pp for v in range(vpp)]
-
-
-def chunk_owner(pp: int, vpp: int, schedule: str, chunk: int) -> int:
-    """The pipeline rank holding `chunk`."""
-    if schedule == "zero_bubble" and vpp == 2:
-        return chunk if chunk < pp else 2 * pp - 1 - chunk
-    return chunk % pp
-
-
-def schedule_problem(pp: int, vpp: int, schedule: str) -> str | None:
-    """Why loom's pipeline cannot run `schedule` with this vpp, or None."""
-    if pp == 1:
-        return None if vpp == 1 else f"parallel.vpp={vpp} needs pipeline parallelism (parallel.pp > 1); valid: 1"
-    if schedule == "1f1b" and vpp != 1:
-        return (f"parallel.schedule=1f1b runs one stage per rank; with parallel.vpp={vpp} use "
-                "parallel.schedule=interleaved (or zero_bubble)")
-    if schedule == "zero_bubble" and vpp > 2:
-        return f"parallel.schedule=zero_bubble supports parallel.vpp 1 or 2 (ZB-V), not {vpp}"
-    return None
-
-
-def micro_batches_needed(pp: int, vpp: int, schedule: str, micro_batches: int) -> str | None:
-    """What micro-batch count the schedule needs, when `micro_batches` does not satisfy it; else None."""
-    if pp == 1:
-        return None
-    if schedule == "zero_bubble" and vpp == 2:
-        ok, need = micro_batches >= pp * vpp, f"at least pp x vpp = {pp * vpp}"
-    elif schedule == "1f1b":
-        ok, need = micro_batches >= pp, f"at least pp={pp}"
-    else:
-        ok, need = micro_batches >= pp and micro_batches % pp == 0, f"a multiple of pp={pp}"
-    return None if ok else need
-
-
-def micro_batch_count_problem(pp: int, vpp: int, schedule: str, global_batch: int, dp: int,
-                              micro_batch: int) -> str | None:
-    """The schedule's need on the micro-batch count global_batch / (dp x micro_batch), as a refusal."""
-    micro = global_batch // (dp * micro_batch)
-    need = micro_batches_needed(pp, vpp, schedule, micro)
-    if not need:
-        return None
-    return (f"parallel.schedule={schedule} needs the micro-batch count to be {need}, but train.global_batch="
-            f"{global_batch} / (data parallel {dp} x train.micro_batch={micro_batch}) = {micro}; "
-            f"raise train.global_batch (e.g. {dp * micro_batch * pp * vpp}) or lower train.micro_batch")
-
-
-def chunk_layer_counts(cfg) -> list[int]:
-    """Layers in each of the pp*vpp chunks of `cfg`, first to last; UserError for impossible splits."""
-    p = cfg.parallel
-    return split_layers(cfg.model.layers, p.pp * p.vpp, p.first_stage_layers, p.last_stage_layers,
-                        what=f"parallel.pp={p.pp} x parallel.vpp={p.vpp}")
 
 
 # --- the whole layout -----------------------------------------------------------------------------
