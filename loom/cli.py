@@ -193,7 +193,9 @@ def cmd_preprocess(args, extra) -> int:
                             "another --output-prefix (nothing was changed)")
         Path(f"{args.output_prefix}.sft.json").unlink(missing_ok=True)  # incomplete until written again, last
         template = load_template(args.template, tok.path, "--template")
-        meta = write_prefix(input_files(args.input), args.output_prefix, tok, template)
+        columns = {"messages": args.messages_column, "prompt": args.prompt_column,
+                   "completion": args.completion_column}
+        meta = write_prefix(input_files(args.input), args.output_prefix, tok, template, columns)
         print(f"wrote {args.output_prefix}.bin/.idx and its loss mask: {meta['examples']} examples, {meta['tokens']} "
               f"tokens, {meta['learned_tokens']} learned (template {template.name})")
         return 0

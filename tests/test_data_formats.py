@@ -137,6 +137,11 @@ def test_sft_parquet_chat_and_renamed_columns_equal_jsonl(tok, tmp_path):
     cfg = load_config("tiny-sft", ["sft.messages_column=conv", "sft.prompt_column=q", "sft.completion_column=a"])
     got = _examples(prepare([str(tmp_path / "*.parquet")], tok, template, columns_of(cfg.sft)))
     assert got == ref and len(ref) == 4 and all(sum(m) > 0 for _, m in ref)
+    # loom preprocess --sft takes the same renamed columns
+    assert main(["preprocess", "--sft", "--input", str(tmp_path / "*.parquet"),
+                 "--output-prefix", str(tmp_path / "pre"), "--tokenizer", str(tok.path), "--template", "chatml",
+                 "--messages-column", "conv", "--prompt-column", "q", "--completion-column", "a"]) == 0
+    assert _examples([str(tmp_path / "pre")]) == ref
 
 
 def test_pref_and_rl_read_parquet_with_their_columns(tok, tmp_path):

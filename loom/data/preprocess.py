@@ -228,3 +228,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and their loss mask (PREFIX.mask.bin/.idx, PREFIX.first.npy, PREFIX.sft.json) for sft.data")
     parser.add_argument("--template", default="auto",
                         help="with --sft: the chat template, as sft.template (auto, llama3, chatml or a file)")
+    for name in ("messages", "prompt", "completion"):
+        parser.add_argument(f"--{name}-column", default=name,
+                            help=f"with --sft: the field / column holding the {name} (as sft.{name}_column; default "
+                            f"{name})")
