@@ -14,8 +14,8 @@
 # OUT_DIR gets one file per step, written as the step runs (the training JSONs are rewritten after every
 # row): versions.json, smi_static.csv + smi_query.txt, smi.csv (SM and memory clock, power, temperature,
 # use, memory, every second through the whole run), gpu_tests.log, gpu_train_1b.json, gpu_train_3b.json,
-# gpu_train_fp8.json, profile.json, generate_gpu.json, each step's NAME.log, steps.jsonl (one line per
-# step: status ok/failed/timeout/skipped, exit code, seconds, timeout) and log.txt (the run's own log).
+# gpu_train_fp8.json, profile.json, generate_gpu.json, rl_gpu.json, each step's NAME.log, steps.jsonl (one
+# line per step: status ok/failed/timeout/skipped, exit code, seconds, timeout) and log.txt (the run's own log).
 # --tar FILE: a tar.gz of OUT_DIR rewritten after every step and every 30 s (the device tool brings back at
 # most 8 files; this is one). A step past its timeout is killed with its processes; the next one starts.
 #
@@ -23,17 +23,25 @@
 # 2026-11-26, ../shared/measured/h200-2026-11-26/device_log.txt; bench/DEVICE.md has the table):
 #   setup_wheels  20  install the carried wheel groups (below); then smi_static.csv, the smi.csv sampler
 #   versions      15  versions.json: commit ($LOOM_COMMIT or git), torch, CUDA, Python, GPU, packages
-#   gpu_tests     60  pytest -m gpu -rs (the tests marked gpu; on that H200 three files took 42 s)
-#   train_1b     145  gpu_train.py, Llama-3.2-1B shape, seq 4096, 2 + 5 steps: loom (loss_chunk 0 and 8192),
-#                     transformers+liger, torchtitan-0.3.0, torchtitan-0.2.2, transformers (100 s a row at most;
-#                     on that H200 4 rows of 3 + 8 steps took 109 s)
-#   train_3b     110  the same at the 3B shape, seq 8192, full recompute, 2 + 3 steps (rows in the same order:
-#                     the last ones are lost if the first run long)
+#   gpu_tests     50  pytest -m gpu -rs (the tests marked gpu; on that H200 three files took 42 s, 38 s by
+#                     pytest's count)
+#   train_1b     125  gpu_train.py, Llama-3.2-1B shape, seq 4096, 2 + 5 steps: loom (loss_chunk 0 and 8192),
+#                     transformers+liger, torchtitan-0.3.0, torchtitan-0.2.2 (100 s a row at most; on that
+#                     H200 4 rows of 3 + 8 steps took 109 s). Plain transformers is left out on the GPU (the
+#                     smoke keeps it): measured on that H200 (44.5k tokens/s), the slowest row, and at 71.5 GiB
+#                     the one an H100 is likeliest to lose; its time went to the rl step.
+#   train_3b      80  the same at the 3B shape, seq 8192, full recompute, 2 + 3 steps, rows loom (both losses),
+#                     transformers+liger, torchtitan-0.3.0 (torchtitan-0.2.2 runs at 1B only, its time went
+#                     to the rl step; rows in this order: the last ones are lost if the first run long)
 #   fp8           45  loom with train.fp8=rowwise (torchao), 1B, seq 4096, loss_chunk 0 (on that H200: 54 s
 #                     with 3 + 8 steps)
 #   profile       35  python3 -m loom.cli plan --profile-hardware (on that H200: 30 s)
 #   generate      70  generate_gpu.py --batches 1,64 --new 32 --repeats 2 (+ --profile) (on that H200: 125 s
 #                     at batches 1,64,256 with --new 64, of which 46 s building the engine's graphs)
+#   rl            60  rl_gpu.py: loom rl, GRPO, 1B shape, 8 prompts of 128 tokens x 8 completions of up to 512,
+#                     1 + 2 steps, each step's phases (never run on a GPU yet: its start, the engine's graphs
+#                     for every bucket up to batch 64 and 641 keys included, is unmeasured; every finished
+#                     step is kept, --timeout 50 leaves the JSON whole before the step's own timeout)
 #
 # Wheels carried (bench/device_wheels.txt, fetched by bench/fetch_wheels.sh into .whl/<group>/, 7.2 MiB):
 #   .whl/common -> /tmp/site-common (on PYTHONPATH for every step): torchao 0.17.0, liger-kernel 0.8.5,
@@ -213,13 +221,14 @@ if [ $SMOKE = 1 ]; then
   # 2 cores): started, then cut off by its timeout, which is also what this run checks of a step that overruns.
   run_step profile 5 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json" --quick
   run_step generate $((240 * X)) "$PY" bench/generate_gpu.py --smoke --out "$DIR/generate_gpu.json"
+  run_step rl $((120 * X)) "$PY" bench/rl_gpu.py --smoke --out "$DIR/rl_gpu.json"
 else
-  run_step gpu_tests 60 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider --continue-on-collection-errors tests
+  run_step gpu_tests 50 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider --continue-on-collection-errors tests
   TRAIN=(bench/gpu_train.py --row-timeout 100)
-  run_step train_1b 145 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 \
-    --frameworks $FW ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_1b.json"
-  run_step train_3b 110 "$PY" "${TRAIN[@]}" --models llama3.2-3b --seqs 8192 --steps 3 --warmup 2 \
-    --frameworks $FW ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_3b.json"
+  run_step train_1b 125 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 \
+    --frameworks ${FW%,transformers} ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_1b.json"
+  run_step train_3b 80 "$PY" "${TRAIN[@]}" --models llama3.2-3b --seqs 8192 --steps 3 --warmup 2 \
+    --frameworks loom,transformers+liger,torchtitan-0.3.0 ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_3b.json"
   run_step fp8 45 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 \
     --frameworks loom --fp8 rowwise --loss-chunk 0 --out "$DIR/gpu_train_fp8.json"
   run_step profile 35 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json"
@@ -227,5 +236,6 @@ else
   [ -f "$DIR/profile.json" ] && PROFILE=(--profile "$DIR/profile.json")
   run_step generate 70 "$PY" bench/generate_gpu.py --batches 1,64 --new 32 --repeats 2 ${PROFILE[@]+"${PROFILE[@]}"} \
     --out "$DIR/generate_gpu.json"
+  run_step rl 60 "$PY" bench/rl_gpu.py --warmup 1 --steps 2 --timeout 50 --out "$DIR/rl_gpu.json"
 fi
 exit 0

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import ROOT
 
-STEPS = ["setup_wheels", "versions", "gpu_tests", "train_1b", "train_3b", "fp8", "profile", "generate"]
+STEPS = ["setup_wheels", "versions", "gpu_tests", "train_1b", "train_3b", "fp8", "profile", "generate", "rl"]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def test_every_step_is_recorded_and_a_cut_off_step_does_not_stop_the_run(check):
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == STEPS
     status = {s["step"]: s["status"] for s in steps}
-    for name in ("versions", "train_1b", "train_3b", "fp8", "generate"):
+    for name in ("versions", "train_1b", "train_3b", "fp8", "generate", "rl"):
         assert status[name] == "ok", (name, (out / f"{name}.log").read_text()[-2000:])
     assert status["setup_wheels"] == status["gpu_tests"] == "skipped"  # the wheels and CUDA tests are the GPU's
     # the smoke's profile step is cut off by its 5 s timeout (no mode of loom plan --profile-hardware is that
@@ -38,7 +38,7 @@ def test_every_step_is_recorded_and_a_cut_off_step_does_not_stop_the_run(check):
     assert status["profile"] in ("timeout", "ok")
     if status["profile"] == "ok":
         assert json.loads((out / "profile.json").read_text())["peak_tflops"]
-    assert "== " in stdout and "generate: ok" in (out / "log.txt").read_text()
+    assert "== " in stdout and "rl: ok" in (out / "log.txt").read_text()
 
 
 def test_versions_and_smi_files(check):
@@ -76,7 +76,7 @@ def test_training_rows_loom_with_both_losses_missing_torchtitan_is_an_error_row(
     assert "error" not in rows[-1] and rows[-1]["tokens_per_s"] > 0
 
 
-def test_fp8_and_generate_rows(check):
+def test_fp8_generate_and_rl_rows(check):
     out, _, _ = check
     (fp8,) = json.loads((out / "gpu_train_fp8.json").read_text())["runs"]
     assert "error" not in fp8, fp8.get("traceback")
@@ -84,6 +84,11 @@ def test_fp8_and_generate_rows(check):
     generate = json.loads((out / "generate_gpu.json").read_text())
     assert [r["batch"] for r in generate["rows"]] == [1, 4]
     assert all(r["decode_step_ms"] > 0 and r["prefill_s"] > 0 for r in generate["rows"])
+    rl = json.loads((out / "rl_gpu.json").read_text())  # loom rl's steps, each split into its phases
+    assert [r["step"] for r in rl["rows"]] == [1, 2, 3] and rl["summary"]["steps"] == 2
+    for r in rl["rows"]:
+        phases = ("generation_s", "reward_s", "logprobs_s", "training_s", "refit_s")
+        assert r["generation_s"] > 0 and r["training_s"] > 0 and sum(r[k] for k in phases) <= r["step_s"] + 5e-4
 
 
 def test_the_tar_holds_the_folder(check):
@@ -92,4 +97,4 @@ def test_the_tar_holds_the_folder(check):
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     assert {p.name for p in out.iterdir()} <= names | {"log.txt"}  # log.txt's last line may follow the last tar
     assert {"versions.json", "gpu_train_1b.json", "gpu_train_3b.json", "gpu_train_fp8.json", "generate_gpu.json",
-            "steps.jsonl", "smi.csv"} <= names
+            "rl_gpu.json", "steps.jsonl", "smi.csv"} <= names
