@@ -249,7 +249,7 @@ def test_memory_model_matches_loom_measurements():
                                "model.ffn_hidden=688", "model.vocab_size=1024", "train.seq_len=128",
                                "train.micro_batch=2", "train.global_batch=2"])
     measured = measure_activations(cfg, device="cpu")
-    w = Workload(cfg.model, 128, 2, 1, A100)
+    w = Workload(cfg.model, 128, 2, 1, A100, compile="off")  # loom memory measures eager blocks
     mem = memory(w, Layout(micro_batch=2, dp_style="replicate"))
     assert mem["activations"] == pytest.approx(2 * measured["layer_activation_bytes"], rel=0.01)
     # Parameters counted exactly (the live module), 4 bytes each for fp32 master weights.
@@ -499,7 +499,9 @@ def test_config_written_for_the_winner_trains(tmp_path):
     assert cfg.parallel.world_size == 2 and cfg.train.global_batch == 4 and cfg.train.seq_len == 64
     r = run_cli("train", "--config", str(out), "--nproc", "2", "--run-dir", str(tmp_path / "run"),
                 "--train.steps=2", "--train.dtype=float32", "--train.device=cpu", "--train.eval_samples=2",
-                "--checkpoint.save_final=false", "--data.corpus_max_bytes=300000")
+                "--checkpoint.save_final=false", "--data.corpus_max_bytes=300000",
+                "--train.compile=false")  # a GPU plan writes compiled blocks; this CPU run checks the layout
+    assert cfg.train.compile  # priced compiled (--compile auto on a GPU, tp = pp = 1), written compiled
     assert r.returncode == 0, r.stderr[-2000:]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len([json.loads(x) for x in lines if '"loss"' in x]) >= 2
@@ -843,3 +845,186 @@ def test_plan_offers_only_layouts_the_recipe_runs(capsys):
     assert any(pp > 1 for _, pp, _, _ in train) and any(cp > 1 for _, _, cp, _ in train)
     assert dpo and all(lay == (1, 1, 1, False) for lay in dpo)
     assert rl and all(pp == cp == 1 and not sp for _, pp, cp, sp in rl) and any(tp > 1 for tp, *_ in rl)
+
+
+def test_compiled_blocks_run_their_elementwise_bytes_at_the_compiled_rate():
+    """train.compile (issue 38): a compiled block's elementwise bytes run as fused Triton kernels, at a
+    profile's compiled rate or else the memory bandwidth, not at the eager rate a profile measured for loom's
+    un-fused layer; "auto" compiles what loom compiles on a GPU (tp = pp = cp = 1, dense) and nothing else."""
+    import dataclasses
+
+    from loom.planner.layertime import elementwise_bytes_per_token, layer_times
+
+    m = load_config("llama3-8b").model
+    eager = {"bf16": [[1e6, 300.0], [1e10, 300.0]]}  # an H200 profile's eager figure, 8% of its copy rate
+    gpu = dataclasses.replace(PRESETS["h200"], elementwise_gbps=eager, hbm_efficiency=1.0, source="profile")
+    tokens = 8192
+    nbytes = tokens * elementwise_bytes_per_token(m, "bf16")
+    on = layer_times(Workload(m, 8192, 1, 1, gpu, compile="on"), 1, 1, 1, False, "none")
+    off = layer_times(Workload(m, 8192, 1, 1, gpu, compile="off"), 1, 1, 1, False, "none")
+    assert on.fwd["elementwise"] == pytest.approx(nbytes / 4800e9, rel=1e-12)  # HBM, no compiled table
+    assert off.fwd["elementwise"] == pytest.approx(nbytes / 300e9, rel=1e-12)
+    measured = dataclasses.replace(gpu, elementwise_compiled_gbps={"bf16": [[1e6, 2000.0], [1e10, 2000.0]]})
+    assert layer_times(Workload(m, 8192, 1, 1, measured, compile="on"), 1, 1, 1, False, "none").bwd[
+        "elementwise"] == pytest.approx(2 * nbytes / 2000e9, rel=1e-12)
+    auto = Workload(m, 8192, 8, 8, gpu)
+    assert auto.runs_compiled(Layout(dp=8)) and not auto.runs_compiled(Layout(tp=2, dp=4))
+    assert not auto.runs_compiled(Layout(cp=2, dp=4)) and not auto.runs_compiled(Layout(dp=8, dp_style="distopt"))
+    assert not Workload(m, 8192, 8, 8, dataclasses.replace(gpu, name="cpu: x86_64 x2")).runs_compiled(Layout(dp=8))
+    assert not Workload(m, 8192, 8, 8, gpu, framework="megatron").runs_compiled(Layout(dp=8))
+    # Through the step: the same layout priced compiled is faster by the elementwise difference only.
+    lay = Layout(micro_batch=1)
+    a = evaluate(Workload(m, 8192, 1, 1, gpu), lay).time_terms
+    b = evaluate(Workload(m, 8192, 1, 1, gpu, compile="off"), lay).time_terms
+    assert a["gemm"] == b["gemm"] and a["elementwise"] == pytest.approx(b["elementwise"] * 300 / 4800)
+
+
+def test_torchao_fp8_casts_priced_as_torchao_runs_them():
+    """loom's fp8 (torchao Float8Linear): every linear casts its input in forward, its output gradient and
+    both again along the other axis in backward, 5 bytes per element each (amax read, cast read, 1-byte
+    write), plus each weight twice per micro-batch; a third counted in the forward (backward is 2x)."""
+    from loom.planner.layertime import elementwise_bytes_per_token, layer_times, torchao_fp8_cast_bytes_per_token
+
+    m = load_config("llama3-8b").model  # h 4096, 32 heads of 128, 8 kv heads, ffn 14336
+    h, f = 4096, 14336
+    inputs = 3 * h + h + 2 * h + f  # wq wk wv | wo | w1 w3 | w2
+    outputs = (h + 2 * 1024) + h + 2 * f + h
+    assert torchao_fp8_cast_bytes_per_token(m) == 5 * 2 * (inputs + outputs)
+    plain = elementwise_bytes_per_token(m, "bf16")
+    assert elementwise_bytes_per_token(m, "fp8", fp8_recipe="torchao") == pytest.approx(
+        plain + 10 * (inputs + outputs) / 3)
+    gpu = PRESETS["h100"]
+    weights = h * (h + 2 * 1024) + h * h + 3 * f * h
+    lt8 = layer_times(Workload(m, 4096, 1, 1, gpu, precision="fp8", compile="off"), 1, 1, 1, False, "none")
+    lt16 = layer_times(Workload(m, 4096, 1, 1, gpu, compile="off"), 1, 1, 1, False, "none")
+    extra = 4096 * 10 * (inputs + outputs) / 3 + 10 * weights / 3
+    assert lt8.fwd["elementwise"] - lt16.fwd["elementwise"] == pytest.approx(extra / (3350e9 * 0.8), rel=1e-9)
+
+
+def test_profile_survives_a_failing_engine_probe(tmp_path, monkeypatch):
+    """The engine probe (and any optional measurement) failing records an error; the profile is written."""
+    from loom.planner import profile
+
+    for name, value in (("gemm_table", [[128, 128, 128, 1.0]]), ("attention_rate", 0.5), ("memory_bandwidth", 10.0),
+                        ("collective_bandwidth", None), ("kernel_overhead_us", 5.0),
+                        ("decode_rates", [[1, 128, 128, 2.0]]), ("decode_stream_scale", [[1e6, 1.0]]),
+                        ("elementwise_rates", [[1e6, 3.0]])):
+        monkeypatch.setattr(profile, name, lambda *a, _v=value, **k: _v)
+
+    def probe(device, dtype, quick):
+        raise RuntimeError("engine broke")
+
+    out = tmp_path / "p.json"
+    prof = profile.profile_hardware(out, quick=True, engine_probe=probe)
+    assert prof["errors"] == {"engine": "RuntimeError: engine broke"}
+    assert json.loads(out.read_text())["gemm"]["fp32"] and "engine_overhead_us" not in prof
+    from loom.planner.hardware import load_gpu
+
+    assert load_gpu(str(out)).errors["engine"].startswith("RuntimeError")
+    # The compiled-elementwise probe counts the Triton kernels of a profile only.
+    assert profile.triton_seconds([("triton_poi_fused_add_0", 10.0), ("nvjet_tst_128x", 500.0),
+                                   ("triton_red_fused_mean_1", 5.0), ("aten::mul", 3.0)]) == pytest.approx(15e-6)
+
+
+def test_measured_loom_runs_table():
+    """`loom plan --validate`'s second table: loom's own H200 runs (measured_runs.json, copied from
+    bench/results/h200-2026-11-26) predicted from that machine's profile; pricing compiled blocks (what
+    those runs ran) is closer to every measured step than pricing them eager."""
+    from loom.planner.validation import measured_validation
+
+    rows = measured_validation()
+    if not rows:
+        pytest.skip("bench/results/h200-2026-11-26/profile.json not in this checkout")
+    assert [r["measured_s"] for r in rows] == [0.2842, 0.3124, 0.3175, 0.8977]
+    eager = measured_validation("off")
+    for r, e in zip(rows, eager):
+        assert abs(r["error"]) < abs(e["error"]) and r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1,
+                                                                                 abs=1e-3)
+        assert r["memory_error"] == pytest.approx(r["predicted_gib"] / r["measured_gib"] - 1, abs=1e-3)
+
+
+def test_compiled_block_activations_by_hand():
+    """A compiled loom block keeps e(7h + 2hg/a + 3f) + 4a + 8 bytes per token (memory.py); the planner uses
+    it for the layouts loom compiles and `loom memory`'s eager formula for the rest."""
+    import dataclasses
+
+    from loom.flops import layer_activation_bytes
+    from loom.planner.memory import compiled_layer_activation_bytes
+
+    m = load_config("llama3-8b").model  # h 4096, a 32, g 8, f 14336
+    per_token = 2 * (7 * 4096 + 2 * 4096 * 8 / 32 + 3 * 14336) + 4 * 32 + 8
+    assert compiled_layer_activation_bytes(m, 4096, 2, 2) == 4096 * 2 * per_token
+    gpu = dataclasses.replace(PRESETS["h200"], source="profile")
+    lay = Layout(micro_batch=2, dp_style="replicate")
+    on = memory(Workload(m, 4096, 2, 1, gpu), lay)["activations"]
+    off = memory(Workload(m, 4096, 2, 1, gpu, compile="off"), lay)["activations"]
+    assert on == m.layers * 4096 * 2 * per_token
+    assert off == m.layers * layer_activation_bytes(m, 4096, 2, 1, False, "none", 2)
+    # torchao's fp8, compiled: neither normalised input nor the gated product is kept
+    fp8_token = 2 * (5 * 4096 + 2 * 4096 * 8 / 32 + 2 * 14336) + 4 * 32 + 8
+    assert memory(Workload(m, 4096, 2, 1, gpu, precision="fp8"), lay)["activations"] == m.layers * 4096 * 2 * fp8_token
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fp8", ["off", "rowwise"])
+def test_compiled_block_activations_match_inductors_saved_tensors(fp8):
+    """The formula against what a compiled block (nn.Module.compile, as train.compile applies it; with
+    torchao's fp8 linears as train.fp8 converts them) saves for backward on CPU in bf16, counted with
+    saved-tensor hooks: every saved storage once, parameters and what the model keeps outside the block
+    (final norm, head input, token ids) excluded."""
+    import torch
+
+    from loom.config import ModelConfig
+    from loom.models.llama import build_model
+    from loom.planner.memory import compiled_layer_activation_bytes
+
+    h, f, a, g, s, b = 256, 1024, 8, 2, 256, 2
+    cfg = ModelConfig(layers=1, hidden=h, heads=a, kv_heads=g, ffn_hidden=f, vocab_size=512, max_seq_len=s)
+    torch.manual_seed(0)
+    model = build_model(cfg).to(torch.bfloat16)
+    if fp8 != "off":
+        pytest.importorskip("torchao")
+        from loom.parallel.float8 import apply_float8
+
+        apply_float8(model, fp8)
+    block = model.layers["0"]
+    block.compile()
+    ids = torch.randint(0, 512, (b, s))
+    model(ids).float().sum().backward()  # compile forward and backward
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids)
+    total = sum(saved.values())
+    # outside the block: the final norm's fp32 input and 1/rms, the head's 16-bit input, the token ids,
+    # and the rotary tables (per position, not per token of the batch)
+    outside_bytes = b * s * (4 * h + 4 + 2 * h + 8) + 2 * s * (h // a) * 2
+    assert total - outside_bytes == pytest.approx(compiled_layer_activation_bytes(cfg, s, b, 2, fp8 != "off"),
+                                                  rel=0.01)
+
+
+def test_loom_attention_from_a_profiles_rate_by_sequence_length():
+    """A profile's `attention_tflops` (loom's SDPA kernel order, forward and backward, by sequence length)
+    prices loom's attention at the log-interpolated rate; Megatron's and a forced fused kernel keep the
+    efficiency figures; the forward gets 1/3.5 of the measured forward-and-backward time."""
+    import dataclasses
+    import math
+
+    from loom.planner.layertime import layer_times
+
+    m = load_config("llama3-8b").model
+    gpu = dataclasses.replace(PRESETS["h100"], attention_tflops={"bf16": [[1024, 200.0], [16384, 500.0]]})
+    lt = layer_times(Workload(m, 4096, 1, 1, gpu), 1, 1, 1, False, "none")
+    rate = 200 + (500 - 200) * math.log(4096 / 1024) / math.log(16384 / 1024)  # 350 TFLOP/s
+    flops = 2 * 2 * m.heads * 4096 * 4096 * m.head_dim / 2
+    assert lt.fwd["attention"] == pytest.approx(flops / (rate * 1e12), rel=1e-12)
+    assert lt.bwd["attention"] == pytest.approx(2.5 * flops / (rate * 1e12), rel=1e-12)
+    mega = layer_times(Workload(m, 4096, 1, 1, gpu, framework="megatron"), 1, 1, 1, False, "none")
+    assert mega.fwd["attention"] == pytest.approx(flops / (989e12 * 0.45), rel=1e-3)

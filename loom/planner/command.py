@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--loss-chunk", type=int, default=0, metavar="TOKENS",
                    help="LM head + loss this many tokens at a time, logits recomputed in backward (loom's "
                         "train.loss_chunk); 0 (default): the whole micro-batch's logits")
+    c.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="price compiled transformer blocks (loom's train.compile: elementwise ops fused by inductor); "
+                        "auto (default): as loom's GPU path runs, compiled on a GPU where loom compiles (tp = pp = "
+                        "cp = 1, dense layers), eager on a CPU profile")
     c.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="mixture of experts: tokens routed to the busiest expert-parallel rank over the mean (default "
                         "1.0, balanced, as NVIDIA's published MoE benchmarks force); it scales that rank's expert work, "
@@ -154,7 +158,7 @@ def build_workload(args):
                     state_dtype=args.state_dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce,
                     grad_accum=args.grad_accum, memory_margin_gib=margin, framework=args.framework,
                     grad_dtype=args.grad_dtype, moe_imbalance=args.moe_imbalance,
-                    loss_chunk=args.loss_chunk, recipe=args.recipe, lora_rank=lora.rank,
+                    loss_chunk=args.loss_chunk, recipe=args.recipe, lora_rank=lora.rank, compile=args.compile,
                     lora_targets=tuple(loom_targets(lora.targets)) if lora.enabled else ()), args.model
 
 
@@ -169,11 +173,12 @@ def run(args, engine_probe=None) -> int:
               f"memory {prof['hbm_gbps']} GB/s, collectives {prof['nvlink_gbps']} GB/s")
         return 0
     if args.validate:
-        from loom.planner.validation import validate
+        from loom.planner.validation import measured_validation, validate
 
         rows = validate()
+        measured = measured_validation(args.compile)
         if args.json:
-            print(json.dumps({"runs": rows}, indent=1))
+            print(json.dumps({"runs": rows, "measured_runs": measured}, indent=1))
             return 0
         print(f"{'run':<28} {'published s':>11} {'predicted s':>11} {'error':>7}  fits  layout chosen")
         for r in rows:
@@ -187,6 +192,17 @@ def run(args, engine_probe=None) -> int:
         errors = [abs(r["error"]) for r in rows if r["error"] is not None]
         print(f"{len(errors)} of {len(rows)} published layouts predicted to fit; mean |step-time error| "
               f"{100 * sum(errors) / max(1, len(errors)):.1f}%")
+        if measured:
+            print()
+            print("loom's own runs on one GPU (loom/planner/measured_runs.json), predicted from that machine's profile; "
+                  "memory: total less reserve vs max_memory_allocated")
+            print(f"{'run':<28} {'measured s':>10} {'predicted':>9} {'error':>7} {'meas GiB':>8} {'predicted':>9} "
+                  f"{'error':>7}")
+            for r in measured:
+                print(f"{r['run']:<28} {r['measured_s']:>10.3f} {r['predicted_s']:>9.3f} {100 * r['error']:>+6.1f}% "
+                      f"{r['measured_gib']:>8.1f} {r['predicted_gib']:>9.1f} {100 * r['memory_error']:>+6.1f}%")
+            print(f"mean |step-time error| {100 * sum(abs(r['error']) for r in measured) / len(measured):.1f}%, "
+                  f"mean |memory error| {100 * sum(abs(r['memory_error']) for r in measured) / len(measured):.1f}%")
         return 0
     start = time.perf_counter()
     w, base_name = build_workload(args)

@@ -25,7 +25,9 @@ Every number here is a property of the hardware, never of a particular training 
 
 A profile measured with `loom plan --profile-hardware OUT.json` has the same keys plus an optional
 `gemm` table (`{"bf16": [[m, n, k, tflops], ...]}`) that replaces the default efficiency curve, and for
-`loom plan --inference` the `decode_gbps` curve and `engine_overhead_us` (see `GPU`).
+`loom plan --inference` the `decode_gbps` curve and `engine_overhead_us` (see `GPU`); on a GPU also the
+compiled block's elementwise rate (`elementwise_compiled_gbps`), cuDNN's fused attention on Hopper
+(`fused_attention_efficiency`) and `errors`, what it failed to measure.
 """
 
 from __future__ import annotations
@@ -73,6 +75,17 @@ class GPU:
     decode_stream_scale: dict = field(default_factory=dict)
     # precision -> [[prompt tokens, TFLOP/s], ...]: the generation engine's packed prefill attention.
     prefill_attention_tflops: dict = field(default_factory=dict)
+    # Measured by a profile on a GPU: precision -> [[bytes, GB/s], ...], the rate of the same elementwise
+    # bytes when the block runs compiled (train.compile: inductor fuses them into Triton kernels), timed as
+    # the Triton kernels of a compiled one-layer forward and backward. Without it compiled blocks run their
+    # elementwise bytes at the memory bandwidth (hbm_gbps x hbm_efficiency).
+    elementwise_compiled_gbps: dict = field(default_factory=dict)
+    # Measured by a profile on a GPU: precision -> [[sequence, TFLOP/s], ...], causal attention forward and
+    # backward through SDPA with loom's kernel order (cuDNN first on Hopper and newer), by sequence length
+    # (efficiency grows with the sequence); it prices loom's attention in place of attention_efficiency.
+    attention_tflops: dict = field(default_factory=dict)
+    # What a profile failed to measure: {"engine": "RuntimeError: ..."}; the rest of the profile stands.
+    errors: dict = field(default_factory=dict)
     source: str = "preset"
 
     def peak(self, precision: str) -> float:
@@ -147,6 +160,8 @@ def _check_decode_keys(spec: str, data: dict) -> None:
         raise UserError(f"--gpu {spec}: decode_gbps must map precisions to rows [rows, n, k, GB/s] of positive "
                         "numbers, e.g. {\"fp32\": [[1, 512, 512, 12.5]]}")
     for key, example in (("elementwise_gbps", "[[bytes, GB/s], ...], e.g. {\"fp32\": [[5e6, 9.4], [2e8, 3.7]]}"),
+                         ("elementwise_compiled_gbps", "[[bytes, GB/s], ...], e.g. {\"bf16\": [[1e8, 2900.0]]}"),
+                         ("attention_tflops", "[[sequence, TFLOP/s], ...], e.g. {\"bf16\": [[1024, 250.0], [16384, 450]]}"),
                          ("decode_stream_scale", "[[bytes, factor], ...], e.g. {\"fp32\": [[8e6, 2.1], [1.3e8, 1.0]]}"),
                          ("prefill_attention_tflops", "[[tokens, TFLOP/s], ...], e.g. {\"fp32\": [[128, 0.021], [512, 0.031]]}")):
         table = data.get(key, {})

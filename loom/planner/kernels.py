@@ -34,13 +34,39 @@ def gemm_time(gpu: GPU, precision: str, m: int, n: int, k: int, batch: int = 1) 
 
 @lru_cache(maxsize=4096)
 def _measured_rate(table: tuple, m: int, n: int, k: int) -> float:
-    """TFLOP/s of the measured shape closest in log-space (a profile's table)."""
+    """TFLOP/s at (m, n, k) from a profile's table: on a full grid of measured m x n x k (what
+    `--profile-hardware` writes), interpolated linearly in log m, log n and log k between the measured
+    shapes either side (the end shapes' rates beyond them: a GEMM larger than the grid runs at the
+    largest measured rate); otherwise the measured shape closest in log-space. Nearest-shape lookup put a
+    shape half-way between two measured ones (2048 between 1024 and 4096) on whichever the table listed
+    first, the smaller and slower one."""
+    axes = [sorted({row[i] for row in table}) for i in range(3)]
+    if len(axes[0]) * len(axes[1]) * len(axes[2]) == len(table) == len({tuple(r[:3]) for r in table}):
+        rates = {tuple(row[:3]): row[3] for row in table}
+        corners = [_bracket(axis, x) for axis, x in zip(axes, (m, n, k))]
+        total = 0.0
+        for lo_m, hi_m, wm in (corners[0],):
+            for cm, fm in ((lo_m, 1 - wm), (hi_m, wm)):
+                for cn, fn in ((corners[1][0], 1 - corners[1][2]), (corners[1][1], corners[1][2])):
+                    for ck, fk in ((corners[2][0], 1 - corners[2][2]), (corners[2][1], corners[2][2])):
+                        total += fm * fn * fk * rates[(cm, cn, ck)]
+        return total
     best, rate = None, None
     for tm, tn, tk, tflops in table:
         dist = (math.log(m / tm)) ** 2 + (math.log(n / tn)) ** 2 + (math.log(k / tk)) ** 2
         if best is None or dist < best:
             best, rate = dist, tflops
     return rate
+
+
+def _bracket(axis: list, x: float) -> tuple:
+    """(lower, upper, weight of upper): where x falls between the measured values of one axis, in log x."""
+    if x <= axis[0]:
+        return axis[0], axis[0], 0.0
+    for lo, hi in zip(axis, axis[1:]):
+        if x <= hi:
+            return lo, hi, math.log(x / lo) / math.log(hi / lo)
+    return axis[-1], axis[-1], 0.0
 
 
 def hbm_time(gpu: GPU, nbytes: float) -> float:
@@ -81,6 +107,18 @@ def elementwise_time(gpu: GPU, prec: str, nbytes: float) -> float:
     these ops are compute- and dispatch-bound, far below the memory bandwidth, and faster while the
     working set fits in cache), else at the memory bandwidth."""
     table = gpu.elementwise_gbps.get("bf16" if prec == "fp8" else prec)  # fp8 runs these ops in bf16
+    if not table or nbytes <= 0:
+        return hbm_time(gpu, nbytes)
+    return nbytes / (log_interpolate(table, nbytes) * 1e9)
+
+
+def compiled_elementwise_time(gpu: GPU, prec: str, nbytes: float) -> float:
+    """Seconds for a compiled block's elementwise bytes (train.compile). Inductor fuses a block's norms,
+    residual adds, activation function, rotary embedding and fp8 casts into a few Triton kernels that
+    stream their operands once, so they run at the rate a profile measured for those kernels
+    (`elementwise_compiled_gbps`), else at the memory bandwidth. An eager profile's `elementwise_gbps` is a
+    chain of small separate kernels (on an H200 about a tenth of the copy bandwidth) and does not apply."""
+    table = gpu.elementwise_compiled_gbps.get("bf16" if prec == "fp8" else prec)
     if not table or nbytes <= 0:
         return hbm_time(gpu, nbytes)
     return nbytes / (log_interpolate(table, nbytes) * 1e9)

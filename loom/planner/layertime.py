@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from loom.config import ModelConfig
-from loom.planner.kernels import collective_time, elementwise_time, gemm_time, hbm_time, members_per_node
+from loom.planner.kernels import (collective_time, compiled_elementwise_time, elementwise_time, gemm_time, hbm_time,
+                                  members_per_node)
 from loom.planner.workload import Workload
 
 
@@ -31,10 +32,29 @@ class LayerTimes:
     bwd: dict  # including recomputation
 
 
-def elementwise_bytes_per_token(cfg: ModelConfig, prec: str, tp: int = 1, sp: bool = False, moe: bool = False) -> float:
+def torchao_fp8_cast_bytes_per_token(cfg: ModelConfig, tp: int = 1) -> float:
+    """Bytes torchao's Float8Linear (loom's train.fp8) moves per token of one layer, forward and backward
+    together, casting activations to fp8: each linear casts its input in forward and, in backward, its
+    output gradient (for the input gradient) and both again with the other axis's scales (for the weight
+    gradient); each cast reads the 16-bit tensor for its amax, then reads it again and writes one byte
+    (2 + 2 + 1 = 5 bytes per element). loom's linears: wq, wk, wv, wo, w1, w3, w2, each casting its own
+    input (wq/wk/wv and w1/w3 read the same normed input separately). The weights' casts are per
+    micro-batch, not per token (`_layer_forward`)."""
+    h, d, a, g, f = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
+    gated = cfg.mlp == "swiglu"
+    inputs = 3 * h + a * d / tp + (2 if gated else 1) * h + f / tp
+    outputs = (a + 2 * g) * d / tp + h + (2 if gated else 1) * f / tp + h
+    return 5 * 2 * (inputs + outputs)
+
+
+def elementwise_bytes_per_token(cfg: ModelConfig, prec: str, tp: int = 1, sp: bool = False, moe: bool = False,
+                                fp8_recipe: str = "te") -> float:
     """Bytes the elementwise ops of one layer's forward move per token on a rank: two norms, two residual
     adds (replicated over tp unless SP splits the sequence), the MLP's activation function and rotary
-    embedding (split over tp), dropout and fp8 casts when present."""
+    embedding (split over tp), dropout and fp8 casts when present (`fp8_recipe`: "te", Transformer
+    Engine's casts fused into its norm+linear modules, or "torchao", loom's Float8Linear casts,
+    `torchao_fp8_cast_bytes_per_token`; backward is priced at twice the forward, so a third of those
+    forward-and-backward bytes is counted here)."""
     h, d, a, g, f = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
     half = 4 if prec == "fp32" else 2  # bytes of an activation element
     per_token_hidden = 2 * (2 * h * half) + 2 * (3 * h * half)  # two norms, two residual adds
@@ -44,7 +64,9 @@ def elementwise_bytes_per_token(cfg: ModelConfig, prec: str, tp: int = 1, sp: bo
     if cfg.position == "rope":
         per_token_split += 2 * (a + g) * d * half
     fp8_cast = 0.0
-    if prec == "fp8":
+    if prec == "fp8" and fp8_recipe == "torchao":
+        fp8_cast = torchao_fp8_cast_bytes_per_token(cfg, tp) / 3
+    elif prec == "fp8":
         # Every linear input (forward) and output gradient (backward) is scaled and cast to fp8, plus a
         # transposed fp8 copy for the weight gradient: 4 bytes moved per input element over forward and
         # backward together. Half is counted here, in the forward's bytes; backward's 2x gives the rest.
@@ -86,8 +108,22 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool, moe: bool 
         # Fused attention computes only the causal half of the score matrix.
         flops = 2 * 2 * mbs * heads * s * w.seq_len * d / 2
         peak16 = gpu.peak("bf16" if prec == "fp8" else prec)
-        core = {"attention": flops / (peak16 * 1e12 * w.attention_efficiency), "elementwise": 0.0}
-    elementwise = elementwise_time(gpu, prec, tokens * elementwise_bytes_per_token(cfg, prec, tp, sp, moe))
+        measured = w.loom_attention_tflops("bf16" if prec == "fp8" else prec)
+        # A profile's rate counts forward and backward (3.5x the forward FLOPs); backward is 2.5x forward below.
+        rate = measured * 1e12 if measured else peak16 * 1e12 * w.attention_efficiency
+        core = {"attention": flops / rate, "elementwise": 0.0}
+    # torchao's fp8 casts for loom's own runtime, Transformer Engine's for Megatron; a compiled block's
+    # elementwise bytes run as fused Triton kernels (`compiled_elementwise_time`), an eager one's at the
+    # profile's eager rate.
+    recipe = "torchao" if w.framework == "loom" else "te"
+    ew_time = compiled_elementwise_time if w.compile == "on" else elementwise_time
+    ew_bytes = tokens * elementwise_bytes_per_token(cfg, prec, tp, sp, moe, recipe)
+    if prec == "fp8" and recipe == "torchao" and not moe:
+        # Each weight cast to fp8 once per micro-batch in forward and once (other axis) in backward;
+        # counted in the forward's bytes as a third of both passes, as the activation casts are.
+        weights = (h * (a + 2 * g) * d + a * d * h + (3 if cfg.mlp == "swiglu" else 2) * f * h) / tp
+        ew_bytes += 5 * 2 * weights / 3
+    elementwise = ew_time(gpu, prec, ew_bytes)
     if moe_terms:
         elementwise += moe_terms["elementwise"]
     tp_comm = 0.0

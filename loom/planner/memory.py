@@ -42,6 +42,28 @@ def megatron_layer_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch:
     return replicated / sp_div + (attn + mlp + core) / tp
 
 
+def compiled_layer_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, act_bytes: int,
+                                    fp8: bool = False) -> float:
+    """Bytes one compiled loom block (train.compile, tp = 1, no dropout, no recomputation) keeps for backward.
+    Inductor's partitioner saves what its fused backward needs and recomputes the rest, which changes the
+    saved set from eager loom's (`loom.flops.layer_activation_bytes`): no fp32 copies of the norm inputs
+    (the norms' backward is recomputed from the 16-bit input and the fp32 1/rms), and per token, in the
+    activation dtype e: the block input, the normalised attention input, the attention output as SDPA
+    returns it and as the out-projection reads it (a contiguous copy), the residual after attention and its
+    normalised MLP input (5h); q and the attention output (2h), k and v (2hg/a); w1's and w3's outputs and
+    their gated product (3f); fp32 log-sum-exp (4a) and two fp32 1/rms (8 bytes). Read off the saved
+    tensors of a compiled one-layer block on CPU in bf16 (tests/test_plan.py checks it): per token
+    e(7h + 2hg/a + 3f) + 4a + 8 bytes, against eager's e(6h + 2hg/a + 4f) + 8h + 4a + 8.
+    `fp8` (torchao's Float8Linear, compiled): the block saves no fp8 copies and neither normalised input
+    nor the gated product: their casts for backward are recomputed from the block input, the residual and
+    w1's and w3's outputs, e(5h + 2hg/a + 2f) + 4a + 8 (read off the same way, rowwise and tensorwise)."""
+    s, b, h, a, g, f = seq_len, micro_batch, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
+    gated = 3 if cfg.mlp == "swiglu" else 2  # w1, w3 and their product; or fc1's output and the activation
+    if fp8:
+        return s * b * (act_bytes * (5 * h + 2 * h * g / a + (gated - 1) * f) + 4 * a + 8)
+    return s * b * (act_bytes * (7 * h + 2 * h * g / a + gated * f) + 4 * a + 8)
+
+
 def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: int, mega: bool) -> float:
     """Bytes an MoE layer keeps for backward beyond a dense layer of the same model, on one rank. The dense
     MLP's activations go; per routed row (tokens x top_k x the busiest rank's load over the mean) come the
@@ -87,6 +109,9 @@ def memory(w: Workload, lay: Layout) -> dict:
     if mega and cfg.attention != "math":
         # Megatron-Core + TE; its context parallelism (TE's ring) keeps only the local keys/values.
         per_layer = megatron_layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes, fp8)
+    elif (w.runs_compiled(lay) and base == "none" and lay.tp == 1 and cfg.attention != "math" and not cfg.moe_layers
+          and cfg.dropout == 0 and cfg.attn_dropout == 0):
+        per_layer = compiled_layer_activation_bytes(cfg, s, lay.micro_batch, act_bytes, fp8)
     else:
         per_layer = layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes)
     if lay.cp > 1 and not mega:  # attention keeps the gathered keys/values of the rest of the sequence for backward, and

@@ -89,14 +89,29 @@ def memory_bandwidth(device: str) -> float:
     return 2 * x.numel() * 4 / t / 1e9  # read + write
 
 
-def attention_rate(device: str, dtype: torch.dtype) -> float:
+def attention_rate(device: str, dtype: torch.dtype, backend=None, seq: int = 0) -> float:
+    """TFLOP/s of causal SDPA forward + backward; `backend`: a torch SDPBackend that restricts SDPA to that
+    kernel (cuDNN's fused attention), or a list of them in order of priority (loom's order); `seq`: the
+    sequence length, with the batch keeping 16k tokens (default: 4 x 2048 on a GPU)."""
+    import contextlib
+
     import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
 
     b, h, s, d = (4, 16, 2048, 128) if device == "cuda" else (1, 4, 512, 64)
+    if seq:
+        b, s = max(1, 16384 // seq), seq
     q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    if backend is None:
+        kernels = contextlib.nullcontext
+    elif isinstance(backend, list):
+        kernels = lambda: sdpa_kernel(backend, set_priority=True)  # noqa: E731
+    else:
+        kernels = lambda: sdpa_kernel([backend])  # noqa: E731
 
     def step():
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with kernels():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.sum().backward()
 
     t = _timeit(step, device)
@@ -234,7 +249,41 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
     bw = memory_bandwidth(device)
     coll = collective_bandwidth(min(local, 8) if cuda else 2, "nccl" if cuda and local > 1 else "gloo") \
         if (cuda and local > 1) or not cuda else None
-    engine = engine_probe(device, dtypes[attn_key], quick) if engine_probe is not None else {}
+    errors = {}
+    fused_attention = 0.0
+    if cuda and torch.cuda.get_device_capability(0) >= (9, 0):
+        from torch.nn.attention import SDPBackend
+
+        try:  # the kernel loom's attention runs first on Hopper and newer
+            fused_attention = attention_rate(device, dtypes[attn_key], SDPBackend.CUDNN_ATTENTION)
+        except RuntimeError as exc:
+            errors["fused_attention"] = f"{type(exc).__name__}: {exc}"[:500]
+    attention_by_seq = []
+    if cuda:
+        from torch.nn.attention import SDPBackend
+
+        # loom's kernel order (loom.train.steps.attention_kernels): cuDNN first on Hopper and newer, else flash
+        order = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+        if torch.cuda.get_device_capability(0) >= (9, 0):
+            order.reverse()
+        order.append(SDPBackend.EFFICIENT_ATTENTION)
+        try:
+            for seq in (1024, 4096, 16384) if not quick else (4096,):
+                attention_by_seq.append([seq, round(attention_rate(device, dtypes[attn_key], order, seq), 3)])
+        except RuntimeError as exc:
+            errors["attention_tflops"] = f"{type(exc).__name__}: {exc}"[:500]
+    compiled = {}
+    if cuda:  # inductor on a CPU needs a C++ toolchain and is not what loom's CPU path runs
+        try:
+            compiled = {attn_key: compiled_elementwise_rates(device, dtypes[attn_key], quick=quick)}
+        except Exception as exc:  # noqa: BLE001 - a compiler failure must not lose the rest of the profile
+            errors["elementwise_compiled"] = f"{type(exc).__name__}: {exc}"[:500]
+    engine = {}
+    if engine_probe is not None:
+        try:  # the generation engine's probe must not abort the whole profile: its failure is recorded
+            engine = engine_probe(device, dtypes[attn_key], quick)
+        except Exception as exc:  # noqa: BLE001
+            errors["engine"] = f"{type(exc).__name__}: {exc}"[:500]
     product = engine.pop("decode_product", None)
     profile = {
         "name": name, "memory_gib": round(memory_gib, 2), "peak_tflops": peak,
@@ -246,8 +295,12 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
         "decode_gbps": {attn_key: decode_rates(device, dtypes[attn_key], quick=quick, product=product)},
         "decode_stream_scale": {attn_key: decode_stream_scale(device, dtypes[attn_key], quick=quick, product=product)},
         "elementwise_gbps": {attn_key: elementwise_rates(device, dtypes[attn_key], quick=quick)},
+        **({"elementwise_compiled_gbps": compiled} if compiled else {}),
+        **({"fused_attention_efficiency": round(fused_attention / peak[attn_key], 4)} if fused_attention else {}),
+        **({"attention_tflops": {attn_key: attention_by_seq}} if attention_by_seq else {}),
         **engine,
         "gemm": gemm, "source": f"measured by loom plan --profile-hardware (torch {torch.__version__})",
+        **({"errors": errors} if errors else {}),
     }
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(profile, indent=1))
@@ -295,4 +348,45 @@ def elementwise_rates(device: str, dtype: torch.dtype, quick: bool = False) -> l
                     seconds += (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) * 1e-6
                 best = seconds if best is None else min(best, seconds)
         out.append([float(nbytes), round(nbytes / max(best, 1e-9) / 1e9, 3)])
+    return out
+
+
+def triton_seconds(events) -> float:
+    """Seconds of the Triton kernels among a profile's (name, device microseconds) pairs: the elementwise
+    work of a compiled block (inductor names its generated kernels triton_poi_/triton_red_/triton_per_...;
+    products and attention stay cuBLAS / SDPA kernels)."""
+    return sum(us for name, us in events if name.startswith("triton")) * 1e-6
+
+
+def compiled_elementwise_rates(device: str, dtype: torch.dtype, quick: bool = False) -> list[list[float]]:
+    """[[bytes, GB/s], ...]: the rate of a compiled block's elementwise work (loom's train.compile), as
+    `elementwise_rates` measures an eager one: a one-layer Llama's block compiled as loom compiles it
+    (`nn.Module.compile`), forward and backward under torch's profiler; the Triton kernels' device time
+    (`triton_seconds`) against the bytes the cost model counts for a block's forward and backward (three
+    times `layertime.elementwise_bytes_per_token`)."""
+    from loom.config import ModelConfig
+    from loom.models.llama import build_model
+    from loom.planner.layertime import elementwise_bytes_per_token
+
+    prec = "fp32" if dtype == torch.float32 else "bf16"
+    out = []
+    for n in (16384,) if not quick else (4096,):  # one size: each compiles the block anew (tens of seconds)
+        cfg = ModelConfig(layers=1, hidden=1024, heads=16, kv_heads=8, ffn_hidden=2816, vocab_size=256, max_seq_len=n)
+        torch.manual_seed(0)
+        model = build_model(cfg).to(device=device, dtype=dtype)
+        for block in model.layers.values():
+            block.compile()
+        ids = torch.randint(0, cfg.vocab_size, (1, n), device=device)
+        nbytes = 3 * n * elementwise_bytes_per_token(cfg, prec)
+        best = None
+        for _ in range(2):
+            model(ids).float().sum().backward()  # warm-up: compiles forward and backward
+        for _ in range(1 if quick else 3):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                model(ids).float().sum().backward()
+                torch.cuda.synchronize()
+            seconds = triton_seconds((e.key, e.self_device_time_total) for e in prof.key_averages())
+            best = seconds if best is None else min(best, seconds)
+        if best:
+            out.append([float(nbytes), round(nbytes / best / 1e9, 3)])
     return out

@@ -91,6 +91,7 @@ def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
     t.dtype = "bfloat16"
     t.fp8 = "tensorwise" if w.precision == "fp8" else "off"
     t.loss_chunk = w.loss_chunk
+    t.compile = w.runs_compiled(lay)  # the blocks run as they were priced (--compile; auto: loom's GPU path)
     cfg.optim.state_dtype = w.state_dtype
     cfg.lora.rank, cfg.lora.targets = w.lora_rank, list(w.lora_targets) or cfg.lora.targets
     cfg.parallel.grad_accum = w.grad_accum

@@ -35,6 +35,13 @@ def _with_fused_attention(w: Workload) -> Workload:
     return replace(w, attention_kernel="fused")
 
 
+@lru_cache(maxsize=1024)
+def compiled_workload(w: Workload, on: bool) -> Workload:
+    """`w` with its blocks' compilation resolved for one layout (`Workload.runs_compiled`), one object per
+    workload and answer so the caches keyed on it hold."""
+    return w if w.compile == ("on" if on else "off") else replace(w, compile="on" if on else "off")
+
+
 def step_time(w: Workload, lay: Layout) -> dict:
     """Seconds of one training step, term by term (the terms of this module's docstring and `layertime`'s)."""
     cfg, gpu = w.model, w.gpu
@@ -42,6 +49,7 @@ def step_time(w: Workload, lay: Layout) -> dict:
     base = "selective" if lay.recompute == "selective" else "none"
     # A layout only Megatron runs (its distributed optimizer) runs Megatron's attention kernel too.
     kw = _with_fused_attention(w) if lay.dp_style == "distopt" and w.attention_kernel == "auto" else w
+    kw = compiled_workload(kw, w.runs_compiled(lay))
     lt = layer_times(kw, lay.tp, lay.cp, lay.micro_batch, lay.sp, base, lay.ep)
     ft = layer_times(kw, lay.tp, lay.cp, lay.micro_batch, lay.sp, "full", lay.ep) if lay.recompute == "full" else None
     hf, hb = head_times(kw, lay.tp, lay.cp, lay.micro_batch)

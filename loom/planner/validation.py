@@ -10,6 +10,9 @@ planner's choice. The hardware numbers are the presets', unchanged.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from loom.config import ModelConfig
 from loom.planner.workload import Workload
 from loom.planner.hardware import PRESETS
@@ -177,4 +180,45 @@ def validate() -> list[dict]:
                      "error": round(best.step_time_s / seconds - 1, 4) if best else None,
                      "fits": bool(best and best.fits),
                      "layout": best.to_json() if best else None})
+    return rows
+
+
+MEASURED = Path(__file__).with_name("measured_runs.json")
+
+
+def measured_validation(compile: str = "auto") -> list[dict]:
+    """loom's own runs measured on a GPU (`measured_runs.json`, numbers copied from the bench files it names),
+    each predicted from the profile measured on that machine with its layout fixed as `loom plan --layout`
+    fixes it; memory compared as the planner's total less its reserve (CUDA context, fragmentation) against
+    torch.cuda.max_memory_allocated. Empty when the profile is not there (an installed package without
+    the repository's bench/ folder)."""
+    from loom.planner.hardware import load_gpu
+    from loom.planner.steptime import evaluate
+    from loom.planner.workload import Layout
+
+    if not MEASURED.is_file():
+        return []
+    data = json.loads(MEASURED.read_text())
+    profile = Path(__file__).resolve().parents[2] / data["profile"]
+    if not profile.is_file():
+        return []
+    gpu = load_gpu(str(profile))
+    rows = []
+    for run in data["runs"]:
+        seq = run["seq"]
+        cfg = ModelConfig(**data["shapes"][run["shape"]], max_seq_len=seq, rope_theta=500000.0, tie_embeddings=True)
+        w = Workload(cfg, seq, run["micro_batch"], 1, gpu, precision=run["precision"], loss_chunk=run["loss_chunk"],
+                     compile=compile)
+        # One process: loom's replicate style (fully_shard over one rank); recompute.mode=full recomputes
+        # every layer (recompute_layers=0), as bench/gpu_train.py ran it.
+        spec = f"tp=1,pp=1,dp=1,cp=1,mbs={run['micro_batch']},recompute={run['recompute']},style=replicate"
+        best = evaluate(w, Layout(micro_batch=run["micro_batch"], recompute=run["recompute"], recompute_layers=0,
+                                  dp_style="replicate"))
+        memory = (best.memory["total"] - best.memory["reserve"]) / 2**30
+        rows.append({"run": run["run"], "source": run["source"], "layout": spec,
+                     "measured_s": round(run["step_s"], 4), "predicted_s": round(best.step_time_s, 4),
+                     "error": round(best.step_time_s / run["step_s"] - 1, 4),
+                     "measured_gib": round(run["peak_memory_gib"], 2), "predicted_gib": round(memory, 2),
+                     "memory_error": round(memory / run["peak_memory_gib"] - 1, 4),
+                     "time_s": {k: round(v, 4) for k, v in best.time_terms.items() if v}})
     return rows

@@ -60,15 +60,46 @@ class Workload:
     # of this rank on `lora_targets` (loom's module names: wq, wk, wv, wo, w1, w2, w3) trained in fp32.
     lora_rank: int = 0
     lora_targets: tuple = ()
+    # Transformer blocks compiled (loom's train.compile: inductor fuses each block's elementwise ops into
+    # Triton kernels, priced by `kernels.compiled_elementwise_time`): "on", "off", or "auto", what loom's
+    # GPU path runs (docs/gpu.md: train.compile=true on a GPU, where loom's rule book allows it: tp = pp =
+    # cp = 1, dense layers, loom's own runtime; eager on a CPU). The step-time model resolves "auto" per
+    # layout (`steptime.compiled_workload`).
+    compile: str = "auto"
 
     @property
     def usable_bytes(self) -> float:
         return (self.gpu.memory_gib - self.memory_margin_gib) * GIB
 
+    def runs_compiled(self, lay: "Layout") -> bool:
+        """Whether the blocks of layout `lay` run compiled (see `compile`)."""
+        if self.compile != "auto":
+            return self.compile == "on"
+        loom_runtime = self.framework == "loom" and lay.dp_style != "distopt"
+        # loom.rules refuses train.compile with tp > 1, pp > 1, cp > 1 and MoE layers (gpu_path_problem,
+        # cp_feature_problem, moe_problem); a CPU profile's name starts with "cpu" (profile.py).
+        return (loom_runtime and lay.tp == 1 and lay.pp == 1 and lay.cp == 1 and not self.model.moe_layers
+                and not self.gpu.name.lower().startswith("cpu"))
+
+    def loom_attention_tflops(self, prec: str) -> float | None:
+        """TFLOP/s of loom's own attention at this sequence length from a profile's `attention_tflops` (log-
+        interpolated between measured lengths), or None: no table, or a kernel other than loom's SDPA."""
+        from loom.planner.kernels import log_interpolate
+
+        loom_sdpa = self.attention_kernel == "sdpa" or (self.attention_kernel == "auto" and self.framework == "loom")
+        table = self.gpu.attention_tflops.get(prec)
+        return log_interpolate(table, self.seq_len) if loom_sdpa and table else None
+
     @property
     def attention_efficiency(self) -> float:
         """The fraction of the 16-bit peak this workload's fused attention kernel sustains."""
-        fused = self.attention_kernel == "fused" or (self.attention_kernel == "auto" and self.framework == "megatron")
+        # "auto": Megatron runs Transformer Engine's cuDNN attention. loom's SDPA puts cuDNN's fused attention
+        # first on Hopper and newer (loom.train.steps.attention_kernels); a profile measured on such a GPU
+        # times that kernel (`profile.attention_rate`, fused_attention_efficiency) and loom is priced with it.
+        # The presets' fused figure is Transformer Engine's, not torch's cuDNN SDPA: loom keeps FA2's there.
+        measured_cudnn = self.gpu.source != "preset" and self.gpu.fused_attention_efficiency > 0
+        fused = self.attention_kernel == "fused" or (self.attention_kernel == "auto" and (
+            self.framework == "megatron" or measured_cudnn))
         return (self.gpu.fused_attention_efficiency or self.gpu.attention_efficiency) if fused else self.gpu.attention_efficiency
 
 
