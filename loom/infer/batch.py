@@ -1,6 +1,6 @@
 """Batch generation files for `loom generate --input/--output`: read prompt records, write completion records.
 
-Input: `.jsonl`, one `{"prompt": str}` or chat `{"messages": [{"role", "content"}, ...]}` per line (the caller
+Input: `.jsonl` (or `.parquet`), one `{"prompt": str}` or chat `{"messages": [{"role", "content"}, ...]}` per line (the caller
 renders a conversation with the model's chat template and its generation prompt; blank lines are skipped).
 Output, in input order: each input record with `completion`, `tokens`, `logprobs` and `finish_reason` set
 (replacing fields of those names), where `tokens` are the generated ids (a stop token that ended the
@@ -16,32 +16,33 @@ import os
 import tempfile
 from pathlib import Path
 
-from loom.data.jsonl import jsonl_records
+from loom.data.records import Malformed, records
 from loom.errors import UserError
 from loom.files import honour_umask
 
 def read_prompts(path: str | os.PathLike) -> list[tuple[str, dict]]:
-    """(where, record) of every record of a .jsonl file: a string "prompt" or a non-empty list "messages";
-    bad input names the file and line."""
+    """(where, record) of every record of a .jsonl or .parquet file: a string "prompt" or a non-empty list
+    "messages"; bad records are all counted and the first named by file and line (row for Parquet)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--input {str(path)!r} does not exist or is not a file; give a .jsonl file with one "
                         '{"prompt": "..."} or {"messages": [...]} record per line')
-    records = []
-    for where, record in jsonl_records(p, '{"prompt": "Once upon a time"}'):
-        if record is None:
-            continue
+    malformed = Malformed("prompt records")
+    out = []
+    for _, where, record in records(p, malformed, example='{"prompt": "Once upon a time"}'):
         ok = isinstance(record, dict) and (isinstance(record.get("prompt"), str) or (
             "prompt" not in record and isinstance(record.get("messages"), list) and record["messages"]))
         if not ok:
             got = (f"a record without \"prompt\" or \"messages\" (keys: {sorted(record)})" if isinstance(record, dict)
                    and "prompt" not in record and "messages" not in record else f"{json.dumps(record)[:80]}")
-            raise UserError(f'{where}: expected a record with a string "prompt" or a non-empty list of chat '
-                            f'"messages", got {got}')
-        records.append((where, record))
-    if not records:
+            malformed.add(f'{where}: expected a record with a string "prompt" or a non-empty list of chat '
+                          f'"messages", got {got}', p)
+        elif not malformed:
+            out.append((where, record))
+    malformed.check()
+    if not out:
         raise UserError(f'--input {p} holds no records; give one {{"prompt": "..."}} per line')
-    return records
+    return out
 
 
 def write_records(path: str | os.PathLike, records: list[dict]) -> None:
