@@ -70,6 +70,11 @@ def test_stop_ids_come_from_every_source(tmp_path):
 
     assert end_of_turn(load_template("chatml"), tok) == ids["<|im_end|>"]
     assert end_of_turn(load_template("llama3"), tok) is None  # <|eot_id|> is no token of this tokenizer
+    # ... so generation stops at its text instead; ChatML's end-of-turn is a token here, no text stop needed
+    from loom.post.chat import stop_texts
+
+    assert stop_texts(tok, load_template("llama3")) == ("<|eot_id|>",)
+    assert stop_texts(tok, load_template("chatml")) == () and stop_texts(tok) == ()
 
 
 @pytest.mark.parametrize("key", ["pref.template", "rl.template"])

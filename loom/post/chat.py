@@ -195,7 +195,14 @@ def load_template(spec: str, tokenizer_path: str | Path | None = None, key: str 
 
 def end_of_turn(template: ChatTemplate, tokenizer) -> int | None:
     """The special token the template writes right after an assistant's reply (ChatML's <|im_end|>, Llama 3's
-    <|eot_id|>), found by rendering a reply; None when the template writes none."""
+    <|eot_id|>), found by rendering a reply; None when the template writes none (or writes it as text)."""
+    after = _after_reply(template)
+    ids = tokenizer.encode(after)[:1] if after else []
+    return ids[0] if ids and tokenizer.decode(ids) in tokenizer.special_tokens() else None
+
+
+def _after_reply(template: ChatTemplate) -> str | None:
+    """What the template writes right after an assistant's reply ("<|im_end|>\n" for ChatML), or None."""
     import jinja2
 
     marker = "loom-reply-marker"
@@ -203,11 +210,19 @@ def end_of_turn(template: ChatTemplate, tokenizer) -> int | None:
         text = template.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}])
     except jinja2.TemplateError:
         return None
-    if marker not in text:
-        return None
-    after = text[text.index(marker) + len(marker):]
-    ids = tokenizer.encode(after)[:1]
-    return ids[0] if ids and tokenizer.decode(ids) in tokenizer.special_tokens() else None
+    return text[text.index(marker) + len(marker):] if marker in text else None
+
+
+def stop_texts(tokenizer, template: ChatTemplate | None = None) -> tuple[str, ...]:
+    """Text stops generation needs besides `stop_token_ids`: the template's end-of-turn marker when the tokenizer
+    has no special token for it (the built-in chatml on a tokenizer without <|im_end|> spells it in ordinary
+    tokens, so no stop id can catch it). `template` None: the one carried beside the tokenizer, if any."""
+    if template is None:
+        template = find_template(template_dir(tokenizer.path))
+    if template is None or end_of_turn(template, tokenizer) is not None:
+        return ()
+    after = (_after_reply(template) or "").strip()
+    return (after.split()[0],) if after else ()
 
 
 def stop_token_ids(tokenizer, template: ChatTemplate | None = None) -> tuple[int, ...]:

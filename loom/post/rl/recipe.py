@@ -56,7 +56,7 @@ from loom.post import losses as L
 from loom.post.rl.policy import PolicyLoss, add_value_head, value_of
 from loom.post.rl.prompts import PromptSet, build_datasets
 from loom.post.rl.rewards import Rewards, is_user_code, load_callable
-from loom.post.rl.rollouts import rollout_engine, rollout_seed, rows_of, stop_ids
+from loom.post.rl.rollouts import rollout_engine, rollout_seed, rows_of, stops
 from loom.train.recipe import Recipe
 from loom.train.schedule import lr_at
 from loom.train.trainer import Trainer
@@ -130,7 +130,7 @@ class RL(Recipe):
         self.reference = self._build_reference() if rl.kl_coef and not cfg.lora.enabled else None
         self.rewards = Rewards(cfg, trainer.tokenizer, trainer.device)
         # Completions end at the end-of-turn / end-of-sequence (and rl.stop text): what follows is never trained on.
-        self.stop_ids = stop_ids(cfg, trainer.tokenizer)
+        self.stop_ids, self.stop_texts = stops(cfg, trainer.tokenizer)
 
     def _build_reference(self) -> nn.Module:
         """The frozen initial policy in the run's layout: train.init_from's weights, or train.seed's."""
@@ -153,7 +153,7 @@ class RL(Recipe):
         from loom.infer.sampling import SamplingParams
 
         rl = self.trainer.cfg.rl
-        stop = tuple(rl.stop)
+        stop = self.stop_texts
         if greedy:
             return SamplingParams(temperature=0.0, max_new_tokens=rl.max_new_tokens, stop_token_ids=self.stop_ids,
                                   stop=stop)

@@ -24,15 +24,17 @@ def rollout_engine(cfg: Config, model: nn.Module, decode=None):
                   compile=rl.engine_compile, sync_every=rl.engine_sync_every, decode=decode)
 
 
-def stop_ids(cfg: Config, tokenizer) -> tuple[int, ...]:
-    """Where rollouts stop: the tokenizer's end-of-sequence ids and the chat template's end-of-turn
-    (`loom.post.chat.stop_token_ids`; the template is rl.template's when it names one)."""
-    from loom.post.chat import load_template, stop_token_ids
+def stops(cfg: Config, tokenizer) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Where rollouts stop: (ids, texts). Ids: the tokenizer's end-of-sequence ids and the chat template's
+    end-of-turn token (`loom.post.chat.stop_token_ids`; the template is rl.template's when it names one, else
+    the one carried beside the tokenizer). Texts: rl.stop, and the end-of-turn marker when the tokenizer has
+    no token for it (`stop_texts`)."""
+    from loom.post.chat import load_template, stop_texts, stop_token_ids
 
     template = None
     if cfg.rl.template not in ("none", "auto"):
         template = load_template(cfg.rl.template, None, "rl.template")
-    return stop_token_ids(tokenizer, template)
+    return stop_token_ids(tokenizer, template), tuple(dict.fromkeys((*cfg.rl.stop, *stop_texts(tokenizer, template))))
 
 
 def rollout_seed(seed: int, step: int, index: int) -> int:
