@@ -8,7 +8,10 @@ whole call (prefill included). transformers runs the way a user batches it: left
 attention mask, `do_sample=False`, SDPA attention. loom's engine gets max_batch = B and the prompts as they
 are, three times: eager and with `compile=True` (decode steps through torch.compile, batch and key length in
 buckets), each with the CPU decode path (loom/infer/cpu: packed small-batch products and decode attention),
-and `compile=True` without it (`loom_compiled_aten`: F.linear and SDPA). Results up to run 8 also measured
+and `compile=True` without it (`loom_compiled_aten`: F.linear and SDPA); since run 9 also eager on paged keys
+and values (`loom_paged`: `Engine(paged=True)`, attention through the paged CPU kernel that reads each
+request's own blocks; `loom_paged_gather`: the blocks gathered densely for the slab's decode kernel).
+`--modes` picks the engines beside the eager one. Results up to run 8 also measured
 `compile="frozen"` (weights frozen into the compiled step), since removed. Each engine is built once per batch
 size and reused across rounds, as a server or an RL loop keeps its engine; building a compiled engine and its
 first generation (which compile) are timed apart and reported as `engine_build_and_first_generation_s`. Rounds
@@ -100,14 +103,17 @@ def engine_for(model, batch: int, compile: bool | str) -> Engine:
     engine would otherwise recompile). Slots 0..batch-1, room for the longest prompt and completion."""
     key = (batch, compile)
     if key not in ENGINES:
-        aten = compile == "aten"
-        ENGINES[key] = Engine(model, max_batch=batch, max_len=64 + MAX_NEW, compile=True if aten else compile,
-                              cpu_kernel=not aten)
+        aten, paged = compile == "aten", compile in ("paged", "paged_gather")
+        read = "gather" if compile == "paged_gather" else "split"
+        ENGINES[key] = Engine(model, max_batch=batch, max_len=64 + MAX_NEW, compile=compile is True or aten,
+                              cpu_kernel=not aten, paged=paged, paged_read=read)
     return ENGINES[key]
 
 
 def run_loom(model, prompts, new, compile: bool | str = False) -> tuple[float, float, list[list[int]]]:
-    """compile: False, True, or "aten" (compile=True without the CPU kernels)."""
+    """compile: False, True, "aten" (compile=True without the CPU kernels), "paged" (eager, paged keys and
+    values read block by block: `split_kv_decode`) or "paged_gather" (eager, paged, the blocks gathered densely
+    for the CPU decode attention kernel)."""
     news = new if isinstance(new, list) else [new] * len(prompts)
     engine = engine_for(model, len(prompts), compile)
     start, cpu = time.perf_counter(), time.process_time()
@@ -172,6 +178,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--new", type=int, default=64, help="new tokens per sequence")
     parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--modes", default="compiled,compiled_aten,paged,paged_gather",
+                        help="loom engines beside the eager one (loom): compiled, compiled_aten, paged, paged_gather")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "generate_cpu.json"))
     args = parser.parse_args()
     global MAX_NEW
@@ -183,8 +191,10 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     run_hf(hf, prompts_for(2, 99), 4)  # warm both up
     run_loom(model, prompts_for(2, 99), 4)
-    names = ["loom", "loom_compiled", "loom_compiled_aten", "transformers"]
-    modes = {"loom": False, "loom_compiled": True, "loom_compiled_aten": "aten"}
+    modes = {"loom": False, "loom_compiled": True, "loom_compiled_aten": "aten", "loom_paged": "paged",
+             "loom_paged_gather": "paged_gather"}
+    modes = {name: mode for name, mode in modes.items() if name[5:] in args.modes.split(",") or name == "loom"}
+    names = [*modes, "transformers"]
     runners = {name: (lambda p, n, mode=mode: run_loom(model, p, n, mode)) for name, mode in modes.items()}
     runners["transformers"] = lambda p, n: run_hf(hf, p, n)
     rows, compile_s = [], {}
@@ -193,7 +203,7 @@ def main() -> None:
     cases.append(("ragged", 16, [8 + (56 * i) // 15 for i in range(16)]))
     for label, batch, new in cases:
         prompts = prompts_for(batch, batch)
-        for mode in (True, "aten"):  # building a compiled engine compiles its decode graphs
+        for mode in [m for m in (True, "aten") if m in modes.values()]:  # building a compiled engine compiles
             if (batch, mode) not in ENGINES:
                 start = time.perf_counter()
                 run_loom(model, prompts, MAX_NEW, mode)
@@ -222,20 +232,17 @@ def main() -> None:
             row["ratio" + suffix] = round(row[f"{name}_tokens_per_s"] / row["transformers_tokens_per_s"], 2)
             row["cpu_ratio" + suffix] = round(row[f"{name}_tokens_per_cpu_s"] / row["transformers_tokens_per_cpu_s"], 2)
         rows.append(row)
-        print(f"batch {label!s:>6}: loom {row['loom_tokens_per_s']:7.1f} tok/s, compiled "
-              f"{row['loom_compiled_tokens_per_s']:7.1f}, compiled without "
-              f"kernels {row['loom_compiled_aten_tokens_per_s']:7.1f}, transformers {row['transformers_tokens_per_s']:7.1f}; "
-              f"ratio {row['ratio']:.2f} / compiled {row['ratio_compiled']:.2f} / "
-              f"compiled without kernels {row['ratio_compiled_aten']:.2f} (per cpu-s {row['cpu_ratio']:.2f} / "
-              f"{row['cpu_ratio_compiled']:.2f} / {row['cpu_ratio_compiled_aten']:.2f}); "
-              f"greedy equal {agree}", flush=True)
+        print(f"batch {label!s:>6}: " + ", ".join(f"{n} {row[f'{n}_tokens_per_s']:7.1f} tok/s" for n in names)
+              + "; ratios " + ", ".join(f"{n[5:] or 'eager'} {row['ratio' + n[4:]]:.2f} (per cpu-s "
+                                        f"{row['cpu_ratio' + n[4:]]:.2f})" for n in modes)
+              + f"; greedy equal {agree}", flush=True)
     steps = {b: decode_steps(runners, model, b, args.new, args.rounds) for b in (16,) if b in batches}
     for b, row in steps.items():
         print(f"decode step at batch {b} (ms): {row}", flush=True)
     import transformers
 
-    kernels = {"available": cpu_kernels_available(), "packed_linears": ENGINES[(batches[0], True)].stats["packed_linears"],
-               "decode_attention": ENGINES[(batches[0], True)].slab.decode_kernel is not None}
+    kernels = {"available": cpu_kernels_available(), "packed_linears": ENGINES[(batches[0], False)].stats["packed_linears"],
+               "decode_attention": ENGINES[(batches[0], False)].slab.decode_kernel is not None}
     result = {"benchmark": "generate_cpu", "model": dict(SHAPE, parameters=params), "dtype": "float32",
               "cpu_kernels": kernels,
               "rows": rows, "engine_build_and_first_generation_s": compile_s,

@@ -23,7 +23,10 @@ What it measures, each only from what ran:
   queries read at the mean context; a compiled step reads its whole key bucket, so it moves somewhat
   more), and that over the step time as a fraction of each bandwidth: the issue's goal is >= 70% of the
   bandwidth limit at batch 1. The same for an eager engine (`compile=False`) at every batch, to show
-  what the graphs buy.
+  what the graphs buy. `--kv paged` (the default) runs both engines on paged keys and values
+  (`Engine(paged=True)`, blocks of 16 positions, the step's block table per bucket; the eager engine's
+  attention reads each request's own blocks, `split_kv_decode`), `--kv slab` on the slab; the JSON's `kv`
+  says which.
 - **CUDA graphs ran**: `cudaGraphLaunch` calls counted by torch's profiler over one generation, per
   decode step.
 - **Refit**: `engine.refit(model)` from a training copy of the model (fp32 master weights on the same
@@ -225,6 +228,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--profile", type=Path, default=None, help="a `loom plan --profile-hardware` JSON of this device")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script runs")
+    ap.add_argument("--kv", choices=("paged", "slab"), default="paged",
+                    help="the engines' key/value memory: paged blocks (Engine(paged=True), the default) or the slab")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -238,7 +243,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     dtype_bytes = torch.finfo(dtype).bits // 8
     result = {"benchmark": "generate_gpu", "shape": shape, "dtype": str(dtype).replace("torch.", ""),
-              "prompt_tokens": args.prompt, "new_tokens": args.new,
+              "prompt_tokens": args.prompt, "new_tokens": args.new, "kv": args.kv,
               **stamp("python bench/generate_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]))}
     if device.type == "cuda":
         result["cuda"] = torch.version.cuda
@@ -254,10 +259,11 @@ def main(argv=None) -> int:
     result["parameters"] = sum(p.numel() for p in model.parameters())
     max_len = args.prompt + args.new
     start = time.perf_counter()
-    engine = Engine(model, max_batch=max(batches), max_len=max_len, compile=compile_mode)
+    paged = args.kv == "paged"
+    engine = Engine(model, max_batch=max(batches), max_len=max_len, compile=compile_mode, paged=paged)
     result["engine_build_s"] = round(time.perf_counter() - start, 2)  # compiled: warm-up records every bucket
     print(f"engine built in {result['engine_build_s']} s", flush=True)
-    eager = Engine(model, max_batch=max(batches), max_len=max_len) if compile_mode else None
+    eager = Engine(model, max_batch=max(batches), max_len=max_len, paged=paged) if compile_mode else None
 
     if args.profile:
         from loom.planner.hardware import load_gpu

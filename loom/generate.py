@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this much probability")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling; record n of --input uses seed + n, "
                    "so its sample does not depend on the others")
+    p.add_argument("--n", type=int, default=1, help="batch mode: samples per input record (default 1), written as N "
+                   "consecutive records with \"sample\": 0..N-1; sample k of record n uses seed + n * N + k. The "
+                   "engine prefills each prompt once and its samples share its keys and values (paged memory)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop a completion once its text contains TEXT (repeatable); the completion ends before it, "
                    "finish_reason stop. Generation also stops at the model's end-of-sequence and end-of-turn tokens")
@@ -58,16 +61,18 @@ def generate(args, extra) -> int:
     from loom.infer.batch import read_prompts
     from loom.infer.engine import Engine
     from loom.infer.sampling import SamplingParams
-    from loom.post.chat import generation_prompts, stop_token_ids
+    from loom.post.chat import generation_prompts, stop_texts, stop_token_ids
 
     if extra:
         raise UserError(f"unrecognised arguments {' '.join(extra)}; see `loom generate --help`")
     if (args.prompt is None) == (args.input is None) or (args.input is None) != (args.output is None):
         raise UserError("give either --prompt TEXT (prints its continuation) or --input prompts.jsonl together with "
                         "--output out.jsonl (batch mode)")
-    if args.max_new_tokens < 1 or args.max_batch < 1 or args.sync_every < 1:
-        raise UserError(f"--max-new-tokens={args.max_new_tokens}, --max-batch={args.max_batch} and "
-                        f"--sync-every={args.sync_every} must be >= 1")
+    if args.max_new_tokens < 1 or args.max_batch < 1 or args.sync_every < 1 or args.n < 1:
+        raise UserError(f"--max-new-tokens={args.max_new_tokens}, --max-batch={args.max_batch}, "
+                        f"--sync-every={args.sync_every} and --n={args.n} must be >= 1")
+    if args.n > 1 and args.input is None:
+        raise UserError(f"--n={args.n} needs batch mode (--input/--output): each sample is written as a record")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise UserError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
     stops = tuple(args.stop or ())
@@ -88,17 +93,24 @@ def generate(args, extra) -> int:
         if len(prompt) >= context:
             raise UserError(f"{where} is {len(prompt)} tokens; this model's context is {context} tokens, so the "
                             "prompt must be shorter")
-    # Stops at the model's end-of-sequence and end-of-turn tokens (loom.post.chat.stop_token_ids) and --stop.
+    # Stops at the model's end-of-sequence and end-of-turn tokens (loom.post.chat.stop_token_ids), at an
+    # end-of-turn the tokenizer spells in ordinary tokens (stop_texts), and at --stop.
     stop_ids = stop_token_ids(tok)
-    params = [SamplingParams(args.temperature, args.top_k, args.top_p, args.max_new_tokens, stop_ids, args.seed + n,
-                             stops) for n in range(len(ids))]
+    stops = tuple(dict.fromkeys(stops + stop_texts(tok)))
+    n = args.n  # samples per record, side by side: the engine prefills a prompt once for all of them
+    records = [record for record in records for _ in range(n)]
+    texts = [text for text in texts for _ in range(n)]
+    ids = [prompt for prompt in ids for _ in range(n)]
+    params = [SamplingParams(args.temperature, args.top_k, args.top_p, args.max_new_tokens, stop_ids, args.seed + i,
+                             stops) for i in range(len(ids))]
     # The slab holds what these requests can reach, not the model's whole context.
     max_len = min(context, max(map(len, ids)) + args.max_new_tokens)
     engine = Engine(model, max_batch=min(args.max_batch, len(ids)), max_len=max_len, compile=args.compile,
-                    sync_every=args.sync_every, decode=tok.decode)
+                    sync_every=args.sync_every, decode=tok.decode, paged=n > 1, paged_read="gather")
     if args.input is None:
         return _print_completion(args, tok, ids[0], engine.generate(ids, params)[0], context)
-    return _generate_file(args, tok, [r for _, r in records], texts, ids, params, engine)
+    inputs = [r if n == 1 else {**r, "sample": i % n} for i, (_, r) in enumerate(records)]
+    return _generate_file(args, tok, inputs, texts, ids, params, engine)
 
 
 def _print_completion(args, tok, prompt, done, context) -> int:

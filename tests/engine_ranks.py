@@ -6,7 +6,7 @@ import loom
 from loom.infer.engine import Engine
 
 
-def generate_tp(path, new_path, prompts, params, compile=False):
+def generate_tp(path, new_path, prompts, params, compile=False, paged=False):
     """One rank: shard the model over all ranks by tensor parallelism, refit it from a training-layout model
     (the new weights fully sharded by FSDP over the same ranks: dim-0 shards, gathered and resharded into
     the engine's column/row split), generate."""
@@ -19,7 +19,7 @@ def generate_tp(path, new_path, prompts, params, compile=False):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = loom.load_model(path)
     apply_tensor_parallel(model, mesh, sp=False)
-    engine = Engine(model, max_batch=3, max_len=40, compile=compile)
+    engine = Engine(model, max_batch=3, max_len=40, compile=compile, paged=paged, block_size=8)
     kv_local = engine.slab.k[0].shape[1]
     trained = loom.load_model(new_path)
     for block in trained.layers.values():

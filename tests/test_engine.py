@@ -377,7 +377,7 @@ def test_generate_file_bad_input_exits_2_naming_file_and_line(models, tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == (["in.jsonl"] if content is not None else [])
 
 
-@pytest.mark.parametrize("flag", ["--sync-every", "--max-batch", "--max-new-tokens"])
+@pytest.mark.parametrize("flag", ["--sync-every", "--max-batch", "--max-new-tokens", "--n"])
 def test_generate_bad_counts_exit_2_naming_the_flag(models, tmp_path, capsys, flag):
     _, path = models["llama"]
     assert main(["generate", "--checkpoint", str(path), "--prompt", "w1 w2", flag, "0"]) == 2

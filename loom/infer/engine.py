@@ -7,8 +7,10 @@ from the command line.
     done[0].tokens, done[0].logprobs            # generated ids; log p(token | prefix) at temperature 1
     engine.refit(trainer_model)                 # new weights, same slab
 
-The parts, one file each: key/value storage (`kv.KVSlab`), sampling (`sampling.Sampler`), the compiled decode
-step (`step.CompiledDecode`), the CPU decode path (`cpu.cpu_decode`, None on a GPU), and here the scheduling.
+The parts, one file each: key/value storage (`kv.KVSlab`, or with `paged=True` `paged.PagedKV`: blocks from a
+pool, `blocks.BlockPool`, shared prompts, attention that reads each request's own blocks), sampling
+(`sampling.Sampler`), the compiled decode step (`step.CompiledDecode`), the CPU decode path (`cpu.cpu_decode`,
+None on a GPU), refit (`refit.copy_weights`), and here the scheduling.
 
 Each round of `generate` reads schedule -> run -> postprocess. Schedule: waiting prompts take free slots (a
 request owns a slot from its prefill to its last token, moved down, keys and values with it, when lower slots
@@ -51,14 +53,15 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from loom.errors import UserError
 from loom.infer.cpu import cpu_decode
 from loom.infer.kv import KVSlab, upload
+from loom.infer.paged import PagedKV
+from loom.infer.refit import copy_weights
 from loom.infer.sampling import Sampler, SamplingParams, reduce_logits
 from loom.infer.step import CompiledDecode, resolve_compile
-from loom.models.init import canonical_name
 from loom.parallel.distributed import full_tensor
 
 log = logging.getLogger(__name__)
@@ -94,6 +97,7 @@ class _Sequence:
         self.out = Completion(prompt=list(prompt))
         self.generator = torch.Generator().manual_seed(seed)
         self.length = len(prompt)  # tokens whose keys and values are in the slot
+        self.shared = False  # paged: its prompt's blocks and first-token logits come from an earlier request
 
 
 def _shard(t: torch.Tensor) -> torch.Tensor:
@@ -120,13 +124,24 @@ class Engine:
     `cpu_kernel` (CPU, fp32 weights, one process): decode steps, and the prefill's head on the prompts' last
     positions, run through the CPU decode path (loom/infer/cpu: packed small-batch products on a twin of the
     model that shares its parameters, and a decode attention kernel); a refit repacks in place. Where it cannot
-    run the engine uses F.linear and SDPA; `stats["packed_linears"]` counts the layers that run packed."""
+    run the engine uses F.linear and SDPA; `stats["packed_linears"]` counts the layers that run packed.
+
+    `paged=True` keeps keys and values in blocks of `block_size` positions from a pool of `kv_tokens` positions
+    (default max_batch x max_len) instead of a slab (loom/infer/paged.py): requests are admitted while the pool can
+    hold their prompt + max_new_tokens, requests with the same prompt prefill it once and share its blocks, and
+    decode attention reads each request's own blocks (`paged_read="split"`) or gathers them densely ("gather")."""
 
     def __init__(self, model: nn.Module, max_batch: int = 16, max_len: int | None = None, seed: int = 0,
-                 compile: bool | str = False, sync_every: int = 8, cpu_kernel: bool = True, decode=None):
+                 compile: bool | str = False, sync_every: int = 8, cpu_kernel: bool = True, decode=None,
+                 paged: bool = False, block_size: int = 16, kv_tokens: int | None = None, paged_read: str = "split"):
         cfg = model.cfg
         self.decode = decode  # token ids -> text (a tokenizer's decode): needed by requests with stop strings
         max_len = cfg.max_seq_len if max_len is None else max_len
+        if paged and (block_size < 1 or (kv_tokens is not None and kv_tokens < block_size)
+                      or paged_read not in ("split", "gather")):
+            raise UserError(f"Engine(paged=True, block_size={block_size}, kv_tokens={kv_tokens}, paged_read="
+                            f"{paged_read!r}): block_size must be >= 1, kv_tokens at least one block, paged_read "
+                            "'split' or 'gather'")
         if max_batch < 1 or not 2 <= max_len <= cfg.max_seq_len or sync_every < 1:
             raise UserError(f"Engine(max_batch={max_batch}, max_len={max_len}, sync_every={sync_every}): max_batch "
                             f"and sync_every must be >= 1 and max_len in [2, {cfg.max_seq_len}] (the model's "
@@ -143,9 +158,17 @@ class Engine:
         kv_heads = _shard(attention.wk.weight).shape[0] // attention.head_dim  # this rank's, under TP
         # One position beyond max_len that nothing reaches: a step's keys (at most max_len) never span the
         # whole slab, so a compiled step does not specialise on "keys == slab length" (one graph fewer).
-        self.slab = KVSlab(model.layers.keys(), max_batch, kv_heads, max_len + 1, attention.head_dim,
-                           weight.dtype, weight.device)
+        if paged:  # blocks from a pool (loom/infer/paged.py); by default as many tokens as a slab holds
+            blocks = -(-(max_batch * max_len if kv_tokens is None else kv_tokens) // block_size) + 1  # + scratch
+            self.slab = PagedKV(model.layers.keys(), max_batch, kv_heads, blocks, block_size, attention.head_dim,
+                                max_len, weight.dtype, weight.device, read=paged_read)
+        else:
+            self.slab = KVSlab(model.layers.keys(), max_batch, kv_heads, max_len + 1, attention.head_dim,
+                               weight.dtype, weight.device)
+        self.paged = paged
         self.slab.decode_kernel = None if self._cpu is None else self._cpu.attention
+        if paged:  # the CPU kernel that reads each request's visible keys from its blocks
+            self.slab.paged_kernel = None if self._cpu is None else self._cpu.paged_attention
         self.device = weight.device
         self._seeds = torch.Generator().manual_seed(seed)
         packed = 0 if self._cpu is None else len(self._cpu.packed)
@@ -195,8 +218,13 @@ class Engine:
             if p.stop and self.decode is None:
                 raise UserError(f"request {i} has stop strings {list(p.stop)} but the engine has no decode "
                                 "function to read text with; build it with Engine(..., decode=tokenizer.decode)")
+            if not self.slab.fits(self._most(prompt, p)):
+                raise UserError(f"request {i} may hold {self._most(prompt, p)} positions but the engine's key/value "
+                                f"pool holds {(self.slab.pool.blocks - 1) * self.slab.block_size}; raise kv_tokens "
+                                "or lower max_new_tokens")
         seeds = [p.seed if p.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seeds))
                  for p in params]
+        self.slab.expect(prompts)
         waiting = deque(range(len(prompts)))
         slots: list[_Sequence | None] = [None] * self.max_batch
         results: list[Completion | None] = [None] * len(prompts)
@@ -205,6 +233,7 @@ class Engine:
             for seq in seqs:
                 if seq.out.finish_reason:
                     results[seq.index] = seq.out
+                    self.slab.release(slots.index(seq))
                     slots[slots.index(seq)] = None
                     if on_done is not None:
                         on_done(seq.index, seq.out)
@@ -226,11 +255,23 @@ class Engine:
         busy = len(free) < self.max_batch
         admitted = []
         for s in free[:len(waiting)]:
-            i = waiting.popleft()
+            i = waiting[0]
+            how = self.slab.admit(s, prompts[i], self._most(prompts[i], params[i]))
+            if how is None and not busy and not admitted:  # nothing runs: let go of held prompts, try again
+                self.slab.evict()
+                how = self.slab.admit(s, prompts[i], self._most(prompts[i], params[i]))
+            if how is None:  # paged memory: the pool cannot promise it room now; it waits for blocks
+                break
+            waiting.popleft()
             slots[s] = _Sequence(i, prompts[i], params[i], seeds[i])
+            slots[s].shared = how == "shared"
             admitted.append(s)
         self.stats["refills"] += len(admitted) if busy else 0
         return admitted
+
+    def _most(self, prompt: list[int], p: SamplingParams) -> int:
+        """The most key/value positions a request can hold."""
+        return min(len(prompt) + p.max_new_tokens, self.max_len)
 
     def _active(self, slots: list) -> list[int]:
         """The busy slots, moved down first where holes lie below one (nothing waits to fill them)."""
@@ -255,6 +296,21 @@ class Engine:
     def _prefill(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
         """The admitted prompts as one packed row (no padding through the linear layers); each request's
         first token comes from the logits at its prompt's last position."""
+        fresh = [b for b, seq in enumerate(seqs) if not seq.shared]
+        head = self._prefill_head([rows[b] for b in fresh], [seqs[b] for b in fresh]) if fresh else None
+        if len(fresh) < len(seqs):  # paged: requests sharing a prompt take its head's outputs (PagedKV)
+            made = {tuple(seqs[b].out.prompt): j for j, b in enumerate(fresh)}
+            parts = []
+            for seq in seqs:
+                j = made.get(tuple(seq.out.prompt))
+                parts.append(tuple(t[j:j + 1] for t in head) if j is not None else self.slab.head_of(seq.out.prompt))
+            head = tuple(torch.cat(t) for t in zip(*parts))
+        self.slab.settle()
+        self._emit(seqs, [self._pick(head, self._sampler(seqs, 1), 0)], self._stop_table(seqs), 1, fed=0)
+        return seqs
+
+    def _prefill_head(self, rows: list[int], seqs: list[_Sequence]) -> tuple:
+        """The packed prefill of the prompts of `seqs` into `rows` -> the head's outputs at their last positions."""
         lengths = [len(seq.out.prompt) for seq in seqs]
         total = sum(lengths)
         ends = [end - 1 for end in itertools.accumulate(lengths)]  # each prompt's last token in the row
@@ -265,8 +321,9 @@ class Engine:
         self.stats["prefill_steps"] += 1
         hidden = full_tensor(self.model(tokens, cache=self.slab, positions=positions, return_hidden=True))
         head = reduce_logits(self._head_logits(hidden[0, last]))
-        self._emit(seqs, [self._pick(head, self._sampler(seqs, 1), 0)], self._stop_table(seqs), 1, fed=0)
-        return seqs
+        for j, seq in enumerate(seqs):  # paged: kept for requests with the same prompt admitted later
+            self.slab.remember(seq.out.prompt, tuple(t[j:j + 1].clone() for t in head))  # the sampler writes into head
+        return head
 
     def _decode(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
         """A window of decode steps for the busy slots `rows`, run back to back on the device; the host reads
@@ -289,6 +346,8 @@ class Engine:
         sampler = self._sampler(seqs, steps)
         n, eager = len(rows), self._compiled is None
         size = len(rows) if eager else self._compiled.bucket(max(rows) + 1)
+        # paged: each request's blocks for the window's positions, and the window's block table
+        self.slab.prepare(rows, [s.length for s in seqs], [s.length + steps for s in seqs], None if eager else size)
         # One copy to the device per window: the token, position and advance of each row of the step (a compiled
         # step's bucket rows are slots, its idle ones decode token 0 at position 0 and stay there; an eager
         # step's rows are the busy slots in order), and the slots of the busy rows.
@@ -424,27 +483,11 @@ class Engine:
         shard of each full tensor. A pipeline stage holds only some layers, so its weights are refused:
         gather them first."""
         start = time.perf_counter()
-        state = source.state_dict() if isinstance(source, nn.Module) else source
-        state = {canonical_name(k): v for k, v in state.items()}
-        params = dict(self.model.named_parameters())  # one entry per tensor: a tied head appears once
-        missing = [name for name in params if name not in state]
-        if missing:
-            raise UserError(f"refit: the new weights lack {len(missing)} of the engine's parameters, e.g. "
-                            f"{missing[:3]}; give the whole model's state dict (a pipeline stage holds only some "
-                            "layers: gather them first)")
-        for name, p in params.items():
-            src = full_tensor(state[name])
-            if tuple(src.shape) != tuple(p.shape):
-                raise UserError(f"refit: {name} has shape {tuple(src.shape)}; the engine's model has {tuple(p.shape)}")
-            if isinstance(p, DTensor):  # a tensor-parallel engine: this rank's shard of the full tensor
-                src = distribute_tensor(src.to(p.device, p.dtype), p.device_mesh, p.placements, src_data_rank=None)
-                p.to_local().copy_(src.to_local())
-            else:
-                p.copy_(src)
+        tensors = copy_weights(self.model, source)
         if self._cpu is not None:  # the twin's packed copies of the new weights, in place
             self._cpu.repack()
         if self.device.type == "cuda":  # the copies run asynchronously: time them, not their launches
             torch.cuda.synchronize(self.device)
         self.last_refit_s = time.perf_counter() - start
-        log.info("refit: %d tensors in %.3f s", len(params), self.last_refit_s)
+        log.info("refit: %d tensors in %.3f s", tensors, self.last_refit_s)
         return self.last_refit_s

@@ -186,6 +186,35 @@ class KVSlab:
     def data_ptrs(self) -> list[int]:
         return [t.data_ptr() for t in (*self.k.values(), *self.v.values())]
 
+    # The engine's calls about memory, which paged keys and values answer (loom/infer/paged.py `PagedKV`): a
+    # slab holds every slot's whole length from the start and shares nothing.
+    def fits(self, tokens: int) -> bool:
+        return True
+
+    def expect(self, prompts) -> None:
+        pass
+
+    def admit(self, slot: int, prompt, most: int) -> str:
+        return "fresh"
+
+    def remember(self, prompt, head) -> None:
+        pass
+
+    def head_of(self, prompt):
+        return None
+
+    def settle(self) -> None:
+        pass
+
+    def evict(self) -> None:
+        pass
+
+    def release(self, slot: int) -> None:
+        pass
+
+    def prepare(self, slots, starts, ends, size) -> None:
+        pass
+
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor made on the host, on `device`. To a GPU through pinned memory without waiting for the device

@@ -46,7 +46,8 @@ class CompiledDecode:
     tokens and positions [rows, 1] of slots 0..rows-1 (rows a `bucket`) and the key positions the furthest
     row reads; returns final hidden states [rows, hidden], or with `head_in_step` the head's fp32 logits with
     their argmax and log-sum-exp (`reduce_logits`). Its mask is folded for the `fold` query heads of each
-    key/value head (`KVSlab.attend`)."""
+    key/value head (`KVSlab.attend`). On paged keys and values (`PagedKV`) each step also takes its bucket's
+    rows and block columns of the window's block table (fixed shapes per bucket), and the mask spans whole blocks."""
 
     KEY_BLOCK = 64
     CUDA_KEY_BLOCK = 256  # fewer key-length buckets where each bucket is a recorded CUDA graph
@@ -59,18 +60,30 @@ class CompiledDecode:
             torch._dynamo.mark_static_address(t)
         self._step = torch.compile(self._static_step, mode="reduce-overhead" if device.type == "cuda" else None)
 
-    def _static_step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
-        self.slab.bind_static(positions, mask)
+    def _static_step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, table=None):
+        if table is None:
+            self.slab.bind_static(positions, mask)
+        else:
+            self.slab.bind_static(positions, mask, table)
         hidden = self.decoder(tokens, cache=self.slab, positions=positions, return_hidden=True)[:, 0]
         return reduce_logits(self.decoder.output(hidden).float()) if self.head_in_step else hidden
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, keys: int):
-        mask = (torch.arange(self.key_bucket(keys), device=positions.device) <= positions[..., None]).unsqueeze(1)
+        span, table = self.key_bucket(keys), None
+        paged = getattr(self.slab, "window_table", None) is not None  # PagedKV: the bucket's block table
+        if paged:
+            blocks = self.slab.blocks_for(span)
+            span, table = blocks * self.slab.block_size, self.slab.window_table[:tokens.shape[0], :blocks].contiguous()
+            torch._dynamo.maybe_mark_dynamic(table, 1)
+        mask = (torch.arange(span, device=positions.device) <= positions[..., None]).unsqueeze(1)
         mask = mask.repeat(1, 1, self.fold, 1)
         torch._dynamo.maybe_mark_dynamic(mask, 3)
-        for t in (tokens, positions, mask):  # one graph for every bucket (sizes 1 aside), not one per bucket
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        return full_tensor(self._step(tokens, positions, mask))
+        for t in (tokens, positions, mask, table):  # one graph for every bucket (sizes 1 aside), not one per bucket
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        if table is None:
+            return full_tensor(self._step(tokens, positions, mask))
+        return full_tensor(self._step(tokens, positions, mask, table))
 
     def bucket(self, n: int) -> int:
         """The batch a step of n rows runs at: the next power of two, at most max_batch."""
@@ -96,6 +109,8 @@ class CompiledDecode:
         start = time.perf_counter()
         # CUDA graph trees run a bucket's first call as a warm-up and record its graph on the second.
         calls = 2 if self.device.type == "cuda" else 1
+        if hasattr(self.slab, "idle_table"):  # paged: every row on the scratch block
+            self.slab.idle_table()
         for keys in sorted({self.key_bucket(n) for n in range(1, self.max_len + 1)}):
             for size in self.batch_buckets():
                 tokens, positions = (torch.zeros(size, 1, dtype=torch.long, device=self.device) for _ in range(2))

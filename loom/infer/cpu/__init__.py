@@ -36,6 +36,7 @@ class CpuDecode:
     def __init__(self, model: nn.Module, use_kernels: bool):
         self.decoder, self.packed = packed_twin(model) if use_kernels else (model, [])
         self.attention = torch.ops.loom_cpu.decode_attention if self.packed else None
+        self.paged_attention = torch.ops.loom_cpu.decode_attention_paged if self.packed else None
         self.head_in_step = isinstance(self.decoder.output, PackedLinear)
 
     def repack(self) -> None:

@@ -14,7 +14,8 @@ hundreds of rows (a prefill) it is no faster than MKL, so the engine uses it for
 `decode_attention` takes q [B, H, R, d] (the R query heads that share a key/value head, one token each),
 the slab's keys and values as strided views and the boolean mask, and computes masked softmax attention in
 fp32 with one task per (row, key/value head), reading each key and value row once for all R queries and
-only the rows some query may attend to.
+only the rows some query may attend to. `decode_attention_paged` does the same over paged keys and values (the
+pool, a block table per row and each row's position), reading each row's visible keys from its blocks only.
 
 What they are not: general kernels. fp32 only, CPU with AVX2 and FMA only. Everything else (bf16, a GPU, a
 tensor-parallel shard) keeps `F.linear` and SDPA; `available()` says whether this process can use them.
@@ -211,16 +212,77 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   return out;
 }
 
+// Decode attention over paged keys and values: q [B, H, R, d] as above; the pool's keys and values [N, H, S, d]
+// (contiguous; N blocks of S positions), table [B, W] (int64 block ids of each row), positions [B] (int64: row b
+// sees its keys 0..positions[b]) -> [B, H, R, d]. Reads only those key and value rows, from the row's blocks.
+at::Tensor decode_attention_paged(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                  const at::Tensor& table, const at::Tensor& positions) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
+              "decode_attention_paged: fp32 only");
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes() && table.dim() == 2,
+              "decode_attention_paged: q [B, H, R, d], keys/values [N, H, S, d], table [B, W]");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "decode_attention_paged: the pool must be contiguous");
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = keys.size(2), W = table.size(1);
+  TORCH_CHECK(keys.size(1) == H && keys.size(3) == D && table.size(0) == B && positions.numel() == B,
+              "decode_attention_paged: shapes disagree");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor tc = table.to(at::kLong).contiguous();
+  const at::Tensor pc = positions.to(at::kLong).contiguous();
+  at::Tensor out = at::empty_like(qc);
+  const float* Q = qc.data_ptr<float>();
+  const int64_t* T = tc.data_ptr<int64_t>();
+  const int64_t* P = pc.data_ptr<int64_t>();
+  const float* K = keys.data_ptr<float>();
+  const float* V = values.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> p;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / H, h = t % H;
+      const int64_t L = std::min(P[b] + 1, W * S);
+      const float* q = Q + t * R * D;
+      float* o = O + t * R * D;
+      p.assign(R * std::max<int64_t>(L, 1), 0.f);
+      for (int64_t j = 0; j < L; ++j) {
+        const float* kj = K + ((T[b * W + j / S] * H + h) * S + j % S) * D;
+        for (int64_t r = 0; r < R; ++r) p[r * L + j] = dot(q + r * D, kj, D) * scale;
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        float* pr = p.data() + r * L;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < L; ++j) top = std::max(top, pr[j]);
+        float total = 0.f;
+        for (int64_t j = 0; j < L; ++j) { pr[j] = std::exp(pr[j] - top); total += pr[j]; }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t j = 0; j < L; ++j) pr[j] *= inv;
+        std::fill(o + r * D, o + (r + 1) * D, 0.f);
+      }
+      for (int64_t j = 0; j < L; ++j) {
+        const float* vj = V + ((T[b * W + j / S] * H + h) * S + j % S) * D;
+        for (int64_t r = 0; r < R; ++r) {
+          const float w = p[r * L + j];
+          float* orow = o + r * D;
+          for (int64_t i = 0; i < D; ++i) orow[i] += w * vj[i];
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loom_cpu, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor mask) -> Tensor");
+  m.def("decode_attention_paged(Tensor q, Tensor keys, Tensor values, Tensor table, Tensor positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention_paged", &decode_attention_paged);
 }
 """
 
@@ -314,6 +376,10 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("loom_cpu::decode_attention")
     def _(q, keys, values, mask):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("loom_cpu::decode_attention_paged")
+    def _(q, keys, values, table, positions):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     _state["fake"] = True
