@@ -66,6 +66,25 @@ def test_grpo_learns_its_reward_and_logs_every_phase(grpo_run):
                                         f"{r['response_length']:.1f} tokens")
 
 
+def test_paged_engine_rollouts_equal_the_slab_engines(grpo_run, tmp_path, monkeypatch):
+    """rl.engine_paged=true: each group's prompt prefilled once and its blocks shared; the same rollouts and
+    updates as the slab engine (the first 3 steps of the module's run)."""
+    from loom.infer.paged import PagedKV
+
+    engines = []
+    original = RLRecipe.set_up
+    monkeypatch.setattr(RLRecipe, "set_up", lambda self, trainer: (original(self, trainer), engines.append(self.engine)))
+    assert rl_main(tmp_path / "run", "--rl.engine_paged=true") == 0
+    assert isinstance(engines[0].slab, PagedKV)
+    paged, _ = rows(tmp_path / "run")
+    slab, _ = rows(grpo_run)
+    assert len(paged) == 3
+    for got, want in zip(paged, slab[:3]):
+        assert got["reward"] == want["reward"] and got["response_length"] == want["response_length"]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+        assert got["logp_abs_diff"] < 1e-4
+
+
 def test_stale_engine_weights_show_in_the_mismatch(tmp_path, monkeypatch):
     """Without the refit after each update the engine samples from the initial weights: the logged
     mismatch catches it from step 2 on (and the refit test above would fail)."""

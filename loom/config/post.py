@@ -134,6 +134,9 @@ class RLConfig(Section):
     # "off" force it (true / false, as earlier configs wrote it, mean the same and are read as on / off).
     engine_compile: Literal["auto", "on", "off", "true", "false", True, False] = "auto"
     engine_sync_every: int = 8  # decode steps the engine runs on the device between reads back to the host
+    # Paged keys and values (loom/infer/paged.py): a group's prompt is prefilled once and its blocks shared by the
+    # group_size completions; memory held by tokens in use, not engine_batch x the longest sequence.
+    engine_paged: bool = False
 
     def validate(self) -> None:
         check_data_lists("rl", self, "prompts", "valid_prompts", ".jsonl or .parquet files (or globs) of "

@@ -21,7 +21,8 @@ def rollout_engine(cfg: Config, model: nn.Module, decode=None):
 
     rl = cfg.rl
     return Engine(model, max_batch=rl.engine_batch, max_len=engine_max_len(cfg), seed=cfg.train.seed,
-                  compile=rl.engine_compile, sync_every=rl.engine_sync_every, decode=decode)
+                  compile=rl.engine_compile, sync_every=rl.engine_sync_every, decode=decode,
+                  paged=rl.engine_paged)
 
 
 def stops(cfg: Config, tokenizer) -> tuple[tuple[int, ...], tuple[str, ...]]:
