@@ -61,6 +61,20 @@ def run_main(*args: str):
     return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue(), args=args)
 
 
+def byte_level_bpe(texts: list[str], vocab_size: int, specials: list[str]):
+    """A byte-level BPE (`tokenizers.Tokenizer`) trained on `texts` with `specials` as special tokens, built
+    locally, for tests that need a tokenizer of their own (chat tokens, a given vocabulary size)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    return tok
+
+
 def randomize_hf_weights(model):
     """Spread a freshly built transformers model's weights (norms around 1, biases and matrices random) so
     that parity checks see every parameter; returns the model in fp32 eval mode."""

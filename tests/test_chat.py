@@ -27,15 +27,10 @@ TINY = ["train.seq_len=32", "train.micro_batch=8", "train.global_batch=8", "log.
 def write_tokenizer(directory, eos="<|im_end|>", template=CHATML, generation=None):
     """A byte-level BPE with ChatML's special tokens (and two more, to tell the stop sources apart), its
     tokenizer_config.json (ChatML, `eos`) and optionally a generation_config.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from conftest import byte_level_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     text = [json.dumps(c) for c in CHATS] * 5 + ["the quick brown fox jumps over the lazy dog"] * 5
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                      show_progress=False))
+    tok = byte_level_bpe(text, 300, SPECIALS)
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": "<|endoftext|>"}

@@ -48,15 +48,10 @@ FEATURES = """{% if messages[0]['role'] != 'system' and messages[0]['role'] != '
 @pytest.fixture(scope="module")
 def chat_tokenizer(tmp_path_factory):
     """A byte-level BPE with the Llama 3 and ChatML special tokens, built locally."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from conftest import byte_level_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     text = [json.dumps(c) for c in CONVERSATIONS] * 20 + ["the quick brown fox jumps over the lazy dog"] * 20
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                      show_progress=False))
+    tok = byte_level_bpe(text, 400, SPECIALS)
     path = tmp_path_factory.mktemp("chat-tok") / "tokenizer.json"
     tok.save(str(path))
     return path
