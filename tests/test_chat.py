@@ -12,7 +12,7 @@ import torch
 
 from loom.cli import main
 from loom.errors import UserError
-from loom.post.chat import CHATML, LLAMA3, encode_chat, load_template, stop_token_ids
+from loom.post.chat import CHATML, encode_chat, load_template, stop_token_ids
 
 transformers = pytest.importorskip("transformers")
 
