@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import uuid
 import warnings
 from pathlib import Path
 
@@ -26,16 +25,15 @@ from loom.config import Config
 from loom.config.lora import hf_target, loom_targets
 from loom.errors import UserError
 from loom.interop.hf_io import TARGETS as HF_TARGETS
-from loom.interop.hf_io import _atomic_dir, _check_free
+from loom.interop.hf_io import _atomic_dir, _check_free, export_hf
 from loom.interop.hf_io import convert as convert_hf
 from loom.interop.hf_names import loom_to_hf_name
-from loom.models.io import CONFIG, DCP_METADATA, read_config, resolve_model_dir, save_model_dir
+from loom.models.io import CONFIG, DCP_METADATA, TOKENIZER, read_config, resolve_model_dir
 
 TARGETS = (*HF_TARGETS, "peft")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # Files of a checkpoint that are not the model's (written by the trainer for resuming).
-_CHECKPOINT_ONLY = ("manifest.json", "trainer_state.json", CONFIG, DCP_METADATA)
 
 
 def is_lora_checkpoint(path: str | Path) -> bool:
@@ -181,19 +179,9 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: torch.dtype | None
                         "merged into a full Hugging Face model (--to hf --merge)")
     if not lora:
         return convert_hf(src, dst, to, dtype=dtype, **kwargs)
-    # Merged: a plain loom model directory (beside dst, removed after) that the one Hugging Face export reads, so
-    # the tokenizer and chat files travel exactly as they do for any run.
-    dst = Path(dst)
-    _check_free(dst)
-    model, cfg, model_dir = load_model_dir(src)
-    staging = dst.parent / f".{dst.name}.merged-{uuid.uuid4().hex[:8]}"
-    staging.mkdir(parents=True)
-    try:
-        save_model_dir(model, cfg, staging)
-        for f in model_dir.iterdir():  # tokenizer.json, tokenizer_config.json, chat template, generation config
-            if f.is_file() and f.name not in _CHECKPOINT_ONLY and not f.name.endswith((".distcp", ".pt")) \
-                    and not (staging / f.name).exists():
-                shutil.copyfile(f, staging / f.name)
-        return convert_hf(staging, dst, "hf", dtype=dtype, **kwargs)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    # Merged: the adapters folded into the base, written by the one Hugging Face export with the tokenizer and
+    # chat files carried beside the checkpoint's tokenizer.json, as for any run.
+    _check_free(Path(dst))
+    model, cfg, model_dir = load_model_dir(src, dtype=dtype or torch.float32)
+    tokenizer = model_dir / TOKENIZER
+    return export_hf(model, cfg, dst, tokenizer_path=tokenizer if tokenizer.is_file() else None, **kwargs)
