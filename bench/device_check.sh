@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check: everything loom needs from a GPU, in one run of under 9 minutes, into one folder.
+# The device check: everything loom needs from a GPU, in one run of about 9 minutes, into one folder.
 #
 #   bench/device_check.sh OUT_DIR [--smoke [--rehearse]] [--tar FILE]
 #
@@ -13,35 +13,39 @@
 #
 # OUT_DIR gets one file per step, written as the step runs (the training JSONs are rewritten after every
 # row): versions.json, smi_static.csv + smi_query.txt, smi.csv (SM and memory clock, power, temperature,
-# use, memory, every second through the whole run), gpu_tests.log, gpu_train_1b.json, gpu_train_3b.json,
-# gpu_train_fp8.json, profile.json, generate_gpu.json, rl_gpu.json, each step's NAME.log, steps.jsonl (one
-# line per step: status ok/failed/timeout/skipped, exit code, seconds, timeout) and log.txt (the run's own log).
+# use, memory, every second through the whole run), gpu_tests.log, gpu_train_1b.json, gpu_train_packed_1b.json,
+# gpu_train_3b.json, gpu_train_7b.json, gpu_train_fp8_7b.json, profile.json, generate_gpu.json,
+# generate_gpu_paged.json, rl_gpu.json, each step's NAME.log, steps.jsonl (one line per step: status
+# ok/failed/timeout/skipped, exit code, seconds, timeout) and log.txt (the run's own log).
 # --tar FILE: a tar.gz of OUT_DIR rewritten after every step and every 30 s (the device tool brings back at
 # most 8 files; this is one). A step past its timeout is killed with its processes; the next one starts.
 #
-# Steps and timeouts on the GPU (seconds; sum 500 of the 540 in 9 minutes; sized from the H200 run of
+# Steps and timeouts on the GPU (seconds; sum 550, for a call of timeout_s 600; sized from the H200 run of
 # 2026-11-26, ../shared/measured/h200-2026-11-26/device_log.txt; bench/DEVICE.md has the table):
 #   setup_wheels  20  install the carried wheel groups (below); then smi_static.csv, the smi.csv sampler
 #   versions      15  versions.json: commit ($LOOM_COMMIT or git), torch, CUDA, Python, GPU, packages
-#   gpu_tests     50  pytest -m gpu -rs (the tests marked gpu; on that H200 three files took 42 s, 38 s by
-#                     pytest's count)
-#   train_1b     125  gpu_train.py, Llama-3.2-1B shape, seq 4096, 2 + 5 steps: loom (loss_chunk 0 and 8192),
-#                     transformers+liger, torchtitan-0.3.0, torchtitan-0.2.2 (100 s a row at most; on that
-#                     H200 4 rows of 3 + 8 steps took 109 s). Plain transformers is left out on the GPU (the
-#                     smoke keeps it): measured on that H200 (44.5k tokens/s), the slowest row, and at 71.5 GiB
-#                     the one an H100 is likeliest to lose; its time went to the rl step.
-#   train_3b      80  the same at the 3B shape, seq 8192, full recompute, 2 + 3 steps, rows loom (both losses),
-#                     transformers+liger, torchtitan-0.3.0 (torchtitan-0.2.2 runs at 1B only, its time went
-#                     to the rl step; rows in this order: the last ones are lost if the first run long)
-#   fp8           45  loom with train.fp8=rowwise (torchao), 1B, seq 4096, loss_chunk 0 (on that H200: 54 s
-#                     with 3 + 8 steps)
-#   profile       35  python3 -m loom.cli plan --profile-hardware (on that H200: 30 s)
-#   generate      70  generate_gpu.py --batches 1,64 --new 32 --repeats 2 (+ --profile) (on that H200: 125 s
-#                     at batches 1,64,256 with --new 64, of which 46 s building the engine's graphs)
-#   rl            60  rl_gpu.py: loom rl, GRPO, 1B shape, 8 prompts of 128 tokens x 8 completions of up to 512,
+#   gpu_tests     35  pytest -m gpu -rs (the tests marked gpu; on that H200 three files took 42 s, 38 s by
+#                     pytest's count, two of them failing)
+#   train_1b     100  gpu_train.py, Llama-3.2-1B shape, seq 4096, 2 + 5 steps: loom (loss_chunk 0 and 8192),
+#                     transformers+liger, torchtitan-0.3.0 (100 s a row at most; on that H200 4 rows of 3 + 8
+#                     steps took 109 s). Plain transformers and torchtitan-0.2.2 are left out on the GPU (the
+#                     smoke keeps them): both measured on that H200, the current anchor is torchtitan 0.3.0.
+#   packed_1b     35  loom at the 1B shape on packed rows (documents of 512-1536 tokens, doc_ids + positions:
+#                     FlexAttention's block mask inside the compiled blocks), against train_1b's plain row
+#   train_3b      75  the 3B shape, seq 8192, full recompute, 2 + 3 steps, rows loom (both losses),
+#                     torchtitan-0.3.0
+#   train_7b      60  the Llama 2 7B shape (NeMo's published figure), seq 4096, 8192 tokens a step, full
+#                     recompute, loss_chunk 8192, 2 + 3 steps, loom only (fits an H200's memory, not an H100's)
+#   fp8_7b        60  the same with train.fp8=rowwise (torchao): the shape where fp8 should pay (issue 39)
+#   profile       30  python3 -m loom.cli plan --profile-hardware (on that H200: 30 s)
+#   generate      50  generate_gpu.py --kv slab --batches 1,64 --new 32 --repeats 2 (+ --profile): the engine's
+#                     default keys and values, each batch's top kernels by device time (on that H200: 125 s at
+#                     batches 1,64,256 with --new 64, of which 46 s building the engine's graphs)
+#   generate_paged 30 the same on paged keys and values at batch 64, no transformers
+#   rl            50  rl_gpu.py: loom rl, GRPO, 1B shape, 8 prompts of 128 tokens x 8 completions of up to 512,
 #                     1 + 2 steps, each step's phases (never run on a GPU yet: its start, the engine's graphs
 #                     for every bucket up to batch 64 and 641 keys included, is unmeasured; every finished
-#                     step is kept, --timeout 50 leaves the JSON whole before the step's own timeout)
+#                     step is kept, --timeout 45 leaves the JSON whole before the step's own timeout)
 #
 # Wheels carried (bench/device_wheels.txt, fetched by bench/fetch_wheels.sh into .whl/<group>/, 7.2 MiB):
 #   .whl/common -> /tmp/site-common (on PYTHONPATH for every step): torchao 0.17.0, liger-kernel 0.8.5,
@@ -214,28 +218,44 @@ if [ $SMOKE = 1 ]; then
   # ceilings only (a loaded 2-core machine is slow to import torch); tiny work, a minute or less in all
   X=1; [ $REHEARSE = 1 ] && X=2  # a process per row, torch's CUDA build to import: slower than the smoke
   run_step train_1b $((240 * X)) "$PY" "${TRAIN[@]}" --frameworks $FW ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_1b.json"
+  run_step packed_1b $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --loss-chunk 0 --doc-len 12 \
+    --out "$DIR/gpu_train_packed_1b.json"
   run_step train_3b $((240 * X)) "$PY" "${TRAIN[@]}" --frameworks $FW ${TT_ARGS[@]+"${TT_ARGS[@]}"} --recompute full \
     --out "$DIR/gpu_train_3b.json"
-  run_step fp8 $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --fp8 rowwise --loss-chunk 0 --out "$DIR/gpu_train_fp8.json"
+  # the 7B rows at the tiny shape (their 7B shape is checked on the meta device by tests/test_bench_gpu_train.py)
+  run_step train_7b $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --recompute full --loss-chunk 16 \
+    --out "$DIR/gpu_train_7b.json"
+  run_step fp8_7b $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --recompute full --fp8 rowwise --loss-chunk 16 \
+    --out "$DIR/gpu_train_fp8_7b.json"
   # loom plan --profile-hardware has no mode short enough for a smoke run (--quick: about 40 s of CPU on
   # 2 cores): started, then cut off by its timeout, which is also what this run checks of a step that overruns.
   run_step profile 5 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json" --quick
-  run_step generate $((240 * X)) "$PY" bench/generate_gpu.py --smoke --out "$DIR/generate_gpu.json"
+  run_step generate $((240 * X)) "$PY" bench/generate_gpu.py --smoke --kv slab --out "$DIR/generate_gpu.json"
+  run_step generate_paged $((240 * X)) "$PY" bench/generate_gpu.py --smoke --kv paged --out "$DIR/generate_gpu_paged.json"
   run_step rl $((120 * X)) "$PY" bench/rl_gpu.py --smoke --out "$DIR/rl_gpu.json"
 else
-  run_step gpu_tests 50 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider --continue-on-collection-errors tests
+  run_step gpu_tests 35 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider --continue-on-collection-errors tests
   TRAIN=(bench/gpu_train.py --row-timeout 100)
-  run_step train_1b 125 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 \
-    --frameworks ${FW%,transformers} ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_1b.json"
-  run_step train_3b 80 "$PY" "${TRAIN[@]}" --models llama3.2-3b --seqs 8192 --steps 3 --warmup 2 \
-    --frameworks loom,transformers+liger,torchtitan-0.3.0 ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_3b.json"
-  run_step fp8 45 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 \
-    --frameworks loom --fp8 rowwise --loss-chunk 0 --out "$DIR/gpu_train_fp8.json"
-  run_step profile 35 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json"
+  run_step train_1b 100 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 \
+    --frameworks loom,transformers+liger,torchtitan-0.3.0 ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_1b.json"
+  # packed rows (SFT packing, data.document_mask): documents of 512-1536 tokens; compare with train_1b's plain row
+  run_step packed_1b 35 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 --frameworks loom \
+    --loss-chunk 0 --doc-len 1024 --out "$DIR/gpu_train_packed_1b.json"
+  run_step train_3b 75 "$PY" "${TRAIN[@]}" --models llama3.2-3b --seqs 8192 --steps 3 --warmup 2 \
+    --frameworks loom,torchtitan-0.3.0 ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_3b.json"
+  # Llama 2 7B shape (issue 39; NeMo's figure): loom only, full recompute, the memory-light loss, bf16 then fp8
+  TRAIN7=(bench/gpu_train.py --row-timeout 58 --models llama2-7b --seqs 4096 --tokens-per-step 8192 --steps 3
+          --warmup 2 --frameworks loom --recompute full --loss-chunk 8192)
+  run_step train_7b 60 "$PY" "${TRAIN7[@]}" --out "$DIR/gpu_train_7b.json"
+  run_step fp8_7b 60 "$PY" "${TRAIN7[@]}" --fp8 rowwise --out "$DIR/gpu_train_fp8_7b.json"
+  run_step profile 30 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json"
   PROFILE=()
   [ -f "$DIR/profile.json" ] && PROFILE=(--profile "$DIR/profile.json")
-  run_step generate 70 "$PY" bench/generate_gpu.py --batches 1,64 --new 32 --repeats 2 ${PROFILE[@]+"${PROFILE[@]}"} \
-    --out "$DIR/generate_gpu.json"
-  run_step rl 60 "$PY" bench/rl_gpu.py --warmup 1 --steps 2 --timeout 50 --out "$DIR/rl_gpu.json"
+  # the engine's default keys and values (the slab), then paged blocks at batch 64 (issue 37)
+  run_step generate 50 "$PY" bench/generate_gpu.py --kv slab --batches 1,64 --new 32 --repeats 2 \
+    ${PROFILE[@]+"${PROFILE[@]}"} --out "$DIR/generate_gpu.json"
+  run_step generate_paged 30 "$PY" bench/generate_gpu.py --kv paged --batches 64 --new 32 --repeats 2 --no-hf \
+    --out "$DIR/generate_gpu_paged.json"
+  run_step rl 50 "$PY" bench/rl_gpu.py --warmup 1 --steps 2 --timeout 45 --out "$DIR/rl_gpu.json"
 fi
 exit 0

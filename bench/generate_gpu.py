@@ -191,12 +191,41 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 def graph_launches(engine: Engine, prompts, new: int) -> int:
     """cudaGraphLaunch calls in one generation (torch's profiler, CPU-side runtime events)."""
+    return profiled(engine, prompts, new)["cuda_graph_launches"]
+
+
+def profiled(engine: Engine, prompts, new: int, top: int = 0) -> dict:
+    """One generation of `new` tokens under torch's profiler: cudaGraphLaunch calls (CPU-side runtime events)
+    and, with `top`, where the device's time went: the `top` kernels by total device time (name, calls,
+    total and mean microseconds), the sum over all kernels, and the wall time of the profiled call (the gap
+    between them is time the device waited on the host). Kernels replayed inside CUDA graphs are listed as
+    far as the profiler (CUPTI) sees them; `kernels_seen` says how many distinct ones it saw."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
         engine.generate(prompts, SamplingParams(max_new_tokens=new))
-        torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages() if "cudaGraphLaunch" in e.key)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    table = prof.key_averages()
+    out = {"cuda_graph_launches": sum(e.count for e in table if "cudaGraphLaunch" in e.key)}
+    if not top:
+        return out
+    kernels = []
+    for e in table:
+        us = getattr(e, "self_device_time_total", 0.0) if e.device_type == DeviceType.CUDA else 0.0
+        if us > 0:
+            kernels.append((us, e.count, e.key))
+    kernels.sort(reverse=True)
+    total = sum(us for us, _, _ in kernels)
+    out.update(wall_ms=round(1e3 * wall, 3), kernel_ms_total=round(total / 1e3, 3), kernels_seen=len(kernels),
+               top_kernels=[{"name": name[:160], "calls": n, "total_us": round(us, 1), "mean_us": round(us / n, 2),
+                             "share": round(us / total, 4)} for us, n, name in kernels[:top]])
+    return out
 
 
 @torch.no_grad()
@@ -230,6 +259,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script runs")
     ap.add_argument("--kv", choices=("paged", "slab"), default="paged",
                     help="the engines' key/value memory: paged blocks (Engine(paged=True), the default) or the slab")
+    ap.add_argument("--kernels", type=int, default=15,
+                    help="per batch, the top N kernels of one profiled generation by device time (0: none)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -285,9 +316,16 @@ def main(argv=None) -> int:
         if bw["datasheet"]:
             row["fraction_of_datasheet"] = round(achieved / bw["datasheet"], 3)
         if device.type == "cuda":
-            launches = graph_launches(engine, prompts, args.new)
+            try:  # the profiler's kernel table is new on this path: its failure must not cost the row
+                prof = profiled(engine, prompts, args.new, top=args.kernels)
+            except Exception as exc:  # noqa: BLE001
+                prof = {"cuda_graph_launches": graph_launches(engine, prompts, args.new),
+                        "error": f"{type(exc).__name__}: {exc}"[:500]}
+            launches = prof.pop("cuda_graph_launches")
             row["cuda_graph_launches"] = launches
             row["cuda_graph_launches_per_decode_step"] = round(launches / (args.new - 1), 2)
+            if args.kernels:
+                row["device_time"] = prof  # where one generation's device time went (kernels, host gaps)
         if eager is not None:
             timed(eager, prompts, 2, device)
             e = decode_split(eager, prompts, args.new, args.repeats, device)

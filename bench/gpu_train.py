@@ -77,9 +77,14 @@ from loom.flops import train_flops_per_token  # noqa: E402
 SHAPES = {  # Llama-3.2 (config.json of meta-llama/Llama-3.2-1B / -3B), rope scaling left out (no effect on speed)
     "llama3.2-1b": dict(layers=16, hidden=2048, heads=32, kv_heads=8, ffn_hidden=8192, vocab_size=128256),
     "llama3.2-3b": dict(layers=28, hidden=3072, heads=24, kv_heads=8, ffn_hidden=8192, vocab_size=128256),
+    # Llama 2 7B (config.json of meta-llama/Llama-2-7b-hf): multi-head attention, untied head, rope_theta 1e4;
+    # the shape of NeMo's published Llama 2 7B pre-training figure (issue 39)
+    "llama2-7b": dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008, vocab_size=32000),
     "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512),
 }
-RECOMPUTE = {"llama3.2-1b": "none", "llama3.2-3b": "full", "tiny": "none"}
+# What differs from the Llama-3.2 defaults (tied embeddings, rope_theta 500000)
+SHAPE_EXTRA = {"llama2-7b": dict(tie_embeddings=False, rope_theta=10000.0)}
+RECOMPUTE = {"llama3.2-1b": "none", "llama3.2-3b": "full", "llama2-7b": "full", "tiny": "none"}
 TITAN_FLAVOR = {"llama3.2-1b": "1B", "llama3.2-3b": "3B"}  # torchtitan 0.3.0's own Llama 3 flavors of these shapes
 FRAMEWORKS = ("loom", "torchtitan-0.3.0", "torchtitan-0.2.2", "transformers", "transformers+liger")
 
@@ -105,8 +110,12 @@ def loom_loss(chunk: int) -> tuple[str, str]:
                        "with transformers+liger's fused linear cross-entropy and torchtitan-0.3.0's chunked loss")
 
 
+def shape_extra(shape: str) -> dict:
+    return {"tie_embeddings": True, "rope_theta": 500000.0, **SHAPE_EXTRA.get(shape, {})}
+
+
 def model_config(shape: str, seq: int) -> ModelConfig:
-    return ModelConfig(**SHAPES[shape], max_seq_len=seq, rope_theta=500000.0, tie_embeddings=True, norm_eps=1e-5)
+    return ModelConfig(**SHAPES[shape], **shape_extra(shape), max_seq_len=seq, norm_eps=1e-5)
 
 
 def flops_per_token(shape: str, seq: int, causal: bool) -> float:
@@ -121,11 +130,13 @@ def flops_per_token(shape: str, seq: int, causal: bool) -> float:
 
 
 def llama_params(shape: str) -> int:
-    """Parameters of SHAPES[shape] with tied embeddings: what each framework's model must hold."""
+    """Parameters of SHAPES[shape] (tied embeddings unless SHAPE_EXTRA unties them): what each framework's
+    model must hold."""
     m = SHAPES[shape]
     d, hd = m["hidden"], m["hidden"] // m["heads"]
     layer = d * m["heads"] * hd * 2 + d * m["kv_heads"] * hd * 2 + 3 * d * m["ffn_hidden"] + 2 * d
-    return m["vocab_size"] * d + m["layers"] * layer + d
+    heads = 1 if shape_extra(shape)["tie_embeddings"] else 2
+    return heads * m["vocab_size"] * d + m["layers"] * layer + d
 
 
 def check_params(model: torch.nn.Module, shape: str, who: str) -> int:
@@ -212,8 +223,10 @@ def run_loom(shape, seq, batch, device, args):
     cuda = device.type == "cuda"
     m = SHAPES[shape]
     chunk = int(args.loss_chunk)
+    extra = shape_extra(shape)
     overrides = [f"model.{k}={v}" for k, v in m.items()] + [
-        f"model.max_seq_len={seq}", "model.rope_theta=500000.0", "model.tie_embeddings=true",
+        f"model.max_seq_len={seq}", f"model.rope_theta={extra['rope_theta']}",
+        f"model.tie_embeddings={str(extra['tie_embeddings']).lower()}", f"optim.state_dtype={args.state_dtype}",
         f"train.seq_len={seq}", f"train.micro_batch={batch}", f"train.global_batch={batch}",
         f"train.dtype={'bfloat16' if cuda else 'float32'}", f"train.compile={str(args.compile and cuda).lower()}",
         f"train.loss_chunk={chunk}", f"recompute.mode={recompute_of(shape, args)}",
@@ -227,6 +240,8 @@ def run_loom(shape, seq, batch, device, args):
     opt = build_optimizer(runner.model, cfg.optim)
     tokens = synthetic_batch(cfg.model.vocab_size, batch, seq, device)
     data = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    if args.doc_len:  # packed rows: each token attends within its document only, positions restart
+        data.update(packed_documents(batch, seq, args.doc_len, device))
     total = batch * seq
 
     def step():
@@ -237,8 +252,27 @@ def run_loom(shape, seq, batch, device, args):
         return loss_sum / total
 
     kind, setting = loom_loss(chunk)
-    return time_steps(step, device, args.steps, args.warmup), {
-        "settings": overrides[len(m):], "loss_kind": kind, "loss_setting": setting}
+    extra = {"settings": overrides[len(m):], "loss_kind": kind, "loss_setting": setting}
+    if args.doc_len:
+        extra["packing"] = (f"documents of {args.doc_len // 2}-{args.doc_len * 3 // 2} tokens packed into each row "
+                            f"(mean {data['doc_ids'].max(1).values.float().mean().item() + 1:.1f} a row): doc_ids "
+                            "and restarting positions, as SFT packing and data.document_mask pass them")
+    return time_steps(step, device, args.steps, args.warmup), extra
+
+
+def packed_documents(batch: int, seq: int, doc_len: int, device) -> dict:
+    """doc_ids and positions [batch, seq] of rows packed with documents of doc_len/2 .. 3 doc_len/2 tokens
+    (uniform, a fixed seed; the last one cut at the row's end)."""
+    g = torch.Generator().manual_seed(0)
+    docs = torch.empty(batch, seq, dtype=torch.long)
+    pos = torch.empty(batch, seq, dtype=torch.long)
+    for r in range(batch):
+        at, d = 0, 0
+        while at < seq:
+            n = min(int(torch.randint(doc_len // 2, doc_len * 3 // 2 + 1, (), generator=g)), seq - at)
+            docs[r, at:at + n], pos[r, at:at + n] = d, torch.arange(n)
+            at, d = at + n, d + 1
+    return {"doc_ids": docs.to(device), "positions": pos.to(device)}
 
 
 def torchtitan_version(wanted: str) -> str:
@@ -648,7 +682,7 @@ def child_argv(row: Row, args, out: Path) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--frameworks", row.framework,
             "--models", row.shape, "--seqs", str(row.seq), "--tokens-per-step", str(args.tokens_per_step),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--peak-tflops", str(args.peak_tflops),
-            "--fp8", args.fp8, "--out", str(out)]
+            "--fp8", args.fp8, "--state-dtype", args.state_dtype, "--doc-len", str(args.doc_len), "--out", str(out)]
     if row.loss_chunk is not None:
         argv += ["--loss-chunk", str(row.loss_chunk)]
     if args.recompute:
@@ -712,6 +746,10 @@ def main(argv=None) -> int:
     ap.add_argument("--loss-chunk", default="0,8192",
                     help="loom's train.loss_chunk, comma-separated: one loom row per value (0: plain loss)")
     ap.add_argument("--fp8", default="off", help="loom's train.fp8 (loom rows only)")
+    ap.add_argument("--doc-len", type=int, default=0,
+                    help="loom rows on packed rows: documents of about this many tokens (doc_ids + positions), 0: none")
+    ap.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="loom's optim.state_dtype, the AdamW moments' storage (loom rows only)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="loom without torch.compile")
     ap.add_argument("--torchtitan-compile", action="store_true",
                     help="apply torchtitan's own per-block compile (its compile.enable; off in its defaults)")

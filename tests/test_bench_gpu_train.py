@@ -104,3 +104,24 @@ def test_torchtitan_rows_on_cpu(tmp_path, framework):
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     # Llama-3.2-1B and -3B (tied embeddings): 1,235,814,400 and 3,212,749,824 parameters
     assert counts == {"llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824}
+
+
+def test_llama2_7b_shape_is_the_published_model():
+    """The 7B row's shape (issue 39) holds Llama-2-7b-hf's 6,738,415,616 parameters (its config.json: untied
+    head, 32 heads of 128, MLP 11008, vocabulary 32000), counted by the bench and by loom's model on meta."""
+    import importlib.util
+
+    import torch
+
+    from loom.models.llama import build_model
+
+    spec = importlib.util.spec_from_file_location("gpu_train", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_train"] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    assert bench.llama_params("llama2-7b") == 6_738_415_616
+    assert bench.llama_params("llama3.2-1b") == 1_235_814_400  # tied head: Llama-3.2-1B's count
+    cfg = bench.model_config("llama2-7b", 4096)
+    assert not cfg.tie_embeddings and cfg.rope_theta == 10000.0
+    model = build_model(cfg, device=torch.device("meta"))
+    assert bench.check_params(model, "llama2-7b", "loom") == 6_738_415_616

@@ -11,7 +11,8 @@ import pytest
 
 from conftest import ROOT
 
-STEPS = ["setup_wheels", "versions", "gpu_tests", "train_1b", "train_3b", "fp8", "profile", "generate", "rl"]
+STEPS = ["setup_wheels", "versions", "gpu_tests", "train_1b", "packed_1b", "train_3b", "train_7b", "fp8_7b", "profile",
+         "generate", "generate_paged", "rl"]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,8 @@ def test_every_step_is_recorded_and_a_cut_off_step_does_not_stop_the_run(check):
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == STEPS
     status = {s["step"]: s["status"] for s in steps}
-    for name in ("versions", "train_1b", "train_3b", "fp8", "generate", "rl"):
+    for name in ("versions", "train_1b", "packed_1b", "train_3b", "train_7b", "fp8_7b", "generate", "generate_paged",
+                 "rl"):
         assert status[name] == "ok", (name, (out / f"{name}.log").read_text()[-2000:])
     assert status["setup_wheels"] == status["gpu_tests"] == "skipped"  # the wheels and CUDA tests are the GPU's
     # the smoke's profile step is cut off by its 5 s timeout (no mode of loom plan --profile-hardware is that
@@ -78,12 +80,18 @@ def test_training_rows_loom_with_both_losses_missing_torchtitan_is_an_error_row(
 
 def test_fp8_generate_and_rl_rows(check):
     out, _, _ = check
-    (fp8,) = json.loads((out / "gpu_train_fp8.json").read_text())["runs"]
-    assert "error" not in fp8, fp8.get("traceback")
-    assert "train.fp8=rowwise" in fp8["settings"] and fp8["loss_kind"] == "plain" and fp8["tokens_per_s"] > 0
-    generate = json.loads((out / "generate_gpu.json").read_text())
-    assert [r["batch"] for r in generate["rows"]] == [1, 4]
-    assert all(r["decode_step_ms"] > 0 and r["prefill_s"] > 0 for r in generate["rows"])
+    (bf16,) = json.loads((out / "gpu_train_7b.json").read_text())["runs"]
+    (fp8,) = json.loads((out / "gpu_train_fp8_7b.json").read_text())["runs"]
+    for row in (bf16, fp8):
+        assert "error" not in row, row.get("traceback")
+        assert row["loss_kind"] == "chunked" and row["tokens_per_s"] > 0 and "recompute.mode=full" in row["settings"]
+    assert "train.fp8=rowwise" in fp8["settings"] and "train.fp8=off" in bf16["settings"]
+    (packed,) = json.loads((out / "gpu_train_packed_1b.json").read_text())["runs"]
+    assert "error" not in packed and packed["packing"].startswith("documents of 6-18 tokens") and packed["loss"] > 0
+    for name, kv in (("generate_gpu.json", "slab"), ("generate_gpu_paged.json", "paged")):
+        generate = json.loads((out / name).read_text())
+        assert generate["kv"] == kv and [r["batch"] for r in generate["rows"]] == [1, 4]
+        assert all(r["decode_step_ms"] > 0 and r["prefill_s"] > 0 for r in generate["rows"])
     rl = json.loads((out / "rl_gpu.json").read_text())  # loom rl's steps, each split into its phases
     assert [r["step"] for r in rl["rows"]] == [1, 2, 3] and rl["summary"]["steps"] == 2
     for r in rl["rows"]:
@@ -96,5 +104,6 @@ def test_the_tar_holds_the_folder(check):
     with tarfile.open(tar) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     assert {p.name for p in out.iterdir()} <= names | {"log.txt"}  # log.txt's last line may follow the last tar
-    assert {"versions.json", "gpu_train_1b.json", "gpu_train_3b.json", "gpu_train_fp8.json", "generate_gpu.json",
+    assert {"versions.json", "gpu_train_1b.json", "gpu_train_3b.json", "gpu_train_7b.json", "gpu_train_fp8_7b.json",
+            "generate_gpu.json",
             "rl_gpu.json", "steps.jsonl", "smi.csv"} <= names

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.config import ModelConfig
+from loom.models import doc_attention
 from loom.models.init import canonical_name, fill, to_empty_keeping_ties
 from loom.models.moe import MoE
 
@@ -154,10 +155,13 @@ def attention_core(q, k, v, kind: str, dropout: float, doc_ids=None) -> torch.Te
 
     Queries sit at the last s_q of the s_k key positions (a context-parallel chunk against a key prefix).
     `doc_ids` [b, >= s_k] (the document of each key position; queries take theirs from the same row):
-    a query attends only to keys of its own document, a block-diagonal causal mask.
+    a query attends only to keys of its own document, a block-diagonal causal mask: a dense boolean mask to
+    SDPA, or on a GPU inside a compiled block FlexAttention's block-sparse mask (loom/models/doc_attention.py).
     """
     s_q, s_k = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    if doc_ids is not None and kind == "sdpa" and doc_attention.wanted(q, dropout):  # no dense mask (GPU, compiled)
+        return doc_attention.flex_document_attention(q, k, v, doc_ids)
     mask = _causal_mask(s_q, s_k, q.device)
     if doc_ids is not None:
         mask = mask & document_mask(doc_ids, s_q, s_k)

@@ -199,14 +199,19 @@ def measured_validation(compile: str = "auto") -> list[dict]:
     if not MEASURED.is_file():
         return []
     data = json.loads(MEASURED.read_text())
-    profile = Path(__file__).resolve().parents[2] / data["profile"]
-    if not profile.is_file():
-        return []
-    gpu = load_gpu(str(profile))
+    root = Path(__file__).resolve().parents[2]
+    gpus = {}  # a run's own "profile" (the machine it ran on), else the file's
     rows = []
     for run in data["runs"]:
+        profile = root / run.get("profile", data["profile"])
+        if not profile.is_file():
+            continue
+        if profile not in gpus:
+            gpus[profile] = load_gpu(str(profile))
+        gpu = gpus[profile]
         seq = run["seq"]
-        cfg = ModelConfig(**data["shapes"][run["shape"]], max_seq_len=seq, rope_theta=500000.0, tie_embeddings=True)
+        shape = {"tie_embeddings": True, **data["shapes"][run["shape"]]}  # Llama-3.2's tied head unless unset
+        cfg = ModelConfig(**shape, max_seq_len=seq, rope_theta=500000.0)
         w = Workload(cfg, seq, run["micro_batch"], 1, gpu, precision=run["precision"], loss_chunk=run["loss_chunk"],
                      compile=compile)
         # One process: loom's replicate style (fully_shard over one rank); recompute.mode=full recomputes
