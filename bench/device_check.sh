@@ -20,13 +20,13 @@
 # --tar FILE: a tar.gz of OUT_DIR rewritten after every step and every 30 s (the device tool brings back at
 # most 8 files; this is one). A step past its timeout is killed with its processes; the next one starts.
 #
-# Steps and timeouts on the GPU (seconds; sum 550, for a call of timeout_s 600; sized from the H200 run of
+# Steps and timeouts on the GPU (seconds; sum 555, for a call of timeout_s 600; sized from the H200 run of
 # 2026-11-26, ../shared/measured/h200-2026-11-26/device_log.txt; bench/DEVICE.md has the table):
 #   setup_wheels  20  install the carried wheel groups (below); then smi_static.csv, the smi.csv sampler
 #   versions      15  versions.json: commit ($LOOM_COMMIT or git), torch, CUDA, Python, GPU, packages
-#   gpu_tests     35  pytest -m gpu -rs (the tests marked gpu; on that H200 three files took 42 s, 38 s by
+#   gpu_tests     45  pytest -m gpu -rs (the tests marked gpu; on that H200 three files took 42 s, 38 s by
 #                     pytest's count, two of them failing)
-#   train_1b     100  gpu_train.py, Llama-3.2-1B shape, seq 4096, 2 + 5 steps: loom (loss_chunk 0 and 8192),
+#   train_1b      95  gpu_train.py, Llama-3.2-1B shape, seq 4096, 2 + 5 steps: loom (loss_chunk 0 and 8192),
 #                     transformers+liger, torchtitan-0.3.0 (100 s a row at most; on that H200 4 rows of 3 + 8
 #                     steps took 109 s). Plain transformers and torchtitan-0.2.2 are left out on the GPU (the
 #                     smoke keeps them): both measured on that H200, the current anchor is torchtitan 0.3.0.
@@ -234,9 +234,9 @@ if [ $SMOKE = 1 ]; then
   run_step generate_paged $((240 * X)) "$PY" bench/generate_gpu.py --smoke --kv paged --out "$DIR/generate_gpu_paged.json"
   run_step rl $((120 * X)) "$PY" bench/rl_gpu.py --smoke --out "$DIR/rl_gpu.json"
 else
-  run_step gpu_tests 35 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider --continue-on-collection-errors tests
+  run_step gpu_tests 45 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider --continue-on-collection-errors tests
   TRAIN=(bench/gpu_train.py --row-timeout 100)
-  run_step train_1b 100 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 \
+  run_step train_1b 95 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 \
     --frameworks loom,transformers+liger,torchtitan-0.3.0 ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_1b.json"
   # packed rows (SFT packing, data.document_mask): documents of 512-1536 tokens; compare with train_1b's plain row
   run_step packed_1b 35 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 --frameworks loom \

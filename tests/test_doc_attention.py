@@ -87,3 +87,37 @@ def test_packed_model_through_flex_equals_the_dense_path(monkeypatch):
 def test_flex_is_taken_only_on_a_gpu_inside_compile_without_dropout():
     q = torch.zeros(1, 1, 4, 8)
     assert not doc_attention.wanted(q, 0.0)  # a CPU: the dense mask (eager FlexAttention is a slow reference)
+
+
+@pytest.mark.gpu
+def test_flex_inside_a_compiled_region_on_cuda_equals_the_dense_mask():  # pragma: no cover - GPU only
+    """On a GPU, attention_core inside torch.compile takes FlexAttention (its generated kernels, forward and
+    backward) and equals the eager dense-mask path in fp32 (TF32 off) within 1e-4."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    b, hq, hkv, s, d = 2, 8, 2, 512, 64
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", requires_grad=True) for h in (hq, hkv, hkv))
+    docs = _docs(b, s, [[3, 300, 1, 100], [256, 7, 7, 130]]).cuda()
+    w = torch.randn(b, hq, s, d, device="cuda")
+    taken = []
+    flex = doc_attention.flex_document_attention
+
+    def spy(*a):
+        taken.append(1)
+        return flex(*a)
+
+    doc_attention.flex_document_attention = spy
+    try:
+        compiled = torch.compile(lambda q, k, v: attention_core(q, k, v, "sdpa", 0.0, docs), fullgraph=True)
+        got = compiled(q, k, v)
+        grads = torch.autograd.grad((got * w).sum(), (q, k, v))
+    finally:
+        doc_attention.flex_document_attention = flex
+    assert taken, "the compiled region did not take FlexAttention"
+    want = attention_core(q, k, v, "sdpa", 0.0, docs)
+    wgrads = torch.autograd.grad((want * w).sum(), (q, k, v))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for g, wg in zip(grads, wgrads):
+        torch.testing.assert_close(g, wg, rtol=1e-4, atol=1e-4)
