@@ -21,8 +21,8 @@ Every row states its loss (`loss_kind`, `loss_setting`), because the loss is not
 
 - `plain`: the whole micro-batch's logits, one cross-entropy: loom with `train.loss_chunk=0`,
   transformers, torchtitan 0.2.2. These rows do equal work.
-- `chunked`: loom with `train.loss_chunk=8192` (LM head + loss 8192 tokens at a time, the logits
-  recomputed in backward: memory-light, one extra head forward, about 11% of the step at 1B), and
+- `chunked`: loom with `train.loss_chunk=8192` (LM head + loss 8192 tokens at a time, the head's gradients
+  computed in forward: memory-light, no extra head forward; bench/results/h200-2026-11-26-loss-chunk), and
   torchtitan 0.3.0's default `ChunkedLossWrapper` (8 sequence chunks, each chunk's head + loss run
   forward and backward at once: memory-light, no recompute).
 - `fused_linear_ce`: transformers + Liger's fused linear cross-entropy (memory-light), the anchor for
@@ -105,8 +105,8 @@ def loom_loss(chunk: int) -> tuple[str, str]:
     if chunk == 0:
         return "plain", (PLAIN + " (train.loss_chunk=0); the same loss work as transformers and "
                          "torchtitan-0.2.2")
-    return "chunked", (f"chunked: LM head + cross-entropy {chunk} tokens at a time, logits recomputed in "
-                       f"backward (train.loss_chunk={chunk}); memory-light, one extra head forward; compare "
+    return "chunked", (f"chunked: LM head + cross-entropy {chunk} tokens at a time, its gradients computed in "
+                       f"forward (train.loss_chunk={chunk}); memory-light, no head matmul recomputed; compare "
                        "with transformers+liger's fused linear cross-entropy and torchtitan-0.3.0's chunked loss")
 
 

@@ -130,13 +130,24 @@ def test_cli_moe_sizes_layout_and_refusals():
         assert "Traceback" not in r.stderr
 
 
-def test_loss_chunk_keeps_one_chunk_of_logits_for_one_more_head_forward():
+def test_loss_chunk_keeps_one_chunk_of_logits_and_no_extra_head_forward():
+    """loom's chunked loss computes the head's gradients in forward: one chunk's fp32 logits and their bf16
+    gradient alive, the hidden states' gradient and an fp32 head-weight gradient kept until backward; the
+    same three head matmuls as the plain loss, plus adding each chunk's weight gradient into the fp32 one."""
+    from loom.planner.layertime import head_times
+    from loom.planner.kernels import hbm_time
+
     cfg = load_config("qwen3-30b-a3b").model
     whole, chunked = (Workload(cfg, 4096, 512, 8, H100, loss_chunk=c) for c in (0, 1024))
     lay = Layout(dp=8, ep=8, micro_batch=4, dp_style="fsdp", recompute="full")
     a, b = evaluate(whole, lay), evaluate(chunked, lay)
-    assert a.memory["logits"] == pytest.approx(4 * 4096 * cfg.vocab_size * 10, rel=1e-9)  # fp32 x2 + bf16
-    assert b.memory["logits"] == pytest.approx(1024 * cfg.vocab_size * 10, rel=1e-9)
-    assert b.time_terms["head"] > a.time_terms["head"]
+    tokens, v, h = 4 * 4096, cfg.vocab_size, cfg.hidden
+    assert a.memory["logits"] == pytest.approx(tokens * v * 10, rel=1e-9)  # fp32 x2 + bf16
+    assert b.memory["logits"] == pytest.approx(1024 * v * 6 + tokens * h * 2 + v * h * 4, rel=1e-9)
+    (af, ab), (bf, bb) = head_times(whole, 1, 1, 4), head_times(chunked, 1, 1, 4)
+    accumulate = hbm_time(H100, 8 * 15 * v * h)  # 16 chunks: 15 read-and-write passes over the fp32 buffer
+    assert bf == pytest.approx(af + ab + accumulate, rel=1e-9)
+    assert bb == pytest.approx(hbm_time(H100, 8 * v * h + 4 * tokens * h), rel=1e-9)
+    assert bf + bb < af + ab + af  # not one more head forward
     assert math.isclose(a.memory["params"], b.memory["params"])
     assert b.memory["total"] < a.memory["total"] - 20 * GIB

@@ -59,7 +59,7 @@ class TrainConfig(Section):
     eval_samples: int = 32  # held-out sequences per evaluation
     log_interval: int = 1
     compile: bool = False  # torch.compile each transformer block (composes with FSDP and recompute; not TP yet)
-    loss_chunk: int = 0  # >0: LM head + cross-entropy this many tokens at a time, logits recomputed in backward
+    loss_chunk: int = 0  # >0: LM head + cross-entropy this many tokens at a time, gradients computed in forward
     fp8: Literal["off", "tensorwise", "rowwise"] = "off"  # fp8 linear layers through torchao (CUDA, sm89+)
     threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
     max_skipped_consecutive: int = 5  # non-finite loss/grad steps skipped in a row before stopping (exit 3)

@@ -13,22 +13,25 @@ A batch is a dict of tensors whose first dimension is the sample: `input_ids` an
 
 A loss whose `wants_hidden` is true gets a `HeadInput` (the final hidden states and the LM head module)
 instead of logits, and applies the head itself: `TokenCrossEntropy(chunk_tokens=N)` computes head and
-cross-entropy N tokens at a time and recomputes each chunk's logits in backward, so the fp32 logits of
-the whole micro-batch (4 bytes x tokens x vocabulary: 4 GiB per 8k tokens at vocabulary 128k) never exist.
+cross-entropy N tokens at a time, so the fp32 logits of the whole micro-batch (4 bytes x tokens x
+vocabulary: 4 GiB per 8k tokens at vocabulary 128k) never exist. As fused linear cross-entropy kernels do,
+its forward also computes the gradients of the hidden states and the head weight, chunk by chunk, and
+backward only scales them (`chunked_token_loss_sum`): the head's matmuls are the plain loss's three, none
+recomputed; what stays alive from forward to backward is the hidden states' gradient and an fp32 copy of
+the head weight's.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-from loom.ledger import SavedTensorLedger
 
 Batch = dict[str, torch.Tensor]
+IGNORE = -100  # a label that is not scored (prompt tokens, padding), as in PyTorch and Hugging Face
 
 
 class Loss:
@@ -63,27 +66,115 @@ class HeadInput(NamedTuple):
     head: nn.Module
 
 
-def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
+def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype `F.linear(hidden, weight)` computes in here: autocast's, else the inputs' common dtype."""
+    dev = hidden.device.type
+    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _autocast_off(device: torch.device):
+    """The chunk loop casts explicitly (`_matmul_dtype`); autocast must not cast again."""
+    return torch.autocast(device.type, enabled=False) if device.type in ("cpu", "cuda") else nullcontext()
+
+
+def _fp32_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b with an fp32 result (added into `out` when given): on CUDA a 16-bit matmul writes fp32 itself
+    (no 16-bit result, no cast pass); elsewhere the result is cast, or the matmul is fp32 already."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b) if out is None else out.addmm_(a, b)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32) if out is None else torch.addmm(
+            out, a, b, out_dtype=torch.float32, out=out)
+    return torch.mm(a, b).float() if out is None else out.add_(torch.mm(a, b))
+
+
+def _chunk_loss(h: torch.Tensor, weight_t: torch.Tensor, y: torch.Tensor):
+    """One chunk: its fp32 logits, shifted by their row maxima and exponentiated in place (`e`), the rows'
+    sums of `e`, which rows count, their targets made safe to index, and the chunk's summed loss."""
+    logits = _fp32_mm(h, weight_t)
+    valid = y != IGNORE
+    safe = torch.where(valid, y, 0)
+    top = logits.amax(dim=1)
+    target = logits.gather(1, safe[:, None]).squeeze(1)
+    e = logits.sub_(top[:, None]).exp_()
+    sums = e.sum(dim=1)
+    loss = torch.where(valid, sums.log() + top - target, 0.0).sum()  # log-sum-exp minus the target's logit
+    return e, sums, valid, safe, loss
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of `hidden @ weight.T` whose forward also computes the gradients (for a
+    grad_output of 1), chunk by chunk; backward only scales them. See `chunked_token_loss_sum`."""
+
+    @staticmethod
+    def forward(ctx, h, weight, y, chunk_tokens):
+        dtype = _matmul_dtype(h, weight)
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.dtypes = (h.dtype, weight.dtype)
+        with _autocast_off(h.device):
+            w = weight.to(dtype)
+            w_t = w.t()
+            grad_h = torch.empty(h.shape, dtype=dtype, device=h.device) if want_h else None
+            grad_w = None
+            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            for i in range(0, h.shape[0], chunk_tokens):
+                hc = h[i:i + chunk_tokens].to(dtype)
+                e, sums, valid, safe, part = _chunk_loss(hc, w_t, y[i:i + chunk_tokens])
+                total += part
+                # d loss / d logits = softmax - one-hot = (e - sum * one-hot) / sum, 0 for ignored rows: the
+                # one-hot in place on the fp32 chunk, the division, mask and cast in one pass
+                e.scatter_add_(1, safe[:, None], -sums[:, None])
+                scale = torch.where(valid, sums.reciprocal(), 0.0)[:, None]
+                if dtype == torch.float32:
+                    grad = e.mul_(scale)
+                else:
+                    grad = torch.empty(e.shape, dtype=dtype, device=e.device)
+                    torch.mul(e, scale, out=grad)
+                del e
+                if want_h:
+                    torch.mm(grad, w, out=grad_h[i:i + chunk_tokens])
+                if want_w:
+                    grad_w = _fp32_mm(grad.t(), hc, out=grad_w)
+                del grad
+        # What backward needs is these two gradients (the inputs are not kept): autograd's saved tensors,
+        # so saved-tensor hooks (loom memory's ledger) see them.
+        ctx.save_for_backward(grad_h, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # Scaled in place (no second copy of the fp32 weight gradient): a second backward through the same
+        # graph (retain_graph) is refused by autograd's in-place check.
+        grad_h, grad_w = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        dh = grad_h.to(h_dtype).mul_(grad_output) if grad_h is not None else None
+        dw = grad_w.mul_(grad_output).to(w_dtype) if grad_w is not None else None
+        return dh, dw, None, None
 
 
 def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                            chunk_tokens: int) -> torch.Tensor:
-    """`token_loss_sum(hidden @ weight.T, targets)` computed `chunk_tokens` tokens at a time.
+    """`token_loss_sum(hidden @ weight.T, targets)` computed `chunk_tokens` tokens at a time, the logits of
+    the whole micro-batch never held (labels IGNORE = -100 score nothing).
 
-    Each chunk is a non-reentrant checkpoint: forward keeps only its inputs (views of `hidden`, and the
-    head weight), backward recomputes that chunk's logits, so at most one chunk's fp32 logits (and their
-    gradient) are alive at once. Costs one more head forward (2 x tokens x hidden x vocab FLOPs).
+    When a gradient is wanted, forward computes it too, as fused linear cross-entropy kernels do: per chunk
+    the logits (matmul in the compute dtype, then fp32), the loss, softmax minus one-hot in place on those
+    fp32 logits, the hidden states' gradient (stored per chunk into one tensor the shape of `hidden`) and
+    the weight's gradient (accumulated in fp32). Backward only scales the two by grad_output: nothing is
+    recomputed, the head's matmuls are the plain loss's three. Alive: one chunk's fp32 logits (and their
+    16-bit copy), then until backward the hidden states' gradient and an fp32 copy of the weight's.
     """
     h, y = hidden.flatten(0, 1), targets.flatten()
-    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    if grad and SavedTensorLedger.active is not None:  # a checkpoint keeps its inputs outside autograd's
-        SavedTensorLedger.active.record(h)  # saved tensors: tell the ledger
-    total = None
-    for i in range(0, h.shape[0], chunk_tokens):
-        args = (h[i:i + chunk_tokens], weight, y[i:i + chunk_tokens])
-        part = checkpoint(_chunk_loss_sum, *args, use_reentrant=False) if grad else _chunk_loss_sum(*args)
-        total = part if total is None else total + part
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(h, weight, y, chunk_tokens)
+    dtype = _matmul_dtype(h, weight)  # no gradient: the loss alone, chunk by chunk
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    with _autocast_off(h.device):
+        w_t = weight.to(dtype).t()
+        for i in range(0, h.shape[0], chunk_tokens):
+            total += _chunk_loss(h[i:i + chunk_tokens].to(dtype), w_t, y[i:i + chunk_tokens])[-1]
     return total
 
 
@@ -113,8 +204,6 @@ class TokenCrossEntropy(Loss):
     def count(self, batch: Batch) -> int:
         return batch["labels"].numel()
 
-
-IGNORE = -100  # a label that is not scored (prompt tokens, padding), as in PyTorch and Hugging Face
 
 
 class MaskedTokenCrossEntropy(TokenCrossEntropy):

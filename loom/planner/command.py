@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Megatron's gradient buffer dtype (NeMo's performance recipes: bfloat16); loom keeps float32")
     c.add_argument("--tokens", type=float, default=None, help="training tokens, to report days to train")
     c.add_argument("--loss-chunk", type=int, default=0, metavar="TOKENS",
-                   help="LM head + loss this many tokens at a time, logits recomputed in backward (loom's "
+                   help="LM head + loss this many tokens at a time, its gradients computed in forward (loom's "
                         "train.loss_chunk); 0 (default): the whole micro-batch's logits")
     c.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="price compiled transformer blocks (loom's train.compile: elementwise ops fused by inductor); "

@@ -238,8 +238,12 @@ def head_times(w: Workload, tp: int, cp: int, mbs: int) -> tuple[float, float]:
     logits = tokens * v * 4
     fwd += hbm_time(gpu, 3 * logits)  # cast to fp32, log-softmax, gather
     bwd = 2 * (fwd - hbm_time(gpu, 3 * logits)) + hbm_time(gpu, 3 * logits)
-    if w.loss_chunk and w.loss_chunk < tokens:  # backward recomputes each chunk's logits first
-        bwd += fwd
+    if w.loss_chunk:  # loom's chunked loss: forward computes the head's gradients too (the same three matmuls
+        # and passes over the logits), adding each chunk's weight gradient into an fp32 buffer (read and
+        # written once per chunk after the first); backward only scales the kept gradients
+        chunks = -(-tokens // w.loss_chunk)
+        fwd += bwd + hbm_time(gpu, 8 * (chunks - 1) * v * cfg.hidden)
+        bwd = hbm_time(gpu, 8 * v * cfg.hidden + 4 * tokens * cfg.hidden)
     if tp > 1:  # loss-parallel: max and sum-exp all-reduces of tokens floats
         fwd += 2 * collective_time(gpu, "all_reduce", tokens * 4, tp, members_per_node(gpu, 1, tp))
     return fwd, bwd

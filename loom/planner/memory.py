@@ -174,6 +174,12 @@ def memory(w: Workload, lay: Layout) -> dict:
         logit_bytes = 4 + 2 if mega else 4 + 4 + act_bytes
         alive = min(tokens, w.loss_chunk) if w.loss_chunk else tokens  # one chunk's at a time (train.loss_chunk)
         logits = alive * (cfg.vocab_size / lay.tp) * logit_bytes if shape.head else 0.0
+        if w.loss_chunk and not mega and shape.head:  # loom's chunked loss: one chunk's fp32 logits (softmax and
+            # gradient in place on them) and its 16-bit gradient, then from forward to backward the hidden
+            # states' gradient and an fp32 copy of the head weight's
+            v = cfg.vocab_size / lay.tp
+            logits = (alive * v * (4 + (act_bytes if act_bytes < 4 else 0)) + tokens * cfg.hidden * act_bytes
+                      + v * cfg.hidden * 4)
         # Transformer Engine keeps each linear weight's fp8 cast and its transpose from the first
         # micro-batch to the last (its weight workspace cache): 2 bytes per linear weight on the rank.
         fp8_weights = (2 * shape.layers * (z["linear_layer"] / lay.tp + expert_layer / lay.ep)) if mega and fp8 else 0.0

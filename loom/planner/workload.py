@@ -40,9 +40,10 @@ class Workload:
     # Megatron-Bridge's and NeMo AutoModel's MoE benchmarks force). It scales the busiest rank's expert work,
     # activations and all-to-all volume.
     moe_imbalance: float = 1.0
-    # LM head + cross-entropy this many tokens at a time, each chunk's logits recomputed in backward (loom's
+    # LM head + cross-entropy this many tokens at a time, the head's gradients computed in forward (loom's
     # train.loss_chunk; fused linear cross-entropy elsewhere): one chunk's logits alive instead of the
-    # micro-batch's, for one more head forward. 0: whole micro-batch.
+    # micro-batch's, plus the kept gradients (hidden states', fp32 head weight's); no extra head forward.
+    # 0: whole micro-batch.
     loss_chunk: int = 0
     # Attention kernel: "sdpa" (torch's scaled_dot_product_attention, flash backend: FlashAttention-2, what
     # loom runs), "fused" (Transformer Engine's cuDNN fused attention), or "auto": fused when the framework
