@@ -1,4 +1,4 @@
-"""The `loom` command: train (sft, rm, dpo), plan, memory, generate, convert, preprocess.
+"""The `loom` command: train (sft, rm, dpo), plan, memory, generate, serve, convert, preprocess.
 
 Exit codes: 0 success; 2 bad input (a one-paragraph message, no traceback); 1 anything else.
 """
@@ -154,6 +154,12 @@ def cmd_generate(args, extra) -> int:
     return generate(args, extra)
 
 
+def cmd_serve(args, extra) -> int:
+    from loom.serve import serve
+
+    return serve(args, extra)
+
+
 def cmd_convert(args, extra) -> int:
     from loom.interop import convert
 
@@ -284,6 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="continue a prompt with a trained model", description=GENERATE)
     add_generate_arguments(p)
     p.set_defaults(func=cmd_generate)
+
+    from loom.serve import DESCRIPTION as SERVE, add_arguments as add_serve_arguments
+
+    p = sub.add_parser("serve", help="serve a trained model with OpenAI's HTTP API", description=SERVE)
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("convert", help="convert between Hugging Face (Llama, Qwen2.5, Qwen3, Mixtral, Qwen2/3-MoE) "
                        "and loom checkpoints",

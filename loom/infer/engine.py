@@ -12,7 +12,12 @@ pool, `blocks.BlockPool`, shared prompts, attention that reads each request's ow
 (`sampling.Sampler`), the compiled decode step (`step.CompiledDecode`), the CPU decode path (`cpu.cpu_decode`,
 None on a GPU), refit (`refit.copy_weights`), and here the scheduling.
 
-Each round of `generate` reads schedule -> run -> postprocess. Schedule: waiting prompts take free slots (a
+Step-wise: `submit(prompt, params)` queues a request (checked at once) and returns its `Request`; each `step()`
+is one round and returns an `Update` per request that gained tokens or finished; `cancel(request)` gives its
+slot back. `generate` submits its prompts and steps until they finish; a server submits as requests arrive, so
+requests that arrive at different times share decode steps. One thread drives an engine.
+
+Each round (`step`) reads schedule -> run -> postprocess. Schedule: waiting prompts take free slots (a
 request owns a slot from its prefill to its last token, moved down, keys and values with it, when lower slots
 free up and nothing waits: `_compact`). Run: the admitted prompts prefill as one packed row (ragged prompts
 end to end, so the linear layers see no padding; only attention spreads them out per slot), then every busy
@@ -26,8 +31,9 @@ no top-k/top-p) at generated token i: the quantity a trainer's forward computes,
 drawn from (after temperature, top-k and top-p; 0.0 for greedy), for importance weights.
 
 Tensor parallelism: pass a model sharded by `loom.parallel.tensor.apply_tensor_parallel` (every rank runs
-the same engine loop on the same requests); the slab holds this rank's key/value heads and the logits are
-gathered before sampling, so every rank samples the same tokens.
+the same engine loop on the same requests: the same submits, in the same order, between the same steps); the
+slab holds this rank's key/value heads and the logits are gathered before sampling, so every rank samples the
+same tokens.
 
 Host reads. Within a decode window nothing comes back to the host: sampling (`Sampler`, with every
 request's uniforms drawn up front from its own generator) and stop-token matching run on the device,
@@ -79,6 +85,8 @@ class Completion:
     sampling_logprobs: list[float] = field(default_factory=list)  # under the distribution sampled from
     finish_reason: str = ""
     stop_string: str = ""  # the stop string (SamplingParams.stop) that ended it, if one did
+    # with SamplingParams.logprobs = N > 0: per token, the N most likely (id, log-prob at temperature 1), best first
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     def text(self, decode) -> str:
         """The completion's text (`decode`: ids -> str): without the stop token that ended it, cut before the
@@ -89,15 +97,35 @@ class Completion:
         return decode(self.tokens[:-1] if self.finish_reason == "stop" else self.tokens)
 
 
-class _Sequence:
-    """A request while it holds a slot."""
+class Request:
+    """A submitted request (`Engine.submit`): its prompt, sampling parameters and seed, and as it runs its
+    `out` (the Completion so far). `state`: "waiting" (queued), "running" (holds a slot), "done" (finished:
+    `out.finish_reason` says why) or "cancelled" (`Engine.cancel`). `index`: the caller's label (generate's
+    prompt index), else the engine's running count of submitted requests."""
 
     def __init__(self, index: int, prompt: list[int], params: SamplingParams, seed: int):
-        self.index, self.params = index, params
+        self.index, self.params, self.seed = index, params, seed
         self.out = Completion(prompt=list(prompt))
         self.generator = torch.Generator().manual_seed(seed)
         self.length = len(prompt)  # tokens whose keys and values are in the slot
         self.shared = False  # paged: its prompt's blocks and first-token logits come from an earlier request
+        self.state = "waiting"
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("done", "cancelled")
+
+
+@dataclass
+class Update:
+    """What one `Engine.step` did for one request: the tokens (and their log-probs at temperature 1) it
+    appended, and whether the request finished (`request.out.finish_reason`)."""
+
+    request: Request
+    tokens: list[int]
+    logprobs: list[float]
+    finished: bool
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # SamplingParams.logprobs > 0
 
 
 def _shard(t: torch.Tensor) -> torch.Tensor:
@@ -175,6 +203,9 @@ class Engine:
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "windows": 0, "refills": 0, "decoded_tokens": 0,
                       "discarded_tokens": 0, "compiled_steps": 0, "moves": 0, "packed_linears": packed}
         self.last_refit_s: float | None = None
+        self._waiting: deque[Request] = deque()  # submitted, not yet admitted
+        self._slots: list[Request | None] = [None] * max_batch  # the request holding each slot
+        self._submitted = 0
         self.compile_mode = resolve_compile(compile, self.device)
         self._compiled = self._compile(attention, kv_heads) if self.compile_mode else None
 
@@ -202,69 +233,153 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  on_done=None) -> list[Completion]:
         """Continue every prompt (a list of token ids); results in the order of `prompts`. `params`: one for
-        all or one per prompt. `on_done(index, completion)` is called as each request finishes."""
+        all or one per prompt. `on_done(index, completion)` is called as each request finishes. A user of the
+        step-wise API: every request is checked, then submitted, then `step` runs until they all finish
+        (requests someone else submitted run along; their results stay on their `Request`)."""
         params = params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise UserError(f"{len(prompts)} prompts but {len(params)} sampling parameters; give one for all or "
                             "one per prompt")
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            p.check()
-            if not 1 <= len(prompt) < self.max_len:
-                raise UserError(f"prompt {i} has {len(prompt)} tokens; it needs 1 to {self.max_len - 1} "
-                                f"(the engine's max_len={self.max_len} holds prompt and completion)")
-            if min(prompt) < 0 or max(prompt) >= self.vocab:
-                raise UserError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab})")
-            if p.stop and self.decode is None:
-                raise UserError(f"request {i} has stop strings {list(p.stop)} but the engine has no decode "
-                                "function to read text with; build it with Engine(..., decode=tokenizer.decode)")
-            if not self.slab.fits(self._most(prompt, p)):
-                raise UserError(f"request {i} may hold {self._most(prompt, p)} positions but the engine's key/value "
-                                f"pool holds {(self.slab.pool.blocks - 1) * self.slab.block_size}; raise kv_tokens "
-                                "or lower max_new_tokens")
-        seeds = [p.seed if p.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seeds))
-                 for p in params]
-        self.slab.expect(prompts)
-        waiting = deque(range(len(prompts)))
-        slots: list[_Sequence | None] = [None] * self.max_batch
-        results: list[Completion | None] = [None] * len(prompts)
+            self.check(prompt, p, i)
+        requests = [self._enqueue(prompt, p, i) for i, (prompt, p) in enumerate(zip(prompts, params))]
+        mine, left = set(map(id, requests)), len(requests)
+        try:
+            while left:
+                for update in self.step():
+                    if update.finished and id(update.request) in mine:
+                        left -= 1
+                        if on_done is not None:
+                            on_done(update.request.index, update.request.out)
+        finally:  # cut short (an exception, Ctrl-C): this call's requests let go of their slots and blocks
+            for r in requests:
+                if not r.done:
+                    self.cancel(r)
+        return [r.out for r in requests]
 
-        def finish(seqs: list[_Sequence]) -> None:
+    # --- the step-wise API: submit, step, cancel --------------------------------------------------------------
+
+    def check(self, prompt: list[int], p: SamplingParams, i: int | str = "") -> None:
+        """Refuse (UserError) a request the engine cannot run: its sampling parameters, a prompt empty or too
+        long for max_len, ids outside the vocabulary, stop strings without `decode`, more positions than the
+        key/value pool holds. `i` names it in the message."""
+        p.check()
+        if not 1 <= len(prompt) < self.max_len:
+            raise UserError(f"prompt {i} has {len(prompt)} tokens; it needs 1 to {self.max_len - 1} "
+                            f"(the engine's max_len={self.max_len} holds prompt and completion)")
+        if min(prompt) < 0 or max(prompt) >= self.vocab:
+            raise UserError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab})")
+        if p.stop and self.decode is None:
+            raise UserError(f"request {i} has stop strings {list(p.stop)} but the engine has no decode "
+                            "function to read text with; build it with Engine(..., decode=tokenizer.decode)")
+        if not self.slab.fits(self._most(prompt, p)):
+            raise UserError(f"request {i} may hold {self._most(prompt, p)} positions but the engine's key/value "
+                            f"pool holds {(self.slab.pool.blocks - 1) * self.slab.block_size}; raise kv_tokens "
+                            "or lower max_new_tokens")
+
+    def submit(self, prompt: list[int], params: SamplingParams | None = None, index: int | None = None) -> Request:
+        """Queue one request (checked first: `check`); it is admitted by a later `step`. Requests submitted
+        before the same step and sharing a prompt prefill it once (paged memory)."""
+        params = params or SamplingParams()
+        index = self._submitted if index is None else index
+        self.check(prompt, params, index)
+        return self._enqueue(prompt, params, index)
+
+    def _enqueue(self, prompt: list[int], p: SamplingParams, index: int) -> Request:
+        seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (), generator=self._seeds))
+        request = Request(index, list(prompt), p, seed)
+        self._submitted += 1
+        self.slab.expect([request.out.prompt])
+        self._waiting.append(request)
+        return request
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet admitted."""
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        """Requests holding a slot."""
+        return sum(seq is not None for seq in self._slots)
+
+    @torch.no_grad()
+    def step(self) -> list[Update]:
+        """One round: waiting requests take free slots and prefill (schedule, run, postprocess), then every busy
+        slot decodes one window of up to `sync_every` tokens; finished requests leave their slots. Returns an
+        `Update` per request that gained tokens or finished, in that order; [] when nothing waits or runs."""
+        marks = {}
+
+        def seen(seqs: list[Request]) -> list[Request]:
             for seq in seqs:
-                if seq.out.finish_reason:
-                    results[seq.index] = seq.out
-                    self.slab.release(slots.index(seq))
-                    slots[slots.index(seq)] = None
-                    if on_done is not None:
-                        on_done(seq.index, seq.out)
+                marks.setdefault(id(seq), (seq, len(seq.out.tokens)))
+            return seqs
 
-        while waiting or any(slots):
-            admitted = self._admit(waiting, slots, prompts, params, seeds)  # schedule: free slots first
-            if admitted:
-                finish(self._prefill(admitted, [slots[s] for s in admitted]))  # run, postprocess
-            active = self._active(slots)  # schedule: the busy slots, compacted
-            if active:
-                finish(self._decode(active, [slots[s] for s in active]))  # run a window, postprocess
-        return results
+        admitted = self._admit()  # schedule: free slots first
+        if admitted:
+            seqs = seen([self._slots[s] for s in admitted])
+            self._finish(self._prefill(admitted, seqs))  # run, postprocess
+        active = self._active(self._slots)  # schedule: the busy slots, compacted
+        if active:
+            seqs = seen([self._slots[s] for s in active])
+            self._finish(self._decode(active, seqs))  # run a window, postprocess
+        return [Update(seq, seq.out.tokens[n:], seq.out.logprobs[n:], seq.state == "done", seq.out.top_logprobs[n:])
+                for seq, n in marks.values()]
 
-    def _admit(self, waiting: deque, slots: list, prompts, params, seeds) -> list[int]:
+    def cancel(self, request: Request) -> None:
+        """Drop a waiting or running request (its slot and blocks go back); one already done stays as it is.
+        Between steps only: the engine is not thread-safe."""
+        if request.state == "waiting":
+            self._waiting.remove(request)
+            self.slab.withdraw(request.out.prompt)
+        elif request.state == "running":
+            slot = next(s for s, seq in enumerate(self._slots) if seq is request)
+            self.slab.release(slot)
+            self._slots[slot] = None
+        if not request.done:
+            request.state = "cancelled"
+
+    def abort(self) -> list[Request]:
+        """Cancel every waiting and running request and empty the key/value memory (after a step that raised);
+        returns the requests cancelled."""
+        dropped = list(self._waiting) + [seq for seq in self._slots if seq is not None]
+        for seq in dropped:
+            seq.state = "cancelled"
+        self._waiting.clear()
+        self._slots = [None] * self.max_batch
+        self.slab.reset()
+        return dropped
+
+    def _finish(self, seqs: list[Request]) -> None:
+        for seq in seqs:
+            if seq.out.finish_reason:
+                slot = self._slots.index(seq)
+                self.slab.release(slot)
+                self._slots[slot] = None
+                seq.state = "done"
+
+    def _admit(self) -> list[int]:
         """Waiting requests into free slots (a freed slot never waits for the others); their slots."""
+        waiting, slots = self._waiting, self._slots
         free = [s for s, seq in enumerate(slots) if seq is None]
         if not (waiting and free):
             return []
         busy = len(free) < self.max_batch
         admitted = []
         for s in free[:len(waiting)]:
-            i = waiting[0]
-            how = self.slab.admit(s, prompts[i], self._most(prompts[i], params[i]))
+            seq = waiting[0]
+            prompt, most = seq.out.prompt, self._most(seq.out.prompt, seq.params)
+            how = self.slab.admit(s, prompt, most)
             if how is None and not busy and not admitted:  # nothing runs: let go of held prompts, try again
                 self.slab.evict()
-                how = self.slab.admit(s, prompts[i], self._most(prompts[i], params[i]))
+                how = self.slab.admit(s, prompt, most)
             if how is None:  # paged memory: the pool cannot promise it room now; it waits for blocks
                 break
             waiting.popleft()
-            slots[s] = _Sequence(i, prompts[i], params[i], seeds[i])
-            slots[s].shared = how == "shared"
+            slots[s] = seq
+            seq.state = "running"
+            seq.shared = how == "shared"
             admitted.append(s)
         self.stats["refills"] += len(admitted) if busy else 0
         return admitted
@@ -293,7 +408,7 @@ class Engine:
             slots[dst], slots[src] = slots[src], None
         self.stats["moves"] += len(movers)
 
-    def _prefill(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
+    def _prefill(self, rows: list[int], seqs: list[Request]) -> list[Request]:
         """The admitted prompts as one packed row (no padding through the linear layers); each request's
         first token comes from the logits at its prompt's last position."""
         fresh = [b for b, seq in enumerate(seqs) if not seq.shared]
@@ -306,10 +421,11 @@ class Engine:
                 parts.append(tuple(t[j:j + 1] for t in head) if j is not None else self.slab.head_of(seq.out.prompt))
             head = tuple(torch.cat(t) for t in zip(*parts))
         self.slab.settle()
-        self._emit(seqs, [self._pick(head, self._sampler(seqs, 1), 0)], self._stop_table(seqs), 1, fed=0)
+        self._emit(seqs, [self._pick(head, self._sampler(seqs, 1), 0, self._top(seqs))], self._stop_table(seqs), 1,
+                   fed=0)
         return seqs
 
-    def _prefill_head(self, rows: list[int], seqs: list[_Sequence]) -> tuple:
+    def _prefill_head(self, rows: list[int], seqs: list[Request]) -> tuple:
         """The packed prefill of the prompts of `seqs` into `rows` -> the head's outputs at their last positions."""
         lengths = [len(seq.out.prompt) for seq in seqs]
         total = sum(lengths)
@@ -325,7 +441,7 @@ class Engine:
             self.slab.remember(seq.out.prompt, tuple(t[j:j + 1].clone() for t in head))  # the sampler writes into head
         return head
 
-    def _decode(self, rows: list[int], seqs: list[_Sequence]) -> list[_Sequence]:
+    def _decode(self, rows: list[int], seqs: list[Request]) -> list[Request]:
         """A window of decode steps for the busy slots `rows`, run back to back on the device; the host reads
         the window's tokens and log-probs back once, at its end.
 
@@ -363,12 +479,14 @@ class Engine:
             tokens, positions, advance = tokens.clone(), positions.clone(), advance.clone()
         stops = self._stop_table(seqs)
         first = max(s.length for s in seqs)
+        top = self._top(seqs)
         out = []
         for step in range(steps):
             keys = first + step + 1  # key positions the furthest request reads
             head = self._step(rows, tokens, positions, keys, None if size == n else where)
-            token, logprob, sampled = self._pick(head, sampler, step)
-            out.append((token, logprob, sampled))
+            picked = self._pick(head, sampler, step, top)
+            token = picked[0]
+            out.append(picked)
             if step + 1 < steps:
                 if eager:  # every row is busy: the sampled tokens are the next input as they are
                     tokens = token[:, None]
@@ -399,10 +517,10 @@ class Engine:
         # the step computed the head and its reductions itself, or returned hidden states
         return x if in_step else reduce_logits(self._head_logits(x))
 
-    def _sampler(self, seqs: list[_Sequence], steps: int) -> Sampler:
+    def _sampler(self, seqs: list[Request], steps: int) -> Sampler:
         return Sampler([s.params for s in seqs], [s.generator for s in seqs], steps, self.vocab, self.device)
 
-    def _stop_table(self, seqs: list[_Sequence]) -> torch.Tensor | None:
+    def _stop_table(self, seqs: list[Request]) -> torch.Tensor | None:
         """[requests, most stop tokens] on the device, padded with -1 (never a token); None if none stop."""
         width = max(len(s.params.stop_token_ids) for s in seqs)
         if not width:
@@ -410,15 +528,24 @@ class Engine:
         rows = [list(s.params.stop_token_ids) + [-1] * (width - len(s.params.stop_token_ids)) for s in seqs]
         return upload(torch.tensor(rows), self.device)
 
-    def _pick(self, head, sampler: Sampler, step: int):
+    def _top(self, seqs: list[Request]) -> int:
+        """The most likely tokens a window returns per token: the most any of its requests asks for."""
+        return min(max(s.params.logprobs for s in seqs), self.vocab)
+
+    def _pick(self, head, sampler: Sampler, step: int, top: int = 0):
         """The head's fp32 logits [requests, vocab] with their argmax and log-sum-exp (`reduce_logits`) -> next
         token, its log-prob under the raw logits (temperature 1) and under the distribution it was sampled
-        from; all on the device."""
+        from, and with `top` > 0 the `top` most likely tokens' ids and log-probs [requests, top]; all on the
+        device."""
         logits, greedy, lse = head
         token, sampled = sampler(logits, greedy, step)
-        return token, logits.gather(1, token[:, None])[:, 0] - lse, sampled
+        picked = (token, logits.gather(1, token[:, None])[:, 0] - lse, sampled)
+        if not top:
+            return picked
+        values, ids = logits.topk(top, dim=1)
+        return picked + (ids, values - lse[:, None])
 
-    def _emit(self, seqs: list[_Sequence], out: list, stops, steps: int, fed: int) -> int:
+    def _emit(self, seqs: list[Request], out: list, stops, steps: int, fed: int) -> int:
         """Append each request's tokens of a window (`out`: per step, tokens / log-probs / sampling log-probs
         of every request) up to the first that ends it; `fed`: tokens the window wrote into each slot. The
         stop tokens are matched on the device; the host reads the whole window back in one copy. Returns
@@ -430,6 +557,11 @@ class Engine:
             hit = (tokens[:, :, None] == stops[:, None, :]).any(-1)
             first = torch.where(hit.any(1), hit.int().argmax(1), steps)  # the first stop token's step, or steps
             columns.append(first.double()[:, None])
+        top = out[0][3].shape[1] if len(out[0]) > 3 else 0  # the most likely tokens of each step (`_pick`)
+        if top:
+            # ids, then log-probs: [requests, steps * top] each
+            columns += [torch.stack([o[i] for o in out], 1).double().flatten(1) for i in (3, 4)]
+        base = 3 * steps + (stops is not None)
         table = torch.cat(columns, 1).tolist()  # the window's one read-back
         kept = 0
         for seq, row in zip(seqs, table):
@@ -439,6 +571,10 @@ class Engine:
                 out.tokens.append(int(row[step]))
                 out.logprobs.append(row[steps + step])
                 out.sampling_logprobs.append(row[2 * steps + step])
+                if p.logprobs:
+                    at = base + step * top
+                    out.top_logprobs.append([(int(row[at + j]), row[at + steps * top + j])
+                                             for j in range(min(p.logprobs, top))])
                 kept += 1
                 if step == stop_at:
                     out.finish_reason = "stop"
@@ -465,7 +601,7 @@ class Engine:
             if hits:
                 out.stop_string = min(hits)[1]
                 dropped = len(out.tokens) - n
-                del out.tokens[n:], out.logprobs[n:], out.sampling_logprobs[n:]
+                del out.tokens[n:], out.logprobs[n:], out.sampling_logprobs[n:], out.top_logprobs[n:]
                 out.finish_reason = "stop"
                 return dropped
         return 0

@@ -194,6 +194,12 @@ class KVSlab:
     def expect(self, prompts) -> None:
         pass
 
+    def withdraw(self, prompt) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
     def admit(self, slot: int, prompt, most: int) -> str:
         return "fresh"
 

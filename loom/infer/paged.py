@@ -5,13 +5,16 @@ per request.
 - Memory follows the tokens held: a request takes blocks as it grows and gives them back when it finishes, so
   the batch is bounded by the pool (`kv_tokens`), not by max_batch x max_len. A request is admitted only when
   the pool can promise it its worst case (prompt + max_new_tokens), so a running request never runs out.
-- Shared prompts: requests with the same prompt ids in one `generate` call (a GRPO group) prefill it once; the
-  others list its blocks in their tables (reference counts) and take the first token's distribution from the
-  same logits. The last, partial block is copied before a request writes into it (copy on write). The prompt's
-  blocks and logits stay held while requests with that prompt still wait (`pending`), then go back.
+- Shared prompts: requests with the same prompt ids waiting together (a GRPO group, one `generate` call, a
+  server request's `n` samples) prefill it once; the others list its blocks in their tables (reference counts)
+  and take the first token's distribution from the same logits. The last, partial block is copied before a
+  request writes into it (copy on write). The prompt's blocks and logits stay held while requests with that
+  prompt still wait (`pending`), then go back.
 - Decode attention (`read="split"`) reads each request's visible keys only: on a CPU with fp32 through the
-  kernel `decode_attention_paged` (loom/infer/cpu, eager and compiled), elsewhere eagerly through
-  `paged_attention.split_kv_decode`. `read="gather"` (and a compiled step off the CPU kernel) gathers the table's
+  kernel `decode_attention_paged` (loom/infer/cpu, eager and compiled), on a GPU through the Triton kernels
+  `triton_decode.paged_decode` (eager and compiled: it reads the step's table and positions on the device),
+  elsewhere eagerly through `paged_attention.split_kv_decode`. `read="gather"` (and a compiled step off both
+  kernels, e.g. a GPU without Triton) gathers the table's
   blocks into a dense [rows, kv_heads, keys, d] view masked by position, as `KVSlab` reads its slots.
 - Compiled decode: a window's block table is one tensor [max_batch, max_blocks]; a step takes the rows and
   block columns of its bucket (fixed shapes per bucket). Idle rows point at the scratch block 0.
@@ -41,7 +44,8 @@ class PagedKV(KVSlab):
     """Keys and values in `blocks` blocks of `block_size` positions: per layer [blocks, kv_heads, block_size,
     head_dim]; `tables[slot]` lists the blocks of the request in slot `slot`.
 
-    `read`: "split" (visible keys only: the CPU kernel `paged_kernel`, else eagerly `split_kv_decode`) or
+    `read`: "split" (visible keys only: the CPU kernel `paged_kernel`, on a GPU the Triton kernels
+    (`triton_kernel`), else eagerly `split_kv_decode`) or
     "gather" (the table's blocks as a dense masked view, through SDPA or the CPU decode kernel)."""
 
     def __init__(self, layer_ids, slots: int, kv_heads: int, blocks: int, block_size: int, head_dim: int,
@@ -55,6 +59,13 @@ class PagedKV(KVSlab):
         self.pool = BlockPool(blocks)
         # one block column past max_len: a step's table never spans the whole window table (one graph fewer)
         self.max_blocks = -(-max_len // block_size) + 1
+        # GPU split reads: (`triton_decode.paged_decode`, splits, programs); None without CUDA or Triton
+        self.triton_kernel = None
+        if self.device.type == "cuda":  # imported only here: Triton's op brings in torch's compiler (seconds)
+            from loom.infer import triton_decode
+            if triton_decode.available():
+                self.triton_kernel = (triton_decode.paged_decode,
+                                      *triton_decode.splits_for(self.max_blocks, self.device))
         self.tables: list[list[int]] = [[] for _ in range(slots)]
         self.owed = [0] * slots  # blocks promised to a slot's request and not yet taken
         self.prefixes: dict[tuple, _Prefix] = {}
@@ -77,12 +88,20 @@ class PagedKV(KVSlab):
         return self.blocks_for(tokens) <= self.pool.blocks - 1
 
     def expect(self, prompts: list[list[int]]) -> None:
-        """A generate call's prompts: which ones will be shared. Every slot starts empty (a call cut short by an
-        exception left its requests' blocks behind: they go back now)."""
+        """Requests with these prompts were submitted (they wait): which prompts will be shared."""
+        self.pending.update(map(tuple, prompts))
+
+    def withdraw(self, prompt: list[int]) -> None:
+        """A waiting request with `prompt` was cancelled: it will not take the prompt's blocks."""
+        self.pending[tuple(prompt)] -= 1
+        self.settle()
+
+    def reset(self) -> None:
+        """Every slot empty, nothing held or expected (after a step cut short by an exception)."""
         self.evict()
         for slot in range(len(self.tables)):
             self.release(slot)
-        self.pending = Counter(map(tuple, prompts))
+        self.pending = Counter()
 
     def admit(self, slot: int, prompt: list[int], most: int) -> str | None:
         """Slot `slot` takes a request with `prompt` that holds at most `most` positions: "fresh" (its prompt
@@ -123,6 +142,8 @@ class PagedKV(KVSlab):
         """Let go of the prompts no waiting request has."""
         for key in [k for k in self.prefixes if self.pending[k] <= 0]:
             self._drop_prefix(key)
+        for key in [k for k, n in self.pending.items() if n <= 0]:  # a server's stream of prompts: no leftovers
+            del self.pending[key]
 
     def evict(self) -> None:
         """Let go of every held prompt (the pool is needed for the requests that run)."""
@@ -243,6 +264,10 @@ class PagedKV(KVSlab):
         on_cpu = q.dtype == K.dtype == torch.float32 and q.device.type == "cpu"
         if self.read == "split" and self.paged_kernel is not None and on_cpu:  # visible keys, from the blocks
             out = self.paged_kernel(folded, K, V, self.table, pos)
+            return out.reshape(rows, heads, seq, d)
+        if self.read == "split" and self.triton_kernel is not None and seq == 1:  # GPU: visible keys, any step
+            kernel, splits, programs = self.triton_kernel
+            out = kernel(folded, K, V, self.table, pos[:, 0], splits, programs)
             return out.reshape(rows, heads, seq, d)
         if self.read == "split" and not self.static:
             row, blk, start = self.splits

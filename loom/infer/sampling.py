@@ -23,7 +23,9 @@ class SamplingParams:
     Generation stops after `max_new_tokens`, at any of `stop_token_ids` (kept as the last token), once the
     decoded completion contains any of `stop` (text; the completion keeps the tokens up to the one that
     completes it, `Completion.text` cuts the text before it; the engine needs a `decode` for these), or when
-    prompt + completion fill the engine's `max_len`. `seed` None draws one from the engine's seed."""
+    prompt + completion fill the engine's `max_len`. `seed` None draws one from the engine's seed. `logprobs` N > 0
+    also returns, with each token, the N most likely tokens and their log-probabilities at temperature 1
+    (`Completion.top_logprobs`)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -32,6 +34,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: int = 0
 
     def check(self) -> None:
         bad = []
@@ -43,6 +46,8 @@ class SamplingParams:
             bad.append(f"top_p={self.top_p} (must be in (0, 1])")
         if self.max_new_tokens < 1:
             bad.append(f"max_new_tokens={self.max_new_tokens} (must be >= 1)")
+        if self.logprobs < 0:
+            bad.append(f"logprobs={self.logprobs} (must be >= 0: the most likely tokens returned with each token)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad.append(f"stop={list(self.stop)} (stop strings must be non-empty text)")
         if bad:

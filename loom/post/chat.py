@@ -302,12 +302,12 @@ def encode_chat(template: ChatTemplate, tokenizer, messages: list[dict], where: 
     return np.asarray(enc.ids, dtype=np.int64), mask
 
 
-def generation_prompts(records: list[tuple[str, dict]], tokenizer_path) -> list[str]:
+def generation_prompts(records: list[tuple[str, dict]], tokenizer_path, template: ChatTemplate | None = None
+                       ) -> list[str]:
     """`loom generate`'s prompts: each (where, record)'s "prompt", or its chat "messages" rendered with the
-    model's chat template (the one carried beside its tokenizer) and the generation prompt."""
+    model's chat template (`template`, else the one carried beside its tokenizer) and the generation prompt."""
     import jinja2
 
-    template = None
     texts = []
     for where, record in records:
         if "prompt" in record:

@@ -1,0 +1,156 @@
+"""`loom serve`: an OpenAI-compatible HTTP server on loom's engine (FastAPI + uvicorn, the `serve` extra).
+
+    loom serve --model runs/t1 --port 8000
+    curl localhost:8000/v1/completions -d '{"model": "t1", "prompt": "Once", "max_tokens": 16}'
+
+The model loads as `loom generate --checkpoint` loads it (a run directory, a checkpoint, a loom model directory,
+a Hugging Face directory; a LoRA run merged into its base), with its tokenizer, chat template and stop tokens.
+One scheduler thread owns the engine (loom/serve/scheduler.py); the HTTP handlers (loom/serve/app.py) check
+requests (loom/serve/protocol.py) and stream tokens back. Metrics: loom/serve/metrics.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from pathlib import Path
+
+from loom.errors import UserError
+
+DESCRIPTION = (
+    "Serve a trained model over HTTP with OpenAI's API: POST /v1/completions, POST /v1/chat/completions (the "
+    "model's chat template; stream: true as server-sent events), GET /v1/models, GET /health, GET /metrics "
+    "(Prometheus). Requests arriving at different times are decoded together (continuous batching). Binds "
+    "127.0.0.1 unless --host says otherwise; --api-key (or LOOM_API_KEY) requires 'Authorization: Bearer KEY' "
+    "on every endpoint but /health. Needs the serve extra: pip install 'loom[serve]'. Example: loom serve "
+    "--model runs/t1 --port 8000")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="what `loom generate --checkpoint` takes: a run directory (its "
+                   "latest checkpoint), a checkpoint step-N directory, a loom model directory or a Hugging Face "
+                   "model directory")
+    p.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="the port (default 8000)")
+    p.add_argument("--nproc", type=int, default=1, help="tensor-parallel processes (only 1 for now)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients give as \"model\" (default: the --model directory's name)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $LOOM_API_KEY)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (default 16)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests (choices) waiting for a slot at most; more get HTTP 429 (default 256)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens a request may ask for")
+    p.add_argument("--max-n", type=int, default=16, help="the largest n a request may ask for (default 16)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="the longest prompt in tokens (default: the model's context minus one)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="the largest request body (default 1 MiB)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take from arrival to its last token (default 600); then 504")
+    p.add_argument("--sync-every", type=int, default=4,
+                   help="decode steps between reads back to the host, as in loom generate (default 4: tokens "
+                        "stream back every 4 steps)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="as in loom generate")
+    p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                   help="as in loom generate: compiled decode steps (auto: on a GPU)")
+
+
+def load(model: str, name: str | None = None, device: str = "cpu", max_batch: int = 16, sync_every: int = 4,
+         compile: str = "off", max_queue: int = 256, limits=None, api_key: str | None = None,
+         timeout_s: float = 600.0, max_body: int = 1 << 20):
+    """The model, its tokenizer and stops, an engine and its scheduler (not started) -> `app.Served`."""
+    from loom import load_model
+    from loom.data.tokenizer import Tokenizer
+    from loom.generate import find_tokenizer
+    from loom.infer.engine import Engine
+    from loom.post.chat import find_template, stop_texts, stop_token_ids
+    from loom.serve.app import Served
+    from loom.serve.metrics import Metrics
+    from loom.serve.protocol import Limits
+    from loom.serve.scheduler import Scheduler
+
+    net = load_model(model, device=device)
+    tok = Tokenizer.from_file(find_tokenizer(model))
+    context = net.cfg.max_seq_len
+    engine = Engine(net, max_batch=max_batch, max_len=context, compile=compile, sync_every=sync_every,
+                    decode=tok.decode)
+    scheduler = Scheduler(engine, Metrics(), max_queue=max_queue)
+    return Served(name=name or Path(model).resolve().name, scheduler=scheduler, tokenizer=tok, context=context,
+                  stop_ids=stop_token_ids(tok), stop_texts=stop_texts(tok), template=find_template(tok.path),
+                  limits=limits or Limits(),
+                  api_key=api_key, timeout_s=timeout_s, max_body=max_body)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(args, extra) -> int:
+    """`loom serve`: check the arguments, load, then run uvicorn until interrupted."""
+    import importlib.util
+
+    if extra:
+        raise UserError(f"unrecognised arguments {' '.join(extra)}; see `loom serve --help`")
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"loom serve needs {' and '.join(missing)}, which are not installed: pip install "
+                        "'loom[serve]'")
+    if args.nproc != 1:
+        raise UserError(f"--nproc={args.nproc}: tensor-parallel serving is not supported yet (loom generate has no "
+                        "tensor-parallel mode to share either); serve with --nproc 1 on one device")
+    bounds = {"--port": (args.port, 0, 65535), "--max-batch": (args.max_batch, 1, None),
+              "--max-queue": (args.max_queue, 1, None), "--max-tokens": (args.max_tokens, 1, None),
+              "--max-n": (args.max_n, 1, None), "--max-body-bytes": (args.max_body_bytes, 1, None),
+              "--sync-every": (args.sync_every, 1, None)}
+    for flag, (value, low, high) in bounds.items():
+        if value < low or (high is not None and value > high):
+            raise UserError(f"{flag}={value} must be >= {low}" + (f" and <= {high}" if high is not None else ""))
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise UserError(f"--max-prompt-tokens={args.max_prompt_tokens} must be >= 1")
+    if not args.request_timeout > 0:
+        raise UserError(f"--request-timeout={args.request_timeout} must be > 0 seconds")
+    key = args.api_key or os.environ.get("LOOM_API_KEY") or None
+    if not _loopback(args.host) and key is None:
+        print(f"loom serve: warning: binding {args.host} without an API key: anyone who can reach this address can "
+              "use the model; give --api-key or set LOOM_API_KEY", file=sys.stderr)
+
+    import socket
+    import threading
+
+    import uvicorn
+
+    from loom.parallel.distributed import pick_device
+    from loom.serve.app import create_app
+    from loom.serve.protocol import Limits
+
+    try:  # before the model loads: a port in use or an address not here is bad input
+        with socket.create_server((args.host, args.port)):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; give another --port or "
+                        "--host") from None
+
+    limits = Limits(max_tokens=args.max_tokens, max_n=args.max_n,
+                    max_prompt_tokens=args.max_prompt_tokens or Limits.max_prompt_tokens)
+    device = pick_device(args.device, "--device")
+    served = load(args.model, args.served_model_name, device=device, max_batch=args.max_batch,
+                  sync_every=args.sync_every, compile=args.compile, max_queue=args.max_queue, limits=limits,
+                  api_key=key, timeout_s=args.request_timeout, max_body=args.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(create_app(served), host=args.host, port=args.port, log_level="info"))
+    http = threading.Thread(target=server.run, name="loom-serve-http", daemon=True)
+    http.start()
+    print(f"loom serve: {served.name} ({args.model}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    try:  # the engine's loop on this thread, which built the engine (and recorded its CUDA graphs)
+        served.scheduler.run(alive=http.is_alive)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        http.join(timeout=10)
+    return 0

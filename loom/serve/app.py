@@ -1,0 +1,332 @@
+"""The HTTP side of `loom serve`: a FastAPI app whose handlers check a request, hand its choices to the
+scheduler thread (loom/serve/scheduler.py) and answer as OpenAI does, in one body or as server-sent events.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (no key needed),
+GET /metrics (Prometheus text). With an API key every endpoint but /health needs `Authorization: Bearer KEY`.
+
+Text. A choice's text is the engine's `Completion.text`: without the stop token that ended it, cut before a stop
+string. Streamed deltas hold back the end of the text that could still begin a stop string (and an unfinished
+UTF-8 character), so the chunks add up to the same text. Log-probs: each generated token's log-probability
+under the model's raw logits (temperature 1, the engine's `Completion.logprobs`), the stop token included, and
+the N most likely tokens' (`logprobs` N on completions, `top_logprobs` N on chat; the engine's
+`Completion.top_logprobs`, a top-k of the logits in the decode step). Each choice also carries `token_ids`, the
+generated ids (not an OpenAI field).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from loom.errors import UserError
+from loom.serve.metrics import Metrics
+from loom.serve.protocol import ApiError, Limits, Parsed, chat_request, completion_request, read_json
+from loom.serve.scheduler import QueueFull, Scheduler
+
+
+@dataclass
+class Served:
+    """What the app serves: the engine's scheduler, the tokenizer and the model's stops, and the bounds."""
+
+    name: str
+    scheduler: Scheduler
+    tokenizer: object  # loom.data.tokenizer.Tokenizer
+    context: int  # the model's max_seq_len: prompt + completion
+    stop_ids: tuple[int, ...]
+    stop_texts: tuple[str, ...]
+    template: object = None  # loom.post.chat.ChatTemplate, or None: no chat completions
+    limits: Limits = field(default_factory=Limits)
+    api_key: str | None = None
+    timeout_s: float = 600.0  # per request, from arrival to its last token
+    max_body: int = 1 << 20  # bytes
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.scheduler.metrics
+
+
+class _Choice:
+    """One choice's tokens as they arrive, and how much of its text was sent."""
+
+    def __init__(self, index: int, stops: tuple[str, ...], decode):
+        self.index, self.stops, self.decode = index, stops, decode
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []  # per token, the most likely (id, log-prob), if asked for
+        self.finish: str | None = None
+        self.out = None  # the engine's Completion, when finished
+        self.sent = ""  # the text sent
+        self.sent_tokens = 0
+        self.ended = False  # the finish sent
+
+    def text(self) -> str:
+        """The text so far: all of it once finished, else without an end that may still change."""
+        if self.out is not None:
+            return self.out.text(self.decode)
+        text = self.decode(self.tokens)
+        hold = len(text) - len(text.rstrip("\ufffd"))  # an unfinished UTF-8 character
+        for stop in self.stops:  # an end that could begin a stop string
+            for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:k]):
+                    hold = max(hold, k)
+                    break
+        return text[:len(text) - hold]
+
+    def delta(self) -> tuple[str, list[int], list[float], list]:
+        """Text, token ids, log-probs and most likely tokens not sent yet."""
+        text = self.text()
+        delta = ""
+        if text.startswith(self.sent):
+            delta, self.sent = text[len(self.sent):], text
+        n = self.sent_tokens
+        self.sent_tokens = len(self.tokens)
+        self.ended = self.finish is not None
+        return delta, self.tokens[n:], self.logprobs[n:], self.top[n:]
+
+    @property
+    def pending(self) -> bool:
+        """Tokens or the finish not sent yet."""
+        return self.sent_tokens < len(self.tokens) or (self.finish is not None and not self.ended)
+
+    @property
+    def reason(self) -> str | None:
+        return None if self.finish is None else "stop" if self.finish == "stop" else "length"
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def create_app(served: Served) -> FastAPI:
+    app = FastAPI(title="loom serve", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics, tok = served.metrics, served.tokenizer
+
+    endpoints = {"/v1/completions", "/v1/chat/completions", "/v1/models"}
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        path = request.url.path
+        label = path if path in endpoints else "other"  # the metric's labels stay few whatever clients send
+        if served.api_key is not None and path != "/health":
+            given = request.headers.get("authorization", "")
+            want = f"Bearer {served.api_key}"
+            if not hmac.compare_digest(given.encode(), want.encode()):
+                metrics.request(label, 401)
+                return _error(ApiError("a valid API key is required: send the header 'Authorization: Bearer KEY'",
+                                       status=401, code="invalid_api_key"))
+        response = await call_next(request)
+        if path not in ("/health", "/metrics"):
+            metrics.request(label, response.status_code)
+        return response
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": served.created,
+                                            "owned_by": "loom", "max_model_len": served.context}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _answer(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _answer(request, chat=True)
+
+    async def _body(request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > served.max_body:
+            raise ApiError(f"the request body is {length} bytes; at most {served.max_body}", status=413,
+                           code="body_too_large")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > served.max_body:
+                raise ApiError(f"the request body is over {served.max_body} bytes", status=413, code="body_too_large")
+        return bytes(raw)
+
+    def _prompt(parsed: Parsed) -> list[int]:
+        if parsed.messages is not None:
+            from loom.post.chat import generation_prompts
+
+            if served.template is None:
+                raise ApiError(f"the model {served.name!r} has no chat template (chat_template.jinja or "
+                               "tokenizer_config.json's chat_template beside its tokenizer); send a prompt to "
+                               "/v1/completions instead", param="messages", code="no_chat_template")
+            try:
+                text = generation_prompts([("messages", {"messages": parsed.messages})], tok.path, served.template)[0]
+            except UserError as e:
+                raise ApiError(str(e), param="messages", code="invalid_value") from None
+            return tok.encode(text)
+        if isinstance(parsed.prompt, str):
+            return tok.encode(parsed.prompt)
+        return list(parsed.prompt)
+
+    def _check(parsed: Parsed) -> tuple[list[int], list]:
+        """The prompt ids and each choice's SamplingParams, checked by the engine as it would at submit."""
+        ids = _prompt(parsed)
+        limit = min(served.context - 1, served.limits.max_prompt_tokens)
+        if not ids:
+            raise ApiError("the prompt is empty after tokenization", param="prompt", code="invalid_value")
+        if len(ids) > limit:
+            raise ApiError(f"the prompt is {len(ids)} tokens; this server takes prompts of at most {limit} tokens "
+                           f"(the model's context is {served.context} tokens: prompt and completion)",
+                           param="messages" if parsed.messages is not None else "prompt",
+                           code="context_length_exceeded")
+        vocab = served.scheduler.engine.vocab
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ApiError(f"the prompt has token ids outside the vocabulary [0, {vocab})", param="prompt",
+                           code="invalid_value")
+        room = served.context - len(ids)
+        limit = room if parsed.max_tokens is None else min(parsed.max_tokens, room)
+        params = parsed.params(limit, served.stop_ids, served.stop_texts)
+        try:
+            for p in params:
+                served.scheduler.engine.check(ids, p)
+        except UserError as e:
+            raise ApiError(str(e), code="invalid_value") from None
+        return ids, params
+
+    async def _answer(request: Request, chat: bool):
+        try:
+            body = read_json(await _body(request))
+            parsed = (chat_request if chat else completion_request)(body, served.name, served.limits)
+            ids, params = await run_in_threadpool(_check, parsed)  # templates and tokenizers off the event loop
+            ticket = served.scheduler.submit([(ids, p) for p in params], asyncio.get_running_loop())
+        except ApiError as e:
+            return _error(e)
+        except QueueFull as e:
+            return _error(ApiError(str(e), status=429, code="queue_full", type="rate_limit_error"))
+        metrics.add(prompt_tokens=len(ids))
+        stops = params[0].stop
+        choices = [_Choice(k, stops, tok.decode) for k in range(parsed.n)]
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if parsed.stream:
+            return StreamingResponse(_stream(request, ticket, parsed, ids, choices, rid, chat),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        deadline = ticket.arrived + served.timeout_s
+        try:
+            while any(c.finish is None for c in choices):
+                await _next(request, ticket, choices, deadline)
+        except ApiError as e:
+            return _error(e)
+        finally:
+            if any(c.finish is None for c in choices):
+                served.scheduler.cancel(ticket)
+        out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+               "model": served.name, "choices": [_full_choice(c, parsed, chat) for c in choices],
+               "usage": _usage(ids, choices)}
+        return JSONResponse(out)
+
+    async def _next(request: Request, ticket, choices: list[_Choice], deadline: float) -> None:
+        """Wait for the next event of `ticket` (checking for a gone client every second) and apply it."""
+        while True:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise ApiError(f"the request did not finish within the server's limit of {served.timeout_s:g} s",
+                               status=504, code="timeout", type="timeout_error")
+            try:
+                event = await asyncio.wait_for(ticket.events.get(), min(1.0, left))
+                break
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise ApiError("the client went away", status=499, code="client_closed") from None
+        if isinstance(event, Exception):
+            raise ApiError(str(event), status=500, code="engine_error", type="server_error")
+        k, tokens, logprobs, top, reason = event
+        c = choices[k]
+        c.tokens += tokens
+        c.logprobs += logprobs
+        c.top += top
+        if reason is not None:
+            c.finish = reason
+            c.out = ticket.requests[k].out
+
+    def _logprobs(chat: bool, tokens: list[int], logprobs: list[float], top: list, offset: int):
+        strings = [tok.decode([t]) for t in tokens]
+        top = top or [[] for _ in tokens]  # logprobs 0: no list of the most likely tokens
+        if chat:
+            def entry(s: str, lp: float) -> dict:
+                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+            return {"content": [{**entry(s, lp), "top_logprobs": [entry(tok.decode([i]), v) for i, v in best]}
+                                for s, lp, best in zip(strings, logprobs, top)]}
+        offsets, at = [], offset
+        for s in strings:
+            offsets.append(at)
+            at += len(s)
+        # as OpenAI's legacy completions: the most likely tokens, and the chosen one
+        return {"tokens": strings, "token_logprobs": logprobs, "text_offset": offsets,
+                "top_logprobs": [{**{tok.decode([i]): v for i, v in best}, s: lp}
+                                 for s, lp, best in zip(strings, logprobs, top)]}
+
+    def _full_choice(c: _Choice, parsed: Parsed, chat: bool) -> dict:
+        text = c.text()
+        lp = None if parsed.logprobs is None else _logprobs(chat, c.tokens, c.logprobs, c.top, 0)
+        if chat:
+            return {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                    "finish_reason": c.reason, "token_ids": c.tokens}
+        return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.reason, "token_ids": c.tokens}
+
+    def _usage(ids: list[int], choices: list[_Choice]) -> dict:
+        generated = sum(len(c.tokens) for c in choices)
+        return {"prompt_tokens": len(ids), "completion_tokens": generated, "total_tokens": len(ids) + generated}
+
+    async def _stream(request: Request, ticket, parsed: Parsed, ids, choices: list[_Choice], rid: str, chat: bool):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+        deadline = ticket.arrived + served.timeout_s
+
+        def chunk(choice_rows: list[dict], usage=None) -> str:
+            out = {"id": rid, "object": kind, "created": created, "model": served.name, "choices": choice_rows}
+            if usage is not None:
+                out["usage"] = usage
+            return f"data: {json.dumps(out, ensure_ascii=False)}\n\n"
+
+        try:
+            if chat:  # the role first, as OpenAI does
+                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for c in choices])
+            while any(c.finish is None for c in choices):
+                try:
+                    await _next(request, ticket, choices, deadline)
+                except ApiError as e:
+                    yield f"data: {json.dumps(e.body())}\n\n"
+                    return
+                rows = []
+                for c in (c for c in choices if c.pending):
+                    offset = len(c.sent)
+                    text, tokens, logprobs, top = c.delta()
+                    lp = None if parsed.logprobs is None else _logprobs(chat, tokens, logprobs, top, offset)
+                    row = {"index": c.index, "logprobs": lp, "finish_reason": c.reason, "token_ids": tokens}
+                    if chat:
+                        row["delta"] = {"content": text}
+                    else:
+                        row["text"] = text
+                    rows.append(row)
+                if rows:
+                    yield chunk(rows)
+            if parsed.include_usage:
+                yield chunk([], usage=_usage(ids, choices))
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (the generator is closed), or a timeout: the slots go back
+            if any(c.finish is None for c in choices):
+                served.scheduler.cancel(ticket)
+
+    return app
