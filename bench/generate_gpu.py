@@ -26,7 +26,10 @@ What it measures, each only from what ran:
   what the graphs buy. `--kv paged` (the default) runs both engines on paged keys and values
   (`Engine(paged=True)`, blocks of 16 positions, the step's block table per bucket; the eager engine's
   attention reads each request's own blocks, `split_kv_decode`), `--kv slab` on the slab; the JSON's `kv`
-  says which.
+  says which. `--paged-read split` (the default) reads each request's visible keys from its blocks (on a
+  GPU with Triton, `triton_decode.paged_decode` in both engines), `gather` gathers the bucket's blocks
+  densely and masks them; the JSON's `paged_read` says which, and `paged_kernel` whether the Triton kernels
+  ran.
 - **CUDA graphs ran**: `cudaGraphLaunch` calls counted by torch's profiler over one generation, per
   decode step.
 - **Refit**: `engine.refit(model)` from a training copy of the model (fp32 master weights on the same
@@ -259,6 +262,9 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script runs")
     ap.add_argument("--kv", choices=("paged", "slab"), default="paged",
                     help="the engines' key/value memory: paged blocks (Engine(paged=True), the default) or the slab")
+    ap.add_argument("--paged-read", choices=("split", "gather"), default="split",
+                    help="paged decode attention: each request's visible keys (split, the default) or the bucket's "
+                         "blocks gathered densely (gather); Engine(paged_read=...)")
     ap.add_argument("--kernels", type=int, default=15,
                     help="per batch, the top N kernels of one profiled generation by device time (0: none)")
     ap.add_argument("--out", type=Path, required=True)
@@ -275,6 +281,7 @@ def main(argv=None) -> int:
     dtype_bytes = torch.finfo(dtype).bits // 8
     result = {"benchmark": "generate_gpu", "shape": shape, "dtype": str(dtype).replace("torch.", ""),
               "prompt_tokens": args.prompt, "new_tokens": args.new, "kv": args.kv,
+              "paged_read": args.paged_read if args.kv == "paged" else None,
               **stamp("python bench/generate_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]))}
     if device.type == "cuda":
         result["cuda"] = torch.version.cuda
@@ -291,10 +298,14 @@ def main(argv=None) -> int:
     max_len = args.prompt + args.new
     start = time.perf_counter()
     paged = args.kv == "paged"
-    engine = Engine(model, max_batch=max(batches), max_len=max_len, compile=compile_mode, paged=paged)
+    engine = Engine(model, max_batch=max(batches), max_len=max_len, compile=compile_mode, paged=paged,
+                    paged_read=args.paged_read)
+    result["paged_kernel"] = (paged and args.paged_read == "split"  # whether the Triton kernels read the keys
+                              and getattr(engine.slab, "triton_kernel", None) is not None)
     result["engine_build_s"] = round(time.perf_counter() - start, 2)  # compiled: warm-up records every bucket
     print(f"engine built in {result['engine_build_s']} s", flush=True)
-    eager = Engine(model, max_batch=max(batches), max_len=max_len, paged=paged) if compile_mode else None
+    eager = (Engine(model, max_batch=max(batches), max_len=max_len, paged=paged, paged_read=args.paged_read)
+             if compile_mode else None)
 
     if args.profile:
         from loom.planner.hardware import load_gpu

@@ -20,6 +20,7 @@ def test_generate_gpu_bench_smoke(tmp_path):
     # embedding 512*64; per layer q, o 64*64, k, v 64*32, MLP 3*64*128, two norms; the final norm.
     params = 512 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
     assert report["parameters"] == params
+    assert report["kv"] == "paged" and report["paged_read"] == "split" and report["paged_kernel"] is False  # CPU
     rows = {r["batch"]: r for r in report["rows"]}
     assert set(rows) == {1, 4}
     for batch, row in rows.items():
