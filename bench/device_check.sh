@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The device check: everything loom needs from a GPU, in one run of about 9 minutes, into one folder.
 #
-#   bench/device_check.sh OUT_DIR [--smoke [--rehearse]] [--tar FILE]
+#   bench/device_check.sh OUT_DIR [--smoke [--rehearse]] [--tar FILE] [--only STEP,STEP,...]
+#
+# --only: run just these measurement steps (setup_wheels and versions always run; the others are recorded as
+# skipped). On a fresh machine every step's process compiles from a cold cache, so all the steps together
+# need about 15 minutes, more than one call: pick the steps an issue needs (bench/DEVICE.md).
 #
 # On a GPU machine (the one call, bench/DEVICE.md):
 #   bench/device_check.sh /tmp/check --tar $OUT/device_check.tar.gz        with carry: [".whl"]
@@ -20,37 +24,42 @@
 # --tar FILE: a tar.gz of OUT_DIR rewritten after every step and every 30 s (the device tool brings back at
 # most 8 files; this is one). A step past its timeout is killed with its processes; the next one starts.
 #
-# Steps and timeouts on the GPU (seconds; sum 555, for a call of timeout_s 600; sized from the H200 run of
-# 2026-11-26, ../shared/measured/h200-2026-11-26/device_log.txt; bench/DEVICE.md has the table):
+# Steps and timeouts on the GPU (seconds; sum 1265 with setup, more than one 10-minute call: choose with
+# --only). Sized from the second H200 run of 2026-11-26 (bench/results/device_check_h200_2026-11-26_b/), where
+# the earlier, tighter timeouts cut off every step but two: on a fresh machine each process imports torch,
+# builds its model and compiles from a cold cache (about 40 s for a 1B loom row, over 60 s for a 7B one)
+# with the GPU idle; bench/DEVICE.md has the table and the sets that fit one call.
 #   setup_wheels  20  install the carried wheel groups (below); then smi_static.csv, the smi.csv sampler
 #   versions      15  versions.json: commit ($LOOM_COMMIT or git), torch, CUDA, Python, GPU, packages
-#   gpu_tests     45  pytest -m gpu -rs (the tests marked gpu; on that H200 three files took 42 s, 38 s by
-#                     pytest's count, two of them failing)
-#   train_1b      95  gpu_train.py, Llama-3.2-1B shape, seq 4096, 2 + 5 steps: loom (loss_chunk 0 and 8192),
-#                     transformers+liger, torchtitan-0.3.0 (100 s a row at most; on that H200 4 rows of 3 + 8
-#                     steps took 109 s). Plain transformers and torchtitan-0.2.2 are left out on the GPU (the
-#                     smoke keeps them): both measured on that H200, the current anchor is torchtitan 0.3.0.
-#   packed_1b     35  loom at the 1B shape on packed rows (documents of 512-1536 tokens, doc_ids + positions:
+#   gpu_tests     90  pytest -m gpu -rs (the tests marked gpu)
+#   train_1b     200  gpu_train.py, Llama-3.2-1B shape, seq 4096, 2 + 5 steps: loom (loss_chunk 0 and 8192),
+#                     transformers+liger, torchtitan-0.3.0 (100 s a row at most). Plain transformers and
+#                     torchtitan-0.2.2 are left out on the GPU (the smoke keeps them): both measured on the
+#                     first H200 run; the current anchor is torchtitan 0.3.0.
+#   packed_1b     60  loom at the 1B shape on packed rows (documents of 512-1536 tokens, doc_ids + positions:
 #                     FlexAttention's block mask inside the compiled blocks), against train_1b's plain row
-#   train_3b      75  the 3B shape, seq 8192, full recompute, 2 + 3 steps, rows loom (both losses),
+#   train_3b     150  the 3B shape, seq 8192, full recompute, 2 + 3 steps, rows loom (both losses),
 #                     torchtitan-0.3.0
-#   train_7b      60  the Llama 2 7B shape (NeMo's published figure), seq 4096, 8192 tokens a step, full
+#   train_7b     120  the Llama 2 7B shape (NeMo's published figure), seq 4096, 8192 tokens a step, full
 #                     recompute, loss_chunk 8192, 2 + 3 steps, loom only (fits an H200's memory, not an H100's)
-#   fp8_7b        60  the same with train.fp8=rowwise (torchao): the shape where fp8 should pay (issue 39)
-#   profile       30  python3 -m loom.cli plan --profile-hardware (on that H200: 30 s)
-#   generate      50  generate_gpu.py --kv slab --batches 1,64 --new 32 --repeats 2 (+ --profile): the engine's
-#                     default keys and values, each batch's top kernels by device time (on that H200: 125 s at
-#                     batches 1,64,256 with --new 64, of which 46 s building the engine's graphs)
-#   generate_paged 30 the same on paged keys and values at batch 64, no transformers
-#   rl            50  rl_gpu.py: loom rl, GRPO, 1B shape, 8 prompts of 128 tokens x 8 completions of up to 512,
-#                     1 + 2 steps, each step's phases (never run on a GPU yet: its start, the engine's graphs
-#                     for every bucket up to batch 64 and 641 keys included, is unmeasured; every finished
-#                     step is kept, --timeout 45 leaves the JSON whole before the step's own timeout)
+#   fp8_7b       120  the same with train.fp8=rowwise (torchao): the shape where fp8 should pay (issue 39)
+#   profile       60  python3 -m loom.cli plan --profile-hardware (30 s on the first H200 run, to a crash)
+#   generate     120  generate_gpu.py --kv slab --batches 1,64 --new 32 --repeats 2 (+ --profile): the engine's
+#                     default keys and values, each batch's top kernels by device time
+#   generate_paged 75 the same on paged keys and values at batch 64 (Triton split-KV reads), no transformers
+#   rl           150  rl_gpu.py: loom rl, GRPO, 1B shape, 8 prompts of 128 tokens x 8 completions of up to 512,
+#                     1 + 2 steps, each step's phases (its start, the engine's graphs for every bucket up to
+#                     batch 64 and 641 keys included, took more than 45 s on the second H200 run)
+#   serve        120  serve_load.py: loom serve (FastAPI + uvicorn, carried as wheels) on the 1B shape with random
+#                     weights, 32 concurrent streaming clients x 2 requests of 64 tokens: throughput, time to
+#                     first token and inter-token latency percentiles, the server's decode batching
 #
-# Wheels carried (bench/device_wheels.txt, fetched by bench/fetch_wheels.sh into .whl/<group>/, 7.2 MiB):
+# Wheels carried (bench/device_wheels.txt, fetched by bench/fetch_wheels.sh into .whl/<group>/, 10.2 MiB):
 #   .whl/common -> /tmp/site-common (on PYTHONPATH for every step): torchao 0.17.0, liger-kernel 0.8.5,
 #     torchdata 0.11.0, datasets 4.7.0, dill 0.4.0, multiprocess 0.70.18, tyro 1.0.17, docstring-parser
-#     0.18.0, typeguard 4.6.1, tomli 2.5.0, spmd-types 0.2.3, torch-checkpointing 0.1.1
+#     0.18.0, typeguard 4.6.1, tomli 2.5.0, spmd-types 0.2.3, torch-checkpointing 0.1.1, and for loom serve
+#     fastapi 0.165.0, starlette 1.10.0, uvicorn 0.54.0, pydantic 2.14.4, pydantic-core 2.50.5, annotated-types
+#     0.8.0, typing-inspection 0.4.5, opentelemetry-api 1.45.2
 #   .whl/torchtitan-0.3.0 -> /tmp/site-torchtitan-0.3.0: torchtitan 0.3.0 (its rows only)
 #   .whl/torchtitan-0.2.2 -> /tmp/site-torchtitan-0.2.2: torchtitan 0.2.2 (its rows only)
 # A torchtitan whose wheel is not carried gets an error row; every other step still runs.
@@ -60,11 +69,13 @@ DIR=
 SMOKE=0
 REHEARSE=0
 TAR=
+ONLY=
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=1 ;;
     --rehearse) REHEARSE=1 ;;
     --tar) TAR=$2; shift ;;
+    --only) ONLY=",$2,"; shift ;;
     -h|--help) awk 'NR > 1 && /^set -u/ {exit} NR > 1' "$0"; exit 0 ;;
     -*) echo "device_check.sh: unknown option $1" >&2; exit 2 ;;
     *) [ -z "$DIR" ] || { echo "device_check.sh: one OUT_DIR only" >&2; exit 2; }; DIR=$1 ;;
@@ -104,6 +115,9 @@ record() {  # record NAME STATUS RC SECONDS LIMIT [NOTE]
 run_step() {
   local name=$1 limit=$2; shift 2
   local t0 rc status
+  case $name in setup_wheels|versions) ;; *)  # --only: the measurement steps named, setup always
+    if [ -n "$ONLY" ] && [[ $ONLY != *",$name,"* ]]; then skip_step "$name" "not in --only"; return 0; fi ;;
+  esac
   say "$name (timeout ${limit}s): $*"
   t0=$(date +%s)
   timeout -k 3 "$limit" "$@" 2>&1 | tee "$DIR/$name.log" \
@@ -233,29 +247,33 @@ if [ $SMOKE = 1 ]; then
   run_step generate $((240 * X)) "$PY" bench/generate_gpu.py --smoke --kv slab --out "$DIR/generate_gpu.json"
   run_step generate_paged $((240 * X)) "$PY" bench/generate_gpu.py --smoke --kv paged --out "$DIR/generate_gpu_paged.json"
   run_step rl $((120 * X)) "$PY" bench/rl_gpu.py --smoke --out "$DIR/rl_gpu.json"
+  run_step serve $((120 * X)) "$PY" bench/serve_load.py --smoke --out "$DIR/serve_load.json"
 else
-  run_step gpu_tests 45 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider --continue-on-collection-errors tests
+  run_step gpu_tests 90 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider --continue-on-collection-errors tests
   TRAIN=(bench/gpu_train.py --row-timeout 100)
-  run_step train_1b 95 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 \
+  run_step train_1b 200 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 \
     --frameworks loom,transformers+liger,torchtitan-0.3.0 ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_1b.json"
   # packed rows (SFT packing, data.document_mask): documents of 512-1536 tokens; compare with train_1b's plain row
-  run_step packed_1b 35 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 --frameworks loom \
+  run_step packed_1b 60 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 --frameworks loom \
     --loss-chunk 0 --doc-len 1024 --out "$DIR/gpu_train_packed_1b.json"
-  run_step train_3b 75 "$PY" "${TRAIN[@]}" --models llama3.2-3b --seqs 8192 --steps 3 --warmup 2 \
+  run_step train_3b 150 "$PY" "${TRAIN[@]}" --models llama3.2-3b --seqs 8192 --steps 3 --warmup 2 \
     --frameworks loom,torchtitan-0.3.0 ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_3b.json"
   # Llama 2 7B shape (issue 39; NeMo's figure): loom only, full recompute, the memory-light loss, bf16 then fp8
-  TRAIN7=(bench/gpu_train.py --row-timeout 58 --models llama2-7b --seqs 4096 --tokens-per-step 8192 --steps 3
+  TRAIN7=(bench/gpu_train.py --row-timeout 118 --models llama2-7b --seqs 4096 --tokens-per-step 8192 --steps 3
           --warmup 2 --frameworks loom --recompute full --loss-chunk 8192)
-  run_step train_7b 60 "$PY" "${TRAIN7[@]}" --out "$DIR/gpu_train_7b.json"
-  run_step fp8_7b 60 "$PY" "${TRAIN7[@]}" --fp8 rowwise --out "$DIR/gpu_train_fp8_7b.json"
-  run_step profile 30 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json"
+  run_step train_7b 120 "$PY" "${TRAIN7[@]}" --out "$DIR/gpu_train_7b.json"
+  run_step fp8_7b 120 "$PY" "${TRAIN7[@]}" --fp8 rowwise --out "$DIR/gpu_train_fp8_7b.json"
+  run_step profile 60 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json"
   PROFILE=()
   [ -f "$DIR/profile.json" ] && PROFILE=(--profile "$DIR/profile.json")
   # the engine's default keys and values (the slab), then paged blocks at batch 64 (issue 37)
-  run_step generate 50 "$PY" bench/generate_gpu.py --kv slab --batches 1,64 --new 32 --repeats 2 \
+  run_step generate 120 "$PY" bench/generate_gpu.py --kv slab --batches 1,64 --new 32 --repeats 2 \
     ${PROFILE[@]+"${PROFILE[@]}"} --out "$DIR/generate_gpu.json"
-  run_step generate_paged 30 "$PY" bench/generate_gpu.py --kv paged --batches 64 --new 32 --repeats 2 --no-hf \
+  run_step generate_paged 75 "$PY" bench/generate_gpu.py --kv paged --batches 64 --new 32 --repeats 2 --no-hf \
     --out "$DIR/generate_gpu_paged.json"
-  run_step rl 50 "$PY" bench/rl_gpu.py --warmup 1 --steps 2 --timeout 45 --out "$DIR/rl_gpu.json"
+  run_step rl 150 "$PY" bench/rl_gpu.py --warmup 1 --steps 2 --timeout 140 --out "$DIR/rl_gpu.json"
+  # loom serve under 32 concurrent streaming clients, the 1B shape with random weights (issue 41)
+  run_step serve 120 "$PY" bench/serve_load.py --shape llama3.2-1b --clients 32 --rounds 2 --max-tokens 64 \
+    --out "$DIR/serve_load.json"
 fi
 exit 0

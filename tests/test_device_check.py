@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT
 
 STEPS = ["setup_wheels", "versions", "gpu_tests", "train_1b", "packed_1b", "train_3b", "train_7b", "fp8_7b", "profile",
-         "generate", "generate_paged", "rl"]
+         "generate", "generate_paged", "rl", "serve"]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_every_step_is_recorded_and_a_cut_off_step_does_not_stop_the_run(check):
     assert [s["step"] for s in steps] == STEPS
     status = {s["step"]: s["status"] for s in steps}
     for name in ("versions", "train_1b", "packed_1b", "train_3b", "train_7b", "fp8_7b", "generate", "generate_paged",
-                 "rl"):
+                 "rl", "serve"):
         assert status[name] == "ok", (name, (out / f"{name}.log").read_text()[-2000:])
     assert status["setup_wheels"] == status["gpu_tests"] == "skipped"  # the wheels and CUDA tests are the GPU's
     # the smoke's profile step is cut off by its 5 s timeout (no mode of loom plan --profile-hardware is that
@@ -92,6 +92,8 @@ def test_fp8_generate_and_rl_rows(check):
         generate = json.loads((out / name).read_text())
         assert generate["kv"] == kv and [r["batch"] for r in generate["rows"]] == [1, 4]
         assert all(r["decode_step_ms"] > 0 and r["prefill_s"] > 0 for r in generate["rows"])
+    serve = json.loads((out / "serve_load.json").read_text())  # loom serve under concurrent streaming clients
+    assert serve["commit"] and json.dumps(serve).count("p50") >= 2
     rl = json.loads((out / "rl_gpu.json").read_text())  # loom rl's steps, each split into its phases
     assert [r["step"] for r in rl["rows"]] == [1, 2, 3] and rl["summary"]["steps"] == 2
     for r in rl["rows"]:
@@ -107,3 +109,18 @@ def test_the_tar_holds_the_folder(check):
     assert {"versions.json", "gpu_train_1b.json", "gpu_train_3b.json", "gpu_train_7b.json", "gpu_train_fp8_7b.json",
             "generate_gpu.json",
             "rl_gpu.json", "steps.jsonl", "smi.csv"} <= names
+
+
+def test_only_runs_the_named_steps(tmp_path):
+    """--only: setup and versions run, every measurement step not named is recorded as skipped."""
+    out = tmp_path / "check"
+    env = dict(os.environ, PYTHON=sys.executable, LOOM_COMMIT="0123abc")
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "device_check.sh"), str(out), "--smoke", "--only", "nothing"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == STEPS
+    status = {s["step"]: (s["status"], s["note"]) for s in steps}
+    assert status["versions"][0] == "ok"
+    for name in STEPS[3:]:
+        assert status[name] == ("skipped", "not in --only"), name
