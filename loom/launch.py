@@ -51,7 +51,13 @@ def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nn
     check_layout(cfg, nproc * nnodes, measuring, recipe)
     if prepare_data is not None:
         prepare_data()
+    return start_workers(command, overrides, nproc, nnodes, node_rank, rdzv_endpoint, max_restarts)
 
+
+def start_workers(command: list[str], overrides: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
+                  rdzv_endpoint: str | None = None, max_restarts: int = 0) -> int:
+    """torchrun `python -m loom.cli COMMAND... --OVERRIDES` on nproc x nnodes workers (arguments checked by the
+    caller); its exit code: 0, 2 when every failed worker exited 2 (bad input), else 1."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

@@ -34,7 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "model directory")
     p.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="the port (default 8000)")
-    p.add_argument("--nproc", type=int, default=1, help="tensor-parallel processes (only 1 for now)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="tensor-parallel processes on this machine (default 1): each holds a shard of the model and "
+                        "its keys and values; rank 0 serves HTTP")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients give as \"model\" (default: the --model directory's name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $LOOM_API_KEY)")
@@ -58,8 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load(model: str, name: str | None = None, device: str = "cpu", max_batch: int = 16, sync_every: int = 4,
          compile: str = "off", max_queue: int = 256, limits=None, api_key: str | None = None,
-         timeout_s: float = 600.0, max_body: int = 1 << 20):
-    """The model, its tokenizer and stops, an engine and its scheduler (not started) -> `app.Served`."""
+         timeout_s: float = 600.0, max_body: int = 1 << 20, mesh=None):
+    """The model, its tokenizer and stops, an engine and its scheduler (not started) -> `app.Served`. `mesh`: a
+    one-dimensional device mesh to shard the model over by tensor parallelism (`loom serve --nproc`)."""
     from loom import load_model
     from loom.data.tokenizer import Tokenizer
     from loom.generate import find_tokenizer
@@ -71,6 +74,13 @@ def load(model: str, name: str | None = None, device: str = "cpu", max_batch: in
     from loom.serve.scheduler import Scheduler
 
     net = load_model(model, device=device)
+    if mesh is not None:
+        from loom.parallel.tensor import apply_tensor_parallel
+        from loom.rules import tp_problems
+
+        if problems := tp_problems(mesh.size(), net.cfg, net.cfg.max_seq_len, sp=False):
+            raise UserError(f"--nproc={mesh.size()} cannot shard {model}: {'; '.join(problems)}")
+        apply_tensor_parallel(net, mesh, sp=False)
     tok = Tokenizer.from_file(find_tokenizer(model))
     context = net.cfg.max_seq_len
     engine = Engine(net, max_batch=max_batch, max_len=context, compile=compile, sync_every=sync_every,
@@ -101,9 +111,8 @@ def serve(args, extra) -> int:
     if missing:
         raise UserError(f"loom serve needs {' and '.join(missing)}, which are not installed: pip install "
                         "'loom[serve]'")
-    if args.nproc != 1:
-        raise UserError(f"--nproc={args.nproc}: tensor-parallel serving is not supported yet (loom generate has no "
-                        "tensor-parallel mode to share either); serve with --nproc 1 on one device")
+    if args.nproc < 1:
+        raise UserError(f"--nproc={args.nproc} must be >= 1")
     bounds = {"--port": (args.port, 0, 65535), "--max-batch": (args.max_batch, 1, None),
               "--max-queue": (args.max_queue, 1, None), "--max-tokens": (args.max_tokens, 1, None),
               "--max-n": (args.max_n, 1, None), "--max-body-bytes": (args.max_body_bytes, 1, None),
@@ -121,33 +130,87 @@ def serve(args, extra) -> int:
               "use the model; give --api-key or set LOOM_API_KEY", file=sys.stderr)
 
     import socket
+
+    from loom.launch import in_worker
+    from loom.parallel.distributed import pick_device
+    from loom.serve.protocol import Limits
+
+    worker = in_worker() and int(os.environ.get("WORLD_SIZE", "1")) > 1  # started by the --nproc launcher below
+    rank = int(os.environ.get("RANK", "0")) if worker else 0
+    device = pick_device(args.device, "--device")
+    if rank == 0:
+        try:  # before the model loads: a port in use or an address not here is bad input
+            with socket.create_server((args.host, args.port)):
+                pass
+        except OSError as e:
+            raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; give another --port or "
+                            "--host") from None
+    if args.nproc > 1 and not worker:  # the launcher: one worker per shard, the key passed in the environment
+        from loom.launch import start_workers
+
+        if key is not None:
+            os.environ["LOOM_API_KEY"] = key
+        return start_workers(["serve", *_worker_argv(args)], [], args.nproc)
+
+    limits = Limits(max_tokens=args.max_tokens, max_n=args.max_n,
+                    max_prompt_tokens=args.max_prompt_tokens or Limits.max_prompt_tokens)
+    mesh = group = None
+    if worker:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from loom.parallel.distributed import init_distributed
+        from loom.serve.ranks import control_group
+
+        init_distributed(device)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        group = control_group()
+    served = load(args.model, args.served_model_name, device=device, max_batch=args.max_batch,
+                  sync_every=args.sync_every, compile=args.compile, max_queue=args.max_queue, limits=limits,
+                  api_key=key, timeout_s=args.request_timeout, max_body=args.max_body_bytes, mesh=mesh)
+    if worker:
+        from loom.serve.ranks import Leader, follow
+
+        if rank != 0:  # this shard steps when rank 0 says so
+            follow(served.scheduler.engine, group)
+            return 0
+        served.scheduler.engine = leader = Leader(served.scheduler.engine, group)
+    try:
+        return _run_http(args, served)
+    finally:
+        if worker:
+            leader.close()
+
+
+def _worker_argv(args) -> list[str]:
+    """`loom serve`'s arguments again, for each tensor-parallel worker: the API key goes by the environment, and
+    no --nproc (torchrun would take it for its own; a worker knows itself by torchrun's WORLD_SIZE)."""
+    argv = ["--model", args.model, "--host", args.host, "--port", str(args.port), "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue), "--max-tokens",
+            str(args.max_tokens), "--max-n", str(args.max_n), "--max-body-bytes", str(args.max_body_bytes),
+            "--request-timeout", str(args.request_timeout), "--sync-every", str(args.sync_every), "--device",
+            args.device, "--compile", args.compile]
+    if args.served_model_name is not None:
+        argv += ["--served-model-name", args.served_model_name]
+    if args.max_prompt_tokens is not None:
+        argv += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
+    return argv
+
+
+def _run_http(args, served) -> int:
+    """uvicorn on a thread of its own, the engine's loop on this one until interrupted."""
     import threading
 
     import uvicorn
 
-    from loom.parallel.distributed import pick_device
     from loom.serve.app import create_app
-    from loom.serve.protocol import Limits
 
-    try:  # before the model loads: a port in use or an address not here is bad input
-        with socket.create_server((args.host, args.port)):
-            pass
-    except OSError as e:
-        raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; give another --port or "
-                        "--host") from None
-
-    limits = Limits(max_tokens=args.max_tokens, max_n=args.max_n,
-                    max_prompt_tokens=args.max_prompt_tokens or Limits.max_prompt_tokens)
-    device = pick_device(args.device, "--device")
-    served = load(args.model, args.served_model_name, device=device, max_batch=args.max_batch,
-                  sync_every=args.sync_every, compile=args.compile, max_queue=args.max_queue, limits=limits,
-                  api_key=key, timeout_s=args.request_timeout, max_body=args.max_body_bytes)
+    alive_extra = getattr(served.scheduler.engine, "heartbeat", lambda: True)
     server = uvicorn.Server(uvicorn.Config(create_app(served), host=args.host, port=args.port, log_level="info"))
     http = threading.Thread(target=server.run, name="loom-serve-http", daemon=True)
     http.start()
     print(f"loom serve: {served.name} ({args.model}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:  # the engine's loop on this thread, which built the engine (and recorded its CUDA graphs)
-        served.scheduler.run(alive=http.is_alive)
+        served.scheduler.run(alive=lambda: alive_extra() and http.is_alive())
     except KeyboardInterrupt:
         pass
     finally:
