@@ -10,7 +10,8 @@ def load_model(path, dtype=None, device="cpu"):
     dense) or any loom directory.
 
     `path` may be a Hugging Face directory (config.json + safetensors weights), a loom run directory,
-    its checkpoints/ directory, a checkpoint step directory or a converted model directory.
+    its checkpoints/ directory, a checkpoint step directory, a converted model directory, or a PEFT LoRA
+    adapter directory (merged into the base its adapter_config.json names).
     `model(input_ids)` ([batch, seq] integer tokens) returns logits [batch, seq, vocab].
     `dtype` defaults to torch.float32.
     """
@@ -29,6 +30,10 @@ def load_model(path, dtype=None, device="cpu"):
         raise UserError(f"model path {str(path)!r} does not exist or is not a directory; give a Hugging "
                         "Face Llama/Qwen directory (config.json + model.safetensors) or a loom run, checkpoint "
                         "or model directory")
+    from loom.interop.peft import is_peft_dir, load_peft_dir
+
+    if is_peft_dir(p):  # a PEFT LoRA adapter directory: its base (base_model_name_or_path) with the adapters merged
+        return load_peft_dir(p, dtype=dtype, device=device)
     loom_like = (p / CONFIG).is_file() or (p / "checkpoints").is_dir() or (p / "latest").is_file()
     if is_hf_dir(p) and not loom_like:
         model, _, _ = import_hf(p, dtype=dtype, device=device)

@@ -152,6 +152,11 @@ def find_tokenizer(path: str) -> Path:
     from loom.interop import is_hf_dir
     from loom.models.io import resolve_model_dir
 
+    from loom.interop.peft import is_peft_dir, peft_base
+
+    if is_peft_dir(path):  # an adapter directory: its own tokenizer if it carries one, else its base's
+        own = Path(path) / "tokenizer.json"
+        return own if own.is_file() else find_tokenizer(str(peft_base(path)))
     directory = Path(path) if is_hf_dir(path) else resolve_model_dir(path)
     tok = directory / "tokenizer.json"
     if not tok.is_file():

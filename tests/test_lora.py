@@ -248,6 +248,20 @@ def test_peft_export_reproduces_loom_logits_and_merged_export_equals_adapters(sf
     assert (mine - theirs).abs().max() < 1e-4
     assert (merged_logits - theirs).abs().max() < 1e-4
     assert (loom_merged - mine).abs().max() < 1e-4
+    with torch.no_grad():  # the adapter directory itself, as loom generate / loom serve --model take it
+        from_peft = loom.load_model(tmp_path / "peft")(ids)
+    assert (from_peft - theirs).abs().max() < 1e-4
+    from loom.generate import find_tokenizer
+
+    assert find_tokenizer(str(tmp_path / "peft")) == tmp_path / "peft" / "tokenizer.json"
+    config["base_model_name_or_path"] = str(tmp_path / "nowhere")
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="nowhere.*is not a directory here"):
+        loom.load_model(tmp_path / "peft")
+    config.update(base_model_name_or_path=str(hf_base), use_dora=True)
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="use_dora"):
+        loom.load_model(tmp_path / "peft")
     capsys.readouterr()
     assert main(["convert", str(run_dir), str(tmp_path / "x"), "--to", "hf"]) == 2
     assert "--to hf --merge" in capsys.readouterr().err and not (tmp_path / "x").exists()

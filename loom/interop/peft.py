@@ -108,6 +108,68 @@ def load_model_dir(path: str | Path, dtype: torch.dtype = torch.float32, device:
     return model.eval(), plain_config(cfg), model_dir
 
 
+def is_peft_dir(path: str | Path) -> bool:
+    """A PEFT adapter directory (adapter_config.json beside its weights), as `--to peft` or peft itself writes."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def peft_base(path: str | Path) -> Path:
+    """The base model directory a PEFT adapter directory names (`base_model_name_or_path`), which must exist here:
+    nothing is downloaded."""
+    path = Path(path)
+    base = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise UserError(f"{path / ADAPTER_CONFIG} names base_model_name_or_path={base!r}, which is not a directory "
+                        "here (nothing is downloaded); put the base model there, or write its local path into "
+                        f"{ADAPTER_CONFIG}")
+    return Path(base)
+
+
+def load_peft_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """A PEFT LoRA adapter directory on its base (`peft_base`), merged: W + scale x B A for every adapted
+    projection (scale lora_alpha / r, or / sqrt(r) with use_rslora), in float32, then `dtype`. Refuses what
+    plain LoRA merging does not cover (DoRA, layer or module subsets, trained modules beside the adapters)."""
+    import math
+
+    from safetensors.torch import load_file
+
+    import loom
+    from loom.interop.hf_names import hf_to_loom_name
+
+    path = Path(path)
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    unsupported = {k: config.get(k) for k in ("use_dora", "layers_to_transform", "modules_to_save", "fan_in_fan_out",
+                                              "layer_replication") if config.get(k)}
+    if config.get("peft_type", "LORA") != "LORA" or unsupported:
+        raise UserError(f"{path / ADAPTER_CONFIG}: loom merges plain LoRA adapters (peft_type LORA) and this one has "
+                        f"{unsupported or {'peft_type': config.get('peft_type')}}; merge it with peft "
+                        "(merge_and_unload) and serve the merged model")
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise UserError(f"{path} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
+    tensors = load_file(str(weights))
+    model = loom.load_model(peft_base(path), dtype=torch.float32)
+    params = dict(model.named_parameters())
+    merged = 0
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        hf = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight"
+        name = hf_to_loom_name(hf)
+        b = tensors.get(key.replace(".lora_A.weight", ".lora_B.weight"))
+        if name not in params or b is None:
+            raise UserError(f"{weights}: {key} adapts {hf}, which the base model {peft_base(path)} does not have as "
+                            "one weight (or its lora_B is missing)")
+        with torch.no_grad():
+            params[name].add_(scale * (b.float() @ a.float()))
+        merged += 1
+    if not merged:
+        raise UserError(f"{weights} holds no lora_A/lora_B pairs")
+    return model.to(device=device, dtype=dtype).eval()
+
+
 def peft_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """PEFT's names for every adapter of `model` (unmerged, one process)."""
     from loom.models.lora import lora_layers
