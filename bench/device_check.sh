@@ -245,9 +245,9 @@ if [ $SMOKE = 1 ]; then
   # 2 cores): started, then cut off by its timeout, which is also what this run checks of a step that overruns.
   run_step profile 5 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json" --quick
   run_step generate $((240 * X)) "$PY" bench/generate_gpu.py --smoke --kv slab --out "$DIR/generate_gpu.json"
-  run_step generate_paged $((240 * X)) "$PY" bench/generate_gpu.py --smoke --kv paged --out "$DIR/generate_gpu_paged.json"
+  skip_step generate_paged "--smoke: tests/test_bench_generate_gpu.py runs generate_gpu.py --smoke on paged keys"
   run_step rl $((120 * X)) "$PY" bench/rl_gpu.py --smoke --out "$DIR/rl_gpu.json"
-  run_step serve $((120 * X)) "$PY" bench/serve_load.py --smoke --out "$DIR/serve_load.json"
+  skip_step serve "--smoke: tests/test_bench_serve_load.py runs serve_load.py --smoke"
 else
   run_step gpu_tests 90 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider --continue-on-collection-errors tests
   TRAIN=(bench/gpu_train.py --row-timeout 100)

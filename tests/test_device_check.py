@@ -31,10 +31,10 @@ def test_every_step_is_recorded_and_a_cut_off_step_does_not_stop_the_run(check):
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == STEPS
     status = {s["step"]: s["status"] for s in steps}
-    for name in ("versions", "train_1b", "packed_1b", "train_3b", "train_7b", "fp8_7b", "generate", "generate_paged",
-                 "rl", "serve"):
+    for name in ("versions", "train_1b", "packed_1b", "train_3b", "train_7b", "fp8_7b", "generate", "rl"):
         assert status[name] == "ok", (name, (out / f"{name}.log").read_text()[-2000:])
     assert status["setup_wheels"] == status["gpu_tests"] == "skipped"  # the wheels and CUDA tests are the GPU's
+    assert status["generate_paged"] == status["serve"] == "skipped"  # their smokes are other tests' (the notes say)
     # the smoke's profile step is cut off by its 5 s timeout (no mode of loom plan --profile-hardware is that
     # short on 2 cores) or finishes; either way the generate step after it ran
     assert status["profile"] in ("timeout", "ok")
@@ -88,12 +88,9 @@ def test_fp8_generate_and_rl_rows(check):
     assert "train.fp8=rowwise" in fp8["settings"] and "train.fp8=off" in bf16["settings"]
     (packed,) = json.loads((out / "gpu_train_packed_1b.json").read_text())["runs"]
     assert "error" not in packed and packed["packing"].startswith("documents of 6-18 tokens") and packed["loss"] > 0
-    for name, kv in (("generate_gpu.json", "slab"), ("generate_gpu_paged.json", "paged")):
-        generate = json.loads((out / name).read_text())
-        assert generate["kv"] == kv and [r["batch"] for r in generate["rows"]] == [1, 4]
-        assert all(r["decode_step_ms"] > 0 and r["prefill_s"] > 0 for r in generate["rows"])
-    serve = json.loads((out / "serve_load.json").read_text())  # loom serve under concurrent streaming clients
-    assert serve["commit"] and json.dumps(serve).count("p50") >= 2
+    generate = json.loads((out / "generate_gpu.json").read_text())
+    assert generate["kv"] == "slab" and [r["batch"] for r in generate["rows"]] == [1, 4]
+    assert all(r["decode_step_ms"] > 0 and r["prefill_s"] > 0 for r in generate["rows"])
     rl = json.loads((out / "rl_gpu.json").read_text())  # loom rl's steps, each split into its phases
     assert [r["step"] for r in rl["rows"]] == [1, 2, 3] and rl["summary"]["steps"] == 2
     for r in rl["rows"]:
@@ -107,7 +104,7 @@ def test_the_tar_holds_the_folder(check):
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     assert {p.name for p in out.iterdir()} <= names | {"log.txt"}  # log.txt's last line may follow the last tar
     assert {"versions.json", "gpu_train_1b.json", "gpu_train_3b.json", "gpu_train_7b.json", "gpu_train_fp8_7b.json",
-            "generate_gpu.json",
+            "gpu_train_packed_1b.json", "generate_gpu.json",
             "rl_gpu.json", "steps.jsonl", "smi.csv"} <= names
 
 
@@ -123,4 +120,5 @@ def test_only_runs_the_named_steps(tmp_path):
     status = {s["step"]: (s["status"], s["note"]) for s in steps}
     assert status["versions"][0] == "ok"
     for name in STEPS[3:]:
-        assert status[name] == ("skipped", "not in --only"), name
+        if name not in ("generate_paged", "serve"):  # skipped by --smoke itself
+            assert status[name] == ("skipped", "not in --only"), name
