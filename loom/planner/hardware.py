@@ -4,10 +4,22 @@ Every number here is a property of the hardware, never of a particular training 
 
 - `memory_gib`: memory a process can use (what `nvidia-smi` reports as total).
 - `peak_tflops`: dense tensor-core peak per precision from the vendor datasheet (SXM parts, no sparsity).
-- `matmul_efficiency`: the fraction of that peak a large, well-shaped GEMM sustains (cuBLAS on the
-  chip at its sustained clocks). Published microbenchmarks put A100 bf16 near 0.8-0.9 and H100/H200 near
-  0.75-0.8 (power-limited clocks; a measured H200: `bench/results/h200-2026-11-26/profile.json`) and fp8
-  lower still. Smaller GEMMs are slower than this ceiling through the wave-tail model in `kernels.py`.
+- `matmul_efficiency`: the fraction of that peak the best-shaped cuBLAS GEMM reaches at the clock its
+  source measured it. Hopper: Bekman's Maximum Achievable Matmul FLOPS (MAMF; ml-engineering,
+  compute/accelerator/README.md, the MAMF/MSMF table), a short burst at the 1980 MHz boost clock: H100 SXM
+  bf16 795 of 989 TFLOP/s (0.804), fp8 1403 of 1979 (0.709); H200 SXM bf16 850 (0.859), fp8 1525 (0.771).
+  A100: 0.80, under the SXM's MAMF (271 of 312, 0.869) by about what sustaining costs (next item).
+  Smaller GEMMs are slower than this ceiling through the wave-tail model in `kernels.py`.
+- `sustained_clock`: what a training run keeps of that rate once the chip is saturated at its power cap,
+  the ratio of sustained to burst matmul throughput on the same GPU (named term "clock" in a step's
+  breakdown). Hopper: 0.888, Bekman's H200 Maximum Sustainable Matmul FLOPS over its MAMF on one 700 W
+  HGX node with all eight GPUs computing (bf16 755 / 850, fp8 1354 / 1525; the MSMF runs held 1767-1918
+  MHz at 683-689 W against the bursts' 1980 MHz at about 160 W), the same die and power cap as the H100's;
+  loom's own H200 runs agree: the median SM clock of the training samples at the power cap was 1770 of
+  1980 MHz (0.894; `bench/smi_clocks.py`, `bench/results/smi_clocks_h200_2026-11-26*.json`). A100: 1.0,
+  no sustained figure for the SXM (the 300 W A100 PCIe keeps 258 / 285 = 0.905), its efficiency set
+  below its MAMF as above. A measured profile's GEMM table was timed at the power cap itself (the same
+  logs: the profile's GEMM phase held 1583-1635 MHz), so a profile keeps 1.0.
 - `attention_efficiency`: fraction of the 16-bit peak that the attention loom runs sustains, forward and
   backward together: torch's scaled_dot_product_attention, whose default backend order puts its flash
   backend (FlashAttention-2 kernels) first (`torch._C._get_sdp_priority_order()`: flash, efficient, math,
@@ -50,7 +62,8 @@ class GPU:
     internode_gbps: float
     sms: int
     node_size: int = 8
-    matmul_efficiency: dict = field(default_factory=dict)  # precision -> fraction of peak
+    matmul_efficiency: dict = field(default_factory=dict)  # precision -> fraction of peak (at its source's clock)
+    sustained_clock: float = 1.0  # the fraction of matmul_efficiency kept at the power cap (module docstring)
     attention_efficiency: float = 0.5
     fused_attention_efficiency: float = 0.0
     hbm_efficiency: float = 0.8
@@ -84,6 +97,11 @@ class GPU:
     # backward through SDPA with loom's kernel order (cuDNN first on Hopper and newer), by sequence length
     # (efficiency grows with the sequence); it prices loom's attention in place of attention_efficiency.
     attention_tflops: dict = field(default_factory=dict)
+    # Microseconds of launch and synchronisation inside each call the profile's GEMM table timed (it
+    # synchronises after every call; training does not), measured by a profile as the per-call time of a
+    # trivial kernel timed the same way; None: not measured (a GPU profile before it: estimated from the
+    # table, `kernels.gemm_call_latency_s`).
+    gemm_call_latency_us: float | None = None
     # What a profile failed to measure: {"engine": "RuntimeError: ..."}; the rest of the profile stands.
     errors: dict = field(default_factory=dict)
     source: str = "preset"
@@ -102,16 +120,17 @@ class GPU:
 
 _AMPERE = dict(peak_tflops=dict(PEAK_TFLOPS["a100"]), matmul_efficiency={"bf16": 0.80, "fp16": 0.80},
                nvlink_gbps=300.0, internode_gbps=25.0, sms=108, attention_efficiency=0.5)
-_HOPPER = dict(peak_tflops=dict(PEAK_TFLOPS["h100"]),
-               matmul_efficiency={"bf16": 0.78, "fp16": 0.78, "fp8": 0.62},
+_HOPPER = dict(peak_tflops=dict(PEAK_TFLOPS["h100"]), sustained_clock=0.888,
                nvlink_gbps=450.0, internode_gbps=50.0, sms=132, attention_efficiency=0.35,
                fused_attention_efficiency=0.45)
 
 PRESETS: dict[str, GPU] = {
     "a100-40gb": GPU(name="a100-40gb", memory_gib=39.6, hbm_gbps=1555.0, **_AMPERE),
     "a100-80gb": GPU(name="a100-80gb", memory_gib=79.3, hbm_gbps=2039.0, **_AMPERE),
-    "h100": GPU(name="h100", memory_gib=79.6, hbm_gbps=3350.0, **_HOPPER),
-    "h200": GPU(name="h200", memory_gib=140.4, hbm_gbps=4800.0, **_HOPPER),
+    "h100": GPU(name="h100", memory_gib=79.6, hbm_gbps=3350.0,
+                matmul_efficiency={"bf16": 0.804, "fp16": 0.804, "fp8": 0.709}, **_HOPPER),
+    "h200": GPU(name="h200", memory_gib=140.4, hbm_gbps=4800.0,
+                matmul_efficiency={"bf16": 0.859, "fp16": 0.859, "fp8": 0.771}, **_HOPPER),
 }
 
 
@@ -144,6 +163,13 @@ def load_gpu(spec: str) -> GPU:
     if not isinstance(data["peak_tflops"], dict) or not data["peak_tflops"] or not all(
             isinstance(v, (int, float)) and v > 0 for v in data["peak_tflops"].values()):
         raise UserError(f"--gpu {spec}: peak_tflops must map precisions to positive TFLOP/s, e.g. {{\"bf16\": 312}}")
+    clock = data.get("sustained_clock", 1.0)
+    if isinstance(clock, bool) or not isinstance(clock, (int, float)) or not 0 < clock <= 1:
+        raise UserError(f"--gpu {spec}: sustained_clock={clock!r} must be a fraction in (0, 1] (1: the profile's "
+                        "rates were measured at the power cap, as --profile-hardware measures them)")
+    latency = data.get("gemm_call_latency_us")
+    if latency is not None and (isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0):
+        raise UserError(f"--gpu {spec}: gemm_call_latency_us={latency!r} must be a number >= 0 (microseconds) or null")
     _check_decode_keys(spec, data)
     data.setdefault("source", str(path))
     return GPU(**data)

@@ -1,6 +1,7 @@
-"""Seconds of one kernel on the hardware of `hardware.py`: a GEMM (2mnk over the peak x its efficiency, plus
-the expected half-wave tail of 128x128 tiles over the SMs, or the memory roofline if that is slower; or a
-profile's measured table), bytes over HBM bandwidth, elementwise ops at a profile's measured rate, ring
+"""Seconds of one kernel on the hardware of `hardware.py`: a GEMM (2mnk over the peak x its efficiency x the
+sustained clock, plus the expected half-wave tail of 128x128 tiles over the SMs, or the memory roofline if
+that is slower; or a profile's measured table, less the latency its timed calls carried), bytes over HBM
+bandwidth, elementwise ops at a profile's measured rate, ring
 collectives over NVLink or the network, and pipeline point-to-point transfers."""
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ def gemm_time(gpu: GPU, precision: str, m: int, n: int, k: int, batch: int = 1) 
     flops = 2.0 * m * n * k * batch
     table = gpu.gemm.get(precision)
     if table:
-        rate = _measured_rate(tuple(map(tuple, table)), m, n, k) * 1e12
+        rows = tuple(map(tuple, table))
+        rate = _measured_rate(_without_call_latency(rows, gemm_call_latency_s(gpu, precision)), m, n, k) * 1e12
         compute = flops / rate
     else:
-        rate = gpu.peak(precision) * 1e12 * gpu.matmul_efficiency.get(precision, 0.7)
+        # the preset's best-shape rate at its source's clock, times what a saturated chip keeps of it
+        rate = gpu.peak(precision) * 1e12 * gpu.matmul_efficiency.get(precision, 0.7) * gpu.sustained_clock
         tiles = batch * math.ceil(m / TILE) * math.ceil(n / TILE)
         per_tile = 2.0 * TILE * TILE * k
         # Work is done in waves of `sms` tiles; on average half a wave is lost at the tail.
@@ -57,6 +60,64 @@ def _measured_rate(table: tuple, m: int, n: int, k: int) -> float:
         if best is None or dist < best:
             best, rate = dist, tflops
     return rate
+
+
+def gemm_call_latency_s(gpu: GPU, precision: str) -> float:
+    """Seconds of host latency inside each time of a profile's GEMM table, which training does not pay.
+    `--profile-hardware` times a GEMM call by call, synchronising the device after each one
+    (`profile._timeit`), so every row holds one launch and one synchronisation round trip besides the
+    kernel; a training step queues its kernels ahead of the device and waits for none of them (the gap
+    between dependent kernels is `kernel_overhead_us`, added per GEMM here). A profile that measured the
+    round trip says so (`gemm_call_latency_us`); a GPU profile from before that is estimated from its own
+    table (`table_call_latency_s`); a CPU runs each product inline, so the call cost is the product's and
+    nothing is removed, nor from a preset (no table) or a table built by hand (source "preset")."""
+    if gpu.gemm_call_latency_us is not None:
+        return gpu.gemm_call_latency_us * 1e-6
+    if gpu.source == "preset" or gpu.name.lower().startswith("cpu"):
+        return 0.0
+    return table_call_latency_s(tuple(map(tuple, gpu.gemm.get(precision) or ())))
+
+
+@lru_cache(maxsize=64)
+def table_call_latency_s(table: tuple) -> float:
+    """The fixed seconds per call in a GEMM table [[m, n, k, TFLOP/s], ...]: the least-squares fit of each
+    row's time as t0 + 2mnk / R, each row weighted by its own time (relative residuals: the rows span three
+    orders of magnitude), clamped to [0, the fastest row's time]. On the H200 profile of 2026-11-26 (27 bf16
+    shapes, 1024-8192 per side) this gives t0 = 22.2 us and 711 TFLOP/s, and every row's time lies within
+    11% of that line but the 1024^3 product's (64 tiles for 132 SMs: 23% slower than the line)."""
+    if len(table) < 3:
+        return 0.0
+    times = [2.0 * m * n * k / (tflops * 1e12) for m, n, k, tflops in table]
+    flops = [2.0 * m * n * k for m, n, k, _ in table]
+    # Minimise sum((t0 + f x - t)^2 / t^2): the normal equations of a 2 x 2 system.
+    a11 = sum(1 / t**2 for t in times)
+    a12 = sum(f / t**2 for f, t in zip(flops, times))
+    a22 = sum(f * f / t**2 for f, t in zip(flops, times))
+    b1 = sum(1 / t for t in times)
+    b2 = sum(f / t for f, t in zip(flops, times))
+    det = a11 * a22 - a12 * a12
+    if det <= 0:
+        return 0.0
+    t0 = (b1 * a22 - b2 * a12) / det
+    return min(max(t0, 0.0), min(times))
+
+
+@lru_cache(maxsize=64)
+def _without_call_latency(table: tuple, latency: float) -> tuple:
+    """The table's rows with `latency` seconds taken off each row's time, none faster than the table's best
+    measured rate: the rate its largest products sustained back to back at the power cap. A short product
+    timed between synchronised calls leaves the device idle in between, which lets a power-capped clock rise:
+    with the latency off, the H200 profile's 4096-row products came out at up to 826 TFLOP/s, where its
+    largest ones sustained 664-673, as products queued back to back in a training step would."""
+    if latency <= 0:
+        return table
+    best = max(row[3] for row in table) * 1e12
+    out = []
+    for m, n, k, tflops in table:
+        flops = 2.0 * m * n * k
+        seconds = max(flops / (tflops * 1e12) - latency, flops / best)
+        out.append((m, n, k, flops / seconds / 1e12))
+    return tuple(out)
 
 
 def _bracket(axis: list, x: float) -> tuple:

@@ -130,6 +130,17 @@ def kernel_overhead_us(device: str) -> float:
     return _timeit(ops, device) / 100 * 1e6
 
 
+def gemm_call_latency_us(device: str) -> float:
+    """Microseconds of launch and synchronisation in each call `gemm_table` times: the per-call time of a
+    one-element kernel timed the same way (a device synchronisation after every call). The planner takes it
+    off every GEMM table row, since a training step queues its kernels without waiting (`kernels.
+    gemm_call_latency_s`). 0 on a CPU, whose products run inline: their call cost is paid in training too."""
+    if device != "cuda":
+        return 0.0
+    x = torch.zeros(1, device=device)
+    return _timeit(lambda: x.add_(1.0), device) * 1e6
+
+
 def decode_rates(device: str, dtype: torch.dtype, quick: bool = False, product=None) -> list[list[float]]:
     """[[rows, n, k, GB/s], ...]: the weight bytes per second that a linear layer with an n x k weight streams
     through a product with a few rows, outside autograd, as the generation engine runs it (F.linear, or the
@@ -292,6 +303,7 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
         "nvlink_gbps": round(coll if coll else bw / 4, 2), "collective_efficiency": 1.0,
         "internode_gbps": internode_gbps, "sms": sms, "node_size": max(1, local),
         "kernel_overhead_us": round(kernel_overhead_us(device), 3),
+        "gemm_call_latency_us": round(gemm_call_latency_us(device), 3),
         "decode_gbps": {attn_key: decode_rates(device, dtypes[attn_key], quick=quick, product=product)},
         "decode_stream_scale": {attn_key: decode_stream_scale(device, dtypes[attn_key], quick=quick, product=product)},
         "elementwise_gbps": {attn_key: elementwise_rates(device, dtypes[attn_key], quick=quick)},

@@ -11,7 +11,7 @@ TERM_LABELS = {
     "gemm": "linear-layer matmuls", "attention": "attention core", "elementwise": "elementwise (HBM)",
     "tp_comm": "TP collectives", "cp_comm": "CP K/V gather", "overhead": "kernel gaps", "head": "LM head + loss", "pp_p2p": "PP send/recv",
     "pp_bubble": "pipeline bubble", "dp_comm": "DP comm (exposed)", "optimizer": "optimizer step",
-    "ep_comm": "EP all-to-all", "fsdp_copy": "FSDP2 buffer copies",
+    "ep_comm": "EP all-to-all", "fsdp_copy": "FSDP2 buffer copies", "clock": "sustained clock",
 }
 
 

@@ -6,7 +6,10 @@ micro-batches, then
                interleaved, (p-1)/3 for zero-bubble; plus P2P transfers;
   dp_comm      the part of gradient reduction / parameter gathering not hidden behind backward;
   fsdp_copy    FSDP2's copies into and out of its flat collective buffers, on the compute stream;
-  optimizer    the AdamW update, bytes over HBM bandwidth.
+  optimizer    the AdamW update, bytes over HBM bandwidth;
+  clock        the matmuls' (layers' and head's) extra time at the sustained clock of a saturated GPU over
+               the burst clock their preset efficiency was measured at (`GPU.sustained_clock`; 0 for a
+               profile, whose tables were timed at the power cap).
 """
 
 from __future__ import annotations
@@ -42,6 +45,13 @@ def compiled_workload(w: Workload, on: bool) -> Workload:
     return w if w.compile == ("on" if on else "off") else replace(w, compile="on" if on else "off")
 
 
+@lru_cache(maxsize=1024)
+def at_burst_clock(w: Workload) -> Workload:
+    """`w` on its GPU as if it kept its burst clock (`sustained_clock` 1): the baseline the step's "clock"
+    term is measured from (one object per workload, so the caches keyed on it hold)."""
+    return replace(w, gpu=replace(w.gpu, sustained_clock=1.0))
+
+
 def step_time(w: Workload, lay: Layout) -> dict:
     """Seconds of one training step, term by term (the terms of this module's docstring and `layertime`'s)."""
     cfg, gpu = w.model, w.gpu
@@ -53,6 +63,14 @@ def step_time(w: Workload, lay: Layout) -> dict:
     lt = layer_times(kw, lay.tp, lay.cp, lay.micro_batch, lay.sp, base, lay.ep)
     ft = layer_times(kw, lay.tp, lay.cp, lay.micro_batch, lay.sp, "full", lay.ep) if lay.recompute == "full" else None
     hf, hb = head_times(kw, lay.tp, lay.cp, lay.micro_batch)
+    # The sustained clock's share of the matmuls (the layers' and the head's), split out of them as its own
+    # term: the same products priced at the burst clock, and the difference.
+    clock = w.gpu.sustained_clock != 1.0
+    if clock:
+        bw = at_burst_clock(kw)
+        blt = layer_times(bw, lay.tp, lay.cp, lay.micro_batch, lay.sp, base, lay.ep)
+        bft = layer_times(bw, lay.tp, lay.cp, lay.micro_batch, lay.sp, "full", lay.ep) if ft else None
+        bhead = sum(head_times(bw, lay.tp, lay.cp, lay.micro_batch))
     # A micro-batch's forward + backward on each pipeline rank; the slowest rank sets the pace.
     shapes = rank_shapes(w, lay)
     terms, per_mb, n_layers = {}, -1.0, 0
@@ -64,6 +82,15 @@ def step_time(w: Workload, lay: Layout) -> dict:
             if full_layers:
                 t[key] += full_layers * ((ft.fwd[key] + ft.bwd[key]) - (lt.fwd[key] + lt.bwd[key]))
         t["head"] = hf + hb if shape.head else 0.0
+        if clock:
+            burst = shape.layers * (blt.fwd["gemm"] + blt.bwd["gemm"])
+            if full_layers:
+                burst += full_layers * ((bft.fwd["gemm"] + bft.bwd["gemm"]) - (blt.fwd["gemm"] + blt.bwd["gemm"]))
+            t["clock"] = t["gemm"] - burst
+            t["gemm"] = burst
+            if shape.head:
+                t["clock"] += t["head"] - bhead
+                t["head"] = bhead
         if sum(t.values()) > per_mb:
             terms, per_mb, n_layers = t, sum(t.values()), shape.layers
     # Pipeline: P2P of one activation per micro-batch each way between stages (split over tp with SP).

@@ -71,6 +71,10 @@ BRIDGE_2511 = ("Megatron-Bridge performance summary, NeMo 25.11 container (NVIDI
                "docs/performance-summary.md), DGX-H100, fp8 current scaling, distributed optimizer")
 
 
+DGXC_2409 = ("NVIDIA DGX Cloud benchmarking recipe (NVIDIA/dgxc-benchmarking llama3.1/README_8b.md), NeMo 24.09, "
+             "DGX-H100, bf16, Megatron-Core + Transformer Engine, distributed optimizer")
+
+
 def published_runs() -> dict:
     """name -> (workload, the published layout, published seconds per step, source)."""
     a100, h100 = PRESETS["a100-80gb"], PRESETS["h100"]
@@ -94,6 +98,14 @@ def published_runs() -> dict:
     def bridge(model, seq, batch, gpus, tok_s, **fixed):
         w, layout, seconds, _ = nemo(model, seq, batch, gpus, tok_s, **fixed)
         return w, layout, seconds, (BRIDGE_2511 + f": {gpus} GPUs, {tok_s:,} tokens/s/GPU")
+
+    def dgxc_bf16(model, seq, batch, gpus, seconds, **fixed):
+        """A bf16 run of the DGX Cloud recipes, set up as `nemo` sets NeMo's (its launcher's performance
+        settings: distributed optimizer, bf16 gradient sync), with its published seconds per step."""
+        w = Workload(model, seq, batch, gpus, h100, precision="bf16", framework="megatron", grad_dtype="bfloat16")
+        layout = dict(micro_batch=1, recompute="none", dp_style="distopt") | fixed
+        layout["dp"] = gpus // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
+        return w, layout, seconds, DGXC_2409 + f": {gpus} GPUs, {seconds} s/step"
 
     def meta(gpus, tflops, cp=1, seq=8192):
         batch = 16 * 2**20 // seq  # 16M tokens per step
@@ -129,6 +141,9 @@ def published_runs() -> dict:
         "nemo-llama2-13b-fp8": nemo(llama2_13b, 4096, 128, 16, 8646, pp=4, vpp=10),
         "nemo-llama2-70b-fp8": nemo(llama2_70b, 4096, 128, 64, 1707, tp=4, pp=4, vpp=20),
         "nemo-llama3-8b-fp8": nemo(llama3_8b, 8192, 128, 8, 12036, cp=2),
+        # The bf16 row of the same layout one release later (Llama 3.1 8B: Llama 3 8B's shapes; its RoPE
+        # frequency scaling does not change the step): 12.91 s/step, 81,222 tokens/s on 8 GPUs (10,153 per GPU).
+        "dgxc-llama31-8b-bf16": dgxc_bf16(llama3_8b, 8192, 128, 8, 12.91, cp=2),
         "nemo-llama3-70b-fp8": nemo(llama3_70b, 8192, 128, 64, 1533, tp=4, pp=4, cp=2, vpp=5),
         "nemo-gpt3-175b-128gpu-fp8": nemo(gpt175, 2048, 256, 128, 726, tp=4, pp=8, vpp=6, sp=True,
                                           recompute="selective"),
