@@ -76,9 +76,10 @@ def moe_problem(experts: int, pp: int, schedule: str, cp: int, capacity_factor: 
                 compile: bool) -> str | None:
     """Which layouts a mixture-of-experts model runs on (None: this one). Proven equal to one process:
     data parallelism, expert parallelism carved from it (`ep_problem`), pipeline parallelism (every stage
-    counts its own layers' routing), tensor parallelism with and without SP (the MoE layer computed on
-    every tensor-parallel rank, on the whole sequence), and context parallelism (the balance loss and
-    Sinkhorn computed over the cp group's tokens)."""
+    counts its own layers' routing), tensor parallelism (with SP and ep > 1 a multiple of tp, each rank routes
+    its own sequence shard to experts spread over tensor- and data-parallel ranks; otherwise the MoE layer is
+    computed on every tensor-parallel rank, on the whole sequence), and context parallelism (the balance loss
+    and Sinkhorn computed over the cp group's tokens)."""
     if not experts:
         return None
     if pp > 1 and schedule == "zero_bubble":
@@ -96,30 +97,72 @@ def moe_problem(experts: int, pp: int, schedule: str, cp: int, capacity_factor: 
     return None
 
 
-def valid_ep_sizes(experts: int, dp_cp: int) -> list[int]:
-    """Expert-parallel sizes for `experts` routed experts over dp_replicate x dp_shard x cp = `dp_cp` ranks."""
-    return [d for d in divisors(dp_cp) if experts % d == 0] if experts else [1]
+def experts_span_tp(tp: int, sp: bool, ep: int) -> bool:
+    """Whether the routed experts are spread over tensor- as well as data- and context-parallel ranks: under
+    sequence parallelism (tp > 1, sp) with ep > 1 a multiple of tp, every rank routes its own sequence shard and
+    an EP group is made of whole tensor-parallel groups (Megatron-Core's expert tensor parallelism 1).
+    Otherwise every tensor-parallel rank computes the whole MoE layer and ep is carved from the data- and
+    context-parallel ranks alone."""
+    return tp > 1 and sp and ep > 1 and ep % tp == 0
 
 
-def ep_problem(ep: int, experts: int, dp_replicate: int, dp_shard: int, cp: int) -> str | None:
-    """Why `parallel.ep` cannot shard this model's experts (None when it can): ep ranks are carved from the
-    data- and context-parallel ranks (ep does not multiply the world size), each holding experts / ep of
-    the routed experts."""
+def valid_ep_sizes(experts: int, dp_cp: int, tp: int = 1, sp: bool = False) -> list[int]:
+    """Expert-parallel sizes for `experts` routed experts over dp_replicate x dp_shard x cp = `dp_cp` ranks
+    (dividing dp_cp); under sequence parallelism (tp > 1, sp) also the multiples of tp dividing tp x dp_cp."""
+    if not experts:
+        return [1]
+    sizes = {d for d in divisors(dp_cp) if experts % d == 0}
+    if tp > 1 and sp:
+        sizes |= {tp * d for d in divisors(dp_cp) if experts % (tp * d) == 0}
+    return sorted(sizes)
+
+
+def ep_problem(ep: int, experts: int, dp_replicate: int, dp_shard: int, cp: int, tp: int = 1, sp: bool = False,
+               capacity_factor: float = 0.0) -> str | None:
+    """Why `parallel.ep` cannot shard this model's experts (None when it can). ep does not multiply the world
+    size; each EP rank holds experts / ep of the routed experts, and ep divides the expert count.
+
+    - With parallel.sp=true (tp > 1) and ep a multiple of tp (`experts_span_tp`), each rank routes its own
+      sequence shard and the experts are spread over tensor-, data- and context-parallel ranks together: ep
+      divides tp x dp_replicate x dp_shard x cp, and the model is dropless (capacity_factor=0: a rank holds
+      part of every sequence, so an expert's capacity would differ from one process's).
+    - Otherwise ep ranks are carved from the data- and context-parallel ranks (every tensor-parallel rank
+      computes the whole MoE layer on the whole sequence): ep divides dp_replicate x dp_shard x cp."""
     if ep == 1:
         return None
     dp_cp = dp_replicate * dp_shard * cp
-    valid = ", ".join(map(str, valid_ep_sizes(experts, dp_cp)))
+    valid = ", ".join(map(str, valid_ep_sizes(experts, dp_cp, tp, sp)))
     if not experts:
         return (f"parallel.ep={ep} shards the routed experts of a mixture-of-experts model, but model.moe.experts=0 "
                 "(a dense model); set parallel.ep=1 or model.moe.experts > 0")
-    if dp_cp % ep:
-        return (f"parallel.ep={ep} must divide dp_replicate x dp_shard x cp = {dp_replicate} x {dp_shard} x {cp} = "
-                f"{dp_cp} (expert-parallel ranks are carved from the data- and context-parallel ranks, not added "
-                f"to them); valid ep sizes for this layout: {valid}, or raise parallel.dp_shard (e.g. "
-                f"parallel.dp_shard={ep * dp_shard // math.gcd(ep, dp_cp)})")
+    sizes = f"{dp_replicate} x {dp_shard} x {cp}"
+    if experts_span_tp(tp, sp, ep):
+        if (tp * dp_cp) % ep:
+            return (f"parallel.ep={ep} with parallel.tp={tp} and parallel.sp=true spreads the experts over tensor- "
+                    f"and data-parallel ranks, so it must divide tp x dp_replicate x dp_shard x cp = {tp} x {sizes} "
+                    f"= {tp * dp_cp} (expert-parallel ranks are carved from them, not added); valid ep sizes for "
+                    f"this layout: {valid}")
+    elif dp_cp % ep:
+        if tp > 1 and sp:
+            return (f"parallel.ep={ep} with parallel.tp={tp} and parallel.sp=true must be a multiple of tp dividing "
+                    f"tp x dp_replicate x dp_shard x cp = {tp} x {sizes} = {tp * dp_cp} (experts spread over "
+                    f"tensor- and data-parallel ranks) or divide dp_replicate x dp_shard x cp = {dp_cp} (carved "
+                    f"from the data- and context-parallel ranks); valid ep sizes for this layout: {valid}")
+        hint = (", or set parallel.sp=true to spread the experts over the tensor-parallel ranks too"
+                if tp > 1 and ep in valid_ep_sizes(experts, dp_cp, tp, True) else "")
+        return (f"parallel.ep={ep} must divide dp_replicate x dp_shard x cp = {sizes} = {dp_cp} (expert-parallel "
+                f"ranks are carved from the data- and context-parallel ranks, not added to them); valid ep sizes "
+                f"for this layout: {valid}, or raise parallel.dp_shard (e.g. parallel.dp_shard="
+                f"{ep * dp_shard // math.gcd(ep, dp_cp)}){hint}")
     if experts % ep:
         return (f"parallel.ep={ep} must divide model.moe.experts={experts} (every rank holds the same number of "
                 f"experts); valid ep sizes for this layout: {valid}")
+    if experts_span_tp(tp, sp, ep) and capacity_factor > 0:
+        return (f"parallel.ep={ep} spread over tensor-parallel ranks (parallel.tp={tp}, parallel.sp=true) with "
+                f"model.moe.capacity_factor={capacity_factor} is not supported: each rank routes part of every "
+                "sequence, so an expert's capacity (and which tokens it keeps) would differ from one process; "
+                "set model.moe.capacity_factor=0 (dropless), or an ep that divides dp_replicate x dp_shard x cp "
+                "with parallel.sp=false")
     return None
 
 
@@ -203,7 +246,8 @@ def data_parallel_size(p) -> int:
 
 
 def world_size(p) -> int:
-    """Processes a layout needs: tp x cp x pp x dp_replicate x dp_shard (ep is carved from dp x cp)."""
+    """Processes a layout needs: tp x cp x pp x dp_replicate x dp_shard (ep is carved from dp x cp, or with
+    sequence parallelism from tp x dp x cp: `ep_problem`)."""
     return p.tp * p.cp * p.pp * p.dp_replicate * p.dp_shard
 
 
@@ -217,7 +261,8 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False, recipe:
     p, m, t = cfg.parallel, cfg.model, cfg.train
     check_sizes(p)
     experts = m.moe.experts
-    if problem := ep_problem(p.ep, experts, p.dp_replicate, p.dp_shard, p.cp) or moe_problem(
+    if problem := ep_problem(p.ep, experts, p.dp_replicate, p.dp_shard, p.cp, p.tp, p.sp,
+                             m.moe.capacity_factor) or moe_problem(
             experts, p.pp, p.schedule, p.cp, m.moe.capacity_factor, t.compile):
         raise UserError(problem)
     if problem := sp_problem(p.tp, p.sp):

@@ -108,6 +108,7 @@ P, T, M = "tests/test_parallel.py::", "tests/test_tied_pipeline.py::", "tests/te
 LAYOUT, PIPELINE = P + "test_layout_matches_single_process", P + "test_pipeline_layout_matches_single_process"
 TIED_PIPE, MOE_LAYOUT = T + "test_tied_pipeline_matches_single_process", M + "test_moe_layout_matches_single_process"
 MOE_DP = "tests/test_moe_parallel.py::test_moe_data_parallel_matches_single_process"
+MOE_EP_TP = "tests/test_moe_ep_tp.py::test_experts_over_tp_match_single_process"
 
 # combination -> the equivalence test that proves it (the first one, where several do).
 DEDICATED = {
@@ -147,6 +148,8 @@ DEDICATED = {
     "untied-moe-cp2-ep2": f"{MOE_LAYOUT}[top2of8-ep2-cp2]",
     "untied-moe-pp2-dp_shard2-ep2": f"{MOE_LAYOUT}[top2of8-ep2-pp2]",
     "untied-moe-tp2-sp-dp_shard2-ep2": f"{MOE_LAYOUT}[top2of8-ep2-tp2-sp]",
+    "untied-moe-tp2-sp-ep2": f"{MOE_EP_TP}[top2of8-tp2-sp-ep2]",
+    "untied-moe-tp2-sp-pp2-ep2": f"{MOE_EP_TP}[top2of8-tp2-sp-ep2-pp2]",
 }
 
 _PIECEWISE = "over make test's time budget on 2 cores; the families it composes are proven in make test by "
@@ -168,7 +171,14 @@ SLOW_REASONS = {
     f"{MOE_LAYOUT}[top2of8-tp2-sp]": "as top2of8-tp2; SP by tied-dense-tp2-sp-pp2",
     f"{MOE_LAYOUT}[top2of8-ep2-cp2]": _PIECEWISE + "untied-moe-cp2 and tied-moe-dp_shard2-ep2",
     f"{MOE_LAYOUT}[top2of8-ep2-pp2]": _PIECEWISE + "untied-moe-pp2 and tied-moe-dp_shard2-ep2",
-    f"{MOE_LAYOUT}[top2of8-ep2-tp2-sp]": "as top2of8-tp2; ep by tied-moe-dp_shard2-ep2",
+    f"{MOE_LAYOUT}[top2of8-ep2-tp2-sp]": "as top2of8-tp2; ep by tied-moe-dp_shard2-ep2, experts over tp ranks by "
+                                         "test_moe_ep_tp.py's one-step gradient test",
+    # Experts spread over tp ranks (sp, ep > 1): make test proves tp2 x ep4 over dp_shard 2 by one step's
+    # gradients against one process (test_experts_over_tp_gradients_when_ranks_get_no_tokens).
+    f"{MOE_EP_TP}[top2of8-tp2-sp-ep2]": _PIECEWISE + "test_moe_ep_tp.py's one-step gradient test (tp2-sp-ep4 "
+                                                     "over dp_shard2)",
+    f"{MOE_EP_TP}[top2of8-tp2-sp-ep2-pp2]": _PIECEWISE + "test_moe_ep_tp.py's one-step gradient test and "
+                                                         "untied-moe-pp2",
 }
 
 MATRIX_NODE = "tests/test_layout_matrix.py::test_matrix_layout_matches_single_process"
@@ -194,6 +204,7 @@ MATRIX_RUN = {
         tp2-sp-dp_shard2-dp_replicate2 tp2-sp-pp2-dp_replicate2
     """,
     "tied-moe": """
+        tp2-sp-ep2 tp2-sp-pp2-ep2
         cp2 cp2-ep2 dp_replicate2-ep2 pp2 tp2 tp2-sp cp2-dp_replicate2 cp2-dp_replicate2-ep2 cp2-dp_shard2
         cp2-dp_shard2-ep2 cp2-pp2 cp2-pp2-ep2 dp_shard2-dp_replicate2 dp_shard2-dp_replicate2-ep2 pp2-dp_replicate2
         pp2-dp_replicate2-ep2 pp2-dp_shard2 pp2-dp_shard2-ep2 tp2-cp2 tp2-cp2-ep2 tp2-dp_replicate2
@@ -248,7 +259,7 @@ def _overrides_of(node: str) -> list[str]:
     if func == "test_moe_data_parallel_matches_single_process":
         router, layout = next((r, lay) for r, lay in mod.CASES if f"{r}-{lay.split('.')[1]}" == param)
         return mod.MODEL + mod.ROUTERS[router] + [layout]
-    if func == "test_moe_layout_matches_single_process":
+    if func in ("test_moe_layout_matches_single_process", "test_experts_over_tp_match_single_process"):
         router, _, layout = mod.CASES[param]
         return mod.PIPE + mod.ROUTERS[router] + layout
     if func == "test_checkpoint_under_ep_resumes_under_another_ep":  # its first run, against one process

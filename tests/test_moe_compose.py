@@ -8,7 +8,8 @@ routing statistics of metrics.jsonl (balance and z losses, load imbalance) withi
   averaged over the rank's micro-batches; the sigmoid_bias router's bias moves as in one process.
 - tp (with and without SP): every rank computes the whole MoE layer on the whole sequence.
 - cp: the balance loss's per-expert sums and Sinkhorn's balancing run over the cp group's tokens.
-- ep composed with each: ep=2 over pp=2 x dp_shard=2, over tp=2 x dp_shard=2, and over cp=2 (ep spans the
+- ep composed with each: ep=2 over pp=2 x dp_shard=2, over tp=2 + SP x dp_shard=2 (the experts spread over
+  the tp ranks, each routing its own sequence shard: tests/test_moe_ep_tp.py), and over cp=2 (ep spans the
   cp ranks).
 """
 

@@ -39,7 +39,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from loom.config import ModelConfig
 
@@ -125,11 +125,17 @@ class Router(nn.Module):
         # DeepSeek-V3's selection bias (sigmoid_bias only): state, checkpointed, updated outside autograd.
         self.register_buffer("expert_bias", torch.zeros(cfg.moe.experts) if self.kind == "sigmoid_bias" else None)
 
-    def forward(self, x: torch.Tensor, shards=None):
-        """`shards`: the MoE layer's `token_shards` (Sinkhorn balances over all of their tokens), or None."""
+    def forward(self, x: torch.Tensor, shards=None, token_mesh=None):
+        """`shards`: the MoE layer's `token_shards` (Sinkhorn balances over all of their tokens), or None.
+        `token_mesh`: the MoE layer's `token_mesh` (this rank's tokens are one shard of its ranks' tokens, the
+        weight replicated over it), or None."""
         off = torch.autocast(x.device.type, enabled=False) if x.device.type != "meta" else contextlib.nullcontext()
         with off:  # routing in fp32 whatever the activations
-            logits = F.linear(x.float(), _local(self.weight).float())
+            if token_mesh is not None:  # as a DTensor, so that the weight's gradient sums over the token shards
+                rows = DTensor.from_local(x.float(), token_mesh, [Shard(0)], run_check=False)
+                logits = F.linear(rows, self.weight.float()).to_local()
+            else:
+                logits = F.linear(x.float(), _local(self.weight).float())
         k = self.top_k
         if self.kind == "sigmoid_bias":
             scores = torch.sigmoid(logits)
@@ -270,6 +276,13 @@ class MoE(nn.Module):
         # same sequences: `sum(t)` (differentiable) and `gather(t)` over it, `size`, `rank`. The balance loss
         # and Sinkhorn then cover whole sequences.
         self.token_shards = None
+        # Tensor parallelism with sequence parallelism and experts spread over the tp ranks
+        # (loom/parallel/tensor.py, loom.rules.experts_span_tp) installs the tp mesh: each of its ranks routes
+        # its own sequence shard (no rank computes another's tokens), the router's replicated weight computes
+        # as a DTensor on it (its gradient sums over the ranks), and the auxiliary losses' gradient is divided
+        # by its size: each rank's z-loss is a mean over its 1/tp of the tokens, and the balance loss, summed
+        # over `token_shards`, sends every rank's gradient to every rank, so both weigh a token tp times.
+        self.token_mesh = None
         # Since the last `step_stats`: [tokens routed to each expert (E), assignments dropped, assignments,
         # balance loss sum, z-loss sum, training forwards]; None before the first training forward.
         self.stats: torch.Tensor | None = None
@@ -317,7 +330,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        chosen, gates, probs, logits = self.router(flat, self.token_shards)
+        chosen, gates, probs, logits = self.router(flat, self.token_shards, self.token_mesh)
         token, gate, counts = self.dispatch(chosen, gates, shape[-2] if x.dim() == 3 else None)
         if self.expert_parallel is None:
             y = self.experts(flat[token], counts)
@@ -354,7 +367,8 @@ class MoE(nn.Module):
         if self.balance_coeff == 0 and self.z_coeff == 0:
             return out
         aux = self.balance_coeff * balance + self.z_coeff * z
-        return AuxLoss.apply(out, aux, self.aux_grad_scale)
+        share = self.token_mesh.size() if self.token_mesh is not None else 1
+        return AuxLoss.apply(out, aux, self.aux_grad_scale / share)
 
     def reset_buffers(self) -> None:
         self.router.reset_buffers()
@@ -412,9 +426,10 @@ def step_stats(model: nn.Module, group=None) -> tuple[dict[str, torch.Tensor], l
     over the ranks of `group` (None on one process) in one all-reduce; resets it.
 
     `group` may be the whole world under any layout: pipeline stages fill disjoint rows (one per MoE layer
-    of the whole model, `_slots`); data- and context-parallel ranks (and sequence shards) add their tokens;
-    ranks that compute the same tokens (tensor-parallel replicas) multiply every count and sum alike, which
-    the metrics below and the bias update's sign rule do not see (all are ratios or signs).
+    of the whole model, `_slots`); data- and context-parallel ranks (and sequence shards, and tensor-parallel
+    ranks routing their own tokens under `token_mesh`) add their tokens; ranks that compute the same tokens
+    (tensor-parallel replicas) multiply every count and sum alike, which the metrics below and the bias
+    update's sign rule do not see (all are ratios or signs).
 
     Returns (metrics, loads): metrics as device tensors (the trainer moves them to the host with the loss):
     `moe_load_balance_loss` and `moe_z_loss` (unweighted, mean over layers and micro-batches),

@@ -30,7 +30,7 @@ def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype:
     if layout.tp > 1:
         from loom.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, layout.submesh("tp"), cfg.parallel.sp)
+        apply_tensor_parallel(model, layout.submesh("tp"), cfg.parallel.sp, layout.experts_span_tp)
     if layout.cp > 1:
         from loom.parallel.context import apply_context_parallel
 
@@ -38,7 +38,9 @@ def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype:
     if layout.ep > 1:
         from loom.parallel.expert import apply_expert_parallel
 
-        apply_expert_parallel(model, layout.submesh("ep"))
+        # Experts over tp ranks too: the balance loss and Sinkhorn then cover the cp x tp ranks' tokens.
+        shards = (layout.submesh("cp_tp" if layout.cp > 1 else "tp") if layout.experts_span_tp else None)
+        apply_expert_parallel(model, layout.submesh("ep"), shards)
     apply_recompute(model, cfg, layer_plan)
     if cfg.train.compile:
         compile_blocks(model)

@@ -24,7 +24,9 @@ backwards, and re-gathering for each would multiply the all-gathers).
 Expert parallelism (`loom/parallel/expert.py`): each MoE layer's experts, already a DTensor sharded over
 `ep`, are sharded again over the expert-data-parallel group `edp` by a `fully_shard` of their own, inside
 their block's; their gradients are summed over `edp` and divided by all dp x cp ranks (not FSDP's default,
-the edp size), because each already holds the tokens of its whole EP group.
+the edp size), because each already holds the tokens of its whole EP group. With experts spread over tp
+ranks (sequence parallelism, `loom.rules.experts_span_tp`) `edp` is the ranks with the same tp rank holding
+the same experts: the tp group is never in it, so no expert gradient is summed over tensor-parallel ranks.
 
 Mixed precision: with `train.dtype=bfloat16` blocks compute in bf16 from bf16 copies of fp32 master
 weights, and gradients are reduced in fp32. The optimizer always updates fp32 parameters.

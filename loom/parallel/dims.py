@@ -12,6 +12,9 @@ ranks, flattened (cp fastest), are regrouped as `(edp, ep)` with ep innermost. A
 copy of all experts (each rank E/ep of them) and exchanges tokens all-to-all; an `edp` group (expert data
 parallelism, `(dp_replicate x dp_shard x cp) / ep` ranks) holds the same experts and averages their
 gradients, sharded by FSDP. Both are sliced from the same root mesh, as FSDP needs for 2-D parameters.
+Under sequence parallelism with ep > 1 a multiple of tp (`loom.rules.experts_span_tp`) the tp ranks join them: the
+`(dp_replicate, dp_shard, cp, tp)` ranks (tp fastest) are regrouped as `(edp, ep)`, so an ep group is made of
+whole tensor-parallel groups (tp divides ep) and an edp group of ranks with the same tp rank.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.config import Config
-from loom.rules import check_layout
+from loom.rules import check_layout, experts_span_tp
 
 
 @dataclass
@@ -41,6 +44,7 @@ class MeshPlace:
     cp: int = 1
     cp_rank: int = 0
     ep: int = 1
+    experts_span_tp: bool = False  # ep groups span tp ranks; each rank routes its own tokens (loom.rules)
     flattened: dict | None = None  # name -> the mesh `_flatten` returned (sliced from the root, torch warns)
 
     @property
@@ -83,16 +87,20 @@ def place_in_mesh(cfg: Config, device_type: str, measuring: bool = False) -> Mes
     flattened = {}
     if p.cp > 1:  # FSDP's shard group: the data-parallel shards and their cp ranks together
         flattened["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    if p.ep > 1:  # expert parallelism: (dp_replicate, dp_shard, cp) regrouped as (edp, ep)
-        dp_cp = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp", backend_override=options)
-        edp = p.dp_replicate * p.dp_shard * p.cp // p.ep
-        experts = dp_cp._unflatten(0, (edp, p.ep), ("edp", "ep"),
-                                   backend_override={n: options for n in ("edp", "ep")} if options else None)
+    if p.ep > 1:  # expert parallelism: (dp_replicate, dp_shard, cp[, tp]) regrouped as (edp, ep)
+        span_tp = experts_span_tp(p.tp, p.sp, p.ep)
+        dims = ("dp_replicate", "dp_shard", "cp") + (("tp",) if span_tp else ())
+        ranks = p.dp_replicate * p.dp_shard * p.cp * (p.tp if span_tp else 1)
+        carved = mesh[dims]._flatten("dp_cp_tp" if span_tp else "dp_cp", backend_override=options)
+        experts = carved._unflatten(0, (ranks // p.ep, p.ep), ("edp", "ep"),
+                                    backend_override={n: options for n in ("edp", "ep")} if options else None)
         flattened.update(edp=experts["edp"], ep=experts["ep"])
+        if span_tp and p.cp > 1:  # the ranks holding the other tokens of the same sequences (MoE token shards)
+            flattened["cp_tp"] = mesh["cp", "tp"]._flatten("cp_tp", backend_override=options)
     dp_rank = mesh["dp_replicate"].get_local_rank() * p.dp_shard + mesh["dp_shard"].get_local_rank()
     return MeshPlace(mesh=mesh, rank=dist.get_rank(), world_size=world, dp_rank=dp_rank, dp_size=p.dp, tp=p.tp,
                      pp=p.pp, pp_rank=mesh["pp"].get_local_rank(), cp=p.cp, cp_rank=mesh["cp"].get_local_rank(),
-                     ep=p.ep, flattened=flattened)
+                     ep=p.ep, experts_span_tp=experts_span_tp(p.tp, p.sp, p.ep), flattened=flattened)
 
 
 def _group_options(backend: str, timeout_s: float):

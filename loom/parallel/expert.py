@@ -3,8 +3,13 @@ exchanged all-to-all.
 
 Layout. `parallel.ep` ranks are carved from the data-parallel and context-parallel ranks (the mesh's
 `(dp_replicate, dp_shard, cp)` ranks, flattened, are regrouped as `(edp, ep)`, ep innermost:
-`loom/parallel/dims.py`). EP rank j holds experts [j*E/ep, (j+1)*E/ep) of every MoE layer. The stacked
-expert weights become DTensors `Shard(0)` over the `ep` dimension rather than plain local tensors, because
+`loom/parallel/dims.py`). Under sequence parallelism (tp > 1, sp) with ep a multiple of tp the tensor-parallel
+ranks join them (`(dp_replicate, dp_shard, cp, tp)` regrouped as `(edp, ep)`, tp dividing ep: Megatron-Core's expert
+tensor parallelism 1, `loom.rules.experts_span_tp`): each tp rank then routes its own sequence shard
+(loom/parallel/tensor.py keeps the MoE layer on it), so no rank computes another rank's tokens and no two
+ranks of a tp group hold the same experts; the balance loss and Sinkhorn cover the tokens of the tp (or
+cp x tp) group through `token_shards`. EP rank j holds experts [j*E/ep, (j+1)*E/ep) of every MoE layer. The
+stacked expert weights become DTensors `Shard(0)` over the `ep` dimension rather than plain local tensors, because
 then everything that already handles sharded parameters handles them unchanged: initialisation fills
 each rank's slice with the values one process would hold there (`materialize`), checkpoints save and load
 global tensors by name (so a checkpoint loads under any `ep`, or on one process), the gradient norm
@@ -22,7 +27,12 @@ and backward, so a starved rank or expert never leaves a collective waiting.
 Gradients. A rank's expert gradients hold the contributions of the tokens of its whole EP group. The
 trainer scales every rank's loss by `grad_ranks / tokens` (data-parallel averaging divides by the dp x
 cp ranks); summing expert gradients over the edp group and dividing by dp x cp (FSDP's divide factor on
-the experts, `apply_data_parallel`) gives exactly the one-process gradient.
+the experts, `apply_data_parallel`) gives exactly the one-process gradient. With experts spread over tp
+ranks the same holds: the tp ranks of a data-parallel rank compute one loss (each token's gradient counted
+once, not tp times), an EP group holds whole tp groups, and an edp group (ranks with the same tp rank and
+the same experts, one per remaining dp x cp position) is what FSDP reduces over; nothing is reduced over
+the tp group for the experts. The router's and shared experts' weights, replicated over tp and used on
+each rank's own tokens, get their partial gradients summed over tp by DTensor (as sequence-parallel norms).
 """
 
 from __future__ import annotations
@@ -63,10 +73,14 @@ class ExpertParallel:
         return all_to_all_single_autograd(y, send_splits, recv_splits, self.group)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
+def apply_expert_parallel(model: nn.Module, ep_mesh, token_mesh=None) -> None:
     """Shard the routed experts of every MoE layer of `model` over `ep_mesh` (on meta or real tensors: the
-    rank keeps its slice as the local part of a `Shard(0)` DTensor) and install the token exchange."""
+    rank keeps its slice as the local part of a `Shard(0)` DTensor) and install the token exchange.
+    `token_mesh` (experts spread over tp ranks, `loom.rules.experts_span_tp`): the tp or flattened (cp, tp)
+    mesh whose ranks hold the other tokens of the same sequences, installed as the layers' `token_shards`
+    (in place of the cp group) so that the balance loss and Sinkhorn cover them all."""
     from loom.models.moe import moe_layers
+    from loom.parallel.context import TokenShards
 
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     exchange = ExpertParallel(ep_mesh)
@@ -80,3 +94,5 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
                                          stride=p.stride())
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))
         moe.expert_parallel = exchange
+        if token_mesh is not None:
+            moe.token_shards = TokenShards(token_mesh.get_group(), token_mesh.size(), token_mesh.get_local_rank())

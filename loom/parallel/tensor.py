@@ -18,7 +18,9 @@ Layout (Megatron's, after Shoeybi et al. 2019 and Korthikanti et al. 2022):
   DTensors instead). Under SP the input is all-gathered on entry and the rank keeps its sequence shard of
   the output; backward all-gathers the output's gradient, so every rank gets the whole layer's gradient
   (the same on every rank: nothing to reduce over the group) and keeps its shard of the input's. Routing,
-  its statistics and the auxiliary losses then cover the whole sequence as on one process;
+  its statistics and the auxiliary losses then cover the whole sequence as on one process. Under SP with
+  `parallel.ep` a multiple of tp the experts are spread over the tensor-parallel ranks instead (`_moe_plan_own_tokens`):
+  each rank routes its own sequence shard, nothing is gathered;
 - LM head split by vocabulary columns; the loss is computed on the vocabulary shards
   (`loss_parallel`), so the full logits never exist on one rank;
 - with SP, the residual stream, norms and dropout live sharded along the sequence: the input of
@@ -171,8 +173,9 @@ class GatherSequence(ParallelStyle):
         return module
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
-    """Shard `model` in place over the 1-D mesh `tp_mesh`."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool, experts_span_tp: bool = False) -> None:
+    """Shard `model` in place over the 1-D mesh `tp_mesh`. `experts_span_tp` (with `sp`): the MoE layers route
+    each rank's own sequence shard (`_moe_plan_own_tokens`); expert parallelism then spreads their experts."""
     seq = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
     tied = model.cfg.tie_embeddings
     top = {
@@ -206,7 +209,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
             "attention.wo": RowwiseParallel(output_layouts=seq),
         }
         moe = block.feed_forward if isinstance(block.feed_forward, MoE) else None
-        if moe is not None:  # the whole sequence on every rank, local tensors inside
+        if moe is not None and sp and experts_span_tp:
+            plan.update(_moe_plan_own_tokens(moe, tp_mesh))
+        elif moe is not None:  # the whole sequence on every rank, local tensors inside
             plan["feed_forward"] = PrepareModuleInputOutput(
                 input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
                 output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
@@ -232,6 +237,25 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool) -> None:
         plan["attention_norm"] = SequenceParallel() if sp else Replicated()
         plan["ffn_norm"] = SequenceParallel() if sp else Replicated()
         parallelize_module(block, tp_mesh, plan)
+
+
+def _moe_plan_own_tokens(moe: MoE, tp_mesh) -> dict:
+    """The plan of an MoE layer under SP whose experts are spread over the tp ranks (expert tensor parallelism
+    1, `loom.rules.experts_span_tp`): the layer runs on the rank's own sequence shard, as a local tensor, and
+    nothing is gathered. The router, shared experts and shared gate are replicated DTensors computed on the
+    rank's rows as a `Shard(0)` DTensor, so their weight gradients (partial per rank) sum over the group, as
+    the sequence-parallel norms' do; the routed experts stay plain here, for `apply_expert_parallel` to shard
+    over an EP group made of whole tp groups (no two ranks of a tp group hold the same experts)."""
+    plan = {"feed_forward": PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
+        output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=True)}
+    for name, _ in moe.named_children():
+        if name in ("shared", "shared_gate"):
+            plan[f"feed_forward.{name}"] = Replicated(Shard(0), use_local_output=True, input_layout=Shard(0))
+    for pname, param in list(moe.router.named_parameters(recurse=False)):
+        moe.router.register_parameter(pname, nn.Parameter(distribute_tensor(param.data, tp_mesh, [Replicate()])))
+    moe.token_mesh = tp_mesh
+    return plan
 
 
 def loss_context(tp: int):
