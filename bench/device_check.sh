@@ -24,7 +24,7 @@
 # --tar FILE: a tar.gz of OUT_DIR rewritten after every step and every 30 s (the device tool brings back at
 # most 8 files; this is one). A step past its timeout is killed with its processes; the next one starts.
 #
-# Steps and timeouts on the GPU (seconds; sum 1265 with setup, more than one 10-minute call: choose with
+# Steps and timeouts on the GPU (seconds; sum 1415 with setup, more than one 10-minute call: choose with
 # --only). Sized from the second H200 run of 2026-11-26 (bench/results/device_check_h200_2026-11-26_b/), where
 # the earlier, tighter timeouts cut off every step but two: on a fresh machine each process imports torch,
 # builds its model and compiles from a cold cache (about 40 s for a 1B loom row, over 60 s for a 7B one)
@@ -40,6 +40,8 @@
 #                     FlexAttention's block mask inside the compiled blocks), against train_1b's plain row
 #   train_3b     150  the 3B shape, seq 8192, full recompute, 2 + 3 steps, rows loom (both losses),
 #                     torchtitan-0.3.0
+#   moe          150  loom on Qwen3-30B-A3B cut to 4 layers (128 experts of 768, top 8; 3.1B parameters), seq 4096,
+#                     loss_chunk 8192, grouped GEMM (bf16, Hopper): tokens/s and MFU of the active FLOPs (issue 40)
 #   train_7b     120  the Llama 2 7B shape (NeMo's published figure), seq 4096, 8192 tokens a step, full
 #                     recompute, loss_chunk 8192, 2 + 3 steps, loom only (fits an H200's memory, not an H100's)
 #   fp8_7b       120  the same with train.fp8=rowwise (torchao): the shape where fp8 should pay (issue 39)
@@ -236,6 +238,8 @@ if [ $SMOKE = 1 ]; then
     --out "$DIR/gpu_train_packed_1b.json"
   run_step train_3b $((240 * X)) "$PY" "${TRAIN[@]}" --frameworks $FW ${TT_ARGS[@]+"${TT_ARGS[@]}"} --recompute full \
     --out "$DIR/gpu_train_3b.json"
+  run_step moe $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --models tiny-moe --loss-chunk 16 \
+    --out "$DIR/gpu_train_moe.json"
   # the 7B rows at the tiny shape (their 7B shape is checked on the meta device by tests/test_bench_gpu_train.py)
   run_step train_7b $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --recompute full --loss-chunk 16 \
     --out "$DIR/gpu_train_7b.json"
@@ -258,6 +262,9 @@ else
     --loss-chunk 0 --doc-len 1024 --out "$DIR/gpu_train_packed_1b.json"
   run_step train_3b 150 "$PY" "${TRAIN[@]}" --models llama3.2-3b --seqs 8192 --steps 3 --warmup 2 \
     --frameworks loom,torchtitan-0.3.0 ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_3b.json"
+  # MoE (issue 40): Qwen3-30B-A3B cut to 4 layers, grouped GEMM on Hopper in bf16; beside train_1b's dense rows
+  run_step moe 150 "$PY" "${TRAIN[@]}" --models qwen3-30b-a3b-4l --seqs 4096 --steps 5 --warmup 2 --frameworks loom \
+    --loss-chunk 8192 --out "$DIR/gpu_train_moe.json"
   # Llama 2 7B shape (issue 39; NeMo's figure): loom only, full recompute, the memory-light loss, bf16 then fp8
   TRAIN7=(bench/gpu_train.py --row-timeout 118 --models llama2-7b --seqs 4096 --tokens-per-step 8192 --steps 3
           --warmup 2 --frameworks loom --recompute full --loss-chunk 8192)

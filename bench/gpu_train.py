@@ -80,11 +80,21 @@ SHAPES = {  # Llama-3.2 (config.json of meta-llama/Llama-3.2-1B / -3B), rope sca
     # Llama 2 7B (config.json of meta-llama/Llama-2-7b-hf): multi-head attention, untied head, rope_theta 1e4;
     # the shape of NeMo's published Llama 2 7B pre-training figure (issue 39)
     "llama2-7b": dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008, vocab_size=32000),
+    # Qwen3-30B-A3B (configs/qwen3-30b-a3b.toml) cut to 4 of its 48 layers to fit one GPU with AdamW: 128
+    # experts of 768, top 8, heads of 128, q/k norm, untied head; 3,114,814,464 parameters (loom, meta device)
+    "qwen3-30b-a3b-4l": dict(layers=4, hidden=2048, heads=32, kv_heads=4, ffn_hidden=6144, vocab_size=151936),
     "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512),
+    "tiny-moe": dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=512),
 }
 # What differs from the Llama-3.2 defaults (tied embeddings, rope_theta 500000)
-SHAPE_EXTRA = {"llama2-7b": dict(tie_embeddings=False, rope_theta=10000.0)}
-RECOMPUTE = {"llama3.2-1b": "none", "llama3.2-3b": "full", "llama2-7b": "full", "tiny": "none"}
+SHAPE_EXTRA = {
+    "llama2-7b": dict(tie_embeddings=False, rope_theta=10000.0),
+    "qwen3-30b-a3b-4l": dict(tie_embeddings=False, rope_theta=1000000.0, explicit_head_dim=128, qk_norm=True,
+                             moe=dict(experts=128, top_k=8, ffn_hidden=768, renormalize=True, load_balance_coeff=0.001)),
+    "tiny-moe": dict(moe=dict(experts=8, top_k=2, ffn_hidden=64, renormalize=True)),
+}
+RECOMPUTE = {"llama3.2-1b": "none", "llama3.2-3b": "full", "llama2-7b": "full", "qwen3-30b-a3b-4l": "none",
+             "tiny": "none", "tiny-moe": "none"}
 TITAN_FLAVOR = {"llama3.2-1b": "1B", "llama3.2-3b": "3B"}  # torchtitan 0.3.0's own Llama 3 flavors of these shapes
 FRAMEWORKS = ("loom", "torchtitan-0.3.0", "torchtitan-0.2.2", "transformers", "transformers+liger")
 
@@ -115,7 +125,25 @@ def shape_extra(shape: str) -> dict:
 
 
 def model_config(shape: str, seq: int) -> ModelConfig:
-    return ModelConfig(**SHAPES[shape], **shape_extra(shape), max_seq_len=seq, norm_eps=1e-5)
+    from loom.config.model import MoEConfig
+
+    extra = dict(shape_extra(shape))
+    if "moe" in extra:
+        extra["moe"] = MoEConfig(**extra["moe"])
+    return ModelConfig(**SHAPES[shape], **extra, max_seq_len=seq, norm_eps=1e-5)
+
+
+def extra_overrides(shape: str) -> list[str]:
+    """loom's model.* settings of SHAPE_EXTRA beyond the head and rope (head_dim, qk_norm, model.moe.*)."""
+    out = []
+    for key, value in shape_extra(shape).items():
+        if key == "moe":
+            out += [f"model.moe.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in value.items()]
+        elif key == "explicit_head_dim":
+            out.append(f"model.head_dim={value}")
+        elif key not in ("tie_embeddings", "rope_theta"):
+            out.append(f"model.{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return out
 
 
 def flops_per_token(shape: str, seq: int, causal: bool) -> float:
@@ -226,7 +254,8 @@ def run_loom(shape, seq, batch, device, args):
     extra = shape_extra(shape)
     overrides = [f"model.{k}={v}" for k, v in m.items()] + [
         f"model.max_seq_len={seq}", f"model.rope_theta={extra['rope_theta']}",
-        f"model.tie_embeddings={str(extra['tie_embeddings']).lower()}", f"optim.state_dtype={args.state_dtype}",
+        f"model.tie_embeddings={str(extra['tie_embeddings']).lower()}", *extra_overrides(shape),
+        f"optim.state_dtype={args.state_dtype}",
         f"train.seq_len={seq}", f"train.micro_batch={batch}", f"train.global_batch={batch}",
         f"train.dtype={'bfloat16' if cuda else 'float32'}", f"train.compile={str(args.compile and cuda).lower()}",
         f"train.loss_chunk={chunk}", f"recompute.mode={recompute_of(shape, args)}",
@@ -764,7 +793,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the JSON report here (rewritten after every row)")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.models, args.seqs, args.tokens_per_step, args.steps, args.warmup = "tiny", "32", 64, 2, 1
+        small = args.models if args.models.startswith("tiny") else "tiny"  # tiny or tiny-moe
+        args.models, args.seqs, args.tokens_per_step, args.steps, args.warmup = small, "32", 64, 2, 1
         if args.loss_chunk == ap.get_default("loss_chunk"):
             args.loss_chunk = "0,16"
         args.cpu = True

@@ -125,3 +125,9 @@ def test_llama2_7b_shape_is_the_published_model():
     assert not cfg.tie_embeddings and cfg.rope_theta == 10000.0
     model = build_model(cfg, device=torch.device("meta"))
     assert bench.check_params(model, "llama2-7b", "loom") == 6_738_415_616
+    # the MoE row's shape: Qwen3-30B-A3B's layer (128 experts of 768, heads of 128, q/k norm) x 4, untied head
+    moe = bench.model_config("qwen3-30b-a3b-4l", 4096)
+    assert moe.moe.experts == 128 and moe.moe.top_k == 8 and moe.head_dim == 128 and moe.qk_norm
+    layer = 2048 * 4096 * 2 + 2048 * 512 * 2 + 128 * 3 * 2048 * 768 + 2048 * 128 + 2 * 2048 + 2 * 128
+    n = sum(p.numel() for p in build_model(moe, device=torch.device("meta")).parameters())
+    assert n == 2 * 151936 * 2048 + 4 * layer + 2048 == 3_114_814_464

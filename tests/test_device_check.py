@@ -11,8 +11,8 @@ import pytest
 
 from conftest import ROOT
 
-STEPS = ["setup_wheels", "versions", "gpu_tests", "train_1b", "packed_1b", "train_3b", "train_7b", "fp8_7b", "profile",
-         "generate", "generate_paged", "rl", "serve"]
+STEPS = ["setup_wheels", "versions", "gpu_tests", "train_1b", "packed_1b", "train_3b", "moe", "train_7b", "fp8_7b",
+         "profile", "generate", "generate_paged", "rl", "serve"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_every_step_is_recorded_and_a_cut_off_step_does_not_stop_the_run(check):
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == STEPS
     status = {s["step"]: s["status"] for s in steps}
-    for name in ("versions", "train_1b", "packed_1b", "train_3b", "train_7b", "fp8_7b", "generate", "rl"):
+    for name in ("versions", "train_1b", "packed_1b", "train_3b", "moe", "train_7b", "fp8_7b", "generate", "rl"):
         assert status[name] == "ok", (name, (out / f"{name}.log").read_text()[-2000:])
     assert status["setup_wheels"] == status["gpu_tests"] == "skipped"  # the wheels and CUDA tests are the GPU's
     assert status["generate_paged"] == status["serve"] == "skipped"  # their smokes are other tests' (the notes say)
@@ -86,6 +86,8 @@ def test_fp8_generate_and_rl_rows(check):
         assert "error" not in row, row.get("traceback")
         assert row["loss_kind"] == "chunked" and row["tokens_per_s"] > 0 and "recompute.mode=full" in row["settings"]
     assert "train.fp8=rowwise" in fp8["settings"] and "train.fp8=off" in bf16["settings"]
+    (moe,) = json.loads((out / "gpu_train_moe.json").read_text())["runs"]
+    assert "error" not in moe and "model.moe.experts=8" in moe["settings"] and moe["tokens_per_s"] > 0
     (packed,) = json.loads((out / "gpu_train_packed_1b.json").read_text())["runs"]
     assert "error" not in packed and packed["packing"].startswith("documents of 6-18 tokens") and packed["loss"] > 0
     generate = json.loads((out / "generate_gpu.json").read_text())

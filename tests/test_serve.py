@@ -257,7 +257,7 @@ def slowed(engine, monkeypatch, seconds=0.02):
 
 def test_a_client_that_goes_away_frees_its_slot(server, monkeypatch):
     engine = server.served.scheduler.engine
-    slowed(engine, monkeypatch)
+    slowed(engine, monkeypatch, 0.05)  # 60 tokens take >= 15 windows x 0.05 s, well past the 0.2 s limit below
     before = server.metrics()["loom_generation_tokens_total"]
     stream = server.client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=60, temperature=0,
                                               stream=True)
