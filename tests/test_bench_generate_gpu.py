@@ -1,21 +1,13 @@
 """bench/generate_gpu.py keeps running: its --smoke mode (tiny model, fp32, CPU, eager engine) goes through
 every measurement the GPU run makes except the CUDA-graph count, and its numbers follow from what it timed."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, bench_smoke
 
 
 def test_generate_gpu_bench_smoke(tmp_path):
-    out = tmp_path / "smoke.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "generate_gpu.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = bench_smoke("generate_gpu.py", tmp_path, timeout=600)
     # The tiny shape (hidden 64, 2 layers, 4 heads of 16, 2 key/value heads, MLP 128, vocabulary 512, tied):
     # embedding 512*64; per layer q, o 64*64, k, v 64*32, MLP 3*64*128, two norms; the final norm.
     params = 512 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64

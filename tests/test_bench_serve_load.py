@@ -2,24 +2,16 @@
 the CPU, 6 streaming clients x 2 rounds) writes a report whose numbers follow from what it timed, and the
 server's metrics show the clients' requests decoded together."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from conftest import ROOT
+from conftest import bench_smoke
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 
 def test_serve_load_bench_smoke(tmp_path):
-    out = tmp_path / "smoke.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_load.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = bench_smoke("serve_load.py", tmp_path, timeout=300)
     assert report["requests"] == report["ok"] == 12 and report["failed"] == []
     assert report["generated_tokens"] == 12 * 8  # no stop token in a word-level vocabulary: max_tokens each
     assert report["tokens_per_s"] == pytest.approx(report["generated_tokens"] / report["wall_s"], rel=1e-3)

@@ -19,9 +19,8 @@ import pytest
 
 from loom.config import load_config
 from loom.errors import UserError
-from test_moe_compose import ROUTERS
-from test_moe_parallel import assert_same_routing
-from test_parallel import PIPE, assert_same_run, launch, single_runs
+from test_moe_compose import ROUTERS, check_case
+from test_parallel import PIPE, single_runs
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +49,7 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_experts_over_tp_match_single_process(name, references, tmp_path):
-    router, nproc, layout = CASES[name]
-    launch(tmp_path / "run", nproc, *ROUTERS[router], *layout, base=PIPE)
-    reference = references(router)
-    assert_same_run(tmp_path / "run", reference)
-    assert_same_routing(tmp_path / "run", reference, router, moe_layers=4)
+    check_case(CASES[name], references, tmp_path)
 
 
 # --- counted: expert FLOPs and expert bytes per rank halve against the layouts of before --------------
