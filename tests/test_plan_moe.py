@@ -74,8 +74,9 @@ def test_all_to_all_and_expert_gemms_follow_the_token_arithmetic():
     assert one.fwd["ep_comm"] == pytest.approx(expected, rel=1e-9)
     assert one.bwd["ep_comm"] == pytest.approx(expected, rel=1e-9)
     # Across nodes (tp=2 puts 4 ep peers in a node): the half that leaves the node goes at network speed.
-    # MoE layers are not split over tp, so each tp rank routes every token of the micro-batch, SP or not.
-    two = layer_times(w, 2, 1, 1, True, "none", 8)
+    # Without SP the MoE layer is not split over tp, so each tp rank routes every token of the micro-batch
+    # (with SP and ep a multiple of tp the experts spread over the tp ranks: test_experts_over_tp_...).
+    two = layer_times(w, 2, 1, 1, False, "none", 8)
     rows = tokens * k
     out = rows * h * 2 * (4 / 7) * 7 / 8
     assert two.fwd["ep_comm"] == pytest.approx(
@@ -107,7 +108,9 @@ def test_search_offers_expert_parallel_sizes_that_divide_experts_and_dp():
     eps = {e.layout.ep for e in found}
     assert eps and eps <= {1, 2, 4, 8} and max(eps) > 1
     for e in found:
-        assert (e.layout.dp * e.layout.cp) % e.layout.ep == 0 and 8 % e.layout.ep == 0
+        lay = e.layout
+        over_tp = lay.sp and lay.tp > 1 and lay.ep % lay.tp == 0 and (lay.tp * lay.dp * lay.cp) % lay.ep == 0
+        assert ((lay.dp * lay.cp) % lay.ep == 0 or over_tp) and 8 % lay.ep == 0
     dense = load_config("llama2-7b").model
     found, _ = search(Workload(dense, 4096, 64, 16, H100), top=0, recompute_modes=("full",))
     assert {e.layout.ep for e in found} == {1}

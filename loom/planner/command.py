@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="mixture of experts: tokens routed to the busiest expert-parallel rank over the mean (default "
                         "1.0, balanced, as NVIDIA's published MoE benchmarks force); it scales that rank's expert work, "
                         "activations and all-to-all volume")
+    c.add_argument("--moe-dispatcher", choices=["alltoall", "deepep"], default="alltoall",
+                   help="mixture of experts: how tokens reach their experts' ranks: alltoall (default; loom's, "
+                        "Megatron's alltoall dispatcher: every routed row sent) or deepep (Megatron's flex dispatcher "
+                        "with DeepEP: a token crosses the network once per node it goes to)")
     c.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="gradients reduced after backward, not during it (Megatron-LM before 2023)")
     s = p.add_argument_group("search")
@@ -158,6 +162,7 @@ def build_workload(args):
                     state_dtype=args.state_dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce,
                     grad_accum=args.grad_accum, memory_margin_gib=margin, framework=args.framework,
                     grad_dtype=args.grad_dtype, moe_imbalance=args.moe_imbalance,
+                    moe_dispatcher=args.moe_dispatcher,
                     loss_chunk=args.loss_chunk, recipe=args.recipe, lora_rank=lora.rank, compile=args.compile,
                     lora_targets=tuple(loom_targets(lora.targets)) if lora.enabled else ()), args.model
 
@@ -180,18 +185,32 @@ def run(args, engine_probe=None) -> int:
         if args.json:
             print(json.dumps({"runs": rows, "measured_runs": measured}, indent=1))
             return 0
-        print(f"{'run':<28} {'published s':>11} {'predicted s':>11} {'error':>7}  fits  layout chosen")
-        for r in rows:
-            lay = r["layout"]
-            if lay is None:  # no completion of the published layout fits
-                print(f"{r['run']:<28} {r['published_s']:>11.3f} {'-':>11} {'-':>7}  NO    (predicted not to fit)")
-                continue
-            print(f"{r['run']:<28} {r['published_s']:>11.3f} {r['predicted_s']:>11.3f} {100 * r['error']:>+6.1f}%  "
-                  f"{'yes' if r['fits'] else 'NO':<4}  mbs={lay.get('micro_batch')} vpp={lay.get('vpp')} "
-                  f"{lay.get('schedule')}")
-        errors = [abs(r["error"]) for r in rows if r["error"] is not None]
-        print(f"{len(errors)} of {len(rows)} published layouts predicted to fit; mean |step-time error| "
-              f"{100 * sum(errors) / max(1, len(errors)):.1f}%")
+        def table(rows: list[dict], routing: bool = False) -> None:
+            print(f"{'run':<28} {'published s':>11} {'predicted s':>11} {'error':>7}  fits  layout chosen"
+                  + ("                    routing" if routing else ""))
+            for r in rows:
+                lay = r["layout"]
+                if lay is None:  # no completion of the published layout fits
+                    print(f"{r['run']:<28} {r['published_s']:>11.3f} {'-':>11} {'-':>7}  NO    (predicted not to fit)")
+                    continue
+                chosen = f"mbs={lay.get('micro_batch')} vpp={lay.get('vpp')} {lay.get('schedule')}"
+                print(f"{r['run']:<28} {r['published_s']:>11.3f} {r['predicted_s']:>11.3f} {100 * r['error']:>+6.1f}%  "
+                      f"{'yes' if r['fits'] else 'NO':<4}  " + (f"{chosen:<28} {r['routing']}" if routing else chosen))
+
+        def summary(rows: list[dict], what: str) -> str:
+            errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+            return (f"{len(errors)} of {len(rows)} {what} predicted to fit; mean |step-time error| "
+                    f"{100 * sum(errors) / max(1, len(errors)):.1f}%")
+
+        table([r for r in rows if r["set"] == "published"])
+        print(summary([r for r in rows if r["set"] == "published"], "published layouts"))
+        print()
+        print("Published Megatron-Core MoE runs with tensor parallelism (experts over tp x dp ranks; "
+              "loom/planner/validation.py published_moe_runs)")
+        table([r for r in rows if r["set"] == "moe"], routing=True)
+        moe_rows = [r for r in rows if r["routing"]]
+        print(summary(moe_rows, f"MoE layouts (these and the {len(moe_rows) - sum(r['set'] == 'moe' for r in rows)} "
+                                "above)"))
         if measured:
             print()
             print("loom's own runs on one GPU (loom/planner/measured_runs.json), predicted from that machine's profile; "

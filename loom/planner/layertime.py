@@ -86,6 +86,7 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool, moe: bool 
     half = 4 if prec == "fp32" else 2  # bytes of an activation element
     # Linear layers, split over tp (columns for QKV / fc1, rows for out / fc2).
     gemm = gemm_time(gpu, prec, tokens, (a + 2 * g) * d // tp, h) + gemm_time(gpu, prec, tokens, h, a * d // tp)
+    span = moe and w.experts_over_tp(tp, sp, ep)  # each rank routes its own sequence shard (no MoE tp collectives)
     moe_terms = _moe_forward(w, tokens, tp, sp, ep) if moe else None
     if moe_terms:
         gemm += moe_terms["gemm"]
@@ -130,9 +131,9 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool, moe: bool 
     if tp > 1:
         act = tokens * h * half
         per_node = members_per_node(gpu, 1, tp)
-        if sp:
-            tp_comm = 2 * (collective_time(gpu, "all_gather", act, tp, per_node)
-                           + collective_time(gpu, "reduce_scatter", act, tp, per_node))
+        if sp:  # attention's and the MLP's; an MoE layer whose ranks route their own shards has only attention's
+            tp_comm = (1 if span else 2) * (collective_time(gpu, "all_gather", act, tp, per_node)
+                                            + collective_time(gpu, "reduce_scatter", act, tp, per_node))
         else:
             tp_comm = 2 * collective_time(gpu, "all_reduce", act, tp, per_node)
     # Context parallelism as loom runs it: the keys and values of the whole sequence all-gathered over the cp
@@ -151,21 +152,30 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool, moe: bool 
 
 
 def _moe_forward(w: Workload, tokens: int, tp: int, sp: bool, ep: int) -> dict:
-    """An MoE layer's MLP forward on one rank, in place of the dense MLP. MoE layers are not split over tp
-    (loom/parallel/tensor.py): every tensor-parallel rank routes all the micro-batch's tokens (under SP it
-    all-gathers them first and keeps its own shard of the output), sends each token's top_k rows to the
-    experts' ranks and computes what it receives: tokens x top_k rows (x the imbalance on the busiest rank),
-    spread over its E/ep experts as one grouped GEMM per weight (`batch` = local experts). The router is a
-    small GEMM; the shared experts a whole dense MLP on every tp rank. Dispatch and combine are one all-to-all each over the ep ranks
-    (each rank sends (ep-1)/ep of its rows away), inside a node when the ep group (stride tp) fits in one,
-    else at the network's bandwidth for the part that leaves the node. Permuting the rows in and out and the
-    experts' activation function are HBM traffic."""
+    """An MoE layer's MLP forward on one rank, in place of the dense MLP, for `tokens` tokens of the tensor-
+    parallel group (a micro-batch's share of the sequence). Two layouts (`Workload.experts_over_tp`):
+
+    - experts spread over tensor- and data-parallel ranks (loom under SP with ep a multiple of tp, Megatron-Core
+      with expert tensor parallelism 1): each rank routes only its own sequence shard, tokens / tp, and the
+      router and shared experts run on those rows; an EP group is whole tp groups side by side (tp innermost),
+      so its members are consecutive ranks.
+    - otherwise MoE layers are not split over tp (loom/parallel/tensor.py): every tensor-parallel rank routes
+      all the group's tokens (under SP it all-gathers them first and keeps its own shard of the output), the
+      shared experts run whole on every tp rank, and an EP group takes one rank of each tp group (stride tp).
+
+    The routed rows, tokens x top_k (x the imbalance on the busiest rank), are spread over the rank's E/ep
+    experts as one grouped GEMM per weight (`batch` = local experts); the router is a small GEMM. Dispatch
+    and combine are one all-to-all each over the ep ranks (each rank sends (ep-1)/ep of its rows away),
+    inside a node when the ep group fits in one, else at the network's bandwidth for the part that leaves
+    the node (`Workload.moe_dispatcher` "deepep": each token crosses the network once per node it goes
+    to). Permuting the rows in and out and the experts' activation function are HBM traffic."""
     cfg, gpu, prec = w.model, w.gpu, w.precision
     h, k, E = cfg.hidden, cfg.moe.top_k, cfg.moe.experts
     fe = cfg.moe.ffn_hidden or cfg.ffn_hidden
     gated = cfg.mlp == "swiglu"
     half = 4 if prec == "fp32" else 2
-    routed_tokens = tokens
+    span = w.experts_over_tp(tp, sp, ep)
+    routed_tokens = tokens // tp if span else tokens  # this rank's tokens through the router and shared experts
     rows = routed_tokens * k * w.moe_imbalance
     local = E // ep
     per_expert = max(1, math.ceil(rows / local))
@@ -175,19 +185,31 @@ def _moe_forward(w: Workload, tokens: int, tp: int, sp: bool, ep: int) -> dict:
     # loom; priced at the 16-bit rate: E x h per token is small next to the experts')
     if cfg.moe.shared_experts:
         fs = cfg.moe.shared_experts * fe
-        gemm += gemm_time(gpu, prec, tokens, (2 if gated else 1) * fs, h) + gemm_time(gpu, prec, tokens, h, fs)
+        gemm += (gemm_time(gpu, prec, routed_tokens, (2 if gated else 1) * fs, h)
+                 + gemm_time(gpu, prec, routed_tokens, h, fs))
     # Bytes: rows gathered in and scattered back (read + write each), the activation function over the rows,
     # the router's softmax / top-k over E scores per token (fp32).
     traffic = rows * (2 * 2 * h * half + (3 if gated else 2) * fe * half) + routed_tokens * E * 4 * 3
     if cfg.moe.shared_experts:
-        traffic += tokens * (3 if gated else 2) * cfg.moe.shared_experts * fe * half
+        traffic += routed_tokens * (3 if gated else 2) * cfg.moe.shared_experts * fe * half
     ep_comm = 0.0
     if ep > 1:
-        volume = rows * h * half * (ep - 1) / ep  # bytes each rank sends per exchange
-        in_node = max(1, min(ep, gpu.node_size // tp))  # ep peers sharing this rank's node
-        out_share = (ep - in_node) / (ep - 1)
-        seconds = max(volume * (1 - out_share) / (gpu.nvlink_gbps * 1e9 * gpu.collective_efficiency),
-                      volume * out_share / (gpu.internode_gbps * 1e9 * gpu.collective_efficiency))
+        row = h * half  # bytes of one dispatched row
+        in_node = members_per_node(gpu, 1 if span else tp, ep)  # ep peers sharing this rank's node
+        inside = rows * row * (in_node - 1) / ep  # bytes each rank sends to its node's peers per exchange
+        leaving = rows * row * (ep - in_node) / ep  # and to the other nodes' ranks
+        if w.moe_dispatcher == "deepep" and ep > in_node:
+            # DeepEP's internode kernels send a token over the network once per node holding any of its
+            # top_k experts, and that node's receiving GPU forwards it over NVLink to the others: with the
+            # experts spread evenly (balanced routing), a remote node holds none of a token's k experts
+            # with probability C(E - E/nodes, k) / C(E, k).
+            nodes = ep // in_node
+            per_node = E // nodes
+            missed = math.prod((E - per_node - i) / (E - i) for i in range(k)) if E - per_node >= k else 0.0
+            inside += leaving  # forwarded inside the receiving node (each rank forwards as much as it gets)
+            leaving = routed_tokens * w.moe_imbalance * (nodes - 1) * (1 - missed) * row
+        seconds = max(inside / (gpu.nvlink_gbps * 1e9 * gpu.collective_efficiency),
+                      leaving / (gpu.internode_gbps * 1e9 * gpu.collective_efficiency))
         ep_comm = 2 * (gpu.collective_latency_us * 1e-6 + seconds)
     return {"gemm": gemm, "elementwise": hbm_time(gpu, traffic), "ep_comm": ep_comm, "kernels": 12}
 

@@ -9,7 +9,8 @@ from loom.config import ModelConfig
 from loom.flops import layer_activation_bytes
 from loom.rules import grads_stay_sharded, lora_bytes_per_param
 from loom.planner.params import lora_params, model_sizes
-from loom.planner.stages import local_params, loom_shard_groups, priced_as_megatron, rank_shapes, recomputed_layers
+from loom.planner.stages import (expert_data_parallel, local_params, loom_shard_groups, priced_as_megatron, rank_shapes,
+                                 recomputed_layers)
 from loom.planner.workload import GIB, Layout, Workload
 
 CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers
@@ -70,9 +71,11 @@ def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: in
     dispatched input the experts' first GEMMs keep, the experts' MLP activations at moe.ffn_hidden (as a dense
     MLP's, loom's or Transformer Engine's) and the expert output the gate multiplies in the combine; per token
     the router's fp32 input copy, logits and probabilities (loom routes in fp32), and the shared experts' MLP.
-    MoE layers are not split over tp: every tensor-parallel rank routes every token (under SP it also keeps
-    the all-gathered input), and holds the shared experts' activations whole. Full recomputation keeps only
-    the layer input, as for a dense layer."""
+    With experts spread over tensor-parallel ranks (`Workload.experts_over_tp`) all of these are for the
+    rank's own sequence shard (s x b / tp tokens) and nothing is gathered; otherwise MoE layers are not split
+    over tp: every tensor-parallel rank routes every token (under SP it also keeps the all-gathered input),
+    and holds the shared experts' activations whole. Full recomputation keeps only the layer input, as for a
+    dense layer."""
     cfg = w.model
     if recompute == "full":
         return 0.0
@@ -85,12 +88,13 @@ def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: in
     def mlp(width: float) -> float:  # one token's MLP activations at this width
         return ((2 if gated else 1) * e + lin) * width if mega else (4 if gated else 2) * e * width
 
-    tokens = s * b
+    span = w.experts_over_tp(lay.tp, lay.sp, lay.ep)
+    tokens = s * b // lay.tp if span else s * b  # the tokens this rank routes
     rows = tokens * k * w.moe_imbalance
     routed = rows * (lin * h + mlp(fe) + e * h)
     router = tokens * ((0 if mega else 4 * h) + 2 * 4 * E)
     shared = tokens * mlp(fs)
-    if lay.tp > 1 and lay.sp:
+    if lay.tp > 1 and lay.sp and not span:
         routed += e * tokens * h  # the gathered input, kept for backward
     return routed + router + shared - s * b * mlp(f) / lay.tp
 
@@ -153,10 +157,13 @@ def memory(w: Workload, lay: Layout) -> dict:
         dense, experts = local_params(w, lay, shape)
         dp = lay.dp * lay.cp  # the cp ranks join the shard group (loom's dp_shard_cp, Megatron's dp x cp)
         d_state = states(dense, dp, lay.cp)
-        # loom's replicate style still fully_shards routed experts over the edp ranks (loom_shard_groups)
+        # loom's replicate style still fully_shards routed experts over the edp ranks (loom_shard_groups);
+        # routed experts are sharded over their expert-data-parallel ranks (tp x dp x cp / ep of them with
+        # experts spread over tensor-parallel ranks, else dp x cp / ep)
         dense_group, expert_group = loom_shard_groups(lay)
         e_style = "fsdp" if lay.dp_style == "replicate" and not mega and lay.ep > 1 else lay.dp_style
-        e_state = (states(experts, expert_group if e_style == "fsdp" else dp // lay.ep, max(1, lay.cp // lay.ep),
+        edp = expert_group if e_style == "fsdp" and not mega else expert_data_parallel(w, lay)
+        e_state = (states(experts, edp, max(1, lay.cp // lay.ep),
                           e_style, sharded and dense_group > 1) if experts else (0.0, 0.0, 0.0))
         params, grads, optim = (a + b for a, b in zip(d_state, e_state))
         if w.lora_rank:  # LoRA (no tp: loom.rules.lora_problem): frozen base, adapters as any trained weight

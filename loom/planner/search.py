@@ -127,20 +127,27 @@ def _min_full_layers(w: Workload, lay: Layout, capacity: float) -> int | None:
     return lo
 
 
-def ep_options(cfg: ModelConfig, dp: int, cp: int) -> list[int]:
-    """Expert-parallel sizes the rule book allows (loom.rules.valid_ep_sizes: ep is carved from the data- and
-    context-parallel ranks, so it divides dp x cp, and divides the expert count). [1] for a dense model."""
-    return valid_ep_sizes(cfg.moe.experts, dp * cp) if cfg.moe.experts else [1]
+def ep_options(cfg: ModelConfig, dp: int, cp: int, tp: int = 1, sp: bool = False) -> list[int]:
+    """Expert-parallel sizes the rule book allows (loom.rules.valid_ep_sizes): the divisors of dp x cp, and
+    under sequence parallelism (tp > 1, sp) the multiples of tp dividing tp x dp x cp (experts spread over
+    tensor- and data-parallel ranks); each divides the expert count. [1] for a dense model."""
+    return valid_ep_sizes(cfg.moe.experts, dp * cp, tp, sp) if cfg.moe.experts else [1]
 
 
-def ep_problem(cfg: ModelConfig, ep: int, dp: int, cp: int) -> str | None:
+def ep_problem(cfg: ModelConfig, ep: int, dp: int, cp: int, tp: int = 1, sp: bool = False) -> str | None:
     """Why `--layout ep=N` cannot be priced (None: it can), in --layout's names."""
     if ep != 1 and not cfg.moe.experts:
         return f"ep={ep} needs a mixture-of-experts model (model.moe.experts > 0); this model is dense, valid: ep=1"
-    if ep not in ep_options(cfg, dp, cp):
-        return (f"ep={ep} must divide dp x cp = {dp * cp} and the {cfg.moe.experts} experts; valid: "
-                f"{', '.join(map(str, ep_options(cfg, dp, cp)))}")
-    return None
+    valid = ep_options(cfg, dp, cp, tp, sp)
+    if ep in valid:
+        return None
+    where = f"divide dp x cp = {dp * cp}"
+    if tp > 1 and sp:
+        where += f" or be a multiple of tp={tp} dividing tp x dp x cp = {tp * dp * cp} (experts over tp and dp ranks)"
+    hint = (f", or sp=true (experts spread over tensor- and data-parallel ranks: "
+            f"{', '.join(map(str, ep_options(cfg, dp, cp, tp, True)))})"
+            if tp > 1 and not sp and ep in ep_options(cfg, dp, cp, tp, True) else "")
+    return f"ep={ep} must {where}, and divide the {cfg.moe.experts} experts; valid: {', '.join(map(str, valid))}{hint}"
 
 
 def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max_micro_batch: int = 16,
@@ -171,7 +178,7 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                         for first, last in split_options(cfg.layers, pp, vpp, schedule, head):
                             for sp in cp_sp:
                                 for style in (dp_styles if dp > 1 else ("replicate",)):
-                                    for ep in ep_options(cfg, dp, cp):
+                                    for ep in ep_options(cfg, dp, cp, tp, sp):
                                         if fixed.get("ep", ep) != ep:
                                             continue
                                         for rec in recompute_modes:
@@ -276,7 +283,9 @@ def search_layout(w: Workload, fields: dict, **kwargs) -> tuple[list[Estimate], 
     split if needed), priced to show by how much it misses."""
     kwargs = {**kwargs, "cp_max": max(kwargs.get("cp_max", 8), fields.get("cp", 1)),
               "max_micro_batch": max(kwargs.get("max_micro_batch", 16), fields.get("micro_batch", 1))}
-    if problem := ep_problem(w.model, fields.get("ep", 1), fields["dp"], fields.get("cp", 1)):
+    # sp left open: an ep that needs sp=true (experts over tp ranks) is priced with sp=true only
+    if problem := ep_problem(w.model, fields.get("ep", 1), fields["dp"], fields.get("cp", 1), fields.get("tp", 1),
+                             fields.get("sp", True)):
         raise UserError(f"--layout is not valid for this model: {problem}")
     results, info = search(w, fixed=fields, top=0, **kwargs)
     if results:
@@ -311,7 +320,7 @@ def evaluate_layout(w: Workload, fields: dict) -> Estimate:
     if problem is None:
         problem = micro_batch_count_problem(lay.pp, lay.vpp, lay.schedule, w.global_batch, lay.dp, lay.micro_batch)
     problems += [problem, sp_problem(lay.tp, lay.sp), cp_problem(w, lay.cp, lay.tp, lay.sp),
-                 ep_problem(cfg, lay.ep, lay.dp, lay.cp)]
+                 ep_problem(cfg, lay.ep, lay.dp, lay.cp, lay.tp, lay.sp)]
     problems = [p for p in problems if p]
     if problems:
         raise UserError("--layout is not valid for this model and batch: " + "; ".join(problems))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from loom.config import ModelConfig
-from loom.rules import rank_chunks, valid_split
+from loom.rules import experts_span_tp, rank_chunks, valid_split
 from loom.planner.params import model_sizes
 from loom.planner.workload import Layout, Workload
 
@@ -104,8 +104,9 @@ def _stage_params(w: Workload, lay: Layout, shape: StageShape) -> tuple[float, f
 
 def local_params(w: Workload, lay: Layout, shape: StageShape) -> tuple[float, float]:
     """What one GPU of a pipeline rank holds before data-parallel sharding: the dense part split over tp, and
-    its E/ep routed experts (not split over tp: every tensor-parallel rank of an expert-parallel rank holds
-    the same experts, as loom's expert parallelism does)."""
+    its E/ep routed experts (never split over tp: with experts spread over tensor-parallel ranks
+    (`Workload.experts_over_tp`) each tp rank holds its own E/ep of them, otherwise every tensor-parallel
+    rank of an expert-parallel rank holds the same ones)."""
     dense, experts = _stage_params(w, lay, shape)
     return dense / lay.tp, experts / lay.ep
 
@@ -116,11 +117,27 @@ def priced_as_megatron(w: Workload, lay: Layout) -> bool:
     return w.framework == "megatron" or lay.dp_style == "distopt"
 
 
+def expert_data_parallel(w: Workload, lay: Layout) -> int:
+    """Ranks holding the same routed experts, over which their gradients are reduced (and sharded): tp x dp
+    x cp / ep with experts spread over tensor-parallel ranks (`Workload.experts_over_tp`), else dp x cp / ep."""
+    return (lay.tp if w.experts_over_tp(lay.tp, lay.sp, lay.ep) else 1) * lay.dp * lay.cp // lay.ep
+
+
+def expert_rank_stride(w: Workload, lay: Layout) -> int:
+    """Distance in the world between consecutive members of an expert-parallel group (tp innermost in the
+    mesh): 1 with experts spread over tensor-parallel ranks (an EP group is whole tp groups side by side),
+    else tp (one rank of each tp group, `loom/parallel/dims.py`)."""
+    return 1 if w.experts_over_tp(lay.tp, lay.sp, lay.ep) else lay.tp
+
+
 def loom_shard_groups(lay: Layout) -> tuple[int, int]:
     """The ranks loom's fully_shard splits a rank's dense parameters and its routed experts over
     (loom/parallel): dp x cp for the fsdp style, the cp ranks for replicate (HSDP over dp_shard_cp); under
-    expert parallelism the routed experts over the expert-data-parallel ranks (dp x cp / ep) whatever the
-    style, else with the dense part. Gradients are reduced every micro-batch only when the dense group has
-    more than one rank (loom/train/steps.py)."""
+    expert parallelism the routed experts over the expert-data-parallel ranks whatever the style (dp x cp /
+    ep, or tp x dp x cp / ep with experts spread over tensor-parallel ranks: `loom.rules.experts_span_tp`),
+    else with the dense part. Gradients are reduced every micro-batch only when the dense group has more
+    than one rank (loom/train/steps.py)."""
     dense = lay.cp if lay.dp_style == "replicate" else lay.dp * lay.cp
-    return dense, (lay.dp * lay.cp // lay.ep if lay.ep > 1 else dense)
+    if lay.ep == 1:
+        return dense, dense
+    return dense, (lay.tp if experts_span_tp(lay.tp, lay.sp, lay.ep) else 1) * lay.dp * lay.cp // lay.ep

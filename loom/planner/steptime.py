@@ -24,7 +24,8 @@ from loom.planner.kernels import collective_time, hbm_time, members_per_node, p2
 from loom.planner.layertime import head_times, layer_times
 from loom.planner.memory import memory
 from loom.planner.params import lora_params, model_sizes
-from loom.planner.stages import local_params, loom_shard_groups, priced_as_megatron, rank_shapes, recomputed_layers
+from loom.planner.stages import (expert_data_parallel, expert_rank_stride, local_params, loom_shard_groups,
+                                 priced_as_megatron, rank_shapes, recomputed_layers)
 from loom.planner.workload import Estimate, Layout, Workload
 
 
@@ -110,21 +111,22 @@ def step_time(w: Workload, lay: Layout) -> dict:
     step["pp_p2p"] = p2p * m
     step["pp_bubble"] = bubble_slots * (per_mb + p2p)
     # Data parallel: gradient reduction and parameter gathering, minus what hides behind compute. Routed
-    # experts (E/ep per rank) are reduced over the expert-data-parallel ranks, dp x cp / ep of them.
+    # experts (E/ep per rank) are reduced over the expert-data-parallel ranks (`expert_data_parallel`: dp x cp
+    # / ep of them, or tp x dp x cp / ep with experts spread over tensor-parallel ranks).
     dense, experts = max((local_params(w, lay, shape) for shape in shapes), key=sum)  # the largest rank's
     dp_comm = 0.0
     group = lay.dp * lay.cp  # gradients are reduced over the data-parallel ranks and their cp ranks
-    egroup = group // lay.ep
+    egroup = expert_data_parallel(w, lay)
+    estride = expert_rank_stride(w, lay) * lay.ep  # expert-dp members are a whole EP group apart
     # Gradient element size on the wire: Megatron's buffer dtype (bf16 in NeMo's performance recipes), else fp32.
     gb = 2 if priced_as_megatron(w, lay) and w.grad_dtype == "bfloat16" else 4
 
     def coll(kind: str, per_param: float) -> float:
         """One collective over the dense parameters and one over the routed experts' expert-dp group."""
         return (collective_time(gpu, kind, per_param * dense, group, members_per_node(gpu, lay.tp, group))
-                + collective_time(gpu, kind, per_param * experts, egroup,
-                                  members_per_node(gpu, lay.tp * lay.ep, egroup)))
+                + collective_time(gpu, kind, per_param * experts, egroup, members_per_node(gpu, estride, egroup)))
 
-    if group > 1:
+    if group > 1 or egroup > 1:
         bwd_mb = sum(lt.bwd.values()) * n_layers
         fwd_mb = sum(lt.fwd.values()) * n_layers
         if lay.dp_style == "replicate":

@@ -178,6 +178,79 @@ def published_runs() -> dict:
     }
 
 
+ZOO_QWEN3 = ("Megatron MoE model zoo (github.com/yanring/Megatron-MoE-ModelZoo, best_practice/Qwen3/readme.md): "
+             "Qwen3-235B-A22B, 256 H100 (8 x 50 GB/s InfiniBand per node), bf16, seq 4096, GBS 2048, expert tensor "
+             "parallelism 1")
+BRIDGE_QWEN3_H100 = ("Megatron-Bridge performance summary, NeMo 25.11 (github.com/NVIDIA-NeMo/Megatron-Bridge "
+                     "docs/performance-summary.md, DGX-H100 table): Qwen3-235B-A22B, 256 H100, fp8 current scaling, "
+                     "TP2 PP8 VP4 EP32 MBS1, 1,575 tokens/s/GPU (233 TFLOP/s); the row lost its GBS column, 2048 is "
+                     "the recipe's (scripts/performance/configs/qwen/qwen3_workload_base_configs.py, "
+                     "QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V1: alltoall dispatcher, expert tensor parallelism "
+                     "1, all-to-all overlapped with the other micro-batch's compute, which the planner does not "
+                     "price) and the 25.09 row's, which reported 1,204 tokens/s/GPU for the same layout (token drop)")
+DGXC_GROK1 = ("NVIDIA DGX Cloud benchmarking recipe (github.com/NVIDIA/dgxc-benchmarking grok1/README.md, NeMo "
+              "25.04): Grok-1 314B (64 layers, hidden 6144, 48 heads / 8 groups, 8 experts of 32768, top-2, the "
+              "Llama-3 tokenizer's 128,256 vocabulary), 512 H100, seq 8192, TP4 PP8 CP2 EP8 ETP1 VP8 MBS1 GBS1024")
+
+
+def published_moe_runs() -> dict:
+    """Published Megatron-Core MoE runs with tensor parallelism, each with its routing: name -> (workload, the
+    published layout, published seconds per step, source, routing). Megatron runs the experts over tensor-
+    and data-parallel ranks there (expert tensor parallelism 1), what `Workload.experts_over_tp` prices.
+    Routing: "forced balanced" where the source says it forced balanced routing; otherwise the source does
+    not say, and the run is priced balanced (moe_imbalance 1) all the same. Left out: layouts the planner
+    cannot express (DeepSeek-V3's MLA, GPT-OSS's sliding windows, Llama-4 Maverick's expert tensor parallelism
+    4, the model zoo's PP32 x VPP3 split of 94 layers into 96 chunks, runs with the all-to-all overlapped
+    across micro-batches when a non-overlapped row of the same layout exists) and Megatron-Bridge's
+    Qwen3-30B-A3B on 16 H100, whose two releases report 5,275 and 10,494 tokens/s/GPU for one layout."""
+    h100 = PRESETS["h100"]
+    qwen3_235b = moe(ModelConfig(layers=94, hidden=4096, heads=64, kv_heads=4, explicit_head_dim=128, qk_norm=True,
+                                 ffn_hidden=12288, vocab_size=151936, max_seq_len=4096), 128, 8, 1536)
+    grok1 = moe(llama(64, 6144, 48, 8, 32768, 128256, 8192), 8, 2, 32768)
+
+    def megatron(model, seq, batch, gpus, precision, **kw) -> Workload:
+        return Workload(model, seq, batch, gpus, h100, precision=precision, framework="megatron",
+                        grad_dtype="bfloat16", **kw)
+
+    def layout(gpus, **fixed) -> dict:
+        out = dict(micro_batch=1, sp=True, dp_style="distopt") | fixed
+        out["dp"] = gpus // (out.get("tp", 1) * out.get("pp", 1) * out.get("cp", 1))
+        return out
+
+    unstated = "not stated (priced balanced)"
+    return {
+        "bridge-qwen3-235b-a22b-fp8": (
+            megatron(qwen3_235b, 4096, 2048, 256, "fp8"),
+            layout(256, tp=2, pp=8, vpp=4, ep=32, recompute="none"), tokens_seconds(2048, 4096, 1575, 256),
+            BRIDGE_QWEN3_H100, "forced balanced (the summary: balanced token distribution, dropless)"),
+        "zoo-qwen3-235b-tp2-ep32": (
+            megatron(qwen3_235b, 4096, 2048, 256, "bf16", moe_dispatcher="deepep"),
+            layout(256, tp=2, pp=8, vpp=4, ep=32), 19.7,
+            ZOO_QWEN3 + ": DeepEP, TP2 PP8 VPP4 EP32 MBS1, recompute of norms and expert activations (not a "
+            "loom recompute mode: left to the search), 19.7 s/step without the 1F1B all-to-all overlap", unstated),
+        "zoo-qwen3-235b-tp4-ep8": (
+            megatron(qwen3_235b, 4096, 2048, 256, "bf16", moe_dispatcher="deepep"),
+            layout(256, tp=4, pp=8, vpp=4, ep=8, recompute="none"), 29.0,
+            ZOO_QWEN3 + ": DeepEP, TP4 PP8 VPP4 EP8 MBS1, no recompute, 29.0 s/step", unstated),
+        "zoo-qwen3-235b-fsdp-ep8": (
+            megatron(qwen3_235b, 4096, 2048, 256, "bf16", moe_dispatcher="deepep", fsdp2=False),
+            layout(256, tp=2, pp=1, ep=8, micro_batch=4, dp_style="fsdp", recompute="full", recompute_layers=0),
+            17.6, ZOO_QWEN3 + ": DeepEP, TP2 EP8 Megatron-FSDP over 128, MBS4, full recompute, 17.6 s/step",
+            unstated),
+        "dgxc-grok1-314b-bf16": (
+            megatron(grok1, 8192, 1024, 512, "bf16"), layout(512, tp=4, pp=8, cp=2, vpp=8, ep=8, recompute="none"),
+            15.933, DGXC_GROK1 + ", bf16: 15.933 s/step", unstated),
+        "dgxc-grok1-314b-fp8": (
+            megatron(grok1, 8192, 1024, 512, "fp8"), layout(512, tp=4, pp=8, cp=2, vpp=8, ep=8, recompute="none"),
+            13.433, DGXC_GROK1 + ", fp8: 13.433 s/step", unstated),
+    }
+
+
+# The routing of the MoE runs in `published_runs` (both benchmarks force balanced routing).
+PUBLISHED_MOE_ROUTING = {"mcore-mixtral-8x7b": "forced balanced", "automodel-qwen3-30b-a3b": "forced balanced (fake "
+                         "balanced gate)"}
+
+
 def predict(workload: Workload, fixed: dict):
     """The planner's best estimate for a published layout, among the schedules of that time."""
     from loom.planner.search import search
@@ -187,10 +260,14 @@ def predict(workload: Workload, fixed: dict):
 
 
 def validate() -> list[dict]:
+    """Every published run priced: `published_runs` (set "published"), then `published_moe_runs` (set
+    "moe"); MoE rows carry their routing."""
+    runs = [(name, *run, PUBLISHED_MOE_ROUTING.get(name), "published") for name, run in published_runs().items()]
+    runs += [(name, *run, "moe") for name, run in published_moe_runs().items()]
     rows = []
-    for name, (w, fixed, seconds, source) in published_runs().items():
+    for name, w, fixed, seconds, source, routing, group in runs:
         best = predict(w, fixed)
-        rows.append({"run": name, "source": source, "published_s": round(seconds, 4),
+        rows.append({"run": name, "set": group, "routing": routing, "source": source, "published_s": round(seconds, 4),
                      "predicted_s": round(best.step_time_s, 4) if best else None,
                      "error": round(best.step_time_s / seconds - 1, 4) if best else None,
                      "fits": bool(best and best.fits),

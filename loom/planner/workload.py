@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loom.config import ModelConfig
+from loom.rules import experts_span_tp
 from loom.planner.hardware import GPU
 
 GIB = 2**30
@@ -40,6 +41,10 @@ class Workload:
     # Megatron-Bridge's and NeMo AutoModel's MoE benchmarks force). It scales the busiest rank's expert work,
     # activations and all-to-all volume.
     moe_imbalance: float = 1.0
+    # Mixture of experts: how tokens reach their experts' ranks. "alltoall": every routed row is sent to its
+    # expert's rank (loom's all-to-all, Megatron's alltoall dispatcher); "deepep": DeepEP's kernels (Megatron's
+    # flex dispatcher) send a token across the network once per node it goes to, forwarding it over NVLink there.
+    moe_dispatcher: str = "alltoall"
     # LM head + cross-entropy this many tokens at a time, the head's gradients computed in forward (loom's
     # train.loss_chunk; fused linear cross-entropy elsewhere): one chunk's logits alive instead of the
     # micro-batch's, plus the kept gradients (hidden states', fp32 head weight's); no extra head forward.
@@ -81,6 +86,19 @@ class Workload:
         # cp_feature_problem, moe_problem); a CPU profile's name starts with "cpu" (profile.py).
         return (loom_runtime and lay.tp == 1 and lay.pp == 1 and lay.cp == 1 and not self.model.moe_layers
                 and not self.gpu.name.lower().startswith("cpu"))
+
+    def experts_over_tp(self, tp: int, sp: bool, ep: int) -> bool:
+        """Whether each rank routes only its own sequence shard (its tokens / tp) to routed experts spread over
+        tensor- as well as data- and context-parallel ranks, no expert replicated across tensor-parallel ranks:
+        loom's layout under sequence parallelism with ep a multiple of tp (`loom.rules.experts_span_tp`), and
+        Megatron-Core's (--framework megatron) whenever tp > 1 with sequence parallelism (expert tensor
+        parallelism 1, what its MoE recipes set; Megatron requires SP for MoE with TP). Otherwise every
+        tensor-parallel rank computes the whole MoE layer on all its group's tokens."""
+        if not self.model.moe_layers:
+            return False
+        if self.framework == "megatron":
+            return tp > 1 and sp
+        return experts_span_tp(tp, sp, ep)
 
     def loom_attention_tflops(self, prec: str) -> float | None:
         """TFLOP/s of loom's own attention at this sequence length from a profile's `attention_tflops` (log-
