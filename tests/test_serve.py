@@ -469,3 +469,22 @@ def test_tensor_parallel_serving_equals_one_process(tiny, tmp_path):
     assert max(abs(a - b) for a, b in zip(got.choices[0].logprobs.token_logprobs, greedy.logprobs)) < 1e-5
     assert [c.token_ids for c in sorted(sampled.choices, key=lambda c: c.index)] == [s0.tokens, s1.tokens]
     assert again.choices[0].token_ids == last.tokens
+
+
+def test_paged_keys_and_values_serve_the_same_tokens(tiny, generated):
+    """--kv paged: the engine keeps keys and values in blocks (a request's n choices share their prompt's);
+    greedy completions equal loom generate's and n=3 seeded choices equal the slab server's."""
+    paged = Server(load(str(tiny), max_batch=4, paged=True, limits=Limits(max_tokens=64, max_n=4)))
+    slab = Server(load(str(tiny), max_batch=4, limits=Limits(max_tokens=64, max_n=4)))
+    try:
+        assert paged.served.scheduler.engine.paged
+        for prompt, want in zip(PROMPTS, generated):
+            got = paged.client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+            assert got.choices[0].token_ids == want["tokens"]
+        ask = dict(model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=0.8, seed=3, n=3)
+        a, b = paged.client.completions.create(**ask), slab.client.completions.create(**ask)
+        assert [c.token_ids for c in a.choices] == [c.token_ids for c in b.choices]
+        assert len({tuple(c.token_ids) for c in a.choices}) > 1  # sampled: the choices differ
+    finally:
+        paged.close()
+        slab.close()

@@ -54,13 +54,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode steps between reads back to the host, as in loom generate (default 4: tokens "
                         "stream back every 4 steps)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="as in loom generate")
+    p.add_argument("--kv", choices=["slab", "paged"], default="slab",
+                   help="keys and values: a slab of max-batch x context positions (default), or paged blocks "
+                        "from a pool, shared by requests with the same prompt (a request's n choices)")
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="as in loom generate: compiled decode steps (auto: on a GPU)")
 
 
 def load(model: str, name: str | None = None, device: str = "cpu", max_batch: int = 16, sync_every: int = 4,
          compile: str = "off", max_queue: int = 256, limits=None, api_key: str | None = None,
-         timeout_s: float = 600.0, max_body: int = 1 << 20, mesh=None):
+         timeout_s: float = 600.0, max_body: int = 1 << 20, mesh=None, paged: bool = False):
     """The model, its tokenizer and stops, an engine and its scheduler (not started) -> `app.Served`. `mesh`: a
     one-dimensional device mesh to shard the model over by tensor parallelism (`loom serve --nproc`)."""
     from loom import load_model
@@ -84,7 +87,7 @@ def load(model: str, name: str | None = None, device: str = "cpu", max_batch: in
     tok = Tokenizer.from_file(find_tokenizer(model))
     context = net.cfg.max_seq_len
     engine = Engine(net, max_batch=max_batch, max_len=context, compile=compile, sync_every=sync_every,
-                    decode=tok.decode)
+                    decode=tok.decode, paged=paged)
     scheduler = Scheduler(engine, Metrics(), max_queue=max_queue)
     return Served(name=name or Path(model).resolve().name, scheduler=scheduler, tokenizer=tok, context=context,
                   stop_ids=stop_token_ids(tok), stop_texts=stop_texts(tok), template=find_template(tok.path),
@@ -167,7 +170,8 @@ def serve(args, extra) -> int:
         group = control_group()
     served = load(args.model, args.served_model_name, device=device, max_batch=args.max_batch,
                   sync_every=args.sync_every, compile=args.compile, max_queue=args.max_queue, limits=limits,
-                  api_key=key, timeout_s=args.request_timeout, max_body=args.max_body_bytes, mesh=mesh)
+                  api_key=key, timeout_s=args.request_timeout, max_body=args.max_body_bytes, mesh=mesh,
+                  paged=args.kv == "paged")
     if worker:
         from loom.serve.ranks import Leader, follow
 
@@ -188,7 +192,7 @@ def _worker_argv(args) -> list[str]:
     argv = ["--model", args.model, "--host", args.host, "--port", str(args.port), "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue), "--max-tokens",
             str(args.max_tokens), "--max-n", str(args.max_n), "--max-body-bytes", str(args.max_body_bytes),
             "--request-timeout", str(args.request_timeout), "--sync-every", str(args.sync_every), "--device",
-            args.device, "--compile", args.compile]
+            args.device, "--compile", args.compile, "--kv", args.kv]
     if args.served_model_name is not None:
         argv += ["--served-model-name", args.served_model_name]
     if args.max_prompt_tokens is not None:
