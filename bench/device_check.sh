@@ -254,7 +254,7 @@ if [ $SMOKE = 1 ]; then
   skip_step serve "--smoke: tests/test_bench_serve_load.py runs serve_load.py --smoke"
 else
   run_step gpu_tests 90 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider --continue-on-collection-errors tests
-  TRAIN=(bench/gpu_train.py --row-timeout 100)
+  TRAIN=(bench/gpu_train.py --row-timeout 100 --kernels 15)  # + each row's top kernels of one profiled step
   run_step train_1b 200 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 \
     --frameworks loom,transformers+liger,torchtitan-0.3.0 ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_1b.json"
   # packed rows (SFT packing, data.document_mask): documents of 512-1536 tokens; compare with train_1b's plain row
@@ -266,7 +266,7 @@ else
   run_step moe 150 "$PY" "${TRAIN[@]}" --models qwen3-30b-a3b-4l --seqs 4096 --steps 5 --warmup 2 --frameworks loom \
     --loss-chunk 8192 --out "$DIR/gpu_train_moe.json"
   # Llama 2 7B shape (issue 39; NeMo's figure): loom only, full recompute, the memory-light loss, bf16 then fp8
-  TRAIN7=(bench/gpu_train.py --row-timeout 118 --models llama2-7b --seqs 4096 --tokens-per-step 8192 --steps 3
+  TRAIN7=(bench/gpu_train.py --row-timeout 118 --kernels 15 --models llama2-7b --seqs 4096 --tokens-per-step 8192 --steps 3
           --warmup 2 --frameworks loom --recompute full --loss-chunk 8192)
   run_step train_7b 120 "$PY" "${TRAIN7[@]}" --out "$DIR/gpu_train_7b.json"
   run_step fp8_7b 120 "$PY" "${TRAIN7[@]}" --fp8 rowwise --out "$DIR/gpu_train_fp8_7b.json"

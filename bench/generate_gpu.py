@@ -65,6 +65,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import loom  # noqa: E402
 from loom.infer.engine import Engine  # noqa: E402
@@ -203,7 +204,6 @@ def profiled(engine: Engine, prompts, new: int, top: int = 0) -> dict:
     total and mean microseconds), the sum over all kernels, and the wall time of the profiled call (the gap
     between them is time the device waited on the host). Kernels replayed inside CUDA graphs are listed as
     far as the profiler (CUPTI) sees them; `kernels_seen` says how many distinct ones it saw."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -218,16 +218,9 @@ def profiled(engine: Engine, prompts, new: int, top: int = 0) -> dict:
     out = {"cuda_graph_launches": sum(e.count for e in table if "cudaGraphLaunch" in e.key)}
     if not top:
         return out
-    kernels = []
-    for e in table:
-        us = getattr(e, "self_device_time_total", 0.0) if e.device_type == DeviceType.CUDA else 0.0
-        if us > 0:
-            kernels.append((us, e.count, e.key))
-    kernels.sort(reverse=True)
-    total = sum(us for us, _, _ in kernels)
-    out.update(wall_ms=round(1e3 * wall, 3), kernel_ms_total=round(total / 1e3, 3), kernels_seen=len(kernels),
-               top_kernels=[{"name": name[:160], "calls": n, "total_us": round(us, 1), "mean_us": round(us / n, 2),
-                             "share": round(us / total, 4)} for us, n, name in kernels[:top]])
+    from kernel_table import top_kernels
+
+    out.update(wall_ms=round(1e3 * wall, 3), **top_kernels(prof, top))
     return out
 
 

@@ -217,8 +217,33 @@ def time_steps(step, device, steps: int, warmup: int) -> dict:
     if not all(math.isfinite(x) for x in losses):
         raise RuntimeError(f"non-finite loss: {losses}")
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return {"step_s": sorted(times)[len(times) // 2], "step_times_s": times, "loss": losses[-1],
-            "peak_memory_gib": peak}
+    out = {"step_s": sorted(times)[len(times) // 2], "step_times_s": times, "loss": losses[-1],
+           "peak_memory_gib": peak}
+    if KERNELS and device.type == "cuda":  # one more step under the profiler: where its device time went
+        out["device_time"] = profiled_step(step, device, KERNELS)
+    return out
+
+
+KERNELS = 0  # --kernels: the top kernels of one profiled step after the timed ones (0: none)
+
+
+def profiled_step(step, device, top: int) -> dict:
+    """One step under torch's profiler: its wall time and its top kernels by device time (a failure is the
+    field's error, not the row's)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        sys.path.insert(0, str(ROOT / "bench"))
+        from kernel_table import top_kernels
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            step()
+            synchronize(device)
+            wall = time.perf_counter() - t0
+        return {"wall_ms": round(1e3 * wall, 3), **top_kernels(prof, top)}
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
 def synthetic_batch(vocab: int, batch: int, seq: int, device) -> torch.Tensor:
@@ -711,7 +736,8 @@ def child_argv(row: Row, args, out: Path) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--frameworks", row.framework,
             "--models", row.shape, "--seqs", str(row.seq), "--tokens-per-step", str(args.tokens_per_step),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--peak-tflops", str(args.peak_tflops),
-            "--fp8", args.fp8, "--state-dtype", args.state_dtype, "--doc-len", str(args.doc_len), "--out", str(out)]
+            "--fp8", args.fp8, "--state-dtype", args.state_dtype, "--doc-len", str(args.doc_len), "--kernels", str(args.kernels),
+            "--out", str(out)]
     if row.loss_chunk is not None:
         argv += ["--loss-chunk", str(row.loss_chunk)]
     if args.recompute:
@@ -784,6 +810,8 @@ def main(argv=None) -> int:
                     help="apply torchtitan's own per-block compile (its compile.enable; off in its defaults)")
     ap.add_argument("--pythonpath", action="append", default=[], metavar="FRAMEWORK=DIR",
                     help="put DIR first on that framework's PYTHONPATH (torchtitan-0.3.0=/tmp/tt030 ...)")
+    ap.add_argument("--kernels", type=int, default=0,
+                    help="on a GPU, profile one more step and record its top N kernels by device time (0: none)")
     ap.add_argument("--row-timeout", type=float, default=0, help="seconds per row, 0: none")
     ap.add_argument("--in-process", action="store_true",
                     help="run every row in this process (the CPU smoke; on a GPU Liger would patch later rows)")
@@ -792,6 +820,8 @@ def main(argv=None) -> int:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one row, in this process
     ap.add_argument("--out", default=None, help="write the JSON report here (rewritten after every row)")
     args = ap.parse_args(argv)
+    global KERNELS
+    KERNELS = args.kernels
     if args.smoke:
         small = args.models if args.models.startswith("tiny") else "tiny"  # tiny or tiny-moe
         args.models, args.seqs, args.tokens_per_step, args.steps, args.warmup = small, "32", 64, 2, 1
