@@ -345,6 +345,23 @@ def test_loom_memory_counts_expert_parameters(capsys):
     assert out["params_total"] == layers * per_layer + v * h + h
 
 
+def test_loom_memory_holds_routed_experts_whole_per_tp_rank_unless_they_span_tp():
+    """`loom memory`'s per-rank parameters (loom.memory.state_bytes): tensor parallelism splits attention and the
+    router's neighbours, not the routed experts (every tp rank holds them, experts carved from dp x cp); spread
+    over tp ranks too (sp, ep a multiple of tp) each rank holds experts / ep. By hand for the tiny MoE model."""
+    from loom.memory import state_bytes
+
+    def params_bytes(*layout):
+        return state_bytes(small_config(*MOE, *layout))["params_bytes"]
+
+    h, f, e, v, layers = 64, 32, 8, 512, 2
+    experts = layers * e * 3 * h * f
+    dense = layers * (2 * h * h + 2 * h * 32 + 2 * h + e * h) + v * h + h
+    assert params_bytes() == 4 * (dense + experts)
+    assert params_bytes("parallel.tp=2", "parallel.sp=true") == pytest.approx(4 * (dense / 2 + experts))
+    assert params_bytes("parallel.tp=2", "parallel.sp=true", "parallel.ep=2") == pytest.approx(4 * (dense + experts) / 2)
+
+
 def test_config_refusals_name_the_field():
     with pytest.raises(UserError, match=r"model.moe.top_k=9 must be in 1..model.moe.experts=8"):
         small_config(*MOE, "model.moe.top_k=9")
