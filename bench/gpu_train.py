@@ -316,17 +316,19 @@ def run_loom(shape, seq, batch, device, args):
 
 def packed_documents(batch: int, seq: int, doc_len: int, device) -> dict:
     """doc_ids and positions [batch, seq] of rows packed with documents of doc_len/2 .. 3 doc_len/2 tokens
-    (uniform, a fixed seed; the last one cut at the row's end)."""
+    (uniform, a fixed seed; the last one cut at the row's end), numbered as data.document_mask numbers them
+    (`loom.data.samples.documents` over the documents' last tokens)."""
+    from loom.data.samples import documents
+
     g = torch.Generator().manual_seed(0)
-    docs = torch.empty(batch, seq, dtype=torch.long)
-    pos = torch.empty(batch, seq, dtype=torch.long)
+    ends = torch.zeros(batch, seq, dtype=torch.long)
     for r in range(batch):
-        at, d = 0, 0
+        at = 0
         while at < seq:
-            n = min(int(torch.randint(doc_len // 2, doc_len * 3 // 2 + 1, (), generator=g)), seq - at)
-            docs[r, at:at + n], pos[r, at:at + n] = d, torch.arange(n)
-            at, d = at + n, d + 1
-    return {"doc_ids": docs.to(device), "positions": pos.to(device)}
+            at += int(torch.randint(doc_len // 2, doc_len * 3 // 2 + 1, (), generator=g))
+            if at <= seq:
+                ends[r, at - 1] = 1
+    return {k: v.to(device) for k, v in documents(ends, 1).items()}
 
 
 def torchtitan_version(wanted: str) -> str:

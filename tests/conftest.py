@@ -61,14 +61,15 @@ def run_main(*args: str):
     return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue(), args=args)
 
 
-def bench_smoke(script: str, tmp_path, *args: str, timeout: float = 600) -> dict:
-    """Run `bench/SCRIPT --smoke ARGS --out F` in its own process; its JSON report (the run must exit 0)."""
+def bench_smoke(script: str, tmp_path, *args: str, timeout: float = 600, env=None) -> dict:
+    """Run `bench/SCRIPT --smoke ARGS --out F` in its own process (environment `env`, default this one's); its
+    JSON report (the run must exit 0)."""
     import json
     import subprocess
 
     out = tmp_path / "smoke.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", *args, "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 

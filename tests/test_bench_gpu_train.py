@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, bench_smoke
 from loom.config import ModelConfig
 from loom.flops import train_flops_per_token
 
@@ -19,11 +19,7 @@ BENCH = ROOT / "bench" / "gpu_train.py"
 
 
 def run_bench(tmp_path, *args, env=None):
-    out = tmp_path / "smoke.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", *args, "--out", str(out)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return bench_smoke("gpu_train.py", tmp_path, *args, env=env)
 
 
 def check_flops(row):
