@@ -105,7 +105,8 @@ if triton is not None:
                     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             else:
                 s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
-            s = tl.where(seen[None, :], s * scale, float("-inf"))  # scale: 1/sqrt(d) * log2(e)
+            s = tl.where(seen[None, :], (s * scale).to(tl.float32), float("-inf"))  # scale: log2(e)/sqrt(d); fp32 (a
+            # compiled caller may hand the scalar in as fp64, which would widen the loop-carried maximum)
             new_top = tl.maximum(top, tl.max(s, 1))  # finite: block b holds a visible key
             alpha = tl.exp2(top - new_top)
             p = tl.exp2(s - new_top[:, None])
