@@ -159,6 +159,38 @@ def test_compiled_decode_equals_eager_and_follows_a_refit(models, tmp_path, monk
     assert_equal_then_refit(engine, eager, got, prompts, params, tmp_path)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_step_with_the_head_inside_equals_eager(models, monkeypatch, dtype):
+    """The GPU's compiled step (`Engine._head_in_step`, forced on here with the CPU's packed twin off) computes
+    the head, its argmax and log-sum-exp inside the step and returns the logits in the head's dtype: no head
+    runs after a decode step, and greedy and sampled tokens and log-probs equal the eager engine's (fp32: 1e-5;
+    bf16: the same tokens for the greedy rows' first steps, log-probs loosely)."""
+    _, path = models["llama"]
+    prompts = ragged_prompts(6, seed=3)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_new_tokens=6, seed=i) for i in range(6)]
+    dt = getattr(torch, dtype)
+    eager = Engine(loom.load_model(path).to(dt), max_batch=4, max_len=48, cpu_kernel=False).generate(prompts, params)
+    monkeypatch.setattr(Engine, "_head_in_step", lambda self: True)
+    engine = Engine(loom.load_model(path).to(dt), max_batch=4, max_len=48, compile=True, cpu_kernel=False)
+    assert engine._compiled.head_in_step
+    heads, steps = [], []
+    real_head, real_step = Engine._head_logits, CompiledDecode.__call__
+    monkeypatch.setattr(Engine, "_head_logits", lambda self, h: heads.append(h.shape[0]) or real_head(self, h))
+    monkeypatch.setattr(CompiledDecode, "__call__",
+                        lambda self, *a: steps.append(out := real_step(self, *a)) or out)
+    got = engine.generate(prompts, params)
+    assert engine.stats["compiled_steps"] == len(steps) > 5
+    assert len(heads) == engine.stats["prefill_steps"]  # the head ran after prefills only, never after a step
+    logits, greedy, lse = steps[-1]
+    assert logits.dtype == dt and greedy.dtype == torch.long and lse.dtype == torch.float32
+    if dtype == "float32":
+        assert [d.tokens for d in got] == [d.tokens for d in eager]
+        assert max(abs(a - b) for x, y in zip(got, eager) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
+    else:  # compiled and eager bf16 round differently: the first greedy tokens agree, log-probs to bf16's grain
+        assert all(x.tokens[:2] == y.tokens[:2] for x, y, p in zip(got, eager, params) if p.temperature == 0)
+        assert max(abs(x.logprobs[0] - y.logprobs[0]) for x, y in zip(got, eager)) < 0.1
+
+
 def test_logprobs_equal_training_forward(models):
     """Log-probs of sampled (not only argmax) tokens equal the training forward's per-token -cross-entropy."""
     _, path = models["qwen3"]

@@ -212,14 +212,23 @@ class Engine:
     def _compile(self, attention: nn.Module, kv_heads: int) -> CompiledDecode:
         """The compiled decode step, compiled for every bucket now (`stats["warmup_s"]`). Decode attention folds
         the query heads of a key/value head into queries (`KVSlab.attend`). The step computes the head and its
-        reductions itself when the head is a packed layer (CPU); else it returns hidden states and the head runs
-        after it (`_head_logits`, TP's gather)."""
+        reductions itself (`_head_in_step`); else it returns hidden states and the head runs after it
+        (`_head_logits`, TP's gather)."""
         heads = _shard(attention.wq.weight).shape[0] // attention.head_dim
-        head_in_step = self._cpu is not None and self._cpu.head_in_step
-        step = CompiledDecode(self._decoder, self.slab, heads // kv_heads, head_in_step, self.max_batch,
+        step = CompiledDecode(self._decoder, self.slab, heads // kv_heads, self._head_in_step(), self.max_batch,
                               self.max_len, self.device)
         self.stats["warmup_s"] = step.warmup()
         return step
+
+    def _head_in_step(self) -> bool:
+        """Whether the compiled step computes the LM head and its reductions: on a CPU when the head is packed;
+        on a GPU unless the head is tensor-parallel (its logits are gathered outside the step). There the head,
+        its argmax and log-sum-exp join the step's CUDA graph: the H200 kernel tables of 2026-11-26 showed them
+        run eagerly after it, a cast to fp32 and five full passes over [rows, vocab] fp32 a step."""
+        if self._cpu is not None:
+            return self._cpu.head_in_step
+        weight = getattr(self._decoder.output, "weight", None)
+        return self.device.type == "cuda" and weight is not None and not isinstance(weight, DTensor)
 
     def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [rows, vocab] of the LM head (on a CPU as its decode path computes them)."""
@@ -483,8 +492,9 @@ class Engine:
         out = []
         for step in range(steps):
             keys = first + step + 1  # key positions the furthest request reads
-            head = self._step(rows, tokens, positions, keys, None if size == n else where)
-            picked = self._pick(head, sampler, step, top)
+            # no reference to the step's outputs outlives the pick: a CUDA-graph step overwrites them next replay
+            picked = self._pick(self._step(rows, tokens, positions, keys, None if size == n else where), sampler,
+                                step, top)
             token = picked[0]
             out.append(picked)
             if step + 1 < steps:

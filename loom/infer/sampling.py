@@ -84,9 +84,9 @@ class Sampler:
         self.vocab = vocab
 
     def __call__(self, logits: torch.Tensor, greedy: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [rows, vocab] (fp32) and their argmax [rows] at window step `step` -> (token [rows], its
+        """logits [rows, vocab] (fp32 or bf16) and their argmax [rows] at window step `step` -> (token [rows], its
         log-probability under the distribution it was drawn from)."""
-        tokens = greedy
+        tokens = greedy.clone()  # a CUDA-graph step's own output, overwritten by its next replay
         chosen = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
         if not self.hot:
             return tokens, chosen
@@ -115,7 +115,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 
 def reduce_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 logits [rows, vocab] -> (logits, argmax [rows], log-sum-exp [rows]): what sampling and the
-    log-probabilities read. Inside a compiled step whose head is packed both reductions fuse into the step's
-    graph."""
-    return logits, logits.argmax(-1), logits.logsumexp(-1)
+    """Logits [rows, vocab] (fp32, or the head's bf16) -> (the logits as given, argmax [rows], log-sum-exp
+    [rows]), the reductions in fp32: what sampling and the log-probabilities read (they upcast what they take
+    from bf16 logits, exactly). Inside a compiled step that computes the head (a GPU's, or a CPU's packed head)
+    both reductions fuse into the step's graph, which then writes the logits once in the head's dtype."""
+    x = logits.float()
+    return logits, x.argmax(-1), x.logsumexp(-1)

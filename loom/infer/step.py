@@ -44,8 +44,8 @@ def resolve_compile(setting: bool | str, device: torch.device | str) -> bool:
 class CompiledDecode:
     """The compiled decode step of one engine: `decoder` (the model, or its CPU twin) on `slab`. Called with
     tokens and positions [rows, 1] of slots 0..rows-1 (rows a `bucket`) and the key positions the furthest
-    row reads; returns final hidden states [rows, hidden], or with `head_in_step` the head's fp32 logits with
-    their argmax and log-sum-exp (`reduce_logits`). Its mask is folded for the `fold` query heads of each
+    row reads; returns final hidden states [rows, hidden], or with `head_in_step` the head's logits (its dtype)
+    with their argmax and log-sum-exp in fp32 (`reduce_logits`). Its mask is folded for the `fold` query heads of each
     key/value head (`KVSlab.attend`). On paged keys and values (`PagedKV`) each step also takes its bucket's
     rows and block columns of the window's block table (fixed shapes per bucket), and the mask spans whole blocks."""
 
@@ -66,7 +66,7 @@ class CompiledDecode:
         else:
             self.slab.bind_static(positions, mask, table)
         hidden = self.decoder(tokens, cache=self.slab, positions=positions, return_hidden=True)[:, 0]
-        return reduce_logits(self.decoder.output(hidden).float()) if self.head_in_step else hidden
+        return reduce_logits(self.decoder.output(hidden)) if self.head_in_step else hidden
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, keys: int):
         span, table = self.key_bucket(keys), None
