@@ -30,6 +30,11 @@ def machine() -> dict:
 
 
 def commit() -> str:
+    """HEAD's sha (+ "-dirty"), or $LOOM_COMMIT where it is set: the device check's machine gets a copy of the
+    tree whose git metadata is the session's first checkout, not the commit that runs (its H200 JSONs of
+    2026-11-26 say 4485b9a-dirty for 385f0d9 and bd1a91c)."""
+    if os.environ.get("LOOM_COMMIT"):
+        return os.environ["LOOM_COMMIT"]
     try:
         sha = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True, stderr=subprocess.DEVNULL).strip()
         dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, text=True)
