@@ -49,10 +49,11 @@ def model_dir(path):
                                    max_seq_len=CONTEXT))
     cfg.train.seq_len = CONTEXT
     model = build_model(cfg.model, seed=0)
+    g = torch.Generator().manual_seed(0)  # the same weights in every run (the global generator is not seeded here)
     with torch.no_grad():  # sharper than the init's: greedy picks are far from ties
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.3)
+                p.normal_(0, 0.3, generator=g)
     save_model_dir(model, cfg, path, tokenizer_path=path / "tokenizer.json")
     return path
 
