@@ -19,11 +19,15 @@ import torch
 
 pytest.importorskip("triton")
 
-# (G, kv_heads, head_dim, block_size, splits, programs, dtype): the dot path (16 x 16 tiles, G padded to 16),
-# the broadcast path (blocks and heads under 16), one split (written directly), more splits than most rows'
-# blocks, and `programs` cutting the splits a many-row step uses
+# (G, kv_heads, head_dim, block_size, splits, programs, dtype): the dot path (chunks of 64 positions, G padded to
+# 16; blocks of 16, of 4 and of 24, not a power of two), the broadcast path (heads under 16: chunks of 16; blocks
+# of 4, and of 32, larger than a chunk), one split (written directly), more splits than most rows' blocks, and
+# `programs` cutting the splits a many-row step uses: to one (10 programs over 5 rows x 2 heads: split 0 writes
+# the output, the combine kernel returns at once) or to two of four (20 programs)
 CASES = [(1, 2, 16, 16, 1, 0, "float32"), (4, 3, 16, 16, 3, 0, "float32"), (8, 2, 32, 16, 8, 0, "float32"),
-         (4, 2, 8, 4, 6, 0, "float32"), (4, 2, 16, 16, 4, 10, "float32"), (4, 2, 16, 16, 3, 0, "bfloat16")]
+         (4, 2, 8, 4, 6, 0, "float32"), (4, 2, 16, 16, 4, 10, "float32"), (4, 2, 16, 16, 3, 0, "bfloat16"),
+         (2, 2, 16, 24, 4, 20, "float32"), (4, 2, 16, 4, 2, 0, "float32"), (2, 1, 8, 32, 3, 0, "float32"),
+         (4, 2, 16, 16, 4, 10, "bfloat16")]
 
 
 def _kernel_cases() -> list[dict]:
@@ -33,7 +37,7 @@ def _kernel_cases() -> list[dict]:
     out = []
     for i, (G, kv, d, bs, splits, programs, dtype) in enumerate(CASES):
         g = torch.Generator().manual_seed(i)
-        # position 0, the end of block 0, the start of block 1, mid-block, the longest
+        # position 0, the end of block 0, the start of block 1, mid-block, the longest (mid-chunk: 81 of 16)
         positions = [0, bs - 1, bs, 2 * bs + bs // 2, 5 * bs + 1]
         width = max(p // bs for p in positions) + 2  # a spare column, as PagedKV's tables have
         pool = len(positions) * width + 1
@@ -97,8 +101,9 @@ def interpreted():
 
 
 def test_kernels_equal_the_float64_reference(interpreted):
-    """Ragged rows (position 0, block boundaries, mid-block, the longest), shuffled block ids, G = 1, 4, 8,
-    2-3 kv heads, 1 to 8 splits (more than most rows' blocks): fp32 to 1e-4; bf16 in bf16 out, loosely."""
+    """Ragged rows (position 0, block boundaries, mid-block, the longest: mid-chunk), shuffled block ids,
+    G = 1, 2, 4, 8, 1-3 kv heads, blocks of 4, 16, 24 and 32, 1 to 8 splits (more than most rows' blocks), one
+    split used at run time (direct write) or two of four: fp32 to 1e-4; bf16 in bf16 out, loosely."""
     assert len(interpreted["kernel"]) == len(CASES)
     for row in interpreted["kernel"]:
         dtype = row["case"][-1]
