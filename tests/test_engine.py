@@ -191,6 +191,42 @@ def test_compiled_step_with_the_head_inside_equals_eager(models, monkeypatch, dt
         assert max(abs(x.logprobs[0] - y.logprobs[0]) for x, y in zip(got, eager)) < 0.1
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: q/k norms
+def test_fused_qkv_equals_three_products_and_follows_a_refit(models, kind):
+    """fuse_qkv=True (the GPU's default, forced here): each layer's wq/wk/wv weights become views of one tensor
+    and a decode step multiplies by it once (the three projections are never called); tokens and log-probs equal
+    an unfused engine's (fp32, 1e-5); the parameters keep their identity; a refit writes the fused tensor (the
+    engine then equals a fresh one on the new weights); and with gradients on the model trains through wq."""
+    _, path = models[kind]
+    prompts = ragged_prompts(5, seed=7)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_new_tokens=5, seed=i) for i in range(5)]
+    want = Engine(loom.load_model(path), max_batch=4, max_len=48, cpu_kernel=False).generate(prompts, params)
+    model = loom.load_model(path)
+    before = [id(p) for p in model.parameters()]
+    engine = Engine(model, max_batch=4, max_len=48, cpu_kernel=False, fuse_qkv=True)
+    att = next(iter(model.layers.values())).attention
+    assert engine.stats["fused_qkv_layers"] == len(model.layers) and [id(p) for p in model.parameters()] == before
+    assert att.wq.weight.untyped_storage().data_ptr() == att.fused_qkv.untyped_storage().data_ptr()
+    assert (att.fused_qkv_bias is not None) == (kind == "qwen2")
+    calls = []
+    for m in (att.wq, att.wk, att.wv):
+        m.register_forward_hook(lambda *a: calls.append(1))
+    got = engine.generate(prompts, params)
+    assert not calls  # one fused product, never the three projections
+    assert [d.tokens for d in got] == [d.tokens for d in want]
+    assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
+    other = loom.load_model(path)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.5)
+    engine.refit(other)
+    fresh = Engine(other, max_batch=4, max_len=48, cpu_kernel=False).generate(prompts, params)
+    assert [d.tokens for d in engine.generate(prompts, params)] == [d.tokens for d in fresh]
+    model.train()
+    model(torch.tensor([prompts[0]])).float().sum().backward()  # gradients on: the three products, as trained
+    assert att.wq.weight.grad is not None and calls
+
+
 def test_logprobs_equal_training_forward(models):
     """Log-probs of sampled (not only argmax) tokens equal the training forward's per-token -cross-entropy."""
     _, path = models["qwen3"]

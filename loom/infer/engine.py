@@ -66,6 +66,7 @@ from loom.infer.cpu import cpu_decode
 from loom.infer.kv import KVSlab, upload
 from loom.infer.paged import PagedKV
 from loom.infer.refit import copy_weights
+from loom.infer.fuse import fuse_qkv as fuse_qkv_layers
 from loom.infer.sampling import Sampler, SamplingParams, reduce_logits
 from loom.infer.step import CompiledDecode, resolve_compile
 from loom.parallel.distributed import full_tensor
@@ -154,6 +155,11 @@ class Engine:
     model that shares its parameters, and a decode attention kernel); a refit repacks in place. Where it cannot
     run the engine uses F.linear and SDPA; `stats["packed_linears"]` counts the layers that run packed.
 
+    `fuse_qkv` (default: on a GPU): each attention layer's query, key and value weights are laid end to end in
+    one tensor that the three parameters become views of (loom/infer/fuse.py), so a decode step multiplies by
+    them once; the model's parameters keep their identity and memory, and a refit writes through them.
+    `stats["fused_qkv_layers"]` counts the layers fused.
+
     `paged=True` keeps keys and values in blocks of `block_size` positions from a pool of `kv_tokens` positions
     (default max_batch x max_len) instead of a slab (loom/infer/paged.py): requests are admitted while the pool can
     hold their prompt + max_new_tokens, requests with the same prompt prefill it once and share its blocks, and
@@ -161,7 +167,8 @@ class Engine:
 
     def __init__(self, model: nn.Module, max_batch: int = 16, max_len: int | None = None, seed: int = 0,
                  compile: bool | str = False, sync_every: int = 8, cpu_kernel: bool = True, decode=None,
-                 paged: bool = False, block_size: int = 16, kv_tokens: int | None = None, paged_read: str = "split"):
+                 paged: bool = False, block_size: int = 16, kv_tokens: int | None = None, paged_read: str = "split",
+                 fuse_qkv: bool | None = None):
         cfg = model.cfg
         self.decode = decode  # token ids -> text (a tokenizer's decode): needed by requests with stop strings
         max_len = cfg.max_seq_len if max_len is None else max_len
@@ -180,6 +187,11 @@ class Engine:
         # weights its twin whose linear layers multiply through the packed small-batch kernel.
         self._cpu = cpu_decode(model, cpu_kernel)  # None off a CPU
         self._decoder = model if self._cpu is None else self._cpu.decoder
+        # one product for each layer's query, key and value projections (loom/infer/fuse.py): by default on a
+        # GPU; never through a CPU twin, whose packed layers are the projections
+        if fuse_qkv is None:
+            fuse_qkv = next(model.parameters()).device.type == "cuda"
+        fused = fuse_qkv_layers(model) if fuse_qkv and (self._cpu is None or not self._cpu.packed) else 0
         self.max_batch, self.max_len, self.vocab = max_batch, max_len, cfg.vocab_size
         weight = _shard(next(model.parameters()))
         attention = next(iter(model.layers.values())).attention
@@ -201,7 +213,8 @@ class Engine:
         self._seeds = torch.Generator().manual_seed(seed)
         packed = 0 if self._cpu is None else len(self._cpu.packed)
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "windows": 0, "refills": 0, "decoded_tokens": 0,
-                      "discarded_tokens": 0, "compiled_steps": 0, "moves": 0, "packed_linears": packed}
+                      "discarded_tokens": 0, "compiled_steps": 0, "moves": 0, "packed_linears": packed,
+                      "fused_qkv_layers": fused}
         self.last_refit_s: float | None = None
         self._waiting: deque[Request] = deque()  # submitted, not yet admitted
         self._slots: list[Request | None] = [None] * max_batch  # the request holding each slot

@@ -114,6 +114,10 @@ class Attention(nn.Module):
         # The attention core (scores, softmax, dropout, weighted values) as a replaceable callable, so
         # that recomputation can wrap exactly this part from outside the model.
         self.core = attention_core
+        # wq, wk, wv laid end to end in one tensor (their weights its views), set by a generation engine on a
+        # GPU (loom/infer/fuse.py): one product instead of three when no gradient is recorded
+        self.fused_qkv: torch.Tensor | None = None
+        self.fused_qkv_bias: torch.Tensor | None = None
 
     def forward(self, x, rope, cache: KVCache | None = None, layer_id: int = 0, doc_ids=None, positions=None):
         """`doc_ids` [batch, seq] (int): tokens attend only to earlier tokens of the same document (packed
@@ -123,12 +127,17 @@ class Attention(nn.Module):
         a generation engine's forward gathers once for all layers)."""
         bsz, seqlen, _ = x.shape
         # Head counts come from the weights so a tensor-parallel shard (fewer local heads) works as is.
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.fused_qkv is not None and not torch.is_grad_enabled():
+            q, k, v = F.linear(x, self.fused_qkv, self.fused_qkv_bias).split(
+                [self.wq.weight.shape[0], self.wk.weight.shape[0], self.wv.weight.shape[0]], -1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(bsz, seqlen, -1, self.head_dim)
+        k = k.view(bsz, seqlen, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         if rope is not None and rope[0].dim() == 4:  # each token's tables [b, 1, s, d], gathered by the caller
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         elif rope is not None and positions is not None:  # per token: [b, s] -> tables [b, 1, s, d]
