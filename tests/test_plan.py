@@ -1033,3 +1033,78 @@ def test_loom_attention_from_a_profiles_rate_by_sequence_length():
     assert lt.bwd["attention"] == pytest.approx(2.5 * flops / (rate * 1e12), rel=1e-12)
     mega = layer_times(Workload(m, 4096, 1, 1, gpu, framework="megatron"), 1, 1, 1, False, "none")
     assert mega.fwd["attention"] == pytest.approx(flops / (989e12 * 0.45), rel=1e-3)
+
+
+def test_attention_probe_times_forward_and_backward_as_a_training_step_runs_them(monkeypatch):
+    """`profile.attention_rate` runs causal SDPA on q, k, v laid out as loom's attention makes them ([b, s, h, d]
+    seen as [b, h, s, d]), takes the gradients from a prepared output gradient of the same layout (no loss
+    reduction, nothing accumulated into .grad), `passes` pairs per timed call, and counts 3.5x the causal half
+    of the forward's FLOPs: checked against the shape worked out by hand at a small batch."""
+    import torch
+    import torch.nn.functional as F
+
+    from loom.planner import profile
+
+    monkeypatch.setattr(profile, "ATTENTION_TOKENS", 512)
+    monkeypatch.setattr(profile, "ATTENTION_WIDTH", 256)
+    real_sdpa, real_grad, seen, grads = F.scaled_dot_product_attention, torch.autograd.grad, [], []
+
+    def sdpa(q, k, v, **kw):
+        seen.append((tuple(q.shape), q.stride(), tuple(k.shape), tuple(v.shape), kw))
+        return real_sdpa(q, k, v, **kw)
+
+    def grad(out, inputs, grad_outputs):
+        grads.append((len(inputs), all(t.grad is None for t in inputs), tuple(grad_outputs.shape),
+                      grad_outputs.stride()))
+        return real_grad(out, inputs, grad_outputs)
+
+    def timeit(fn, device, **kw):
+        fn()
+        return 0.25
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(torch.autograd, "grad", grad)
+    monkeypatch.setattr(profile, "_timeit", timeit)
+    rate = profile.attention_rate("cpu", torch.float32, seq=128, head_dim=64, passes=3)
+    b, h, s, d = 512 // 128, 256 // 64, 128, 64  # 4 sequences of 128 tokens, 4 heads of 64
+    causal_fwd = 2 * b * h * s * s * d  # QK^T and PV over half the s x s scores, 2 FLOPs a multiply-add
+    assert rate == pytest.approx(3.5 * causal_fwd / (0.25 / 3) / 1e12, rel=1e-12)
+    bshd = (s * h * d, d, h * d, 1)  # [b, s, h, d] memory seen as [b, h, s, d]
+    assert seen == [((b, h, s, d), bshd, (b, h, s, d), (b, h, s, d), {"is_causal": True})] * 3
+    assert grads == [(3, True, (b, h, s, d), bshd)] * 3
+
+
+def test_loom_attention_priced_from_the_table_of_the_nearest_head_dim(tmp_path, monkeypatch):
+    """`profile.attention_table` writes head dim 128 under the precision and head dim 64 under "bf16:d64"; a
+    profile holding both loads, and loom's attention takes each model's nearest head dim (a 64-wide model the
+    d64 rows, 128 and 96 the 128 rows), log-interpolated by sequence; Megatron's kernel ignores the table."""
+    import math
+
+    import torch
+
+    from loom.config import ModelConfig
+    from loom.planner import profile
+    from loom.planner.hardware import load_gpu
+
+    monkeypatch.setattr(profile, "attention_rate", lambda device, dtype, backend, seq, head_dim: seq / (
+        10.0 if head_dim == 128 else 20.0))
+    table = profile.attention_table("cuda", torch.bfloat16, None, "bf16")
+    assert table == {"bf16": [[s, s / 10] for s in profile.ATTENTION_SEQS],
+                     "bf16:d64": [[s, s / 20] for s in profile.ATTENTION_SEQS]}
+    assert profile.attention_table("cuda", torch.bfloat16, None, "bf16", quick=True) == {"bf16": [[4096, 409.6]]}
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({**PRESETS["h200"].to_json(), "source": "measured", "attention_tflops": table}))
+    gpu = load_gpu(str(path))
+
+    def rate(heads, hidden, seq, **kw):
+        cfg = ModelConfig(layers=2, hidden=hidden, heads=heads, kv_heads=heads, ffn_hidden=4 * hidden,
+                          vocab_size=256, max_seq_len=seq)
+        return Workload(cfg, seq, 1, 1, gpu, **kw).loom_attention_tflops("bf16")
+
+    assert rate(32, 2048, 2048) == pytest.approx(2048 / 20)  # Llama-3.2-1B's 32 heads of 64
+    assert rate(24, 3072, 8192) == pytest.approx(8192 / 10)  # Llama-3.2-3B's 24 heads of 128
+    assert rate(32, 3072, 4096) == pytest.approx(4096 / 10)  # 96 wide: nearer 128 than 64 in ratio
+    between = 4096 / 20 + (8192 / 20 - 4096 / 20) * math.log(6000 / 4096) / math.log(2)
+    assert rate(32, 2048, 6000) == pytest.approx(between)
+    assert rate(32, 2048, 4096, framework="megatron") is None
+    assert rate(32, 2048, 4096, attention_kernel="fused") is None

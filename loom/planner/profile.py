@@ -89,10 +89,23 @@ def memory_bandwidth(device: str) -> float:
     return 2 * x.numel() * 4 / t / 1e9  # read + write
 
 
-def attention_rate(device: str, dtype: torch.dtype, backend=None, seq: int = 0) -> float:
-    """TFLOP/s of causal SDPA forward + backward; `backend`: a torch SDPBackend that restricts SDPA to that
-    kernel (cuDNN's fused attention), or a list of them in order of priority (loom's order); `seq`: the
-    sequence length, with the batch keeping 16k tokens (default: 4 x 2048 on a GPU)."""
+ATTENTION_SEQS = (1024, 2048, 4096, 8192, 16384)  # sequence lengths of the `attention_tflops` table on a GPU
+ATTENTION_HEAD_DIMS = (128, 64)  # its head dims: 128 (Llama 2/3 7B-70B, Llama-3.2-3B), 64 (Llama-3.2-1B)
+ATTENTION_TOKENS, ATTENTION_WIDTH = 16384, 2048  # a timed batch's tokens; heads x head dim
+
+
+def attention_rate(device: str, dtype: torch.dtype, backend=None, seq: int = 0, head_dim: int = 0,
+                   passes: int = 0) -> float:
+    """TFLOP/s of causal SDPA forward + backward as a training step runs them. `backend`: a torch SDPBackend
+    that restricts SDPA to that kernel (cuDNN's fused attention), or a list of them in order of priority
+    (loom's order); `seq`: the sequence length, the batch keeping ATTENTION_TOKENS tokens (default: 4 x 2048
+    on a GPU); `head_dim`: the head size, heads x head_dim = ATTENTION_WIDTH (default: 16 heads of 128).
+    As in loom's attention, q, k, v and the output's gradient are [b, s, h, d] tensors seen as [b, h, s, d],
+    and backward starts from a prepared output gradient (`torch.autograd.grad`): no loss reduction, no
+    gradient accumulated into leaves, which a training step runs neither of. `passes` forward-and-backward
+    pairs run between two synchronisations (default 4 on a GPU, 1 on a CPU), spreading the synchronisation
+    after each timed call over them. FLOPs: the causal half of the score and context products, backward
+    2.5x the forward (3.5x in all), as `layertime` prices them."""
     import contextlib
 
     import torch.nn.functional as F
@@ -100,8 +113,13 @@ def attention_rate(device: str, dtype: torch.dtype, backend=None, seq: int = 0) 
 
     b, h, s, d = (4, 16, 2048, 128) if device == "cuda" else (1, 4, 512, 64)
     if seq:
-        b, s = max(1, 16384 // seq), seq
-    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        b, s = max(1, ATTENTION_TOKENS // seq), seq
+    if head_dim:
+        h, d = max(1, ATTENTION_WIDTH // head_dim), head_dim
+    passes = passes or (4 if device == "cuda" else 1)
+    q, k, v, grad = (torch.randn(b, s, h, d, device=device, dtype=dtype).transpose(1, 2) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
     if backend is None:
         kernels = contextlib.nullcontext
     elif isinstance(backend, list):
@@ -110,13 +128,24 @@ def attention_rate(device: str, dtype: torch.dtype, backend=None, seq: int = 0) 
         kernels = lambda: sdpa_kernel([backend])  # noqa: E731
 
     def step():
-        with kernels():
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out.sum().backward()
+        for _ in range(passes):
+            with kernels():
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(out, (q, k, v), grad)
 
-    t = _timeit(step, device)
+    t = _timeit(step, device) / passes
     flops = 3.5 * 4 * b * h * s * s * d / 2  # causal half; backward 2.5x forward
     return flops / t / 1e12
+
+
+def attention_table(device: str, dtype: torch.dtype, backend, key: str, quick: bool = False) -> dict:
+    """`attention_tflops` of a profile: {key: [[seq, TFLOP/s], ...]} at head dim 128, and at each other head
+    dim D of ATTENTION_HEAD_DIMS {f"{key}:d{D}": ...} (`Workload.loom_attention_tflops` takes the nearest),
+    each from `attention_rate` with `backend` (loom's kernel order) over ATTENTION_SEQS (quick: 4096 only)."""
+    seqs = ATTENTION_SEQS if not quick else (4096,)
+    dims = ATTENTION_HEAD_DIMS if not quick else ATTENTION_HEAD_DIMS[:1]
+    return {key if dim == 128 else f"{key}:d{dim}":
+            [[seq, round(attention_rate(device, dtype, backend, seq, dim), 3)] for seq in seqs] for dim in dims}
 
 
 def kernel_overhead_us(device: str) -> float:
@@ -269,7 +298,7 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
             fused_attention = attention_rate(device, dtypes[attn_key], SDPBackend.CUDNN_ATTENTION)
         except RuntimeError as exc:
             errors["fused_attention"] = f"{type(exc).__name__}: {exc}"[:500]
-    attention_by_seq = []
+    attention_by_seq = {}
     if cuda:
         from torch.nn.attention import SDPBackend
 
@@ -279,8 +308,7 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
             order.reverse()
         order.append(SDPBackend.EFFICIENT_ATTENTION)
         try:
-            for seq in (1024, 4096, 16384) if not quick else (4096,):
-                attention_by_seq.append([seq, round(attention_rate(device, dtypes[attn_key], order, seq), 3)])
+            attention_by_seq = attention_table(device, dtypes[attn_key], order, attn_key, quick=quick)
         except RuntimeError as exc:
             errors["attention_tflops"] = f"{type(exc).__name__}: {exc}"[:500]
     compiled = {}
@@ -309,7 +337,7 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
         "elementwise_gbps": {attn_key: elementwise_rates(device, dtypes[attn_key], quick=quick)},
         **({"elementwise_compiled_gbps": compiled} if compiled else {}),
         **({"fused_attention_efficiency": round(fused_attention / peak[attn_key], 4)} if fused_attention else {}),
-        **({"attention_tflops": {attn_key: attention_by_seq}} if attention_by_seq else {}),
+        **({"attention_tflops": attention_by_seq} if attention_by_seq else {}),
         **engine,
         "gemm": gemm, "source": f"measured by loom plan --profile-hardware (torch {torch.__version__})",
         **({"errors": errors} if errors else {}),

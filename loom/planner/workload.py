@@ -102,12 +102,24 @@ class Workload:
 
     def loom_attention_tflops(self, prec: str) -> float | None:
         """TFLOP/s of loom's own attention at this sequence length from a profile's `attention_tflops` (log-
-        interpolated between measured lengths), or None: no table, or a kernel other than loom's SDPA."""
+        interpolated between measured lengths), or None: no table, or a kernel other than loom's SDPA. The
+        table of the head dim nearest the model's (in ratio): `prec` holds head dim 128, `f"{prec}:d{D}"`
+        head dim D (`profile.attention_table`)."""
+        import math
+
         from loom.planner.kernels import log_interpolate
 
         loom_sdpa = self.attention_kernel == "sdpa" or (self.attention_kernel == "auto" and self.framework == "loom")
-        table = self.gpu.attention_tflops.get(prec)
-        return log_interpolate(table, self.seq_len) if loom_sdpa and table else None
+        tables = {128: self.gpu.attention_tflops.get(prec)}
+        for key, rows in self.gpu.attention_tflops.items():
+            name, _, dim = key.partition(":d")
+            if name == prec and dim.isdigit():
+                tables[int(dim)] = rows
+        dims = [dim for dim, rows in tables.items() if rows]
+        if not loom_sdpa or not dims:
+            return None
+        nearest = min(dims, key=lambda dim: (abs(math.log(dim / self.model.head_dim)), -dim))
+        return log_interpolate(tables[nearest], self.seq_len)
 
     @property
     def attention_efficiency(self) -> float:
