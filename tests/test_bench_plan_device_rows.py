@@ -9,7 +9,8 @@ import pytest
 
 from conftest import ROOT
 
-PROFILE = ROOT / "bench" / "results" / "h200-2026-11-26" / "profile.json"
+# the profile `loom plan --validate` prices loom's measured runs from (measured_runs.json names it)
+PROFILE = ROOT / json.loads((ROOT / "loom" / "planner" / "measured_runs.json").read_text())["profile"]
 
 
 @pytest.mark.skipif(not PROFILE.is_file(), reason="the H200 profile is not in this checkout")
@@ -27,7 +28,8 @@ def test_device_rows_priced_as_validate_prices_measured_runs(tmp_path):
     validated = {r["run"]: r for r in measured_validation()}
     for row, run in (("train_1b loom plain", "h200-1b-seq4096-plain"), ("train_1b loom chunked",
                                                                          "h200-1b-seq4096-chunk8192"),
-                     ("train_3b loom plain", "h200-3b-seq8192-full")):
+                     ("train_3b loom plain", "h200-3b-seq8192-full"), ("train_7b loom", "h200-7b-seq4096-full"),
+                     ("fp8_7b loom", "h200-7b-seq4096-full-fp8")):
         assert rows[row]["predicted_step_s"] == pytest.approx(validated[run]["predicted_s"], abs=1e-4)
         assert rows[row]["predicted_peak_gib"] == pytest.approx(validated[run]["predicted_gib"], abs=0.01)
     # fp8 at the 7B shape is priced faster than bf16 (fewer GEMM seconds, more cast traffic)
