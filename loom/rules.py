@@ -284,7 +284,7 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False, recipe:
             "dropout with parallel.tp > 1 needs per-rank random streams, which this build does not have yet; "
             "set model.dropout=0 and model.attn_dropout=0, or parallel.tp=1"
         )
-    if problem := gpu_path_problem(p.tp, p.pp, t.loss_chunk, t.fp8, t.compile):
+    if problem := gpu_path_problem(p.tp, p.pp, explicit_loss_chunk(t.loss_chunk), t.fp8, t.compile):
         raise UserError(problem)
     dp = data_parallel_size(p)
     detail = f" (dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard})"
@@ -354,9 +354,9 @@ def recipe_problem(recipe: str, cfg) -> str | None:
             return (f"train.global_batch={t.global_batch} and train.micro_batch={t.micro_batch} count sequences, two "
                     f"per preference pair (chosen and rejected): the micro-batch and each of the {dp} data-parallel "
                     "ranks' share of the global batch must be even")
-        if t.loss_chunk:
+        if explicit_loss_chunk(t.loss_chunk):
             return (f"train.loss_chunk={t.loss_chunk}: the preference recipes compute whole logits; set "
-                    "train.loss_chunk=0")
+                    "train.loss_chunk=0 or auto")
     if recipe == "rl":
         rl = cfg.rl
         for name, size in (("pp", p.pp), ("cp", p.cp)):
@@ -377,9 +377,36 @@ def recipe_problem(recipe: str, cfg) -> str | None:
             return (f"each rank's {prompts // dp} prompts ({per_rank} sequences) per step must split into "
                     f"rl.minibatches={rl.minibatches} minibatches of whole groups and whole "
                     f"train.micro_batch={t.micro_batch} micro-batches")
-        if t.loss_chunk:
-            return f"train.loss_chunk={t.loss_chunk}: loom rl computes whole logits; set train.loss_chunk=0"
+        if explicit_loss_chunk(t.loss_chunk):
+            return f"train.loss_chunk={t.loss_chunk}: loom rl computes whole logits; set train.loss_chunk=0 or auto"
     return None
+
+
+AUTO_LOSS_CHUNK = 8192  # train.loss_chunk=auto on a GPU: 1B on an H200, 1.2% faster than whole logits, 16.5 GiB less
+
+
+def loss_chunk_tokens(loss_chunk: int | str, device_type: str, tp: int, pp: int) -> int:
+    """The tokens per chunk `train.loss_chunk` means on `device_type` ("cuda"/"cpu") with this layout: a number as
+    given; "auto" AUTO_LOSS_CHUNK on a GPU without tensor or pipeline parallelism (which do not take a chunked
+    loss), else 0 (whole logits: on a CPU the chunks buy memory at a small cost in time)."""
+    if loss_chunk != "auto":
+        return int(loss_chunk)
+    return AUTO_LOSS_CHUNK if device_type == "cuda" and tp == 1 and pp == 1 else 0
+
+
+def run_loss_chunk(cfg) -> int:
+    """`loss_chunk_tokens` for a run of `cfg` on the device train.device names here (auto: a GPU if there is one)."""
+    import torch
+
+    device = cfg.train.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return loss_chunk_tokens(cfg.train.loss_chunk, device, cfg.parallel.tp, cfg.parallel.pp)
+
+
+def explicit_loss_chunk(loss_chunk: int | str) -> int:
+    """`train.loss_chunk` as the user set it: "auto" never asks for a chunked loss where none can run."""
+    return 0 if loss_chunk == "auto" else int(loss_chunk)
 
 
 def gpu_path_problem(tp: int, pp: int, loss_chunk: int, fp8: str, compile: bool = False) -> str | None:
@@ -392,10 +419,10 @@ def gpu_path_problem(tp: int, pp: int, loss_chunk: int, fp8: str, compile: bool 
     if loss_chunk and tp > 1:
         return (f"train.loss_chunk={loss_chunk} with parallel.tp={tp} is not supported: under tensor parallelism "
                 "the LM head is split by vocabulary and the vocabulary-parallel loss already keeps only 1/tp of "
-                "the logits per rank; set train.loss_chunk=0, or parallel.tp=1")
+                "the logits per rank; set train.loss_chunk=0 or auto, or parallel.tp=1")
     if loss_chunk and pp > 1:
         return (f"train.loss_chunk={loss_chunk} with parallel.pp={pp} is not supported yet (the pipeline's last "
-                "stage returns logits to the schedule's loss); set train.loss_chunk=0, or parallel.pp=1")
+                "stage returns logits to the schedule's loss); set train.loss_chunk=0 or auto, or parallel.pp=1")
     if fp8 != "off" and tp > 1:
         return (f"train.fp8={fp8} with parallel.tp={tp} is not supported yet (fp8 tensor-parallel styles are not "
                 "wired in); set train.fp8=off, or parallel.tp=1 (fp8 composes with dp_shard/dp_replicate)")

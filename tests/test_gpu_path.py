@@ -289,6 +289,7 @@ def _runner_step(overrides, backend=None):
     from loom.parallel import place_in_mesh
     from loom.parallel.distributed import all_reduce_sum, clip_grad_norm, full_tensor
     from loom.parallel.tensor import loss_context  # noqa: F401
+    from loom.rules import run_loss_chunk
     from loom.train.steps import SPMDRunner
 
     if backend:
@@ -301,7 +302,7 @@ def _runner_step(overrides, backend=None):
     cfg = load_config("tiny", base + overrides)
     layout = place_in_mesh(cfg, "cpu")
     model = build_model(cfg.model, seed=3)
-    loss = TokenCrossEntropy(cfg.train.loss_chunk)
+    loss = TokenCrossEntropy(run_loss_chunk(cfg))
     compute_dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else None
     runner = SPMDRunner(model, cfg, layout, loss, torch.device("cpu"), compute_dtype)
     g = torch.Generator().manual_seed(5)
@@ -507,3 +508,35 @@ def test_gpu_paths_table_names_tests_that_exist():
         if len(cells) > 5 and "tests/" in cells[4]:  # the GPU column: those tests carry the gpu marker
             for p, t in re.findall(r"`(tests/test_\w+\.py)::(test_\w+)`", cells[4]):
                 assert marked[(p, t)], f"{p}::{t} is listed as a GPU test but is not marked gpu"
+
+
+def test_loss_chunk_auto_is_chunked_on_a_gpu_where_the_layout_takes_it(monkeypatch):
+    """train.loss_chunk defaults to "auto": 8192 tokens a chunk on a GPU with tp = pp = 1 (the memory-light loss,
+    measured no slower than whole logits on an H200), whole logits on a CPU and under tensor or pipeline
+    parallelism, which refuse an explicit chunk but never "auto"; a number is taken as given, also by the
+    pre-training and SFT recipes' losses; RL and DPO, which compute whole logits, accept "auto"."""
+    import torch
+
+    from loom.config import load_config
+    from loom.post.sft import SFT
+    from loom.rules import AUTO_LOSS_CHUNK, loss_chunk_tokens, recipe_problem, run_loss_chunk
+    from loom.train.recipe import Recipe
+
+    assert load_config("tiny").train.loss_chunk == "auto"
+    assert loss_chunk_tokens("auto", "cuda", 1, 1) == AUTO_LOSS_CHUNK == 8192
+    assert [loss_chunk_tokens("auto", d, tp, pp) for d, tp, pp in (("cpu", 1, 1), ("cuda", 2, 1), ("cuda", 1, 2))] == [0] * 3
+    assert loss_chunk_tokens(4096, "cpu", 1, 1) == 4096 and loss_chunk_tokens(0, "cuda", 1, 1) == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = load_config("tiny")
+    assert run_loss_chunk(cfg) == 8192 and Recipe().loss(cfg).chunk_tokens == 8192
+    assert SFT().loss(cfg).chunk_tokens == 8192
+    assert run_loss_chunk(load_config("tiny", ["train.device=cpu"])) == 0
+    for overrides in (["parallel.tp=2"], ["parallel.pp=2", "model.layers=4", "train.micro_batch=4"]):
+        cfg = load_config("tiny", overrides)  # validates: "auto" is never refused
+        assert run_loss_chunk(cfg) == 0
+    with pytest.raises(UserError, match="train.loss_chunk=4096 with parallel.tp=2"):
+        load_config("tiny", ["parallel.tp=2", "train.loss_chunk=4096"])
+    rl = ["train.global_batch=8", "rl.group_size=4", "train.micro_batch=2"]
+    for recipe, extra in (("rl", rl), ("dpo", [])):
+        assert recipe_problem(recipe, load_config("tiny", extra)) is None
+        assert "loss_chunk" in recipe_problem(recipe, load_config("tiny", extra + ["train.loss_chunk=64"]))

@@ -3,6 +3,7 @@ type (`coerce`), flattening nested tables to dotted keys, and writing a config d
 
 from __future__ import annotations
 
+import types
 import typing
 from typing import Any, Literal
 
@@ -21,6 +22,16 @@ def flat_items(values: dict, prefix: str = ""):
 def coerce(name: str, value: Any, hint: Any, parse_text: bool) -> Any:
     """Convert `value` to the annotated type or raise a UserError naming field, value and valid form."""
     origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):  # e.g. int | Literal["auto"]: the first form the value takes
+        for arg in typing.get_args(hint):
+            try:
+                return coerce(name, value, arg, parse_text)
+            except UserError:
+                pass
+        forms = " or ".join("an integer" if a is int else "a number" if a is float else
+                            " / ".join(map(str, typing.get_args(a))) if typing.get_origin(a) is Literal else str(a)
+                            for a in typing.get_args(hint))
+        raise UserError(f"{name}={value!r} is not valid; valid: {forms}")
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:

@@ -59,7 +59,9 @@ class TrainConfig(Section):
     eval_samples: int = 32  # held-out sequences per evaluation
     log_interval: int = 1
     compile: bool = False  # torch.compile each transformer block (composes with FSDP and recompute; not TP yet)
-    loss_chunk: int = 0  # >0: LM head + cross-entropy this many tokens at a time, gradients computed in forward
+    # LM head + cross-entropy this many tokens at a time, its gradients computed in forward (memory-light); 0: the
+    # whole micro-batch's logits; "auto": 8192 on a GPU where the layout takes it (tp = pp = 1), else 0
+    loss_chunk: int | Literal["auto"] = "auto"
     fp8: Literal["off", "tensorwise", "rowwise"] = "off"  # fp8 linear layers through torchao (CUDA, sm89+)
     threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
     max_skipped_consecutive: int = 5  # non-finite loss/grad steps skipped in a row before stopping (exit 3)
@@ -72,7 +74,10 @@ class TrainConfig(Section):
 
     def validate(self) -> None:
         positive("train", self, "steps", "global_batch", "micro_batch", "seq_len", "eval_samples", "log_interval")
-        non_negative("train", self, "eval_interval", "threads", "max_skipped_consecutive", "loss_chunk")
+        non_negative("train", self, "eval_interval", "threads", "max_skipped_consecutive")
+        if self.loss_chunk != "auto" and self.loss_chunk < 0:
+            raise UserError(f"train.loss_chunk={self.loss_chunk} must be >= 0 (0: the whole micro-batch's logits) "
+                            "or auto")
         if self.global_batch % self.micro_batch:
             raise UserError(
                 f"train.global_batch={self.global_batch} is not divisible by train.micro_batch="

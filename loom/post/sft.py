@@ -17,6 +17,7 @@ from loom.errors import UserError
 from loom.models.losses import MaskedTokenCrossEntropy
 from loom.post.chat import load_template
 from loom.post.sft_data import Examples, SFTDataset, columns_of, prepare
+from loom.rules import run_loss_chunk
 from loom.train.recipe import Recipe
 
 
@@ -74,4 +75,4 @@ class SFT(Recipe):
         return template_for(cfg)
 
     def loss(self, cfg: Config) -> MaskedTokenCrossEntropy:
-        return MaskedTokenCrossEntropy(cfg.train.loss_chunk)
+        return MaskedTokenCrossEntropy(run_loss_chunk(cfg))

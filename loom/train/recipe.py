@@ -28,7 +28,7 @@ from loom.data.dataset import Dataset
 from loom.data.tokenizer import Tokenizer
 from loom.errors import UserError
 from loom.models.losses import Loss, TokenCrossEntropy
-from loom.rules import recipe_problem
+from loom.rules import recipe_problem, run_loss_chunk
 
 if TYPE_CHECKING:
     from torch import nn
@@ -62,7 +62,7 @@ class Recipe:
         return build_datasets(cfg, tokenizer)
 
     def loss(self, cfg: Config) -> Loss:
-        return TokenCrossEntropy(cfg.train.loss_chunk)
+        return TokenCrossEntropy(run_loss_chunk(cfg))
 
     def extend_model(self, model: "nn.Module") -> None:
         pass
