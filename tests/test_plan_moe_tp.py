@@ -170,7 +170,71 @@ def test_published_moe_runs_with_tensor_parallelism_fit_and_their_error():
     for name in PUBLISHED_MOE_ROUTING:
         w, fixed, seconds, _ = old[name]
         errors[name] = predict(w, fixed).step_time_s / seconds - 1
-    # Every row but the model zoo's TP4 x EP8 (its 29.0 s is half the speed of its TP2 rows; -49% here)
-    # within 25%; mean |error| over the 8 MoE rows 16.8% when written (issue 40's target 15% not reached).
+    # The model zoo's Megatron-LM runs pass no --grad-reduce-in-bf16 (fp32 gradients, Megatron-LM's bf16
+    # default); NeMo's and Megatron-Bridge's recipes reduce in bf16.
+    assert {n: w.grad_dtype for n, (w, *_) in runs.items()} == {
+        n: "float32" if n.startswith("zoo-") else "bfloat16" for n in runs}
+    # Every row but the model zoo's TP4 x EP8 (its 29.0 s is half the speed of its TP2 rows; -43% here)
+    # within 25%; mean |error| over the 8 MoE rows 13.2% when written (16.8% with the zoo's gradients priced
+    # bf16, reductions hidden behind a backward without its recomputed forward, and the experts' weight
+    # gradients not accumulated into the gradient buffer; issue 40's target 15%).
     assert all(abs(e) <= 0.25 for n, e in errors.items() if n != "zoo-qwen3-235b-tp4-ep8"), errors
-    assert sum(abs(e) for e in errors.values()) / len(errors) <= 0.18, errors
+    assert errors["zoo-qwen3-235b-tp2-ep32"] == pytest.approx(-0.073, abs=0.005), errors
+    assert errors["zoo-qwen3-235b-tp4-ep8"] == pytest.approx(-0.430, abs=0.005), errors
+    assert errors["zoo-qwen3-235b-fsdp-ep8"] == pytest.approx(-0.003, abs=0.005), errors
+    assert sum(abs(e) for e in errors.values()) / len(errors) <= 0.15, errors
+
+
+def test_reductions_hide_behind_the_backward_with_its_recomputed_forward():
+    # The model zoo's Megatron-FSDP row (full recompute, 4 micro-batches, no pipeline): each micro-batch's
+    # fp32 reduce-scatter hides behind that micro-batch's backward, which reruns every layer's forward.
+    from loom.planner.kernels import collective_time, members_per_node
+    from loom.planner.layertime import layer_times
+    from loom.planner.stages import expert_data_parallel, expert_rank_stride, local_params, rank_shapes
+    from loom.planner.steptime import step_time
+    from loom.planner.validation import published_moe_runs, predict
+
+    w, fixed, *_ = published_moe_runs()["zoo-qwen3-235b-fsdp-ep8"]
+    lay = predict(w, fixed).layout
+    assert (lay.recompute, lay.recompute_layers, lay.pp, lay.dp_style) == ("full", 0, 1, "fsdp")
+    gpu, L = w.gpu, w.model.layers
+    m = w.global_batch // (lay.dp * lay.micro_batch)
+    dense, experts = local_params(w, lay, rank_shapes(w, lay)[0])
+    eg, es = expert_data_parallel(w, lay), expert_rank_stride(w, lay) * lay.ep
+
+    def coll(kind, per_param):
+        return (collective_time(gpu, kind, per_param * dense, lay.dp, members_per_node(gpu, lay.tp, lay.dp))
+                + collective_time(gpu, kind, per_param * experts, eg, members_per_node(gpu, es, eg)))
+
+    lt = layer_times(w, lay.tp, lay.cp, lay.micro_batch, lay.sp, "none", lay.ep)
+    fwd = sum(lt.fwd.values()) * L
+    bwd = sum(lt.bwd.values()) * L + fwd  # the recomputed forward runs inside backward
+    gather, grad = coll("all_gather", 2), coll("reduce_scatter", 4)
+    assert sum(lt.bwd.values()) * L < grad < bwd  # exposed without the recompute window, hidden with it
+    expected = m * (max(gather - fwd, gather / L) + max(gather - bwd, gather / L) + max(grad - bwd, grad / L))
+    assert step_time(w, lay)["dp_comm"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_expert_weight_gradients_accumulate_into_megatrons_gradient_buffer():
+    # The model zoo's TP4 x EP8 row: 1024 tokens per rank x top-8 over 16 local experts, 512 rows each. Each
+    # expert's fc1 (3072 x 4096) and fc2 (4096 x 1536) weight gradient is C += A^T B with k = 512 and C the
+    # fp32 main_grad, read and written: memory-bound on H100 (3350 GB/s x 0.8), where the same product
+    # writing a 16-bit C once (gemm_time) is compute-bound.
+    from loom.planner.kernels import gemm_time
+    from loom.planner.layertime import _expert_wgrad_extra
+    from loom.planner.validation import published_moe_runs
+
+    w = published_moe_runs()["zoo-qwen3-235b-tp4-ep8"][0]
+    gpu, bw = w.gpu, w.gpu.hbm_gbps * 1e9 * w.gpu.hbm_efficiency
+    expected = 0.0
+    for out, inp in ((3072, 4096), (4096, 1536)):
+        traffic = 16 * ((out + inp) * 512 * 2 + 2 * out * inp * 4)
+        expected += traffic / bw + gpu.kernel_overhead_us * 1e-6 - gemm_time(gpu, "bf16", out, inp, 512, 16)
+    assert traffic / bw > gemm_time(gpu, "bf16", out, inp, 512, 16)  # memory-bound
+    assert _expert_wgrad_extra(w, 512, 16) == pytest.approx(expected, rel=1e-12) and expected > 0
+    assert _moe_forward(w, 4096, 4, True, 8)["wgrad_extra"] == pytest.approx(expected, rel=1e-12)
+    # A bf16 gradient buffer moves half the C bytes; loom's runtime writes each gradient once (gemm_time's).
+    assert 0 < _expert_wgrad_extra(replace(w, grad_dtype="bfloat16"), 512, 16) < expected
+    assert _expert_wgrad_extra(replace(w, framework="loom"), 512, 16) == 0.0
+    # 4096 rows per expert (the TP2 x EP32 row): compute-bound, nothing added.
+    assert _expert_wgrad_extra(w, 4096, 4) == 0.0

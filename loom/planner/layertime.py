@@ -148,6 +148,7 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool, moe: bool 
     fwd = {"gemm": gemm, "attention": core["attention"], "elementwise": elementwise + core["elementwise"],
            "tp_comm": tp_comm, "cp_comm": cp_comm, "ep_comm": moe_terms["ep_comm"] if moe_terms else 0.0,
            "overhead": kernels * gpu.kernel_overhead_us * 1e-6}
+    core["moe_wgrad"] = moe_terms["wgrad_extra"] if moe_terms else 0.0  # MoE only: `_moe_forward`
     return fwd, core
 
 
@@ -211,7 +212,32 @@ def _moe_forward(w: Workload, tokens: int, tp: int, sp: bool, ep: int) -> dict:
         seconds = max(inside / (gpu.nvlink_gbps * 1e9 * gpu.collective_efficiency),
                       leaving / (gpu.internode_gbps * 1e9 * gpu.collective_efficiency))
         ep_comm = 2 * (gpu.collective_latency_us * 1e-6 + seconds)
-    return {"gemm": gemm, "elementwise": hbm_time(gpu, traffic), "ep_comm": ep_comm, "kernels": 12}
+    return {"gemm": gemm, "elementwise": hbm_time(gpu, traffic), "ep_comm": ep_comm, "kernels": 12,
+            "wgrad_extra": _expert_wgrad_extra(w, per_expert, local)}
+
+
+def _expert_wgrad_extra(w: Workload, per_expert: int, local: int) -> float:
+    """Seconds the routed experts' weight-gradient GEMMs (`local` experts, `per_expert` rows each) take in
+    backward beyond the same products writing a 16-bit C (`gemm_time`; the backward is priced at twice the
+    forward GEMM time). Megatron-Core fuses the weight-gradient accumulation into the GEMM
+    (gradient_accumulation_fusion, on unless --no-gradient-accumulation-fusion; Transformer Engine's
+    GroupedLinear with fuse_wgrad_accumulation): each expert's product is C += A^T B with C the fp32 (with
+    --grad-reduce-in-bf16, bf16) main_grad of its weight, read and written every micro-batch. With few rows
+    per expert (short k = per_expert) that C traffic, 2 x weight elements x the buffer's element size,
+    outweighs the FLOPs and the product is memory-bound. loom's runtime writes each gradient once at the
+    compute dtype, what `gemm_time` already counts: 0 there."""
+    if w.framework != "megatron":
+        return 0.0
+    cfg, gpu, prec = w.model, w.gpu, w.precision
+    h, fe = cfg.hidden, cfg.moe.ffn_hidden or cfg.ffn_hidden
+    elem = {"fp8": 1, "fp32": 4}.get(prec, 2)
+    gb = 2 if w.grad_dtype == "bfloat16" else 4
+    extra = 0.0
+    for out, inp in (((2 if cfg.mlp == "swiglu" else 1) * fe, h), (h, fe)):  # fc1, fc2
+        plain = gemm_time(gpu, prec, out, inp, per_expert, local)  # the product with a written 16-bit C
+        traffic = local * ((out + inp) * per_expert * elem + 2 * out * inp * gb)
+        extra += max(0.0, hbm_time(gpu, traffic) + gpu.kernel_overhead_us * 1e-6 - plain)
+    return extra
 
 
 @lru_cache(maxsize=65536)
@@ -241,6 +267,7 @@ def _one_layer_times(w: Workload, tp: int, cp: int, mbs: int, sp: bool, recomput
     bwd = {"gemm": 2 * fwd["gemm"], "attention": attn_bwd, "elementwise": 2 * fwd["elementwise"],
            "tp_comm": fwd["tp_comm"], "cp_comm": fwd["cp_comm"], "ep_comm": fwd["ep_comm"],
            "overhead": 2 * fwd["overhead"]}
+    bwd["gemm"] += core["moe_wgrad"]  # the routed experts' weight gradients into the gradient buffer
     if recompute == "full":
         for key in bwd:
             bwd[key] += fwd[key]

@@ -74,7 +74,7 @@ def step_time(w: Workload, lay: Layout) -> dict:
         bhead = sum(head_times(bw, lay.tp, lay.cp, lay.micro_batch))
     # A micro-batch's forward + backward on each pipeline rank; the slowest rank sets the pace.
     shapes = rank_shapes(w, lay)
-    terms, per_mb, n_layers = {}, -1.0, 0
+    terms, per_mb, n_layers, n_full = {}, -1.0, 0, 0
     for shape in shapes:
         t = dict.fromkeys(("gemm", "attention", "elementwise", "tp_comm", "cp_comm", "ep_comm", "overhead"), 0.0)
         full_layers = sum(recomputed_layers(lay, c) for c in shape.chunks) if ft else 0
@@ -93,7 +93,7 @@ def step_time(w: Workload, lay: Layout) -> dict:
                 t["clock"] += t["head"] - bhead
                 t["head"] = bhead
         if sum(t.values()) > per_mb:
-            terms, per_mb, n_layers = t, sum(t.values()), shape.layers
+            terms, per_mb, n_layers, n_full = t, sum(t.values()), shape.layers, full_layers
     # Pipeline: P2P of one activation per micro-batch each way between stages (split over tp with SP).
     p2p = 0.0
     if lay.pp > 1:
@@ -127,7 +127,11 @@ def step_time(w: Workload, lay: Layout) -> dict:
                 + collective_time(gpu, kind, per_param * experts, egroup, members_per_node(gpu, estride, egroup)))
 
     if group > 1 or egroup > 1:
+        # The backward that reductions (and FSDP's backward gathers) hide behind: the slowest rank's, with the
+        # forward that full recomputation reruns inside it.
         bwd_mb = sum(lt.bwd.values()) * n_layers
+        if n_full:
+            bwd_mb += n_full * (sum(ft.bwd.values()) - sum(lt.bwd.values()))
         fwd_mb = sum(lt.fwd.values()) * n_layers
         if lay.dp_style == "replicate":
             grad = coll("all_reduce", gb)

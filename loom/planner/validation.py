@@ -180,7 +180,9 @@ def published_runs() -> dict:
 
 ZOO_QWEN3 = ("Megatron MoE model zoo (github.com/yanring/Megatron-MoE-ModelZoo, best_practice/Qwen3/readme.md): "
              "Qwen3-235B-A22B, 256 H100 (8 x 50 GB/s InfiniBand per node), bf16, seq 4096, GBS 2048, expert tensor "
-             "parallelism 1")
+             "parallelism 1, Megatron-LM's pretrain script with the zoo's model_configs/benchmarking/"
+             "Qwen3-235B-A22B.yaml and sbatch_benchmarking.sh, neither of which passes --grad-reduce-in-bf16: "
+             "Megatron-LM then accumulates and reduces bf16 runs' gradients in fp32")
 BRIDGE_QWEN3_H100 = ("Megatron-Bridge performance summary, NeMo 25.11 (github.com/NVIDIA-NeMo/Megatron-Bridge "
                      "docs/performance-summary.md, DGX-H100 table): Qwen3-235B-A22B, 256 H100, fp8 current scaling, "
                      "TP2 PP8 VP4 EP32 MBS1, 1,575 tokens/s/GPU (233 TFLOP/s); the row lost its GBS column, 2048 is "
@@ -208,9 +210,11 @@ def published_moe_runs() -> dict:
                                  ffn_hidden=12288, vocab_size=151936, max_seq_len=4096), 128, 8, 1536)
     grok1 = moe(llama(64, 6144, 48, 8, 32768, 128256, 8192), 8, 2, 32768)
 
-    def megatron(model, seq, batch, gpus, precision, **kw) -> Workload:
+    def megatron(model, seq, batch, gpus, precision, grad_dtype="bfloat16", **kw) -> Workload:
+        """NeMo's and Megatron-Bridge's performance recipes reduce gradients in bf16; the model zoo's Megatron-LM
+        runs keep Megatron-LM's fp32 default (ZOO_QWEN3)."""
         return Workload(model, seq, batch, gpus, h100, precision=precision, framework="megatron",
-                        grad_dtype="bfloat16", **kw)
+                        grad_dtype=grad_dtype, **kw)
 
     def layout(gpus, **fixed) -> dict:
         out = dict(micro_batch=1, sp=True, dp_style="distopt") | fixed
@@ -224,16 +228,18 @@ def published_moe_runs() -> dict:
             layout(256, tp=2, pp=8, vpp=4, ep=32, recompute="none"), tokens_seconds(2048, 4096, 1575, 256),
             BRIDGE_QWEN3_H100, "forced balanced (the summary: balanced token distribution, dropless)"),
         "zoo-qwen3-235b-tp2-ep32": (
-            megatron(qwen3_235b, 4096, 2048, 256, "bf16", moe_dispatcher="deepep"),
+            megatron(qwen3_235b, 4096, 2048, 256, "bf16", "float32", moe_dispatcher="deepep"),
             layout(256, tp=2, pp=8, vpp=4, ep=32), 19.7,
             ZOO_QWEN3 + ": DeepEP, TP2 PP8 VPP4 EP32 MBS1, recompute of norms and expert activations (not a "
-            "loom recompute mode: left to the search), 19.7 s/step without the 1F1B all-to-all overlap", unstated),
+            "loom recompute mode: left to the search), 19.7 s/step without the 1F1B all-to-all overlap",
+            "likely forced balanced (best_practice/qwen3/run_235b.sh runs this layout, with the overlap, with "
+            "--moe-router-force-load-balancing; priced balanced)"),
         "zoo-qwen3-235b-tp4-ep8": (
-            megatron(qwen3_235b, 4096, 2048, 256, "bf16", moe_dispatcher="deepep"),
+            megatron(qwen3_235b, 4096, 2048, 256, "bf16", "float32", moe_dispatcher="deepep"),
             layout(256, tp=4, pp=8, vpp=4, ep=8, recompute="none"), 29.0,
             ZOO_QWEN3 + ": DeepEP, TP4 PP8 VPP4 EP8 MBS1, no recompute, 29.0 s/step", unstated),
         "zoo-qwen3-235b-fsdp-ep8": (
-            megatron(qwen3_235b, 4096, 2048, 256, "bf16", moe_dispatcher="deepep", fsdp2=False),
+            megatron(qwen3_235b, 4096, 2048, 256, "bf16", "float32", moe_dispatcher="deepep", fsdp2=False),
             layout(256, tp=2, pp=1, ep=8, micro_batch=4, dp_style="fsdp", recompute="full", recompute_layers=0),
             17.6, ZOO_QWEN3 + ": DeepEP, TP2 EP8 Megatron-FSDP over 128, MBS4, full recompute, 17.6 s/step",
             unstated),
