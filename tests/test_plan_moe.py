@@ -133,6 +133,31 @@ def test_cli_moe_sizes_layout_and_refusals():
         assert "Traceback" not in r.stderr
 
 
+def test_loss_chunk_auto_prices_what_loom_runs_by_default(tmp_path):
+    """`loss_chunk="auto"` (the planner's default, as train.loss_chunk's): loom's runtime on a GPU with tp = pp
+    = 1 is priced with 8192-token chunks, tp or pp > 1, Megatron's distributed optimizer and a CPU profile with
+    whole logits, each exactly as the explicit setting prices it; `loom plan`'s layout config keeps "auto"."""
+    import dataclasses
+
+    cfg = load_config("llama3-8b").model
+    auto, chunked, whole = (Workload(cfg, 4096, 64, 8, H100, loss_chunk=c) for c in ("auto", 8192, 0))
+    for lay, like in ((Layout(dp=8, micro_batch=2, dp_style="fsdp"), chunked),
+                      (Layout(tp=2, sp=True, dp=4, micro_batch=2, dp_style="fsdp"), whole),
+                      (Layout(pp=2, dp=4, micro_batch=2, dp_style="fsdp"), whole),
+                      (Layout(dp=8, micro_batch=2, dp_style="distopt"), whole)):
+        a, b = evaluate(auto, lay), evaluate(like, lay)
+        assert a.step_time_s == b.step_time_s and a.memory == b.memory, lay
+    assert evaluate(auto, Layout(dp=8, micro_batch=2)).memory["logits"] < evaluate(whole, Layout(
+        dp=8, micro_batch=2)).memory["logits"]
+    cpu = dataclasses.replace(H100, name="cpu-test")
+    assert Workload(cfg, 4096, 64, 8, cpu, loss_chunk="auto").at_layout(Layout(dp=8)).loss_chunk == 0
+    done = run_main("plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--seq", "4096",
+                    "--global-batch", "64", "--top", "1", "--config", str(tmp_path / "best.toml"))
+    assert done.returncode == 0 and 'loss_chunk = "auto"' in (tmp_path / "best.toml").read_text()
+    bad = run_main("plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--loss-chunk", "-5")
+    assert bad.returncode == 2 and "--loss-chunk=-5 must be an integer >= 0" in bad.stderr
+
+
 def test_loss_chunk_keeps_one_chunk_of_logits_and_no_extra_head_forward():
     """loom's chunked loss computes the head's gradients in forward: one chunk's fp32 logits and their bf16
     gradient alive, the hidden states' gradient and an fp32 head-weight gradient kept until backward; the

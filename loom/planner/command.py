@@ -47,9 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="Megatron's gradient buffer dtype (NeMo's performance recipes: bfloat16); loom keeps float32")
     c.add_argument("--tokens", type=float, default=None, help="training tokens, to report days to train")
-    c.add_argument("--loss-chunk", type=int, default=0, metavar="TOKENS",
+    c.add_argument("--loss-chunk", default="auto", metavar="TOKENS",
                    help="LM head + loss this many tokens at a time, its gradients computed in forward (loom's "
-                        "train.loss_chunk); 0 (default): the whole micro-batch's logits")
+                        "train.loss_chunk); 0: the whole micro-batch's logits; auto (default): as loom's default, "
+                        "8192 on a GPU where tp = pp = 1, whole logits elsewhere and for Megatron's runtime")
     c.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="price compiled transformer blocks (loom's train.compile: elementwise ops fused by inductor); "
                         "auto (default): as loom's GPU path runs, compiled on a GPU where loom compiles (tp = pp = "
@@ -133,8 +134,14 @@ def build_workload(args):
             setattr(model.moe, key, opts[flag])
     if model.moe.experts or args.top_k is not None:
         model.validate()  # the rule book's MoE checks (top_k within the experts, ...): a UserError names the key
-    if args.loss_chunk < 0:
-        raise UserError(f"--loss-chunk={args.loss_chunk} must be >= 0 (0: no chunking)")
+    if args.loss_chunk != "auto":
+        raw = args.loss_chunk
+        try:
+            args.loss_chunk = int(raw)
+        except ValueError:
+            args.loss_chunk = -1
+        if args.loss_chunk < 0:
+            raise UserError(f"--loss-chunk={raw} must be an integer >= 0 (0: the whole micro-batch's logits) or auto")
     if not args.moe_imbalance >= 1.0:
         raise UserError(f"--moe-imbalance={args.moe_imbalance} must be >= 1 (the busiest rank's tokens over the mean; "
                         "1 is balanced)")

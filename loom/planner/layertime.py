@@ -23,7 +23,7 @@ from functools import lru_cache
 from loom.config import ModelConfig
 from loom.planner.kernels import (collective_time, compiled_elementwise_time, elementwise_time, gemm_time, hbm_time,
                                   members_per_node)
-from loom.planner.workload import Workload
+from loom.planner.workload import Layout, Workload
 
 
 @dataclass(frozen=True)
@@ -280,6 +280,8 @@ def _one_layer_times(w: Workload, tp: int, cp: int, mbs: int, sp: bool, recomput
 @lru_cache(maxsize=4096)
 def head_times(w: Workload, tp: int, cp: int, mbs: int) -> tuple[float, float]:
     """Forward and backward seconds of the LM head and cross-entropy (fp32 logits) per micro-batch."""
+    if w.loss_chunk == "auto":  # a caller without the layout: as one of pp = 1 at this tp
+        w = w.at_layout(Layout(tp=tp))
     cfg, gpu = w.model, w.gpu
     tokens = mbs * w.seq_len // cp
     v = cfg.vocab_size // tp

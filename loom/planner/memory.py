@@ -101,6 +101,7 @@ def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: in
 
 def memory(w: Workload, lay: Layout) -> dict:
     """Peak bytes per GPU on the most loaded pipeline rank."""
+    w = w.at_layout(lay)
     cfg = w.model
     m = w.global_batch // (lay.dp * lay.micro_batch)
     moment_bytes = 4 if w.state_dtype == "bfloat16" else 8

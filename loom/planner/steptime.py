@@ -55,6 +55,7 @@ def at_burst_clock(w: Workload) -> Workload:
 
 def step_time(w: Workload, lay: Layout) -> dict:
     """Seconds of one training step, term by term (the terms of this module's docstring and `layertime`'s)."""
+    w = w.at_layout(lay)
     cfg, gpu = w.model, w.gpu
     m = w.global_batch // (lay.dp * lay.micro_batch)
     base = "selective" if lay.recompute == "selective" else "none"

@@ -48,8 +48,9 @@ class Workload:
     # LM head + cross-entropy this many tokens at a time, the head's gradients computed in forward (loom's
     # train.loss_chunk; fused linear cross-entropy elsewhere): one chunk's logits alive instead of the
     # micro-batch's, plus the kept gradients (hidden states', fp32 head weight's); no extra head forward.
-    # 0: whole micro-batch.
-    loss_chunk: int = 0
+    # 0: whole micro-batch; "auto": loom's default (train.loss_chunk=auto), chunks of loom.rules.AUTO_LOSS_CHUNK
+    # on a layout of loom's own runtime with tp = pp = 1 on a GPU, else whole (`at_layout`).
+    loss_chunk: int | str = 0
     # Attention kernel: "sdpa" (torch's scaled_dot_product_attention, flash backend: FlashAttention-2, what
     # loom runs), "fused" (Transformer Engine's cuDNN fused attention), or "auto": fused when the framework
     # is megatron, else sdpa.
@@ -76,6 +77,19 @@ class Workload:
     @property
     def usable_bytes(self) -> float:
         return (self.gpu.memory_gib - self.memory_margin_gib) * GIB
+
+    def at_layout(self, lay: "Layout") -> "Workload":
+        """This workload as layout `lay` runs it: `loss_chunk="auto"` resolved as `loom.rules.loss_chunk_tokens`
+        resolves loom's setting (a CPU profile, Megatron's runtime, tp or pp > 1: whole logits)."""
+        if self.loss_chunk != "auto":
+            return self
+        from dataclasses import replace
+
+        from loom.rules import loss_chunk_tokens
+
+        loom_gpu = (self.framework == "loom" and lay.dp_style != "distopt"
+                    and not self.gpu.name.lower().startswith("cpu"))
+        return replace(self, loss_chunk=loss_chunk_tokens("auto", "cuda" if loom_gpu else "cpu", lay.tp, lay.pp))
 
     def runs_compiled(self, lay: "Layout") -> bool:
         """Whether the blocks of layout `lay` run compiled (see `compile`)."""
