@@ -48,7 +48,7 @@
 #   profile       60  python3 -m loom.cli plan --profile-hardware (30 s on the first H200 run, to a crash)
 #   generate     120  generate_gpu.py --kv slab --batches 1,64 --new 32 --repeats 2 (+ --profile): the engine's
 #                     default keys and values, each batch's top kernels by device time
-#   generate_paged 120 the same on paged keys and values at batches 1, 64, 256 (Triton split-KV reads), no transformers
+#   generate_paged 150 the same on paged keys and values at batches 1, 64, 256 (Triton split-KV reads), no transformers
 #   rl           150  rl_gpu.py: loom rl, GRPO, 1B shape, 8 prompts of 128 tokens x 8 completions of up to 512,
 #                     1 + 2 steps, each step's phases (its start, the engine's graphs for every bucket up to
 #                     batch 64 and 641 keys included, took more than 45 s on the second H200 run)
@@ -278,7 +278,7 @@ else
   # the engine's default keys and values (the slab), then paged blocks at batch 64 (issue 37)
   run_step generate 120 "$PY" bench/generate_gpu.py --kv slab --batches 1,64 --new 32 --repeats 2 \
     ${PROFILE[@]+"${PROFILE[@]}"} --out "$DIR/generate_gpu.json"
-  run_step generate_paged 120 "$PY" bench/generate_gpu.py --kv paged --batches 1,64,256 --new 32 --repeats 2 --no-hf \
+  run_step generate_paged 150 "$PY" bench/generate_gpu.py --kv paged --batches 1,64,256 --new 32 --repeats 2 --no-hf \
     --out "$DIR/generate_gpu_paged.json"
   run_step rl 150 "$PY" bench/rl_gpu.py --warmup 1 --steps 2 --timeout 140 --out "$DIR/rl_gpu.json"
   # loom serve under 32 concurrent streaming clients, the 1B shape with random weights (issue 41)
