@@ -237,6 +237,11 @@ def test_fused_qkv_equals_three_products_and_follows_a_refit(models, kind):
     engine.refit(other)
     fresh = Engine(other, max_batch=4, max_len=48, cpu_kernel=False).generate(prompts, params)
     assert [d.tokens for d in engine.generate(prompts, params)] == [d.tokens for d in fresh]
+    if kind == "llama":  # a compiled step traces the fused product (the tensor a static input, as parameters)
+        compiled = Engine(model, max_batch=2, max_len=48, cpu_kernel=False, fuse_qkv=True, compile=True)
+        assert compiled.stats["fused_qkv_layers"] == len(model.layers)
+        again = compiled.generate(prompts, params)
+        assert [d.tokens for d in again] == [d.tokens for d in fresh] and not calls
     model.train()
     model(torch.tensor([prompts[0]])).float().sum().backward()  # gradients on: the three products, as trained
     assert att.wq.weight.grad is not None and calls

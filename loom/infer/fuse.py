@@ -21,12 +21,15 @@ def _fusable(mods) -> bool:
 
 
 def _lay_end_to_end(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One new tensor holding `tensors` (parameters) concatenated along dim 0; each becomes a view of its slice."""
+    """One new tensor holding `tensors` (parameters) concatenated along dim 0; each becomes a view of its slice.
+    The tensor is marked a static address, as parameters are: a CUDA-graph step reads it in place instead of
+    copying it into the graph's inputs on every replay (a plain module attribute would be such an input)."""
     fused = torch.cat([t.detach() for t in tensors])
     start = 0
     for t in tensors:
         t.data = fused[start:start + t.shape[0]]
         start += t.shape[0]
+    torch._dynamo.mark_static_address(fused)
     return fused
 
 
