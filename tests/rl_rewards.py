@@ -9,3 +9,8 @@ def ones(prompt: str, completion: str, **_) -> float:
 def needs_answer(prompt: str, completion: str, answer: str) -> float:
     """Fails unless the record's "answer" field is passed as a keyword."""
     return float(completion.strip() == answer)
+
+
+def digit_share(prompt: str, completion: str, **_) -> float:
+    """The share of a completion's characters that are digits: a reward that differs within a group."""
+    return sum(c.isdigit() for c in completion) / max(1, len(completion))

@@ -102,6 +102,34 @@ def test_stale_engine_weights_show_in_the_mismatch(tmp_path, monkeypatch):
     assert steps[1]["logp_abs_diff"] > 1e-3 and steps[2]["prob_ratio_max"] > 1.001
 
 
+def test_on_policy_grpo_reuses_the_training_forward_as_its_old_log_probs(tmp_path, monkeypatch):
+    """rl.epochs = rl.minibatches = 1 (GRPO, no dropout): no separate forward for the old log-probs; the training
+    forward's own, detached, give the same losses, gradient norms, trainer/engine mismatch and final weights as
+    the separate pass (fp32, to rounding), with KL to a reference and uniform groups left out."""
+    calls = []
+    real = RLRecipe._forward_logp
+    monkeypatch.setattr(RLRecipe, "_forward_logp", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    cfg = load_config("tiny-grpo", [*RL, "rl.kl_coef=0.05", "rl.drop_uniform_groups=true",
+                                    "rl.reward=rl_rewards:digit_share"])
+    cfg.validate()
+    runs = {}
+    for reuse in (True, False):
+        monkeypatch.setattr(RLRecipe, "reuses_policy_logp", lambda self, r=reuse: r)
+        calls.clear()
+        trainer = Trainer(cfg, tmp_path / f"reuse{reuse}", quiet=True, recipe=RLRecipe())
+        trainer.fit()
+        runs[reuse] = (rows(tmp_path / f"reuse{reuse}")[0], trainer.model.state_dict(), len(calls))
+    (steps_reuse, w_reuse, n_reuse), (steps_sep, w_sep, n_sep) = runs[True], runs[False]
+    assert all(r["optimizer_steps"] == 1 for r in steps_reuse)  # every step trained (no fallback pass)
+    assert n_sep == n_reuse + len(steps_sep) == 2 * len(steps_sep)  # one policy pass a step saved; the reference's stays
+    for a, b in zip(steps_reuse, steps_sep):
+        for key in ("loss", "grad_norm", "logp_abs_diff", "prob_ratio_mean", "prob_ratio_max", "kl", "reward"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        assert a["ratio"] == 1.0 and b["ratio"] == pytest.approx(1.0, abs=1e-5)
+    for name, w in w_reuse.items():
+        assert torch.allclose(w, w_sep[name], rtol=1e-4, atol=1e-6), name
+
+
 def test_engine_equals_policy_after_training(tmp_path):
     cfg = load_config("tiny-grpo", [*RL, "train.steps=2"])
     cfg.validate()

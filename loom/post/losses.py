@@ -182,19 +182,34 @@ def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
     return torch.exp(trainer_logp.detach() - rollout_logp).clamp(max=cap)
 
 
+def mismatch_sums(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[sum |delta log p|, sum p_trainer / p_rollout, tokens, max ratio (0 without tokens)] over the response
+    tokens `mask` (fp64; sums add over micro-batches, the max by max)."""
+    mask = mask.to(rollout_logp.device)
+    delta = (trainer_logp.detach().to(rollout_logp.device).double() - rollout_logp.double()) * mask
+    ratio = torch.exp(delta)[mask.bool()]
+    top = ratio.max() if ratio.numel() else torch.zeros((), dtype=torch.float64, device=ratio.device)
+    return torch.stack([delta.abs().sum(), ratio.sum(), mask.sum().double(), top])
+
+
+def reduce_mismatch(sums: torch.Tensor, mean=None, maximum=None) -> dict[str, float]:
+    """`mismatch_sums` -> mean |delta log p|, mean and max token-probability ratio p_trainer / p_rollout.
+    `mean([(sum, count), ...])` and `maximum(value)` reduce over processes (RL: over the data-parallel ranks); by
+    default this process's tokens alone."""
+    abs_sum, ratio_sum, tokens, top = sums.tolist()
+    mean = mean or (lambda pairs: [float(s) / float(c) if float(c) > 0 else float("nan") for s, c in pairs])
+    abs_diff, ratio_mean = mean([(abs_sum, tokens), (ratio_sum, tokens)])
+    ratio_max = top if tokens else 1.0
+    return {"logp_abs_diff": abs_diff, "prob_ratio_mean": ratio_mean,
+            "prob_ratio_max": maximum(ratio_max) if maximum else ratio_max}
+
+
 def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, mean=None,
                      maximum=None) -> dict[str, float]:
     """Trainer/engine agreement over the response tokens: mean |delta log p|, mean and max token-probability
     ratio p_trainer / p_rollout. `mean([(sum, count), ...])` and `maximum(value)` reduce over processes (RL:
     over the data-parallel ranks); by default this process's tokens alone."""
-    delta = (trainer_logp.detach() - rollout_logp) * mask
-    ratio = torch.exp(delta)[mask.bool()]
-    tokens = mask.sum()
-    mean = mean or (lambda pairs: [float(s) / float(c) if float(c) > 0 else float("nan") for s, c in pairs])
-    abs_diff, ratio_mean = mean([(delta.abs().sum(), tokens), (ratio.sum(), tokens)])
-    ratio_max = ratio.max().item() if ratio.numel() else 1.0
-    return {"logp_abs_diff": abs_diff, "prob_ratio_mean": ratio_mean,
-            "prob_ratio_max": maximum(ratio_max) if maximum else ratio_max}
+    return reduce_mismatch(mismatch_sums(trainer_logp, rollout_logp, mask), mean, maximum)
 
 
 # --- PPO -----------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ class PolicyLoss(Loss):
         self.wants_hidden = self.ppo  # PPO reads the hidden states for its value head
         self.value_head = None
         self.sums: dict[str, torch.Tensor] = {}
+        self.mismatch: torch.Tensor | None = None  # on-policy steps: `mismatch_sums` of the training forwards
 
     def count(self, batch) -> torch.Tensor:
         mask = batch["mask"]
@@ -44,7 +45,12 @@ class PolicyLoss(Loss):
             logits = output
         logp = full_tensor(L.token_logprobs(logits, batch["labels"]))
         mask = batch["mask"].to(logp.dtype)
-        old = batch["old_logp"]
+        old = batch.get("old_logp")
+        if old is None:  # on-policy (RL.reuses_policy_logp): the old policy is this forward's, detached
+            old = logp.detach()
+            sums = L.mismatch_sums(old, batch["rollout_logp"], batch["rollout_mask"])
+            self.mismatch = sums if self.mismatch is None else torch.cat(
+                [self.mismatch[:3] + sums[:3], torch.maximum(self.mismatch[3:], sums[3:])])
         is_weights = L.truncated_is_weights(old, batch["rollout_logp"], rl.tis_cap) if rl.tis_cap else None
         kl_coef = 0.0 if self.ppo else rl.kl_coef  # PPO folds the KL into the reward
         per_token = L.grpo_token_losses(logp, old, batch["advantages"], mask, rl.clip_low, rl.clip_high, rl.ratio,
@@ -64,6 +70,11 @@ class PolicyLoss(Loss):
         for k, v in stats.items():
             self.sums[k] = self.sums[k] + v if k in self.sums else v
         return total
+
+    def take_mismatch(self) -> torch.Tensor | None:
+        """The `mismatch_sums` of the on-policy forwards since the last call (None: none ran), and start again."""
+        out, self.mismatch = self.mismatch, None
+        return out
 
     def take_sums(self) -> dict[str, torch.Tensor]:
         out, self.sums = self.sums, {}

@@ -12,6 +12,11 @@ One step (`RL.train_step`, the recipe's step in the one training loop), every ph
    "old" log-probs of the ratio; PPO's old values), and of the frozen reference policy when `rl.kl_coef`
    > 0. The trainer/engine mismatch is measured here: mean |log p_trainer - log p_engine| and the token
    probability ratio over the response tokens (`logp_abs_diff`, `prob_ratio_mean`, `prob_ratio_max`).
+   On-policy GRPO (`rl.epochs` = `rl.minibatches` = 1, no dropout: `reuses_policy_logp`) skips the policy's
+   pass: its one update starts at the rollout weights, so the old log-probs are the training forward's own,
+   detached (the ratio is 1, its gradient the policy gradient, as in TRL with one iteration); the mismatch
+   is then measured on that forward (`PolicyLoss.take_mismatch`). On the H200 the two passes were 19% of a
+   1B step (bench/results/device_check_h200_2026-11-26_c/rl_gpu.json).
    With `rl.tis_cap` the policy loss is weighted by min(p_trainer / p_engine, cap) per token (truncated
    importance sampling): the engine's policy is never assumed to be the trainer's.
 4. training (`training_s`): advantages (GRPO: group baselines; PPO: GAE on the value head's estimates),
@@ -178,6 +183,13 @@ class RL(Recipe):
         records = [f"prompt record {i} of {data.source}" for i in indices for _ in range(repeat)]
         return self.rewards(prompt_texts, texts, fields, [p + c.tokens for p, c in zip(prompts, done)], records)
 
+    def reuses_policy_logp(self) -> bool:
+        """Whether the old log-probs are the training forward's own (see the module docstring, phase 3)."""
+        cfg = self.trainer.cfg
+        rl, m = cfg.rl, cfg.model
+        return (rl.algorithm == "grpo" and rl.epochs == 1 and rl.minibatches == 1 and m.dropout == 0
+                and m.attn_dropout == 0)
+
     @torch.no_grad()
     def _forward_logp(self, model: nn.Module, batch: dict, values: bool = False):
         """Per-token log-probs of the labels (and PPO's values) without gradients, micro-batch by micro-batch."""
@@ -238,7 +250,12 @@ class RL(Recipe):
         batch = rows_of(prompts, done, t.seq_len, trainer.tokenizer.eod_id or 0)
         t0 = time.perf_counter()
         ppo = rl.algorithm == "ppo"
-        batch["old_logp"], old_values = self._forward_logp(trainer.model, batch, values=ppo)
+        reuse = self.reuses_policy_logp()
+        old_values = None
+        if reuse:  # every response token's mismatch, also in groups left out below
+            batch["rollout_mask"] = batch["mask"].clone()
+        else:
+            batch["old_logp"], old_values = self._forward_logp(trainer.model, batch, values=ppo)
         if self.reference is not None:
             batch["ref_logp"], _ = self._forward_logp(self.reference, batch)
         elif rl.kl_coef:  # LoRA: the base
@@ -249,8 +266,10 @@ class RL(Recipe):
         t0 = time.perf_counter()
         mask = batch["mask"]  # every response token (before uniform groups are left out)
         score = rewards["reward"].float()
-        mismatch = L.mismatch_metrics(batch["old_logp"], batch["rollout_logp"], mask, self._global_mean,
-                                      self._global_max)
+        if not reuse:
+            mismatch = L.mismatch_metrics(batch["old_logp"], batch["rollout_logp"], mask, self._global_mean,
+                                          self._global_max)
+        self.policy_loss.take_mismatch()  # from zero
         stats = self._advantages(batch, score, old_values)
         metrics = self._rollout_metrics(rewards, done, mask, stats)
         # Minibatch m holds the groups whose index in the global batch is m modulo rl.minibatches: the same
@@ -263,6 +282,12 @@ class RL(Recipe):
                 part = {k: v[pick] for k, v in batch.items()}
                 if self._global_sum(self.policy_loss.count(part)) > 0:
                     outs.append(trainer.optimizer_step(part))
+        if reuse:  # measured on the training forward; a step that trained nothing measures it by itself
+            sums = self.policy_loss.take_mismatch()
+            if sums is None:
+                logp, _ = self._forward_logp(trainer.model, batch)
+                sums = L.mismatch_sums(logp, batch["rollout_logp"], batch["rollout_mask"])
+            mismatch = L.reduce_mismatch(sums, self._global_mean, self._global_max)
         times["training_s"] = time.perf_counter() - t0
         updates = len(outs)
         if not outs:  # every group left out (rl.drop_uniform_groups): nothing to learn from, no update
