@@ -394,16 +394,6 @@ def loss_chunk_tokens(loss_chunk: int | str, device_type: str, tp: int, pp: int)
     return AUTO_LOSS_CHUNK if device_type == "cuda" and tp == 1 and pp == 1 else 0
 
 
-def run_loss_chunk(cfg) -> int:
-    """`loss_chunk_tokens` for a run of `cfg` on the device train.device names here (auto: a GPU if there is one)."""
-    import torch
-
-    device = cfg.train.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return loss_chunk_tokens(cfg.train.loss_chunk, device, cfg.parallel.tp, cfg.parallel.pp)
-
-
 def explicit_loss_chunk(loss_chunk: int | str) -> int:
     """`train.loss_chunk` as the user set it: "auto" never asks for a chunked loss where none can run."""
     return 0 if loss_chunk == "auto" else int(loss_chunk)

@@ -289,7 +289,7 @@ def _runner_step(overrides, backend=None):
     from loom.parallel import place_in_mesh
     from loom.parallel.distributed import all_reduce_sum, clip_grad_norm, full_tensor
     from loom.parallel.tensor import loss_context  # noqa: F401
-    from loom.rules import run_loss_chunk
+    from loom.models.losses import run_loss_chunk
     from loom.train.steps import SPMDRunner
 
     if backend:
@@ -519,7 +519,8 @@ def test_loss_chunk_auto_is_chunked_on_a_gpu_where_the_layout_takes_it(monkeypat
 
     from loom.config import load_config
     from loom.post.sft import SFT
-    from loom.rules import AUTO_LOSS_CHUNK, loss_chunk_tokens, recipe_problem, run_loss_chunk
+    from loom.models.losses import run_loss_chunk
+    from loom.rules import AUTO_LOSS_CHUNK, loss_chunk_tokens, recipe_problem
     from loom.train.recipe import Recipe
 
     assert load_config("tiny").train.loss_chunk == "auto"

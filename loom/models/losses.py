@@ -178,6 +178,17 @@ def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     return total
 
 
+def run_loss_chunk(cfg) -> int:
+    """The tokens per loss chunk of a run of `cfg` (`loom.rules.loss_chunk_tokens` on the device train.device
+    names here: auto, a GPU if there is one)."""
+    from loom.rules import loss_chunk_tokens
+
+    device = cfg.train.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return loss_chunk_tokens(cfg.train.loss_chunk, device, cfg.parallel.tp, cfg.parallel.pp)
+
+
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over all tokens, computed in fp32 (on vocabulary shards under TP)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")

@@ -14,10 +14,9 @@ from loom.config import Config
 from loom.data.dataset import held_out_split
 from loom.data.tokenizer import Tokenizer
 from loom.errors import UserError
-from loom.models.losses import MaskedTokenCrossEntropy
+from loom.models.losses import MaskedTokenCrossEntropy, run_loss_chunk
 from loom.post.chat import load_template
 from loom.post.sft_data import Examples, SFTDataset, columns_of, prepare
-from loom.rules import run_loss_chunk
 from loom.train.recipe import Recipe
 
 

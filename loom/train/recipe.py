@@ -27,8 +27,8 @@ from loom.config import Config
 from loom.data.dataset import Dataset
 from loom.data.tokenizer import Tokenizer
 from loom.errors import UserError
-from loom.models.losses import Loss, TokenCrossEntropy
-from loom.rules import recipe_problem, run_loss_chunk
+from loom.models.losses import Loss, TokenCrossEntropy, run_loss_chunk
+from loom.rules import recipe_problem
 
 if TYPE_CHECKING:
     from torch import nn
