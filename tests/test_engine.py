@@ -245,6 +245,9 @@ def test_fused_qkv_equals_three_products_and_follows_a_refit(models, kind):
     model.train()
     model(torch.tensor([prompts[0]])).float().sum().backward()  # gradients on: the three products, as trained
     assert att.wq.weight.grad is not None and calls
+    model.double()  # storage moved off the fused tensor: a refit refuses rather than leave steps on stale weights
+    with pytest.raises(RuntimeError, match="moved off the tensor the engine fused"):
+        engine.refit(other)
 
 
 def test_logprobs_equal_training_forward(models):

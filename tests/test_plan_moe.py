@@ -151,6 +151,9 @@ def test_loss_chunk_auto_prices_what_loom_runs_by_default(tmp_path):
         dp=8, micro_batch=2)).memory["logits"]
     cpu = dataclasses.replace(H100, name="cpu-test")
     assert Workload(cfg, 4096, 64, 8, cpu, loss_chunk="auto").at_layout(Layout(dp=8)).loss_chunk == 0
+    for recipe in ("rl", "dpo", "rm"):  # their losses read whole logits
+        assert Workload(cfg, 4096, 64, 8, H100, loss_chunk="auto", recipe=recipe).at_layout(Layout(dp=8)).loss_chunk == 0
+    assert Workload(cfg, 4096, 64, 8, H100, loss_chunk="auto", recipe="sft").at_layout(Layout(dp=8)).loss_chunk == 8192
     done = run_main("plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--seq", "4096",
                     "--global-batch", "64", "--top", "1", "--config", str(tmp_path / "best.toml"))
     assert done.returncode == 0 and 'loss_chunk = "auto"' in (tmp_path / "best.toml").read_text()

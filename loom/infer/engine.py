@@ -66,6 +66,7 @@ from loom.infer.cpu import cpu_decode
 from loom.infer.kv import KVSlab, upload
 from loom.infer.paged import PagedKV
 from loom.infer.refit import copy_weights
+from loom.infer.fuse import check_fused
 from loom.infer.fuse import fuse_qkv as fuse_qkv_layers
 from loom.infer.sampling import Sampler, SamplingParams, reduce_logits
 from loom.infer.step import CompiledDecode, resolve_compile
@@ -642,6 +643,7 @@ class Engine:
         shard of each full tensor. A pipeline stage holds only some layers, so its weights are refused:
         gather them first."""
         start = time.perf_counter()
+        check_fused(self.model)  # the fused q/k/v tensor must still be what the parameters view
         tensors = copy_weights(self.model, source)
         if self._cpu is not None:  # the twin's packed copies of the new weights, in place
             self._cpu.repack()

@@ -33,6 +33,16 @@ def _lay_end_to_end(tensors: list[torch.Tensor]) -> torch.Tensor:
     return fused
 
 
+def check_fused(model: nn.Module) -> None:
+    """Raise if a fused layer's projections no longer view its fused tensor (a `model.to(...)`, or anything else
+    that replaced their storage after `fuse_qkv`): decode steps would multiply by stale weights."""
+    for name, layer in model.layers.items():
+        att = layer.attention
+        if att.fused_qkv is not None and att.wq.weight.data_ptr() != att.fused_qkv.data_ptr():
+            raise RuntimeError(f"layer {name}: its q/k/v weights were moved off the tensor the engine fused them "
+                               "into (model.to(...) after building the Engine?); build the Engine after moving the model")
+
+
 @torch.no_grad()
 def fuse_qkv(model: nn.Module) -> int:
     """Fuse the query/key/value projections of every attention layer of `model` whose three are plain

@@ -87,7 +87,8 @@ class Workload:
 
         from loom.rules import loss_chunk_tokens
 
-        loom_gpu = (self.framework == "loom" and lay.dp_style != "distopt"
+        # loom rl, dpo and rm compute whole logits (their losses read every position's log-probs)
+        loom_gpu = (self.framework == "loom" and lay.dp_style != "distopt" and self.recipe not in ("rl", "dpo", "rm")
                     and not self.gpu.name.lower().startswith("cpu"))
         return replace(self, loss_chunk=loss_chunk_tokens("auto", "cuda" if loom_gpu else "cpu", lay.tp, lay.pp))
 

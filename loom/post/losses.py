@@ -187,9 +187,8 @@ def mismatch_sums(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: 
     tokens `mask` (fp64; sums add over micro-batches, the max by max)."""
     mask = mask.to(rollout_logp.device)
     delta = (trainer_logp.detach().to(rollout_logp.device).double() - rollout_logp.double()) * mask
-    ratio = torch.exp(delta)[mask.bool()]
-    top = ratio.max() if ratio.numel() else torch.zeros((), dtype=torch.float64, device=ratio.device)
-    return torch.stack([delta.abs().sum(), ratio.sum(), mask.sum().double(), top])
+    ratio = torch.where(mask.bool(), torch.exp(delta), torch.zeros_like(delta))  # no host sync (a training step's)
+    return torch.stack([delta.abs().sum(), ratio.sum(), mask.sum().double(), ratio.amax()])
 
 
 def reduce_mismatch(sums: torch.Tensor, mean=None, maximum=None) -> dict[str, float]:

@@ -187,8 +187,9 @@ class RL(Recipe):
         """Whether the old log-probs are the training forward's own (see the module docstring, phase 3)."""
         cfg = self.trainer.cfg
         rl, m = cfg.rl, cfg.model
+        # Sinkhorn routing balances differently in training mode: the no-grad pass (eval) is kept there
         return (rl.algorithm == "grpo" and rl.epochs == 1 and rl.minibatches == 1 and m.dropout == 0
-                and m.attn_dropout == 0)
+                and m.attn_dropout == 0 and not (m.moe_layers and m.moe.router == "sinkhorn"))
 
     @torch.no_grad()
     def _forward_logp(self, model: nn.Module, batch: dict, values: bool = False):
