@@ -135,13 +135,10 @@ def build_workload(args):
     if model.moe.experts or args.top_k is not None:
         model.validate()  # the rule book's MoE checks (top_k within the experts, ...): a UserError names the key
     if args.loss_chunk != "auto":
-        raw = args.loss_chunk
-        try:
-            args.loss_chunk = int(raw)
-        except ValueError:
-            args.loss_chunk = -1
-        if args.loss_chunk < 0:
-            raise UserError(f"--loss-chunk={raw} must be an integer >= 0 (0: the whole micro-batch's logits) or auto")
+        if not args.loss_chunk.isdigit():
+            raise UserError(f"--loss-chunk={args.loss_chunk} must be an integer >= 0 (0: the whole micro-batch's "
+                            "logits) or auto")
+        args.loss_chunk = int(args.loss_chunk)
     if not args.moe_imbalance >= 1.0:
         raise UserError(f"--moe-imbalance={args.moe_imbalance} must be >= 1 (the busiest rank's tokens over the mean; "
                         "1 is balanced)")

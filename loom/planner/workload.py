@@ -88,19 +88,23 @@ class Workload:
         from loom.rules import loss_chunk_tokens
 
         # loom rl, dpo and rm compute whole logits (their losses read every position's log-probs)
-        loom_gpu = (self.framework == "loom" and lay.dp_style != "distopt" and self.recipe not in ("rl", "dpo", "rm")
-                    and not self.gpu.name.lower().startswith("cpu"))
-        return replace(self, loss_chunk=loss_chunk_tokens("auto", "cuda" if loom_gpu else "cpu", lay.tp, lay.pp))
+        chunks = self._loom_gpu_runtime(lay) and self.recipe not in ("rl", "dpo", "rm")
+        return replace(self, loss_chunk=loss_chunk_tokens("auto", "cuda" if chunks else "cpu", lay.tp, lay.pp))
+
+    def _loom_gpu_runtime(self, lay: "Layout") -> bool:
+        """Whether layout `lay` runs on loom's own runtime (not Megatron's distributed optimizer) on a GPU (a CPU
+        profile's name starts with "cpu", profile.py)."""
+        return (self.framework == "loom" and lay.dp_style != "distopt"
+                and not self.gpu.name.lower().startswith("cpu"))
 
     def runs_compiled(self, lay: "Layout") -> bool:
         """Whether the blocks of layout `lay` run compiled (see `compile`)."""
         if self.compile != "auto":
             return self.compile == "on"
-        loom_runtime = self.framework == "loom" and lay.dp_style != "distopt"
         # loom.rules refuses train.compile with tp > 1, pp > 1, cp > 1 and MoE layers (gpu_path_problem,
-        # cp_feature_problem, moe_problem); a CPU profile's name starts with "cpu" (profile.py).
-        return (loom_runtime and lay.tp == 1 and lay.pp == 1 and lay.cp == 1 and not self.model.moe_layers
-                and not self.gpu.name.lower().startswith("cpu"))
+        # cp_feature_problem, moe_problem)
+        return (self._loom_gpu_runtime(lay) and lay.tp == 1 and lay.pp == 1 and lay.cp == 1
+                and not self.model.moe_layers)
 
     def experts_over_tp(self, tp: int, sp: bool, ep: int) -> bool:
         """Whether each rank routes only its own sequence shard (its tokens / tp) to routed experts spread over

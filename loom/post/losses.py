@@ -191,6 +191,11 @@ def mismatch_sums(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: 
     return torch.stack([delta.abs().sum(), ratio.sum(), mask.sum().double(), ratio.amax()])
 
 
+def add_mismatch(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    """Two `mismatch_sums` (or None and one) as one: the sums added, the max of the maxima."""
+    return b if a is None else torch.cat([a[:3] + b[:3], torch.maximum(a[3:], b[3:])])
+
+
 def reduce_mismatch(sums: torch.Tensor, mean=None, maximum=None) -> dict[str, float]:
     """`mismatch_sums` -> mean |delta log p|, mean and max token-probability ratio p_trainer / p_rollout.
     `mean([(sum, count), ...])` and `maximum(value)` reduce over processes (RL: over the data-parallel ranks); by

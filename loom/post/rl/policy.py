@@ -48,9 +48,8 @@ class PolicyLoss(Loss):
         old = batch.get("old_logp")
         if old is None:  # on-policy (RL.reuses_policy_logp): the old policy is this forward's, detached
             old = logp.detach()
-            sums = L.mismatch_sums(old, batch["rollout_logp"], batch["rollout_mask"])
-            self.mismatch = sums if self.mismatch is None else torch.cat(
-                [self.mismatch[:3] + sums[:3], torch.maximum(self.mismatch[3:], sums[3:])])
+            self.mismatch = L.add_mismatch(self.mismatch, L.mismatch_sums(old, batch["rollout_logp"],
+                                                                           batch["rollout_mask"]))
         is_weights = L.truncated_is_weights(old, batch["rollout_logp"], rl.tis_cap) if rl.tis_cap else None
         kl_coef = 0.0 if self.ppo else rl.kl_coef  # PPO folds the KL into the reward
         per_token = L.grpo_token_losses(logp, old, batch["advantages"], mask, rl.clip_low, rl.clip_high, rl.ratio,
