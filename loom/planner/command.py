@@ -215,6 +215,10 @@ def run(args, engine_probe=None) -> int:
         moe_rows = [r for r in rows if r["routing"]]
         print(summary(moe_rows, f"MoE layouts (these and the {len(moe_rows) - sum(r['set'] == 'moe' for r in rows)} "
                                 "above)"))
+        print()
+        print("A wider set of published dense runs (issue 38; loom/planner/validation.py published_wide_runs)")
+        table([r for r in rows if r["set"] == "wide"])
+        print(summary([r for r in rows if r["set"] == "wide"], "published layouts"))
         if measured:
             print()
             print("loom's own runs on one GPU (loom/planner/measured_runs.json), predicted from that machine's profile; "

@@ -257,19 +257,140 @@ PUBLISHED_MOE_ROUTING = {"mcore-mixtral-8x7b": "forced balanced", "automodel-qwe
                          "balanced gate)"}
 
 
+def megatron_core_seconds(B, s, L, h, ffn, V, tflops, gpus) -> float:
+    """Step time implied by a TFLOP/s per GPU that Megatron-LM reports (megatron/training/training.py,
+    num_floating_point_operations, core_r0.8.0): 12 B s L h^2 ((2 + s/h) + ffn/h + V/(2 L h)) for
+    multi-head attention and a non-gated MLP (attention scores counted unmasked)."""
+    return 12 * B * s * L * h * h * (2 + s / h + ffn / h + V / (2 * L * h)) / (tflops * 1e12 * gpus)
+
+
+NARAYANAN_T1 = ("Narayanan et al. 2021 (arXiv 2104.04473), Table 1; the same rows in Megatron-LM's README of 2021 "
+                "(images/cases_april2021.png, 'TP=8 and PP=8' for model-parallel size 64): A100-80GB on Selene, "
+                "seq 2048, vocab 51200, Megatron-LM 2021")
+MCORE_080 = ("Megatron-LM README (commit f2e5db4, 2024-07, images/model_table.png): Megatron-Core r0.8.0 weak "
+             "scaling on H100, seq 4096, vocab 131072, GPT (4h MLP, untied head: the parameter counts match), "
+             "overlapped data-, tensor- and pipeline-parallel communication (--overlap-grad-reduce "
+             "--overlap-param-gather --tp-comm-overlap: distributed optimizer and SP); precision not stated, MFU "
+             "quoted against the bf16 peak: priced bf16 with Megatron-LM's fp32 gradient buffer; norm, position "
+             "embedding and dropout not stated (priced LayerNorm, RoPE, none); micro-batch, virtual stages and "
+             "recomputation not stated (the planner's choice)")
+NEMO_2407_RUNS = ("NeMo 24.07 performance summary (NVIDIA/NeMo docs/source/performance/performance_summary.md, "
+                  "commit 4c73f77), DGX-H100, fp8")
+
+
+def published_wide_runs() -> dict:
+    """A wider set of published dense runs than `published_runs` (issue 38: the model must generalise): the
+    rest of Narayanan et al.'s weak-scaling table, Megatron-Core's 2024 H100 weak scaling, NeMo 24.07's
+    other rows, later Megatron-Bridge rows and Meta's 128k-context layout; name -> (workload, the
+    published layout, published seconds per step, source). Modelled as `published_runs` models their kind.
+    Left out: NeMo 24.07's GPT3-20B (TP2 MBS2, 5,851 tokens/s/GPU) and Nemotron-340B (TP8 PP8 VP12, GBS 32,
+    322), whose published layouts the memory model puts over an H100's 79.6 GiB (80.1 and 91.6 GiB)."""
+    a100, h100 = PRESETS["a100-80gb"], PRESETS["h100"]
+
+    def narayanan(params, heads, hidden, layers, tp, pp, gpus, batch, tflops):
+        w = Workload(megatron_gpt(layers, hidden, heads), 2048, batch, gpus, a100, overlap_grad_reduce=False,
+                     framework="megatron")
+        return (w, dict(tp=tp, pp=pp, dp=gpus // (tp * pp), sp=False, recompute="full", recompute_layers=0,
+                        dp_style="replicate"),
+                narayanan_seconds(batch, 2048, layers, hidden, 51200, tflops, gpus),
+                NARAYANAN_T1 + f": {params}B, t={tp} p={pp}, {gpus} GPUs, batch {batch}, {tflops} TFLOP/s/GPU by Eq. 3")
+
+    def mcore(params, heads, hidden, layers, tp, pp, gpus, batch, tflops):
+        cfg = ModelConfig(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn_hidden=4 * hidden,
+                          vocab_size=131072, max_seq_len=4096, norm="layernorm", mlp="gelu")
+        w = Workload(cfg, 4096, batch, gpus, h100, framework="megatron")
+        return (w, dict(tp=tp, pp=pp, dp=gpus // (tp * pp), sp=tp > 1, dp_style="distopt"),
+                megatron_core_seconds(batch, 4096, layers, hidden, 4 * hidden, 131072, tflops, gpus),
+                MCORE_080 + f": {params}B, TP{tp} PP{pp} DP{gpus // (tp * pp)}, batch {batch}, {tflops} TFLOP/s/GPU "
+                "by Megatron's FLOP count")
+
+    def nemo(model, seq, batch, gpus, tok_s, source, precision="fp8", fsdp=False, **fixed):
+        """NeMo's and Megatron-Bridge's performance recipes: Megatron-Core + Transformer Engine, bf16 gradient
+        sync, the distributed optimizer (Megatron-FSDP where the row says FSDP)."""
+        w = Workload(model, seq, batch, gpus, h100, precision=precision, framework="megatron",
+                     grad_dtype="bfloat16", fsdp2=not fsdp)
+        layout = dict(micro_batch=1, recompute="none", dp_style="fsdp" if fsdp else "distopt") | fixed
+        layout["dp"] = gpus // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
+        return w, layout, tokens_seconds(batch, seq, tok_s, gpus), source + f": {gpus} GPUs, {tok_s:,} tokens/s/GPU"
+
+    def gpt(layers, hidden, heads, vocab):
+        """NeMo launcher conf/training/gpt3/5b.yaml: GPT-2 BPE padded to 128 x tp; no dropout, as the launcher's
+        fp8 performance config of that size (5b_fp8_performance.yaml, 2023-11)."""
+        return ModelConfig(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn_hidden=4 * hidden,
+                           vocab_size=vocab, max_seq_len=2048, norm="layernorm", mlp="gelu", position="learned",
+                           bias=True, tie_embeddings=True)
+
+    def nemotron(layers, hidden, heads, kv_heads):
+        """NeMo launcher conf/training/nemotron/nemotron_{8b,22b}.yaml: LayerNorm(1p), RoPE, no bias, untied,
+        a 4h squared-ReLU MLP (priced as the 4h GELU MLP: the same two GEMMs), Nemotron-4's 256,000-token
+        vocabulary (Parmar et al. 2024; NeMo's 653 TFLOP/s at 12,701 tokens/s for the 8B implies it)."""
+        return ModelConfig(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=4 * hidden,
+                           vocab_size=256000, max_seq_len=4096, norm="layernorm", mlp="gelu")
+
+    llama3_8b = llama(32, 4096, 32, 8, 14336, 128256, 8192)
+    llama3_70b = llama(80, 8192, 64, 8, 28672, 128256, 8192)
+    llama3_405b = llama(126, 16384, 128, 8, 53248, 128256, 8192)
+    bridge = ("Megatron-Bridge performance summary (NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md{}), "
+              "DGX-H100, fp8")
+    meta_w = Workload(llama(126, 16384, 128, 8, 53248, 128256, 131072), 131072, 128, 16384, h100, framework="loom",
+                      attention_kernel="fused", fsdp2=False)
+    return {
+        "narayanan-3.6b": narayanan(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+        "narayanan-7.5b": narayanan(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+        "narayanan-18.4b": narayanan(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+        "narayanan-39.1b": narayanan(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+        "narayanan-76.1b": narayanan(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+        "narayanan-310.1b": narayanan(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+        "narayanan-529.6b": narayanan(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+        "narayanan-1008b": narayanan(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+        "mcore-1.7b-48gpu": mcore(1.7, 16, 2048, 24, 1, 1, 48, 192, 408.8),
+        "mcore-7.1b-96gpu": mcore(7.1, 32, 4096, 30, 2, 1, 96, 192, 465.9),
+        "mcore-16b-192gpu": mcore(16, 48, 6144, 32, 4, 1, 192, 192, 489.1),
+        "mcore-32b-384gpu": mcore(32, 56, 7168, 48, 8, 1, 384, 192, 459.6),
+        "mcore-70b-768gpu": mcore(70, 64, 8192, 84, 8, 2, 768, 384, 419.7),
+        "mcore-119b-1536gpu": mcore(119, 80, 10240, 92, 8, 4, 1536, 768, 420.5),
+        "mcore-177b-2304gpu": mcore(177, 96, 12288, 96, 8, 6, 2304, 1152, 432.8),
+        "mcore-314b-3072gpu": mcore(314, 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
+        "mcore-462b-6144gpu": mcore(462, 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
+        "nemo-gpt3-5b-fp8": nemo(gpt(24, 4096, 32, 50304), 2048, 2048, 64, 22521, NEMO_2407_RUNS + ", GPT3-5B, "
+                                 "TP1 PP1 MBS4 GBS2048", micro_batch=4),
+        "nemo-nemotron-8b-fp8": nemo(nemotron(32, 4096, 32, 32), 4096, 256, 64, 12701, NEMO_2407_RUNS +
+                                     ", Nemotron-8B, TP2 PP1 MBS4 GBS256, SP", tp=2, micro_batch=4, sp=True),
+        "nemo-nemotron-22b-fp8": nemo(nemotron(40, 6144, 48, 48), 4096, 256, 64, 4256, NEMO_2407_RUNS +
+                                      ", Nemotron-22B, TP2 PP4 VP10 MBS2 GBS256, SP", tp=2, pp=4, vpp=10,
+                                      micro_batch=2, sp=True),
+        "bridge-llama3-8b-fsdp-fp8": nemo(llama3_8b, 8192, 128, 8, 14451, bridge.format(", 25.11 container") +
+                                          " current scaling, Llama-3 8B, Megatron-FSDP over 8, MBS1 GBS128", fsdp=True),
+        "bridge-70b-gbs256-fp8": nemo(llama3_70b, 8192, 256, 64, 1664, bridge.format(
+            "-archive.md, 26.04.01 container") + ", Llama-3 70B, TP4 PP8 VP5 MBS1 GBS256", tp=4, pp=8, vpp=5),
+        "bridge-405b-gbs1536-fp8": nemo(llama3_405b, 8192, 1536, 1024, 326, bridge.format(
+            "-archive.md, 26.06 container") + ", Llama-3.1 405B, TP8 PP8 CP2 VP8 MBS1 GBS1536", tp=8, pp=8, cp=2,
+            vpp=8),
+        "meta-llama3-405b-128k": (
+            meta_w, dict(tp=8, pp=16, cp=16, dp=8, dp_style="fsdp"),
+            flops_seconds(meta_w.model, 128, 131072, 380, 16384),
+            "Llama 3 paper (Dubey et al. 2024), Table 4: 16,384 H100, TP8 CP16 PP16 DP8, seq 131,072, 16M tokens per "
+            "step, bf16, 380 TFLOP/s/GPU; modelled as meta-llama3-405b-8k; step time from TFLOP/s with loom's FLOP "
+            "count"),
+    }
+
+
 def predict(workload: Workload, fixed: dict):
     """The planner's best estimate for a published layout, among the schedules of that time."""
     from loom.planner.search import search
 
-    found, _ = search(workload, fixed=fixed, top=1, schedules=("1f1b", "interleaved"))
+    # context parallelism past the search's default bound only where a source fixes it (Llama 3 at 128k)
+    found, _ = search(workload, fixed=fixed, top=1, schedules=("1f1b", "interleaved"),
+                      cp_max=max(8, fixed.get("cp", 1)))
     return found[0] if found else None
 
 
 def validate() -> list[dict]:
-    """Every published run priced: `published_runs` (set "published"), then `published_moe_runs` (set
-    "moe"); MoE rows carry their routing."""
+    """Every published run priced: `published_runs` (set "published"), `published_moe_runs` (set "moe"), then
+    `published_wide_runs` (set "wide"); MoE rows carry their routing."""
     runs = [(name, *run, PUBLISHED_MOE_ROUTING.get(name), "published") for name, run in published_runs().items()]
     runs += [(name, *run, "moe") for name, run in published_moe_runs().items()]
+    runs += [(name, *run, None, "wide") for name, run in published_wide_runs().items()]
     rows = []
     for name, w, fixed, seconds, source, routing, group in runs:
         best = predict(w, fixed)
