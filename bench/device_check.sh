@@ -18,13 +18,14 @@
 # OUT_DIR gets one file per step, written as the step runs (the training JSONs are rewritten after every
 # row): versions.json, smi_static.csv + smi_query.txt, smi.csv (SM and memory clock, power, temperature,
 # use, memory, every second through the whole run), gpu_tests.log, gpu_train_1b.json, gpu_train_packed_1b.json,
-# gpu_train_3b.json, gpu_train_7b.json, gpu_train_fp8_7b.json, profile.json, generate_gpu.json,
+# gpu_train_3b.json, gpu_train_7b.json, gpu_train_fp8_7b.json, gpu_train_{7b,fp8_7b,fp8_7b_tw}_auto.json,
+# profile.json, generate_gpu.json,
 # generate_gpu_paged.json, rl_gpu.json, each step's NAME.log, steps.jsonl (one line per step: status
 # ok/failed/timeout/skipped, exit code, seconds, timeout) and log.txt (the run's own log).
 # --tar FILE: a tar.gz of OUT_DIR rewritten after every step and every 30 s (the device tool brings back at
 # most 8 files; this is one). A step past its timeout is killed with its processes; the next one starts.
 #
-# Steps and timeouts on the GPU (seconds; sum 1415 with setup, more than one 10-minute call: choose with
+# Steps and timeouts on the GPU (seconds; sum 1775 with setup, more than one 10-minute call: choose with
 # --only). Sized from the second H200 run of 2026-11-26 (bench/results/device_check_h200_2026-11-26_b/), where
 # the earlier, tighter timeouts cut off every step but two: on a fresh machine each process imports torch,
 # builds its model and compiles from a cold cache (about 40 s for a 1B loom row, over 60 s for a 7B one)
@@ -45,6 +46,11 @@
 #   train_7b     120  the Llama 2 7B shape (NeMo's published figure), seq 4096, 8192 tokens a step, full
 #                     recompute, loss_chunk 8192, 2 + 3 steps, loom only (fits an H200's memory, not an H100's)
 #   fp8_7b       120  the same with train.fp8=rowwise (torchao): the shape where fp8 should pay (issue 39)
+#   train_7b_auto 120 the 7B shape as `loom plan` lays it out on one H200 (issue 39 item 5): micro-batches of 1
+#                     (two a step) and recompute.mode=auto (per layer, the cheapest recomputation that fits
+#                     the GPU's free memory) instead of full recomputation of micro-batches of 2
+#   fp8_7b_auto  120  the same with train.fp8=rowwise
+#   fp8_7b_tw    120  the same with train.fp8=tensorwise (torchao's per-tensor scales, torchtitan's default)
 #   profile       60  python3 -m loom.cli plan --profile-hardware (30 s on the first H200 run, to a crash)
 #   generate     120  generate_gpu.py --kv slab --batches 1,64 --new 32 --repeats 2 (+ --profile): the engine's
 #                     default keys and values, each batch's top kernels by device time
@@ -245,6 +251,9 @@ if [ $SMOKE = 1 ]; then
     --out "$DIR/gpu_train_7b.json"
   run_step fp8_7b $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --recompute full --fp8 rowwise --loss-chunk 16 \
     --out "$DIR/gpu_train_fp8_7b.json"
+  for step in train_7b_auto fp8_7b_auto fp8_7b_tw; do
+    skip_step $step "--smoke: tests/test_bench_gpu_train.py runs --recompute auto --micro-batch 1 on the tiny shape"
+  done
   # loom plan --profile-hardware has no mode short enough for a smoke run (--quick: about 40 s of CPU on
   # 2 cores): started, then cut off by its timeout, which is also what this run checks of a step that overruns.
   run_step profile 5 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json" --quick
@@ -272,6 +281,13 @@ else
           --warmup 2 --frameworks loom --recompute full --loss-chunk 8192)
   run_step train_7b 120 "$PY" "${TRAIN7[@]}" --out "$DIR/gpu_train_7b.json"
   run_step fp8_7b 120 "$PY" "${TRAIN7[@]}" --fp8 rowwise --out "$DIR/gpu_train_fp8_7b.json"
+  # the same 8192 tokens a step as loom plan lays them out on one H200 (issue 39 item 5): two micro-batches of 1,
+  # recompute.mode=auto instead of full recomputation (loom memory: 20 of 32 layers kept whole at micro-batch 2)
+  TRAIN7A=(bench/gpu_train.py --row-timeout 118 --kernels 15 --models llama2-7b --seqs 4096 --tokens-per-step 8192
+           --steps 3 --warmup 2 --frameworks loom --recompute auto --micro-batch 1 --loss-chunk 8192)
+  run_step train_7b_auto 120 "$PY" "${TRAIN7A[@]}" --out "$DIR/gpu_train_7b_auto.json"
+  run_step fp8_7b_auto 120 "$PY" "${TRAIN7A[@]}" --fp8 rowwise --out "$DIR/gpu_train_fp8_7b_auto.json"
+  run_step fp8_7b_tw 120 "$PY" "${TRAIN7A[@]}" --fp8 tensorwise --out "$DIR/gpu_train_fp8_7b_tw_auto.json"
   run_step profile 60 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json"
   PROFILE=()
   [ -f "$DIR/profile.json" ] && PROFILE=(--profile "$DIR/profile.json")

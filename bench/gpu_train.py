@@ -276,21 +276,30 @@ def run_loom(shape, seq, batch, device, args):
     cuda = device.type == "cuda"
     m = SHAPES[shape]
     chunk = int(args.loss_chunk)
+    micro = args.micro_batch or batch
+    if batch % micro:
+        raise SystemExit(f"--micro-batch {micro} does not divide the step's {batch} sequences")
     extra = shape_extra(shape)
     overrides = [f"model.{k}={v}" for k, v in m.items()] + [
         f"model.max_seq_len={seq}", f"model.rope_theta={extra['rope_theta']}",
         f"model.tie_embeddings={str(extra['tie_embeddings']).lower()}", *extra_overrides(shape),
         f"optim.state_dtype={args.state_dtype}",
-        f"train.seq_len={seq}", f"train.micro_batch={batch}", f"train.global_batch={batch}",
+        f"train.seq_len={seq}", f"train.micro_batch={micro}", f"train.global_batch={batch}",
         f"train.dtype={'bfloat16' if cuda else 'float32'}", f"train.compile={str(args.compile and cuda).lower()}",
         f"train.loss_chunk={chunk}", f"recompute.mode={recompute_of(shape, args)}",
-        f"train.fp8={args.fp8}",
+        f"train.fp8={args.fp8}", f"recompute.memory_gib={args.recompute_memory_gib}",
     ]
     cfg = load_config(None, overrides)
     layout = place_in_mesh(cfg, device.type)
+    layer_plan, plan_note = None, None
+    if cfg.recompute.mode == "auto":  # as the trainer plans it: before the model takes any GPU memory
+        from loom.memory import auto_memory_bytes, describe_plan, plan_auto
+
+        plan = plan_auto(cfg, layout, "meta", auto_memory_bytes(cfg, device))
+        layer_plan, plan_note = plan["plan"], describe_plan(plan)
     model = build_model(cfg.model, device=device, seed=0)
     loss = TokenCrossEntropy(cfg.train.loss_chunk)
-    runner = SPMDRunner(model, cfg, layout, loss, device, torch.bfloat16 if cuda else None)
+    runner = SPMDRunner(model, cfg, layout, loss, device, torch.bfloat16 if cuda else None, layer_plan)
     opt = build_optimizer(runner.model, cfg.optim)
     tokens = synthetic_batch(cfg.model.vocab_size, batch, seq, device)
     data = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
@@ -306,7 +315,9 @@ def run_loom(shape, seq, batch, device, args):
         return loss_sum / total
 
     kind, setting = loom_loss(chunk)
-    extra = {"settings": overrides[len(m):], "loss_kind": kind, "loss_setting": setting}
+    extra = {"settings": overrides[len(m):], "loss_kind": kind, "loss_setting": setting, "micro_batch": micro}
+    if plan_note:
+        extra["recompute_plan"] = plan_note
     if args.doc_len:
         extra["packing"] = (f"documents of {args.doc_len // 2}-{args.doc_len * 3 // 2} tokens packed into each row "
                             f"(mean {data['doc_ids'].max(1).values.float().mean().item() + 1:.1f} a row): doc_ids "
@@ -739,6 +750,7 @@ def child_argv(row: Row, args, out: Path) -> list[str]:
             "--models", row.shape, "--seqs", str(row.seq), "--tokens-per-step", str(args.tokens_per_step),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--peak-tflops", str(args.peak_tflops),
             "--fp8", args.fp8, "--state-dtype", args.state_dtype, "--doc-len", str(args.doc_len), "--kernels", str(args.kernels),
+            "--micro-batch", str(args.micro_batch), "--recompute-memory-gib", str(args.recompute_memory_gib),
             "--out", str(out)]
     if row.loss_chunk is not None:
         argv += ["--loss-chunk", str(row.loss_chunk)]
@@ -798,8 +810,14 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (torchtitan 0.3.0 records its "
                     "CUDA graph on the second)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200: 989)")
-    ap.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
-                    help="for every framework (default: none for 1B, full for 3B)")
+    ap.add_argument("--recompute", choices=["none", "selective", "full", "auto"], default=None,
+                    help="for every framework (default: none for 1B, full for 3B); auto: loom rows only, "
+                    "recompute.mode=auto (the cheapest per-layer recomputation that fits the GPU's free memory)")
+    ap.add_argument("--recompute-memory-gib", type=float, default=0.0,
+                    help="loom's recompute.memory_gib for --recompute auto (0: the GPU's free memory)")
+    ap.add_argument("--micro-batch", type=int, default=0,
+                    help="loom rows: sequences per micro-batch, gradients accumulated over the step's "
+                    "micro-batches (0: the whole step in one)")
     ap.add_argument("--loss-chunk", default="0,8192",
                     help="loom's train.loss_chunk, comma-separated: one loom row per value (0: plain loss)")
     ap.add_argument("--fp8", default="off", help="loom's train.fp8 (loom rows only)")
@@ -837,6 +855,8 @@ def main(argv=None) -> int:
         if not sep or fw not in RUNNERS:
             raise SystemExit(f"--pythonpath {item!r}: expected FRAMEWORK=DIR with FRAMEWORK in {list(RUNNERS)}")
         pythonpaths[fw] = str(Path(path).resolve())
+    if args.recompute == "auto" and set(args.frameworks.split(",")) - {"loom"}:
+        raise SystemExit("--recompute auto is loom's recompute.mode=auto: give --frameworks loom")
     rows = plan_rows(args)
     parent = not (args.child or args.in_process)  # keeps off the GPU: its children report the machine
     command = " ".join(sys.argv if argv is None else ["bench/gpu_train.py", *argv])

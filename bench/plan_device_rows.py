@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from loom.provenance import stamp  # noqa: E402
 
-# (row name, gpu_train.py shape, sequence, micro-batch, recompute, loss_chunk, precision): the device check's
-# loom rows (bench/device_check.sh, GPU branch)
+# (row name, gpu_train.py shape, sequence, micro-batch, recompute, loss_chunk, precision[, micro-batches a
+# step]): the device check's loom rows (bench/device_check.sh, GPU branch)
 ROWS = [
     ("train_1b loom plain", "llama3.2-1b", 4096, 4, "none", 0, "bf16"),
     ("train_1b loom chunked", "llama3.2-1b", 4096, 4, "none", 8192, "bf16"),
@@ -34,6 +34,11 @@ ROWS = [
     ("train_7b loom", "llama2-7b", 4096, 2, "full", 8192, "bf16"),
     ("fp8_7b loom", "llama2-7b", 4096, 2, "full", 8192, "fp8"),
     ("moe loom", "qwen3-30b-a3b-4l", 4096, 4, "none", 8192, "bf16"),
+    # issue 39 item 5: the 7B rows at micro-batch 1 (two a step), recompute.mode=auto, which keeps every layer
+    # whole there on an H200 (`loom memory --config llama2-7b --train.seq_len=4096 --train.micro_batch=1
+    # --recompute.mode=auto --recompute.memory_gib=139.8`: 32 none)
+    ("train_7b_auto loom", "llama2-7b", 4096, 1, "none", 8192, "bf16", 2),
+    ("fp8_7b_auto loom", "llama2-7b", 4096, 1, "none", 8192, "fp8", 2),
 ]
 
 
@@ -51,13 +56,15 @@ def main(argv=None) -> int:
 
     gpu = load_gpu(args.profile)
     rows = []
-    for name, shape, seq, mbs, recompute, chunk, precision in ROWS:
-        w = Workload(model_config(shape, seq), seq, mbs, 1, gpu, precision=precision, loss_chunk=chunk)
+    for name, shape, seq, mbs, recompute, chunk, precision, *micro in ROWS:
+        steps_mbs = mbs * (micro[0] if micro else 1)  # sequences a step
+        w = Workload(model_config(shape, seq), seq, steps_mbs, 1, gpu, precision=precision, loss_chunk=chunk)
         best = evaluate(w, Layout(micro_batch=mbs, recompute=recompute, recompute_layers=0, dp_style="replicate"))
         memory = (best.memory["total"] - best.memory["reserve"]) / 2**30
         rows.append({"row": name, "shape": shape, "seq": seq, "micro_batch": mbs, "recompute": recompute,
                      "loss_chunk": chunk, "precision": precision, "predicted_step_s": round(best.step_time_s, 4),
-                     "predicted_tokens_per_s": round(seq * mbs / best.step_time_s, 1),
+                     "sequences_per_step": steps_mbs,
+                     "predicted_tokens_per_s": round(seq * steps_mbs / best.step_time_s, 1),
                      "predicted_peak_gib": round(memory, 2), "fits": bool(best.fits),
                      "time_s": {k: round(v, 4) for k, v in best.time_terms.items() if v}})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "time_s"}), flush=True)

@@ -86,8 +86,9 @@ def _build(cfg: Config, device, layout=None, layer_plan: dict[str, str] | None =
     stand-in), tensor parallelism and recomputation; nothing allocated on meta."""
     from loom.parallel.recompute import apply_recompute
 
-    if cfg.recompute.mode == "budget" and layer_plan is None:
-        layer_plan = plan_budget(cfg, layout, device)["plan"]
+    if cfg.recompute.mode in ("budget", "auto") and layer_plan is None:
+        layer_plan = (plan_budget(cfg, layout, device) if cfg.recompute.mode == "budget"
+                      else plan_auto(cfg, layout, device, auto_memory_bytes(cfg)))["plan"]
 
     def place(model):
         model.train()
@@ -173,7 +174,7 @@ def step_flops(cfg: Config, layer_plan=None) -> dict:
 
 def state_bytes(cfg: Config, layout=None) -> dict:
     """Parameters, gradients and optimizer state per rank (fp32 master weights and gradients)."""
-    model = _build(cfg, "meta", None)
+    model = _build(_with_mode(cfg, "none"), "meta", None)  # recomputation changes no state
     total = trained = model.num_params()
     frozen_bytes = 0.0
     if cfg.lora.enabled:  # LoRA: the base frozen in train.dtype (no gradient, no optimizer state), adapters trained
@@ -202,8 +203,9 @@ def state_bytes(cfg: Config, layout=None) -> dict:
             "optimizer_bytes": per_rank * moment_bytes}
 
 
-def plan_budget(cfg: Config, layout=None, device="meta") -> dict:
-    """The recomputation plan that fits `recompute.budget_gib` with the fewest recomputed FLOPs.
+def plan_budget(cfg: Config, layout=None, device="meta", budget_bytes: float | None = None) -> dict:
+    """The recomputation plan that fits `recompute.budget_gib` (or `budget_bytes`) with the fewest
+    recomputed FLOPs.
 
     Each layer can keep everything (`none`), recompute its attention core (`selective`) or recompute
     everything but its input (`full`). The bytes each choice keeps are measured on this rank's layout
@@ -212,15 +214,25 @@ def plan_budget(cfg: Config, layout=None, device="meta") -> dict:
     among those whose activations fit, ties broken by memory. The budget covers one micro-batch's
     activations on this rank, everything outside the layers included.
     """
-    budget = cfg.recompute.budget_gib * 2**30
-    names = [str(i) for i in range(cfg.model.layers)]
+    budget = cfg.recompute.budget_gib * 2**30 if budget_bytes is None else budget_bytes
+    return _cheapest_plan(cfg, _per_mode(cfg, layout, device), budget, budget_bytes is None)
+
+
+def _per_mode(cfg: Config, layout, device) -> tuple[dict, float, dict]:
+    """Bytes one layer keeps under each mode, bytes outside the layers, FLOPs one layer adds under each mode."""
     keep, extra = {}, {}
     base_flops = count_flops(_with_mode(cfg, "none"))
     for mode in ("none", "selective", "full"):
         m = measure_activations(_with_mode(cfg, mode), layout, device)
         keep[mode] = m["layer_activation_bytes"]
         outside = m["outside_layers_bytes"]
-        extra[mode] = (count_flops(_with_mode(cfg, mode)) - base_flops) / len(names)
+        extra[mode] = (count_flops(_with_mode(cfg, mode)) - base_flops) / cfg.model.layers
+    return keep, outside, extra
+
+
+def _cheapest_plan(cfg: Config, measured: tuple[dict, float, dict], budget: float, from_config: bool) -> dict:
+    keep, outside, extra = measured
+    names = [str(i) for i in range(cfg.model.layers)]
     best = None
     for n_full in range(len(names) + 1):
         for n_sel in range(len(names) - n_full + 1):
@@ -233,8 +245,10 @@ def plan_budget(cfg: Config, layout=None, device="meta") -> dict:
         from loom.errors import UserError
 
         need = outside + len(names) * keep["full"]
+        what = (f"recompute.budget_gib={cfg.recompute.budget_gib}" if from_config
+                else f"the activation budget of {budget / 2**30:.4f} GiB")
         raise UserError(
-            f"recompute.budget_gib={cfg.recompute.budget_gib} is below the smallest footprint, full "
+            f"{what} is below the smallest footprint, full "
             f"recomputation of every layer: {need / 2**30:.4f} GiB per micro-batch on this rank; raise the "
             "budget, lower train.micro_batch, or add tensor/sequence parallelism"
         )
@@ -242,6 +256,68 @@ def plan_budget(cfg: Config, layout=None, device="meta") -> dict:
     plan = {n: ("full" if i < n_full else "selective" if i < n_full + n_sel else "none") for i, n in enumerate(names)}
     return {"plan": plan, "activation_bytes": total, "extra_flops_per_micro_batch": cost,
             "per_layer_bytes": keep, "per_layer_extra_flops": extra}
+
+
+AUTO_RESERVE = 0.05  # of the memory, kept free by recompute.mode=auto: allocator blocks, workspaces, buffers
+
+
+def plan_auto(cfg: Config, layout=None, device="meta", memory_bytes: float | None = None) -> dict:
+    """`recompute.mode=auto`: the cheapest recomputation (in FLOPs) whose training step fits `memory_bytes`
+    on this rank (None: no limit, nothing recomputed).
+
+    The activation budget is the memory less what a step holds outside the activations and less a reserve:
+    the parameters, gradients and optimizer state (`state_bytes`, this rank's share); 5% of the memory
+    (`AUTO_RESERVE`: the caching allocator's partly used blocks, the GEMM and compile workspaces, the
+    collectives' buffers: the margin `loom plan` keeps free by default); and one layer's activations kept
+    whole, the working set of backward, which holds a layer's input gradients while that layer's saved
+    tensors are still alive. What is left goes to `plan_budget`. The bytes are measured as `loom memory`
+    measures them (eager autograd's saved tensors), so a compiled step, which saves less, fits with room.
+    """
+    names = [str(i) for i in range(cfg.model.layers)]
+    if memory_bytes is None:
+        return {"plan": {n: "none" for n in names}, "memory_bytes": None}
+    states = state_bytes(cfg, layout)
+    held = states["params_bytes"] + states["grads_bytes"] + states["optimizer_bytes"]
+    measured = _per_mode(cfg, layout, device)
+    reserve = AUTO_RESERVE * memory_bytes + measured[0]["none"]
+    budget = memory_bytes - held - reserve
+    if budget <= 0:
+        from loom.errors import UserError
+
+        raise UserError(
+            f"recompute.mode=auto: the parameters, gradients and optimizer state take {_size(held)} per rank and "
+            f"the reserve {_size(reserve)}, more than the {_size(memory_bytes)} of memory; "
+            "shard them (parallel.dp_shard, parallel.tp, parallel.pp), keep optimizer moments in bf16 "
+            "(optim.state_dtype=bfloat16), or set recompute.memory_gib to the memory you have")
+    plan = _cheapest_plan(cfg, measured, budget, from_config=False)
+    return {**plan, "memory_bytes": memory_bytes, "state_bytes": held, "reserve_bytes": reserve,
+            "budget_bytes": budget}
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def auto_memory_bytes(cfg: Config, device=None) -> float | None:
+    """The memory `recompute.mode=auto` fits a rank's step in: `recompute.memory_gib`, else a CUDA device's
+    free memory now, else None (a CPU: no limit)."""
+    if cfg.recompute.memory_gib > 0:
+        return cfg.recompute.memory_gib * 2**30
+    if device is not None and torch.device(device).type == "cuda":
+        return float(torch.cuda.mem_get_info(torch.device(device))[0])
+    return None
+
+
+def describe_plan(plan: dict) -> str:
+    """One line for the log: how many layers recompute what, and the budget it fit."""
+    counts = {m: sum(v == m for v in plan["plan"].values()) for m in ("none", "selective", "full")}
+    layers = ", ".join(f"{n} {m}" for m, n in counts.items() if n)
+    if plan.get("memory_bytes") is None:
+        return f"recompute.mode=auto: {layers} (no memory limit on this device; recompute.memory_gib sets one)"
+    return (f"recompute.mode=auto: {layers}; activations {_size(plan['activation_bytes'])} of a "
+            f"{_size(plan['budget_bytes'])} budget ({_size(plan['memory_bytes'])} memory - "
+            f"{_size(plan['state_bytes'])} parameters, gradients and optimizer state - "
+            f"{_size(plan['reserve_bytes'])} reserve)")
 
 
 def report(cfg: Config) -> dict | None:
@@ -265,7 +341,8 @@ def report(cfg: Config) -> dict | None:
         raise UserError("loom memory measures one rank of a layout without pipeline stages; set parallel.pp=1 "
                         "(a stage holds layers/pp of the layers, each as measured here)")
     device = "cpu" if layout.tp > 1 else "meta"
-    plan = plan_budget(cfg, layout, device) if cfg.recompute.mode == "budget" else None
+    plan = (plan_budget(cfg, layout, device) if cfg.recompute.mode == "budget" else
+            plan_auto(cfg, layout, device, auto_memory_bytes(cfg)) if cfg.recompute.mode == "auto" else None)
     acts = measure_activations(cfg, layout if layout.tp > 1 else None, device, plan and plan["plan"])
     result = None
     if layout.is_main:
@@ -283,6 +360,8 @@ def report(cfg: Config) -> dict | None:
         }
         if plan:
             result["budget_plan"] = plan["plan"]
+            if cfg.recompute.mode == "auto":
+                result["auto_plan"] = describe_plan(plan)
     if distributed:
         dist.destroy_process_group()
     return result
@@ -318,4 +397,6 @@ def format_table(r: dict) -> str:
         f"  model (MFU)                  {r['model_flops_per_step']:.4e}",
         f"  hardware (HFU, recompute)    {r['hardware_flops_per_step']:.4e}",
     ]
+    if "auto_plan" in r:
+        lines += ["", r["auto_plan"]]
     return "\n".join(lines)

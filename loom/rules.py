@@ -200,9 +200,9 @@ def cp_feature_problem(cp: int, dropout: float, compile: bool, recompute_mode: s
     if compile:
         return (f"train.compile=true is not applied with parallel.cp={cp} yet (the key/value all-gather is a Python "
                 "autograd function); set train.compile=false or parallel.cp=1")
-    if recompute_mode == "budget":
-        return (f"recompute.mode=budget plans one rank's layers without context parallelism; with parallel.cp={cp} "
-                "use recompute.mode=none, selective or full")
+    if recompute_mode in ("budget", "auto"):
+        return (f"recompute.mode={recompute_mode} plans one rank's layers without context parallelism; with "
+                f"parallel.cp={cp} use recompute.mode=none, selective or full")
     return None
 
 
@@ -432,9 +432,9 @@ def _check_pipeline(cfg) -> None:
     if t.compile:
         raise UserError("train.compile=true is not applied to pipeline stages yet; set train.compile=false with "
                         "parallel.pp > 1")
-    if cfg.recompute.mode == "budget":
-        raise UserError("recompute.mode=budget plans one rank's layers without pipeline stages; with "
-                        "parallel.pp > 1 use recompute.mode=selective or full")
+    if cfg.recompute.mode in ("budget", "auto"):
+        raise UserError(f"recompute.mode={cfg.recompute.mode} plans one rank's layers without pipeline stages; "
+                        "with parallel.pp > 1 use recompute.mode=selective or full")
     if problem:
         raise UserError(problem)
     if problem := micro_batch_count_problem(p.pp, p.vpp, p.schedule, t.global_batch, data_parallel_size(p),

@@ -127,3 +127,25 @@ def test_llama2_7b_shape_is_the_published_model():
     layer = 2048 * 4096 * 2 + 2048 * 512 * 2 + 128 * 3 * 2048 * 768 + 2048 * 128 + 2 * 2048 + 2 * 128
     n = sum(p.numel() for p in build_model(moe, device=torch.device("meta")).parameters())
     assert n == 2 * 151936 * 2048 + 4 * layer + 2048 == 3_114_814_464
+
+
+def test_gpu_train_auto_recompute_row_plans_layers_and_accumulates_micro_batches(tmp_path):
+    """The 7B item-5 rows' settings on the tiny shape: `--recompute auto` plans per layer for the memory given
+    (here one that holds the states and one layer's activations kept whole, not two), `--micro-batch 1` runs the
+    step's two sequences as two micro-batches; the row says both."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_train", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_train"] = bench
+    spec.loader.exec_module(bench)
+    out = tmp_path / "auto.json"
+    assert bench.main(["--smoke", "--in-process", "--frameworks", "loom", "--recompute", "auto",
+                       "--recompute-memory-gib", "0.0021", "--loss-chunk", "0", "--micro-batch", "1",
+                       "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["runs"]
+    assert "error" not in row and row["micro_batch"] == 1 and row["batch"] == 2
+    assert row["recompute_plan"].startswith("recompute.mode=auto: 1 none, 1 full")
+    assert "train.micro_batch=1" in row["settings"] and "recompute.mode=auto" in row["settings"]
+    with pytest.raises(SystemExit, match="give --frameworks loom"):
+        bench.main(["--smoke", "--in-process", "--frameworks", "loom,transformers", "--recompute", "auto"])

@@ -136,7 +136,18 @@ def test_llama_tensor_parallel_matches_derived_formula():
     assert got[True] == pytest.approx(llama_formula(cfg, 2, sp=True), rel=0.03)
 
 
-@pytest.mark.parametrize("mode", ["selective", "full", "budget"])
+def auto_memory_for(extra, activation_bytes: float) -> float:
+    """The memory (bytes) at which recompute.mode=auto leaves `activation_bytes` for activations, by hand: fp32
+    parameters, gradients and two AdamW moments (16 bytes a parameter), one layer's whole activations and 5% of
+    the memory kept as the reserve."""
+    from loom.memory import state_bytes
+
+    params = state_bytes(small_config(*extra))["params_trained"]
+    layer = measure_activations(small_config(*extra))["layer_activation_bytes"]
+    return (16 * params + layer + activation_bytes) / 0.95
+
+
+@pytest.mark.parametrize("mode", ["selective", "full", "budget", "auto"])
 def test_every_recompute_mode_trains_like_none(tmp_path, mode):
     from loom.train.trainer import Trainer
 
@@ -148,8 +159,14 @@ def test_every_recompute_mode_trains_like_none(tmp_path, mode):
         totals = [measure_activations(small_config(*extra, f"recompute.mode={m}"))["total_activation_bytes"]
                   for m in ("none", "selective")]
         budget = [f"recompute.budget_gib={sum(totals) / 2 / 2**30}"]
+    if mode == "auto":  # memory that leaves activations between the selective and none footprints
+        totals = [measure_activations(small_config(*extra, f"recompute.mode={m}"))["total_activation_bytes"]
+                  for m in ("none", "selective")]
+        budget = [f"recompute.memory_gib={auto_memory_for(extra, sum(totals) / 2) / 2**30}"]
     run = Trainer(small_config(*extra, f"recompute.mode={mode}", *budget), tmp_path / mode, quiet=True)
     run.fit()
+    if mode == "auto":  # it planned for that memory and recomputes something
+        assert run.recompute_note.startswith("recompute.mode=auto: ") and "selective" in run.recompute_note
     rows = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]  # noqa: E731
     for a, b in zip(rows(tmp_path / "none"), rows(tmp_path / mode)):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
@@ -232,3 +249,46 @@ def test_context_parallel_layer_matches_the_planner(cp):
     gathered = 2 * t.micro_batch * (t.seq_len - t.seq_len // cp) * m.kv_heads * m.head_dim * 2
     output = t.micro_batch * (t.seq_len // cp) * m.heads * m.head_dim * 2  # kept per chunk and concatenated
     assert got == pytest.approx(one / cp + gathered + output, rel=0.02)  # fails if the rank held whole sequences
+
+
+def test_auto_recompute_recomputes_only_what_the_memory_needs():
+    """recompute.mode=auto against a hand budget: no limit or ample memory recompute nothing; a memory that
+    leaves less than everything-selective for activations fits (measured) and is the cheapest that does
+    (one fewer full layer would not fit); too little memory for the states is refused, naming the numbers."""
+    from loom.errors import UserError
+    from loom.memory import describe_plan, plan_auto
+
+    extra = ["model.attention=math", "model.layers=4"]
+    cfg = small_config(*extra, "recompute.mode=auto")
+    none, sel, full = (measure_activations(small_config(*extra, f"recompute.mode={m}")) for m in
+                       ("none", "selective", "full"))
+    assert set(plan_auto(cfg, memory_bytes=None)["plan"].values()) == {"none"}
+    ample = plan_auto(cfg, memory_bytes=auto_memory_for(extra, none["total_activation_bytes"]))
+    assert set(ample["plan"].values()) == {"none"} and "4 none" in describe_plan(ample)
+    budget = sel["total_activation_bytes"] - 1
+    tight = plan_auto(cfg, memory_bytes=auto_memory_for(extra, budget))
+    assert tight["budget_bytes"] == pytest.approx(budget, rel=1e-9)
+    plan = tight["plan"]
+    n_full = sum(v == "full" for v in plan.values())
+    assert n_full >= 1
+    fitted = measure_activations(cfg, device="meta", layer_plan=plan)["total_activation_bytes"]
+    assert fitted <= budget and fitted == tight["activation_bytes"]
+    # one full layer fewer (kept whole instead) no longer fits: nothing was recomputed without need
+    lighter = dict(plan, **{next(k for k, v in plan.items() if v == "full"): "none"})
+    assert measure_activations(cfg, device="meta", layer_plan=lighter)["total_activation_bytes"] > budget
+    assert full["total_activation_bytes"] < budget
+    with pytest.raises(UserError, match=r"recompute.mode=auto: the parameters, gradients and optimizer state take"):
+        plan_auto(cfg, memory_bytes=auto_memory_for(extra, 0) * 0.5)
+
+
+def test_auto_recompute_that_cannot_fit_exits_2_and_leaves_nothing(tmp_path):
+    from conftest import SMALL, run_main
+
+    run_dir = tmp_path / "run"  # in this process: both are refused before anything is built or written
+    out = run_main("train", "--config", "tiny", "--run-dir", str(run_dir), *(f"--{o}" for o in SMALL),
+                   "--recompute.mode=auto", "--recompute.memory_gib=0.0001")
+    assert out.returncode == 2, out.stderr
+    assert "recompute.mode=auto: the parameters" in out.stderr and "MiB of memory" in out.stderr
+    assert not run_dir.exists()
+    bad = run_main("train", "--config", "tiny", "--run-dir", str(run_dir), "--recompute.memory_gib=-1")
+    assert bad.returncode == 2 and "recompute.memory_gib=-1" in bad.stderr and not run_dir.exists()

@@ -133,10 +133,14 @@ class CheckpointConfig(Section):
 class RecomputeConfig(Section):
     """Activation recomputation (see loom/parallel/recompute.py)."""
 
-    mode: Literal["none", "selective", "full", "budget"] = "none"
+    mode: Literal["none", "selective", "full", "budget", "auto"] = "none"
     method: Literal["uniform", "block"] = "uniform"  # full: every layer, or the first num_layers per stage
     num_layers: int = 0  # full + block: layers recomputed per pipeline stage (0: all)
     budget_gib: float = 0.0  # budget: activation memory per rank to fit in
+    # auto: the memory one rank may use (GiB); 0: the accelerator's free memory at start (a CPU: no limit).
+    # The activation budget is what is left of it after the parameters, gradients, optimizer state and a
+    # reserve (loom.memory.plan_auto).
+    memory_gib: float = 0.0
 
     def validate(self) -> None:
         if self.num_layers < 0:
@@ -148,6 +152,8 @@ class RecomputeConfig(Section):
             )
         if self.mode == "budget" and not self.budget_gib > 0:
             raise UserError(f"recompute.mode=budget needs recompute.budget_gib > 0 (got {self.budget_gib})")
+        if not self.memory_gib >= 0:
+            raise UserError(f"recompute.memory_gib={self.memory_gib} must be >= 0 (0: the accelerator's free memory)")
 
 
 @dataclass

@@ -78,6 +78,7 @@ class Trainer:
         self.made_run_dir = not self.run_dir.exists()
         self.ckpt_root = self.run_dir / "checkpoints"
         self.quiet = quiet
+        self.recompute_note = ""  # recompute.mode=auto's plan, in words (plan_recompute)
         self.loss = self.recipe.loss(cfg)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
@@ -125,11 +126,14 @@ class Trainer:
 
         torch.manual_seed(t.seed)
         layer_plan = None
-        if cfg.recompute.mode == "budget":
+        if cfg.recompute.mode in ("budget", "auto"):
             from loom.memory import plan_budget
 
             measure_on = self.device if self.layout.tp > 1 else "meta"
-            layer_plan = plan_budget(cfg, self.layout, measure_on)["plan"]
+            if cfg.recompute.mode == "budget":
+                layer_plan = plan_budget(cfg, self.layout, measure_on)["plan"]
+            else:
+                layer_plan = self.plan_recompute(measure_on)
 
         def place(model):  # the runner applies the layout (pipeline stages, TP, FSDP) on meta
             model.train()
@@ -176,6 +180,23 @@ class Trainer:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.peak_tflops = flops.device_peak_tflops(name)
         self.recipe.set_up(self)
+
+    def plan_recompute(self, measure_on) -> dict[str, str]:
+        """`recompute.mode=auto`'s layer plan (loom.memory.plan_auto) for this rank's memory. Every rank plans
+        for the smallest memory of any rank: recomputed layers rerun their collectives in backward, so the
+        ranks of a layout must recompute the same layers."""
+        from loom.memory import auto_memory_bytes, describe_plan, plan_auto
+
+        memory = auto_memory_bytes(self.cfg, self.device)  # None on every rank or on none (same device type)
+        if self.layout.distributed and memory is not None:
+            import torch.distributed as dist
+
+            least = torch.tensor([memory], dtype=torch.float64, device=self.device)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN)
+            memory = least.item()
+        plan = plan_auto(self.cfg, self.layout, measure_on, memory)
+        self.recompute_note = describe_plan(plan)
+        return plan["plan"]
 
     def _carry_template(self, template) -> None:
         """The recipe's chat template (a built-in or a file the tokenizer did not come with) into the run
@@ -340,6 +361,8 @@ class Trainer:
         progress.message(banner(self.cfg, self.recipe.command, self.layout, self.num_params, self.train_data,
                                 self.run_dir, self.resumed_from, valid_source(self.cfg, self.val_data),
                                 trained=trainable_count(self.model)[0]))
+        if self.recompute_note:
+            progress.message(self.recompute_note)
         for line in run_advice(self.cfg, self.recipe.command):
             progress.message(line)
         if resumed:
