@@ -18,12 +18,13 @@ def priced():
 
 def test_wide_table_rows_all_fit_and_mean_error_is_bounded(priced):
     # 24 rows: the table may grow, but not shrink silently; every published layout must fit, and the mean
-    # |step-time error| (7.7% when the table was built) must not regress past 8.7%.
+    # |step-time error| (7.7% when the table was built, 7.0% with Megatron's cross-entropy traffic) must not
+    # regress past 8.0%.
     assert len(WIDE) == 24
     unfit = [name for name, best in priced.items() if best is None or not best.fits]
     assert not unfit, unfit
     errors = {name: abs(best.step_time_s / WIDE[name][2] - 1) for name, best in priced.items()}
-    assert sum(errors.values()) / len(errors) <= 0.087, errors
+    assert sum(errors.values()) / len(errors) <= 0.080, errors
     # Narayanan et al.'s A100 weak-scaling rows (Megatron-LM 2021) stay within 5% each.
     assert all(errors[n] <= 0.05 for n in WIDE if n.startswith("narayanan-")), errors
 
@@ -43,3 +44,25 @@ def test_wide_step_times_are_what_the_sources_say():
     assert seconds["nemo-gpt3-5b-fp8"] == pytest.approx(2048 * 2048 / (22521 * 64), rel=1e-9)
     # Megatron-Bridge 26.06: Llama-3.1 405B at 326 tokens/s/GPU on 1024 GPUs, 1536 x 8192 tokens per step.
     assert seconds["bridge-405b-gbs1536-fp8"] == pytest.approx(1536 * 8192 / (326 * 1024), rel=1e-9)
+
+
+def test_megatron_cross_entropy_traffic_is_counted_op_by_op():
+    """Megatron-Core's unfused vocab-parallel cross-entropy moves 38 bytes a logit forward and 14 backward (its
+    ops counted in loom.planner.layertime), loom's 12 and 12; the head's matmuls are the same for both."""
+    from dataclasses import replace
+
+    from loom.config import load_config
+    from loom.planner.hardware import PRESETS
+    from loom.planner.layertime import head_times
+    from loom.planner.workload import Workload
+
+    gpu = PRESETS["h100"]
+    m = load_config("llama3-8b").model
+    loom_w = Workload(m, 8192, 128, 8, gpu, framework="loom", loss_chunk=0)
+    mega_w = replace(loom_w, framework="megatron")
+    for tp in (1, 2):
+        tokens, v = 2 * 8192, m.vocab_size // tp
+        per_byte = 1 / (gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency)  # seconds a byte at the HBM rate
+        (lf, lb), (mf, mb) = head_times(loom_w, tp, 1, 2), head_times(mega_w, tp, 1, 2)
+        assert mf - lf == pytest.approx((38 - 12) * tokens * v * per_byte, rel=1e-9)
+        assert mb - lb == pytest.approx((14 - 12) * tokens * v * per_byte, rel=1e-9)

@@ -277,6 +277,17 @@ def _one_layer_times(w: Workload, tp: int, cp: int, mbs: int, sp: bool, recomput
     return LayerTimes(fwd, bwd)
 
 
+# Bytes each logit moves through the cross-entropy, forward and backward, beyond the head's matmuls:
+# - loom (and torch's F.cross_entropy on fp32 logits): the cast to fp32, log-softmax and gather forward, the
+#   softmax gradient backward, three fp32 passes each way (checked against loom's measured runs);
+# - Megatron-Core's vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py, unfused: the
+#   default without --cross-entropy-loss-fusion), counted op by op. Forward: `.float()` (2 read + 4 written),
+#   max (4), in-place subtract of the max (4 + 4), exp in place (4 + 4), sum (4), in-place divide into the
+#   softmax kept for backward (4 + 4): 38. Backward: the target's entry (one element a row), in-place multiply
+#   by the output gradient (4 + 4), the cast back to the head's 16-bit dtype (4 + 2): 14.
+CE_BYTES_PER_LOGIT = {"loom": (12, 12), "megatron": (38, 14)}
+
+
 @lru_cache(maxsize=4096)
 def head_times(w: Workload, tp: int, cp: int, mbs: int) -> tuple[float, float]:
     """Forward and backward seconds of the LM head and cross-entropy (fp32 logits) per micro-batch."""
@@ -286,9 +297,9 @@ def head_times(w: Workload, tp: int, cp: int, mbs: int) -> tuple[float, float]:
     tokens = mbs * w.seq_len // cp
     v = cfg.vocab_size // tp
     fwd = gemm_time(gpu, "bf16" if w.precision == "fp8" else w.precision, tokens, v, cfg.hidden)
-    logits = tokens * v * 4
-    fwd += hbm_time(gpu, 3 * logits)  # cast to fp32, log-softmax, gather
-    bwd = 2 * (fwd - hbm_time(gpu, 3 * logits)) + hbm_time(gpu, 3 * logits)
+    ce_fwd, ce_bwd = CE_BYTES_PER_LOGIT["megatron" if w.framework == "megatron" else "loom"]
+    fwd += hbm_time(gpu, ce_fwd * tokens * v)
+    bwd = 2 * (fwd - hbm_time(gpu, ce_fwd * tokens * v)) + hbm_time(gpu, ce_bwd * tokens * v)
     if w.loss_chunk:  # loom's chunked loss: forward computes the head's gradients too (the same three matmuls
         # and passes over the logits), adding each chunk's weight gradient into an fp32 buffer (read and
         # written once per chunk after the first); backward only scales the kept gradients
