@@ -282,7 +282,7 @@ else
   run_step train_7b 120 "$PY" "${TRAIN7[@]}" --out "$DIR/gpu_train_7b.json"
   run_step fp8_7b 120 "$PY" "${TRAIN7[@]}" --fp8 rowwise --out "$DIR/gpu_train_fp8_7b.json"
   # the same 8192 tokens a step as loom plan lays them out on one H200 (issue 39 item 5): two micro-batches of 1,
-  # recompute.mode=auto instead of full recomputation (loom memory: 20 of 32 layers kept whole at micro-batch 2)
+  # recompute.mode=auto instead of full recomputation (loom memory: 25 of 32 layers kept whole at micro-batch 1)
   TRAIN7A=(bench/gpu_train.py --row-timeout 118 --kernels 15 --models llama2-7b --seqs 4096 --tokens-per-step 8192
            --steps 3 --warmup 2 --frameworks loom --recompute auto --micro-batch 1 --loss-chunk 8192)
   run_step train_7b_auto 120 "$PY" "${TRAIN7A[@]}" --out "$DIR/gpu_train_7b_auto.json"

@@ -34,11 +34,11 @@ ROWS = [
     ("train_7b loom", "llama2-7b", 4096, 2, "full", 8192, "bf16"),
     ("fp8_7b loom", "llama2-7b", 4096, 2, "full", 8192, "fp8"),
     ("moe loom", "qwen3-30b-a3b-4l", 4096, 4, "none", 8192, "bf16"),
-    # issue 39 item 5: the 7B rows at micro-batch 1 (two a step), recompute.mode=auto, which keeps every layer
-    # whole there on an H200 (`loom memory --config llama2-7b --train.seq_len=4096 --train.micro_batch=1
-    # --recompute.mode=auto --recompute.memory_gib=139.8`: 32 none)
-    ("train_7b_auto loom", "llama2-7b", 4096, 1, "none", 8192, "bf16", 2),
-    ("fp8_7b_auto loom", "llama2-7b", 4096, 1, "none", 8192, "fp8", 2),
+    # issue 39 item 5: the 7B rows at micro-batch 1 (two a step), recompute.mode=auto, which on an H200 recomputes
+    # the first 7 of 32 layers in full (`loom memory --config llama2-7b --train.seq_len=4096 --train.micro_batch=1
+    # --train.global_batch=2 --recompute.mode=auto --recompute.memory_gib=139.8`: 25 none, 7 full)
+    ("train_7b_auto loom", "llama2-7b", 4096, 1, "full:7", 8192, "bf16", 2),
+    ("fp8_7b_auto loom", "llama2-7b", 4096, 1, "full:7", 8192, "fp8", 2),
 ]
 
 
@@ -59,7 +59,9 @@ def main(argv=None) -> int:
     for name, shape, seq, mbs, recompute, chunk, precision, *micro in ROWS:
         steps_mbs = mbs * (micro[0] if micro else 1)  # sequences a step
         w = Workload(model_config(shape, seq), seq, steps_mbs, 1, gpu, precision=precision, loss_chunk=chunk)
-        best = evaluate(w, Layout(micro_batch=mbs, recompute=recompute, recompute_layers=0, dp_style="replicate"))
+        mode, _, layers = recompute.partition(":")  # "full:7": the first 7 layers in full (auto's plan), else all
+        best = evaluate(w, Layout(micro_batch=mbs, recompute=mode, recompute_layers=int(layers or 0),
+                                  dp_style="replicate"))
         memory = (best.memory["total"] - best.memory["reserve"]) / 2**30
         rows.append({"row": name, "shape": shape, "seq": seq, "micro_batch": mbs, "recompute": recompute,
                      "loss_chunk": chunk, "precision": precision, "predicted_step_s": round(best.step_time_s, 4),

@@ -197,6 +197,7 @@ def state_bytes(cfg: Config, layout=None) -> dict:
     micro_batches = cfg.train.global_batch // (p.dp * cfg.train.micro_batch)
     sharded = grads_stay_sharded(p.grad_accum, p.pp, micro_batches)
     return {"params_total": total, "params_trained": trained, "params_bytes": per_rank * 4 + frozen_bytes / ranks,
+            "trained_params_per_rank": per_rank,
             "grads_bytes": per_rank * 4 * (1 if sharded else shard),
             "grad_accum": ("whole: dp_shard=1" if shard == 1 else
                            "sharded every micro-batch" if sharded else "whole until the last micro-batch"),
@@ -278,20 +279,35 @@ def plan_auto(cfg: Config, layout=None, device="meta", memory_bytes: float | Non
         return {"plan": {n: "none" for n in names}, "memory_bytes": None}
     states = state_bytes(cfg, layout)
     held = states["params_bytes"] + states["grads_bytes"] + states["optimizer_bytes"]
+    copies = autocast_copy_bytes(cfg, states)
     measured = _per_mode(cfg, layout, device)
     reserve = AUTO_RESERVE * memory_bytes + measured[0]["none"]
-    budget = memory_bytes - held - reserve
+    budget = memory_bytes - held - copies - reserve
     if budget <= 0:
         from loom.errors import UserError
 
         raise UserError(
-            f"recompute.mode=auto: the parameters, gradients and optimizer state take {_size(held)} per rank and "
-            f"the reserve {_size(reserve)}, more than the {_size(memory_bytes)} of memory; "
-            "shard them (parallel.dp_shard, parallel.tp, parallel.pp), keep optimizer moments in bf16 "
+            f"recompute.mode=auto: the parameters, gradients and optimizer state take {_size(held)} per rank"
+            + (f", autocast's 16-bit weight copies {_size(copies)}" if copies else "")
+            + f" and the reserve {_size(reserve)}, more than the {_size(memory_bytes)} of memory; "
+            "shard them (parallel.dp_shard, parallel.tp), keep optimizer moments in bf16 "
             "(optim.state_dtype=bfloat16), or set recompute.memory_gib to the memory you have")
     plan = _cheapest_plan(cfg, measured, budget, from_config=False)
-    return {**plan, "memory_bytes": memory_bytes, "state_bytes": held, "reserve_bytes": reserve,
-            "budget_bytes": budget}
+    return {**plan, "memory_bytes": memory_bytes, "state_bytes": held, "copy_bytes": copies,
+            "reserve_bytes": reserve, "budget_bytes": budget}
+
+
+def autocast_copy_bytes(cfg: Config, states: dict) -> float:
+    """The 16-bit copies of a rank's trained weights that autocast makes in forward and autograd keeps for
+    backward: where the trainer trains fp32 master weights in a 16-bit dtype without data parallelism or
+    context parallelism (`SPMDRunner`: with them FSDP2 casts each block's weights as it gathers them and frees
+    them after). 2 bytes a trained weight, counted whole: embeddings and norms, which are not cast, and the layers
+    recomputed in full, whose copies live only while their backward runs, are counted too, so the plan errs on
+    the side of fitting; a compiled block may recompute the casts instead of keeping them."""
+    p = cfg.parallel
+    if cfg.train.dtype == "float32" or p.dp_replicate * p.dp_shard * p.cp > 1:
+        return 0.0
+    return 2.0 * states["trained_params_per_rank"]
 
 
 def _size(n: float) -> str:
@@ -313,10 +329,12 @@ def describe_plan(plan: dict) -> str:
     counts = {m: sum(v == m for v in plan["plan"].values()) for m in ("none", "selective", "full")}
     layers = ", ".join(f"{n} {m}" for m, n in counts.items() if n)
     if plan.get("memory_bytes") is None:
-        return f"recompute.mode=auto: {layers} (no memory limit on this device; recompute.memory_gib sets one)"
+        return (f"recompute.mode=auto: {layers} (no memory limit: a CPU, or `loom memory`, which does not know the "
+                "device; recompute.memory_gib sets one)")
+    copies = f" - {_size(plan['copy_bytes'])} autocast weight copies" if plan["copy_bytes"] else ""
     return (f"recompute.mode=auto: {layers}; activations {_size(plan['activation_bytes'])} of a "
             f"{_size(plan['budget_bytes'])} budget ({_size(plan['memory_bytes'])} memory - "
-            f"{_size(plan['state_bytes'])} parameters, gradients and optimizer state - "
+            f"{_size(plan['state_bytes'])} parameters, gradients and optimizer state{copies} - "
             f"{_size(plan['reserve_bytes'])} reserve)")
 
 

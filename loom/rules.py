@@ -359,6 +359,10 @@ def recipe_problem(recipe: str, cfg) -> str | None:
                     "train.loss_chunk=0 or auto")
     if recipe == "rl":
         rl = cfg.rl
+        if cfg.recompute.mode == "auto" and not cfg.recompute.memory_gib > 0:
+            return ("recompute.mode=auto plans before loom rl builds its generation engine, key/value cache and "
+                    "reference model, so it cannot take the device's free memory as training's; set "
+                    "recompute.memory_gib to the memory training may use, or another recompute.mode")
         for name, size in (("pp", p.pp), ("cp", p.cp)):
             if size > 1:
                 return (f"parallel.{name}={size}: loom rl runs the policy with data and tensor parallelism "

@@ -292,3 +292,30 @@ def test_auto_recompute_that_cannot_fit_exits_2_and_leaves_nothing(tmp_path):
     assert not run_dir.exists()
     bad = run_main("train", "--config", "tiny", "--run-dir", str(run_dir), "--recompute.memory_gib=-1")
     assert bad.returncode == 2 and "recompute.memory_gib=-1" in bad.stderr and not run_dir.exists()
+
+
+def test_auto_recompute_counts_autocasts_weight_copies_and_rl_needs_a_memory():
+    """Training fp32 master weights in bf16 without data parallelism, autocast keeps a 16-bit copy of every
+    weight for backward: auto counts 2 bytes a trained weight (none under FSDP, which frees its casts); loom rl,
+    whose engine and reference model come after the plan, must be given the memory training may use."""
+    from loom.config import load_config
+    from loom.memory import plan_auto, state_bytes
+    from loom.rules import recipe_problem
+
+    extra = ["model.attention=math", "recompute.mode=auto"]
+    big = 2.0**40
+    bf16 = plan_auto(small_config(*extra, "train.dtype=bfloat16"), memory_bytes=big)
+    params = state_bytes(small_config(*extra))["params_trained"]
+    assert bf16["copy_bytes"] == 2 * params and "autocast weight copies" in describe(bf16)
+    assert plan_auto(small_config(*extra), memory_bytes=big)["copy_bytes"] == 0  # fp32: nothing cast
+    sharded = small_config(*extra, "train.dtype=bfloat16", "parallel.dp_shard=2")
+    assert plan_auto(sharded, memory_bytes=big)["copy_bytes"] == 0
+    rl = load_config("tiny-grpo", ["recompute.mode=auto"])
+    assert "recompute.memory_gib" in recipe_problem("rl", rl)
+    assert recipe_problem("rl", load_config("tiny-grpo", ["recompute.mode=auto", "recompute.memory_gib=4"])) is None
+
+
+def describe(plan):
+    from loom.memory import describe_plan
+
+    return describe_plan(plan)

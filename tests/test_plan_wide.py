@@ -47,8 +47,9 @@ def test_wide_step_times_are_what_the_sources_say():
 
 
 def test_megatron_cross_entropy_traffic_is_counted_op_by_op():
-    """Megatron-Core's unfused vocab-parallel cross-entropy moves 38 bytes a logit forward and 14 backward (its
-    ops counted in loom.planner.layertime), loom's 12 and 12; the head's matmuls are the same for both."""
+    """Megatron-Core's unfused vocab-parallel cross-entropy moves 38 bytes a logit forward and 14 backward, its
+    fused one 26 and 14 (their ops counted in loom.planner.layertime), loom's 12 and 12; the head's matmuls are
+    the same for all."""
     from dataclasses import replace
 
     from loom.config import load_config
@@ -66,3 +67,6 @@ def test_megatron_cross_entropy_traffic_is_counted_op_by_op():
         (lf, lb), (mf, mb) = head_times(loom_w, tp, 1, 2), head_times(mega_w, tp, 1, 2)
         assert mf - lf == pytest.approx((38 - 12) * tokens * v * per_byte, rel=1e-9)
         assert mb - lb == pytest.approx((14 - 12) * tokens * v * per_byte, rel=1e-9)
+        # --cross-entropy-loss-fusion: the fp32 cast and the max in one kernel, subtract and exp in another
+        ff, fb = head_times(replace(mega_w, ce_fusion=True), tp, 1, 2)
+        assert mf - ff == pytest.approx((38 - 26) * tokens * v * per_byte, rel=1e-9) and fb == pytest.approx(mb)

@@ -154,6 +154,9 @@ class RecomputeConfig(Section):
             raise UserError(f"recompute.mode=budget needs recompute.budget_gib > 0 (got {self.budget_gib})")
         if not self.memory_gib >= 0:
             raise UserError(f"recompute.memory_gib={self.memory_gib} must be >= 0 (0: the accelerator's free memory)")
+        if self.memory_gib and self.mode != "auto":
+            raise UserError(f"recompute.memory_gib={self.memory_gib} is the memory recompute.mode=auto plans for; with "
+                            f"recompute.mode={self.mode} it would be ignored: set recompute.mode=auto or drop it")
 
 
 @dataclass

@@ -285,7 +285,10 @@ def _one_layer_times(w: Workload, tp: int, cp: int, mbs: int, sp: bool, recomput
 #   max (4), in-place subtract of the max (4 + 4), exp in place (4 + 4), sum (4), in-place divide into the
 #   softmax kept for backward (4 + 4): 38. Backward: the target's entry (one element a row), in-place multiply
 #   by the output gradient (4 + 4), the cast back to the head's 16-bit dtype (4 + 2): 14.
-CE_BYTES_PER_LOGIT = {"loom": (12, 12), "megatron": (38, 14)}
+# - the same with --cross-entropy-loss-fusion (megatron/core/fusions/fused_cross_entropy.py, `Workload.ce_fusion`):
+#   the cast and the max in one kernel (2 + 4), subtract and exp in place in one (4 + 4), the sum (4), the divide
+#   (4 + 4): 26 forward; the same 14 backward.
+CE_BYTES_PER_LOGIT = {"loom": (12, 12), "megatron": (38, 14), "megatron_fused": (26, 14)}
 
 
 @lru_cache(maxsize=4096)
@@ -297,7 +300,8 @@ def head_times(w: Workload, tp: int, cp: int, mbs: int) -> tuple[float, float]:
     tokens = mbs * w.seq_len // cp
     v = cfg.vocab_size // tp
     fwd = gemm_time(gpu, "bf16" if w.precision == "fp8" else w.precision, tokens, v, cfg.hidden)
-    ce_fwd, ce_bwd = CE_BYTES_PER_LOGIT["megatron" if w.framework == "megatron" else "loom"]
+    ce_fwd, ce_bwd = CE_BYTES_PER_LOGIT[("megatron_fused" if w.ce_fusion else "megatron")
+                                        if w.framework == "megatron" else "loom"]
     fwd += hbm_time(gpu, ce_fwd * tokens * v)
     bwd = 2 * (fwd - hbm_time(gpu, ce_fwd * tokens * v)) + hbm_time(gpu, ce_bwd * tokens * v)
     if w.loss_chunk:  # loom's chunked loss: forward computes the head's gradients too (the same three matmuls

@@ -89,8 +89,11 @@ def published_runs() -> dict:
     qwen3_30b = moe(ModelConfig(layers=48, hidden=2048, heads=32, kv_heads=4, explicit_head_dim=128, qk_norm=True,
                                 ffn_hidden=6144, vocab_size=151936, max_seq_len=4096), 128, 8, 768)
 
-    def nemo(model, seq, batch, gpus, tok_s, **fixed):
-        w = Workload(model, seq, batch, gpus, h100, precision="fp8", framework="megatron", grad_dtype="bfloat16")
+    def nemo(model, seq, batch, gpus, tok_s, fused_ce=True, **fixed):
+        """NeMo's launcher configs: Llama's set cross_entropy_loss_fusion (NeMo-Framework-Launcher
+        base_configs/llama3_8b.yaml), GPT-3's do not (base_configs/gpt3.yaml): `fused_ce=False` for those."""
+        w = Workload(model, seq, batch, gpus, h100, precision="fp8", framework="megatron", grad_dtype="bfloat16",
+                     ce_fusion=fused_ce)
         layout = dict(micro_batch=1, recompute="none", dp_style="distopt") | fixed
         layout["dp"] = gpus // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
         return w, layout, tokens_seconds(batch, seq, tok_s, gpus), NEMO_2407 + f": {gpus} GPUs, {tok_s:,} tokens/s/GPU"
@@ -102,7 +105,8 @@ def published_runs() -> dict:
     def dgxc_bf16(model, seq, batch, gpus, seconds, **fixed):
         """A bf16 run of the DGX Cloud recipes, set up as `nemo` sets NeMo's (its launcher's performance
         settings: distributed optimizer, bf16 gradient sync), with its published seconds per step."""
-        w = Workload(model, seq, batch, gpus, h100, precision="bf16", framework="megatron", grad_dtype="bfloat16")
+        w = Workload(model, seq, batch, gpus, h100, precision="bf16", framework="megatron", grad_dtype="bfloat16",
+                     ce_fusion=True)
         layout = dict(micro_batch=1, recompute="none", dp_style="distopt") | fixed
         layout["dp"] = gpus // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
         return w, layout, seconds, DGXC_2409 + f": {gpus} GPUs, {seconds} s/step"
@@ -145,9 +149,9 @@ def published_runs() -> dict:
         # frequency scaling does not change the step): 12.91 s/step, 81,222 tokens/s on 8 GPUs (10,153 per GPU).
         "dgxc-llama31-8b-bf16": dgxc_bf16(llama3_8b, 8192, 128, 8, 12.91, cp=2),
         "nemo-llama3-70b-fp8": nemo(llama3_70b, 8192, 128, 64, 1533, tp=4, pp=4, cp=2, vpp=5),
-        "nemo-gpt3-175b-128gpu-fp8": nemo(gpt175, 2048, 256, 128, 726, tp=4, pp=8, vpp=6, sp=True,
+        "nemo-gpt3-175b-128gpu-fp8": nemo(gpt175, 2048, 256, 128, 726, fused_ce=False, tp=4, pp=8, vpp=6, sp=True,
                                           recompute="selective"),
-        "nemo-gpt3-175b-512gpu-fp8": nemo(gpt175, 2048, 2048, 512, 782, tp=4, pp=8, vpp=6, micro_batch=2,
+        "nemo-gpt3-175b-512gpu-fp8": nemo(gpt175, 2048, 2048, 512, 782, fused_ce=False, tp=4, pp=8, vpp=6, micro_batch=2,
                                           sp=True, recompute="selective"),
         "bridge-llama3-70b-pp8-fp8": bridge(llama3_70b, 8192, 128, 64, 1602, tp=4, pp=8, vpp=5),
         "bridge-llama31-405b-fp8": bridge(llama3_405b, 8192, 512, 1024, 292, tp=8, pp=8, cp=2, vpp=8),
@@ -224,7 +228,7 @@ def published_moe_runs() -> dict:
     unstated = "not stated (priced balanced)"
     return {
         "bridge-qwen3-235b-a22b-fp8": (
-            megatron(qwen3_235b, 4096, 2048, 256, "fp8"),
+            megatron(qwen3_235b, 4096, 2048, 256, "fp8", ce_fusion=True),
             layout(256, tp=2, pp=8, vpp=4, ep=32, recompute="none"), tokens_seconds(2048, 4096, 1575, 256),
             BRIDGE_QWEN3_H100, "forced balanced (the summary: balanced token distribution, dropless)"),
         "zoo-qwen3-235b-tp2-ep32": (
@@ -304,11 +308,12 @@ def published_wide_runs() -> dict:
                 MCORE_080 + f": {params}B, TP{tp} PP{pp} DP{gpus // (tp * pp)}, batch {batch}, {tflops} TFLOP/s/GPU "
                 "by Megatron's FLOP count")
 
-    def nemo(model, seq, batch, gpus, tok_s, source, precision="fp8", fsdp=False, **fixed):
+    def nemo(model, seq, batch, gpus, tok_s, source, precision="fp8", fsdp=False, fused_ce=False, **fixed):
         """NeMo's and Megatron-Bridge's performance recipes: Megatron-Core + Transformer Engine, bf16 gradient
-        sync, the distributed optimizer (Megatron-FSDP where the row says FSDP)."""
+        sync, the distributed optimizer (Megatron-FSDP where the row says FSDP); `fused_ce` where the recipe
+        sets cross_entropy_loss_fusion (Llama's; GPT-3's and Nemotron's launcher configs are priced unfused)."""
         w = Workload(model, seq, batch, gpus, h100, precision=precision, framework="megatron",
-                     grad_dtype="bfloat16", fsdp2=not fsdp)
+                     grad_dtype="bfloat16", fsdp2=not fsdp, ce_fusion=fused_ce)
         layout = dict(micro_batch=1, recompute="none", dp_style="fsdp" if fsdp else "distopt") | fixed
         layout["dp"] = gpus // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
         return w, layout, tokens_seconds(batch, seq, tok_s, gpus), source + f": {gpus} GPUs, {tok_s:,} tokens/s/GPU"
@@ -360,12 +365,14 @@ def published_wide_runs() -> dict:
                                       ", Nemotron-22B, TP2 PP4 VP10 MBS2 GBS256, SP", tp=2, pp=4, vpp=10,
                                       micro_batch=2, sp=True),
         "bridge-llama3-8b-fsdp-fp8": nemo(llama3_8b, 8192, 128, 8, 14451, bridge.format(", 25.11 container") +
-                                          " current scaling, Llama-3 8B, Megatron-FSDP over 8, MBS1 GBS128", fsdp=True),
+                                          " current scaling, Llama-3 8B, Megatron-FSDP over 8, MBS1 GBS128", fsdp=True,
+                                          fused_ce=True),
         "bridge-70b-gbs256-fp8": nemo(llama3_70b, 8192, 256, 64, 1664, bridge.format(
-            "-archive.md, 26.04.01 container") + ", Llama-3 70B, TP4 PP8 VP5 MBS1 GBS256", tp=4, pp=8, vpp=5),
+            "-archive.md, 26.04.01 container") + ", Llama-3 70B, TP4 PP8 VP5 MBS1 GBS256", tp=4, pp=8, vpp=5,
+            fused_ce=True),
         "bridge-405b-gbs1536-fp8": nemo(llama3_405b, 8192, 1536, 1024, 326, bridge.format(
             "-archive.md, 26.06 container") + ", Llama-3.1 405B, TP8 PP8 CP2 VP8 MBS1 GBS1536", tp=8, pp=8, cp=2,
-            vpp=8),
+            vpp=8, fused_ce=True),
         "meta-llama3-405b-128k": (
             meta_w, dict(tp=8, pp=16, cp=16, dp=8, dp_style="fsdp"),
             flops_seconds(meta_w.model, 128, 131072, 380, 16384),

@@ -51,6 +51,10 @@ class Workload:
     # 0: whole micro-batch; "auto": loom's default (train.loss_chunk=auto), chunks of loom.rules.AUTO_LOSS_CHUNK
     # on a layout of loom's own runtime with tp = pp = 1 on a GPU, else whole (`at_layout`).
     loss_chunk: int | str = 0
+    # Megatron-Core's cross-entropy: False, its unfused vocab-parallel loss (Megatron-LM's default); True, the
+    # fused one (--cross-entropy-loss-fusion, which NeMo's Llama recipes and Megatron-Bridge set). Prices the
+    # loss's passes over the logits (`layertime.CE_BYTES_PER_LOGIT`); loom's own loss is neither.
+    ce_fusion: bool = False
     # Attention kernel: "sdpa" (torch's scaled_dot_product_attention, flash backend: FlashAttention-2, what
     # loom runs), "fused" (Transformer Engine's cuDNN fused attention), or "auto": fused when the framework
     # is megatron, else sdpa.

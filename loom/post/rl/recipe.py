@@ -45,6 +45,8 @@ that value and policy gradients share the trunk.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import time
 
 import numpy as np
@@ -140,6 +142,8 @@ class RL(Recipe):
     def _build_reference(self) -> nn.Module:
         """The frozen initial policy in the run's layout: train.init_from's weights, or train.seed's."""
         cfg = self.trainer.cfg
+        # It never takes a gradient: no recomputation (budget and auto plan only the policy's layers).
+        cfg = replace(cfg, recompute=replace(cfg.recompute, mode="none"))
         model = build_in_layout(cfg, self.trainer.device, parallelized(cfg, self.trainer.layout),
                                 init_from=cfg.train.init_from).model
         model.requires_grad_(False)
