@@ -10,7 +10,9 @@ are, three times: eager and with `compile=True` (decode steps through torch.comp
 buckets), each with the CPU decode path (loom/infer/cpu: packed small-batch products and decode attention),
 and `compile=True` without it (`loom_compiled_aten`: F.linear and SDPA); since run 9 also eager on paged keys
 and values (`loom_paged`: `Engine(paged=True)`, attention through the paged CPU kernel that reads each
-request's own blocks; `loom_paged_gather`: the blocks gathered densely for the slab's decode kernel).
+request's own blocks; `loom_paged_gather`: the blocks gathered densely for the slab's decode kernel); on a
+CPU with AVX-512, `--modes ...,avx2` adds eager with the packed products through the AVX2 tile (`loom_avx2`:
+the A/B against the AVX-512 tile that `loom` runs there; `packed_products_avx2` beside `packed_products`).
 `--modes` picks the engines beside the eager one. Results up to run 8 also measured
 `compile="frozen"` (weights frozen into the compiled step), since removed. Each engine is built once per batch
 size and reused across rounds, as a server or an RL loop keeps its engine; building a compiled engine and its
@@ -52,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 import loom  # noqa: E402
 from loom.infer.cpu.kernels import available as cpu_kernels_available  # noqa: E402
+from loom.infer.cpu.kernels import product_isa as kernel_product_isa  # noqa: E402
 from loom.infer.engine import Engine  # noqa: E402
 from loom.infer.sampling import SamplingParams  # noqa: E402
 from loom.provenance import stamp  # noqa: E402
@@ -98,6 +101,11 @@ def run_hf(hf, prompts, new) -> tuple[float, float, list[list[int]]]:
 ENGINES: dict = {}
 
 
+def product_isa(use: str | None = None) -> str | None:
+    """The packed product's vector path ("avx512" / "avx2"; `use` switches it), None without the kernels."""
+    return kernel_product_isa(use) if cpu_kernels_available() else None
+
+
 def engine_for(model, batch: int, compile: bool | str) -> Engine:
     """One engine per batch size and mode, kept across rounds as a server or an RL loop keeps it (a compiled
     engine would otherwise recompile). Slots 0..batch-1, room for the longest prompt and completion."""
@@ -112,13 +120,20 @@ def engine_for(model, batch: int, compile: bool | str) -> Engine:
 
 def run_loom(model, prompts, new, compile: bool | str = False) -> tuple[float, float, list[list[int]]]:
     """compile: False, True, "aten" (compile=True without the CPU kernels), "paged" (eager, paged keys and
-    values read block by block: `split_kv_decode`) or "paged_gather" (eager, paged, the blocks gathered densely
-    for the CPU decode attention kernel)."""
+    values read block by block: `split_kv_decode`), "paged_gather" (eager, paged, the blocks gathered densely
+    for the CPU decode attention kernel) or "avx2" (eager, the packed products through the AVX2 tile on a CPU
+    whose default is the AVX-512 one: the A/B of the two in one process)."""
     news = new if isinstance(new, list) else [new] * len(prompts)
     engine = engine_for(model, len(prompts), compile)
-    start, cpu = time.perf_counter(), time.process_time()
-    done = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in news])
-    return time.perf_counter() - start, time.process_time() - cpu, [d.tokens for d in done]
+    isa = product_isa()
+    if compile == "avx2":
+        product_isa("avx2")
+    try:
+        start, cpu = time.perf_counter(), time.process_time()
+        done = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in news])
+        return time.perf_counter() - start, time.process_time() - cpu, [d.tokens for d in done]
+    finally:
+        product_isa(isa)
 
 
 @torch.no_grad()
@@ -170,6 +185,12 @@ def decode_steps(runners, model, batch: int, new: int, rounds: int) -> dict:
     out["transformers_over_floor"] = round(out["transformers"] / out["weight_products_floor"], 2)
     if cpu_kernels_available():
         out["packed_products"] = round(gemm_floor_ms(model, batch, packed=True), 2)
+        if product_isa() == "avx512":  # and through the AVX2 tile, as a CPU without AVX-512 runs them
+            product_isa("avx2")
+            try:
+                out["packed_products_avx2"] = round(gemm_floor_ms(model, batch, packed=True), 2)
+            finally:
+                product_isa("avx512")
     return out
 
 
@@ -179,7 +200,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64, help="new tokens per sequence")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--modes", default="compiled,compiled_aten,paged,paged_gather",
-                        help="loom engines beside the eager one (loom): compiled, compiled_aten, paged, paged_gather")
+                        help="loom engines beside the eager one (loom): compiled, compiled_aten, paged, paged_gather, "
+                             "avx2 (eager with the AVX2 product tile where AVX-512 is the default)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "generate_cpu.json"))
     args = parser.parse_args()
     global MAX_NEW
@@ -192,7 +214,7 @@ def main() -> None:
     run_hf(hf, prompts_for(2, 99), 4)  # warm both up
     run_loom(model, prompts_for(2, 99), 4)
     modes = {"loom": False, "loom_compiled": True, "loom_compiled_aten": "aten", "loom_paged": "paged",
-             "loom_paged_gather": "paged_gather"}
+             "loom_paged_gather": "paged_gather", "loom_avx2": "avx2"}
     modes = {name: mode for name, mode in modes.items() if name[5:] in args.modes.split(",") or name == "loom"}
     names = [*modes, "transformers"]
     runners = {name: (lambda p, n, mode=mode: run_loom(model, p, n, mode)) for name, mode in modes.items()}
@@ -242,7 +264,8 @@ def main() -> None:
     import transformers
 
     kernels = {"available": cpu_kernels_available(), "packed_linears": ENGINES[(batches[0], False)].stats["packed_linears"],
-               "decode_attention": ENGINES[(batches[0], False)].slab.decode_kernel is not None}
+               "decode_attention": ENGINES[(batches[0], False)].slab.decode_kernel is not None,
+               "product_isa": product_isa()}
     result = {"benchmark": "generate_cpu", "model": dict(SHAPE, parameters=params), "dtype": "float32",
               "cpu_kernels": kernels,
               "rows": rows, "engine_build_and_first_generation_s": compile_s,

@@ -8,8 +8,14 @@ products are most of a decode step. bench/generate_cpu.py measures both kernels 
 
 `packed_linear` packs each weight once into panels of 16 output columns, [ceil(N/16), K, 16] (zero-padded),
 and multiplies by panels: a 6 x 16 register tile (12 AVX2 accumulators) walks K once per 6 rows with fused
-multiply-adds, every tile prefetches the panel four on, and the panels are split over ATen's threads. At
-hundreds of rows (a prefill) it is no faster than MKL, so the engine uses it for decode steps only.
+multiply-adds, every tile prefetches the panel four on, and the panels are split over ATen's threads. On a
+CPU with AVX-512F (checked at run time with `__builtin_cpu_supports`; that code is compiled for AVX-512 per
+function, so the library still builds and runs on an AVX2-only CPU) the tile is 8 rows x 2 panels (16 zmm
+accumulators: one panel row is one zmm register) over pairs of panels, the output's tail columns written with
+masked stores. Both tiles sum each output in the same order, so the two paths give the same bits.
+`LOOM_CPU_AVX512=0` keeps the AVX2 tile on such a CPU; `product_isa()` says which path runs and switches it
+(for an A/B in one process). At hundreds of rows (a prefill) neither is faster than MKL, so the engine uses
+the kernel for decode steps only.
 
 `decode_attention` takes q [B, H, R, d] (the R query heads that share a key/value head, one token each),
 the slab's keys and values as strided views and the boolean mask, and computes masked softmax attention in
@@ -23,7 +29,8 @@ tensor-parallel shard) keeps `F.linear` and SDPA; `available()` says whether thi
 Built from the C++ below with the system's C++ compiler the first time a process asks for it, into a cache
 directory keyed by the source, torch's and Python's versions and the compiler (`cache_dir`: LOOM_CACHE_DIR,
 else ~/.cache/loom, else the temporary directory), written whole or not at all, then loaded with
-`torch.ops.load_library`: the ops are `torch.ops.loom_cpu.packed_linear` and `.decode_attention`, with fake
+`torch.ops.load_library`: the ops are `torch.ops.loom_cpu.packed_linear`, `.decode_attention` and
+`.decode_attention_paged` (and `.packed_linear_isa`, behind `product_isa`), with fake
 (meta) implementations so that `torch.compile` keeps each as one opaque call inside a compiled decode step.
 They have no backward (the engine runs under no_grad). No compiler, no AVX2, `LOOM_CPU_KERNELS=0` or a
 failed build: `available()` is False (the reason logged once) and nothing else changes.
@@ -56,6 +63,7 @@ SOURCE = r"""
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -92,6 +100,105 @@ inline void tile(const float* a, int64_t lda, const float* b, int64_t K, float* 
     for (int j = 0; j < ncols; ++j) c[m * ldc + j] = bias ? out[m][j] + bias[j] : out[m][j];
 }
 
+// The AVX-512 path, compiled for AVX-512F at function level (the library still builds and loads on an AVX2-only
+// machine, which never calls it). A tile is MR rows times NP (1 or 2) adjacent panels: one zmm register per
+// row and panel (a panel's row k is 16 floats, one zmm), so 8 rows x 32 columns hold 16 accumulators and
+// each k costs 2 panel loads, 8 broadcasts and 16 fused multiply-adds. The sum per output is the AVX2 tile's
+// (k in order, one fma each, then the bias), so both paths give the same bits.
+#define LOOM_AVX512 __attribute__((target("avx512f")))
+
+LOOM_AVX512 inline void store_row512(float* c, __m512 v, __mmask16 mask, const float* bias) {
+  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
+  _mm512_mask_storeu_ps(c, mask, v);
+}
+
+// Rows a[0..MR) (row stride lda) times panels b and b + K * 16 (the second when NP == 2) -> c (row stride ldc),
+// ncols (<= 16 NP) columns; bias (ncols values, or null); pf: a later panel pair, two lines per k, or null.
+template <int MR, int NP>
+LOOM_AVX512 inline void tile512(const float* a, int64_t lda, const float* b, int64_t K, float* c, int64_t ldc,
+                                int ncols, const float* bias, const float* pf) {
+  const float* b1 = b + K * 16;
+  __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps(), c2 = _mm512_setzero_ps(), c3 = _mm512_setzero_ps();
+  __m512 c4 = _mm512_setzero_ps(), c5 = _mm512_setzero_ps(), c6 = _mm512_setzero_ps(), c7 = _mm512_setzero_ps();
+  __m512 d0 = _mm512_setzero_ps(), d1 = _mm512_setzero_ps(), d2 = _mm512_setzero_ps(), d3 = _mm512_setzero_ps();
+  __m512 d4 = _mm512_setzero_ps(), d5 = _mm512_setzero_ps(), d6 = _mm512_setzero_ps(), d7 = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(b + k * 16);
+    __m512 w1 = w0;
+    if constexpr (NP > 1) w1 = _mm512_loadu_ps(b1 + k * 16);
+    if (pf) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf + k * 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + (K + k) * 16), _MM_HINT_T0);
+    }
+#define LOOM_ROW(m, x0, x1) if constexpr (MR > m) { const __m512 x = _mm512_set1_ps(a[m * lda + k]); \
+      x0 = _mm512_fmadd_ps(x, w0, x0); if constexpr (NP > 1) x1 = _mm512_fmadd_ps(x, w1, x1); }
+    LOOM_ROW(0, c0, d0) LOOM_ROW(1, c1, d1) LOOM_ROW(2, c2, d2) LOOM_ROW(3, c3, d3)
+    LOOM_ROW(4, c4, d4) LOOM_ROW(5, c5, d5) LOOM_ROW(6, c6, d6) LOOM_ROW(7, c7, d7)
+#undef LOOM_ROW
+  }
+  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+  const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+  const float* bias1 = bias ? bias + 16 : nullptr;
+#define LOOM_STORE(m, x0, x1) if constexpr (MR > m) { store_row512(c + m * ldc, x0, m0, bias); \
+      if constexpr (NP > 1) store_row512(c + m * ldc + 16, x1, m1, bias1); }
+  LOOM_STORE(0, c0, d0) LOOM_STORE(1, c1, d1) LOOM_STORE(2, c2, d2) LOOM_STORE(3, c3, d3)
+  LOOM_STORE(4, c4, d4) LOOM_STORE(5, c5, d5) LOOM_STORE(6, c6, d6) LOOM_STORE(7, c7, d7)
+#undef LOOM_STORE
+}
+
+template <int NP>
+LOOM_AVX512 void rows512(const float* A, int64_t M, int64_t K, const float* panel, float* out, int64_t N, int ncols,
+                         const float* bias, const float* pf) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) tile512<8, NP>(A + m * K, K, panel, K, out + m * N, N, ncols, bias, pf);
+  const float* a = A + m * K;
+  float* c = out + m * N;
+  switch (M - m) {
+    case 7: tile512<7, NP>(a, K, panel, K, c, N, ncols, bias, pf); break;
+    case 6: tile512<6, NP>(a, K, panel, K, c, N, ncols, bias, pf); break;
+    case 5: tile512<5, NP>(a, K, panel, K, c, N, ncols, bias, pf); break;
+    case 4: tile512<4, NP>(a, K, panel, K, c, N, ncols, bias, pf); break;
+    case 3: tile512<3, NP>(a, K, panel, K, c, N, ncols, bias, pf); break;
+    case 2: tile512<2, NP>(a, K, panel, K, c, N, ncols, bias, pf); break;
+    case 1: tile512<1, NP>(a, K, panel, K, c, N, ncols, bias, pf); break;
+    default: break;
+  }
+}
+
+// Panel pairs q0..q1 (pair q: panels 2q and 2q + 1, the last one alone when P is odd) of C = A B + bias.
+LOOM_AVX512 void pairs512(const float* A, int64_t M, int64_t K, const float* B, int64_t P, int64_t N,
+                          const float* bb, float* C, int64_t q0, int64_t q1) {
+  for (int64_t q = q0; q < q1; ++q) {
+    const int64_t p = 2 * q;
+    const int ncols = static_cast<int>(std::min<int64_t>(32, N - p * 16));
+    const float* panel = B + p * K * 16;
+    const float* bias_p = bb ? bb + p * 16 : nullptr;
+    // Every row tile prefetches the pair PREFETCH_AHEAD panels on, where this task has it whole.
+    const int64_t ahead = p + PREFETCH_AHEAD;
+    const float* pf = ahead + 1 < std::min(P, 2 * q1) ? panel + PREFETCH_AHEAD * K * 16 : nullptr;
+    if (p + 1 < P) rows512<2>(A, M, K, panel, C + p * 16, N, ncols, bias_p, pf);
+    else rows512<1>(A, M, K, panel, C + p * 16, N, ncols, bias_p, nullptr);
+  }
+}
+
+bool avx512_here() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
+
+// The vector width packed_linear uses: 512 where the CPU has AVX-512F, else 256 (the AVX2 tile).
+std::atomic<int64_t>& product_width() {
+  static std::atomic<int64_t> width{avx512_here() ? 512 : 256};
+  return width;
+}
+
+// request 0: the width in use; 256: the AVX2 tile from now on; 512: the AVX-512 one where the CPU has it.
+int64_t packed_linear_isa(int64_t request) {
+  TORCH_CHECK(request == 0 || request == 256 || request == 512, "packed_linear_isa: request 0, 256 or 512");
+  if (request != 0) product_width() = request == 512 && avx512_here() ? 512 : 256;
+  return product_width();
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "packed_linear: fp32 only");
@@ -115,6 +222,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* bb = b.defined() ? b.data_ptr<float>() : nullptr;
   float* C = y.data_ptr<float>();
   if (M == 0) return y;
+  if (product_width() == 512) {
+    at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t q0, int64_t q1) { pairs512(A, M, K, B, P, N, bb, C, q0, q1); });
+    return y;
+  }
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int ncols = static_cast<int>(std::min<int64_t>(16, N - p * 16));
@@ -277,6 +388,7 @@ TORCH_LIBRARY(loom_cpu, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor mask) -> Tensor");
   m.def("decode_attention_paged(Tensor q, Tensor keys, Tensor values, Tensor table, Tensor positions) -> Tensor");
+  m.def("packed_linear_isa(int request) -> int", &packed_linear_isa);  // no tensors: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(loom_cpu, CPU, m) {
@@ -360,10 +472,20 @@ def available() -> bool:
             why = f"{type(err).__name__}: {err}"
     if why is None:
         _register_fake()
+        if os.environ.get("LOOM_CPU_AVX512", "1") == "0":
+            torch.ops.loom_cpu.packed_linear_isa(256)
     else:
         log.info("CPU decode kernels not used (F.linear and SDPA instead): %s", why)
     _state.update(ok=why is None, why=why)
     return _state["ok"]
+
+
+def product_isa(use: str | None = None) -> str:
+    """The vector path `packed_linear` takes in this process, "avx512" or "avx2" (`available()` first). `use`:
+    switch to that path first ("avx512" only where the CPU has AVX-512F; else "avx2")."""
+    widths = {"avx2": 256, "avx512": 512}
+    width = torch.ops.loom_cpu.packed_linear_isa(0 if use is None else widths[use])
+    return {256: "avx2", 512: "avx512"}[width]
 
 
 def _register_fake() -> None:
