@@ -75,6 +75,18 @@ DGXC_2409 = ("NVIDIA DGX Cloud benchmarking recipe (NVIDIA/dgxc-benchmarking lla
              "DGX-H100, bf16, Megatron-Core + Transformer Engine, distributed optimizer")
 
 
+def megatron_recipe(model, seq, batch, gpus, precision="fp8", fsdp=False, fused_ce=False, **fixed):
+    """(workload, layout) of a NeMo / Megatron-Bridge / DGX Cloud performance recipe on H100: Megatron-Core +
+    Transformer Engine, bf16 gradient sync, the distributed optimizer (Megatron-FSDP with `fsdp`), micro-batch 1
+    and no recomputation unless `fixed` says otherwise; `fused_ce` where the recipe sets
+    cross_entropy_loss_fusion (NeMo-Framework-Launcher base_configs/llama3_8b.yaml does, gpt3.yaml does not)."""
+    w = Workload(model, seq, batch, gpus, PRESETS["h100"], precision=precision, framework="megatron",
+                 grad_dtype="bfloat16", fsdp2=not fsdp, ce_fusion=fused_ce)
+    layout = dict(micro_batch=1, recompute="none", dp_style="fsdp" if fsdp else "distopt") | fixed
+    layout["dp"] = gpus // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
+    return w, layout
+
+
 def published_runs() -> dict:
     """name -> (workload, the published layout, published seconds per step, source)."""
     a100, h100 = PRESETS["a100-80gb"], PRESETS["h100"]
@@ -90,12 +102,8 @@ def published_runs() -> dict:
                                 ffn_hidden=6144, vocab_size=151936, max_seq_len=4096), 128, 8, 768)
 
     def nemo(model, seq, batch, gpus, tok_s, fused_ce=True, **fixed):
-        """NeMo's launcher configs: Llama's set cross_entropy_loss_fusion (NeMo-Framework-Launcher
-        base_configs/llama3_8b.yaml), GPT-3's do not (base_configs/gpt3.yaml): `fused_ce=False` for those."""
-        w = Workload(model, seq, batch, gpus, h100, precision="fp8", framework="megatron", grad_dtype="bfloat16",
-                     ce_fusion=fused_ce)
-        layout = dict(micro_batch=1, recompute="none", dp_style="distopt") | fixed
-        layout["dp"] = gpus // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
+        """NeMo 24.07's fp8 Llama rows fuse the cross-entropy; its GPT-3 rows pass `fused_ce=False`."""
+        w, layout = megatron_recipe(model, seq, batch, gpus, fused_ce=fused_ce, **fixed)
         return w, layout, tokens_seconds(batch, seq, tok_s, gpus), NEMO_2407 + f": {gpus} GPUs, {tok_s:,} tokens/s/GPU"
 
     def bridge(model, seq, batch, gpus, tok_s, **fixed):
@@ -105,10 +113,7 @@ def published_runs() -> dict:
     def dgxc_bf16(model, seq, batch, gpus, seconds, **fixed):
         """A bf16 run of the DGX Cloud recipes, set up as `nemo` sets NeMo's (its launcher's performance
         settings: distributed optimizer, bf16 gradient sync), with its published seconds per step."""
-        w = Workload(model, seq, batch, gpus, h100, precision="bf16", framework="megatron", grad_dtype="bfloat16",
-                     ce_fusion=True)
-        layout = dict(micro_batch=1, recompute="none", dp_style="distopt") | fixed
-        layout["dp"] = gpus // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
+        w, layout = megatron_recipe(model, seq, batch, gpus, precision="bf16", fused_ce=True, **fixed)
         return w, layout, seconds, DGXC_2409 + f": {gpus} GPUs, {seconds} s/step"
 
     def meta(gpus, tflops, cp=1, seq=8192):
@@ -308,14 +313,10 @@ def published_wide_runs() -> dict:
                 MCORE_080 + f": {params}B, TP{tp} PP{pp} DP{gpus // (tp * pp)}, batch {batch}, {tflops} TFLOP/s/GPU "
                 "by Megatron's FLOP count")
 
-    def nemo(model, seq, batch, gpus, tok_s, source, precision="fp8", fsdp=False, fused_ce=False, **fixed):
-        """NeMo's and Megatron-Bridge's performance recipes: Megatron-Core + Transformer Engine, bf16 gradient
-        sync, the distributed optimizer (Megatron-FSDP where the row says FSDP); `fused_ce` where the recipe
-        sets cross_entropy_loss_fusion (Llama's; GPT-3's and Nemotron's launcher configs are priced unfused)."""
-        w = Workload(model, seq, batch, gpus, h100, precision=precision, framework="megatron",
-                     grad_dtype="bfloat16", fsdp2=not fsdp, ce_fusion=fused_ce)
-        layout = dict(micro_batch=1, recompute="none", dp_style="fsdp" if fsdp else "distopt") | fixed
-        layout["dp"] = gpus // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
+    def nemo(model, seq, batch, gpus, tok_s, source, **recipe):
+        """`megatron_recipe` with the source's tokens/s: the Llama rows fuse the cross-entropy, GPT-3's and
+        Nemotron's launcher configs are priced unfused."""
+        w, layout = megatron_recipe(model, seq, batch, gpus, **recipe)
         return w, layout, tokens_seconds(batch, seq, tok_s, gpus), source + f": {gpus} GPUs, {tok_s:,} tokens/s/GPU"
 
     def gpt(layers, hidden, heads, vocab):
