@@ -86,9 +86,8 @@ def _build(cfg: Config, device, layout=None, layer_plan: dict[str, str] | None =
     stand-in), tensor parallelism and recomputation; nothing allocated on meta."""
     from loom.parallel.recompute import apply_recompute
 
-    if cfg.recompute.mode in ("budget", "auto") and layer_plan is None:
-        layer_plan = (plan_budget(cfg, layout, device) if cfg.recompute.mode == "budget"
-                      else plan_auto(cfg, layout, device, auto_memory_bytes(cfg)))["plan"]
+    if layer_plan is None and (plan := recompute_plan(cfg, layout, device, auto_memory_bytes(cfg))):
+        layer_plan = plan["plan"]
 
     def place(model):
         model.train()
@@ -259,6 +258,16 @@ def _cheapest_plan(cfg: Config, measured: tuple[dict, float, dict], budget: floa
             "per_layer_bytes": keep, "per_layer_extra_flops": extra}
 
 
+def recompute_plan(cfg: Config, layout=None, device="meta", memory_bytes: float | None = None) -> dict | None:
+    """The per-layer plan of `recompute.mode=budget` (`plan_budget`) or `auto` (`plan_auto` for `memory_bytes`);
+    None for the modes that need none."""
+    if cfg.recompute.mode == "budget":
+        return plan_budget(cfg, layout, device)
+    if cfg.recompute.mode == "auto":
+        return plan_auto(cfg, layout, device, memory_bytes)
+    return None
+
+
 AUTO_RESERVE = 0.05  # of the memory, kept free by recompute.mode=auto: allocator blocks, workspaces, buffers
 
 
@@ -271,7 +280,7 @@ def plan_auto(cfg: Config, layout=None, device="meta", memory_bytes: float | Non
     (`AUTO_RESERVE`: the caching allocator's partly used blocks, the GEMM and compile workspaces, the
     collectives' buffers: the margin `loom plan` keeps free by default); and one layer's activations kept
     whole, the working set of backward, which holds a layer's input gradients while that layer's saved
-    tensors are still alive. What is left goes to `plan_budget`. The bytes are measured as `loom memory`
+    tensors are still alive. What is left is searched as `plan_budget` searches its budget. The bytes are measured as `loom memory`
     measures them (eager autograd's saved tensors), so a compiled step, which saves less, fits with room.
     """
     names = [str(i) for i in range(cfg.model.layers)]
@@ -359,8 +368,7 @@ def report(cfg: Config) -> dict | None:
         raise UserError("loom memory measures one rank of a layout without pipeline stages; set parallel.pp=1 "
                         "(a stage holds layers/pp of the layers, each as measured here)")
     device = "cpu" if layout.tp > 1 else "meta"
-    plan = (plan_budget(cfg, layout, device) if cfg.recompute.mode == "budget" else
-            plan_auto(cfg, layout, device, auto_memory_bytes(cfg)) if cfg.recompute.mode == "auto" else None)
+    plan = recompute_plan(cfg, layout, device, auto_memory_bytes(cfg))
     acts = measure_activations(cfg, layout if layout.tp > 1 else None, device, plan and plan["plan"])
     result = None
     if layout.is_main:

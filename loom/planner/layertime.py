@@ -299,11 +299,11 @@ def head_times(w: Workload, tp: int, cp: int, mbs: int) -> tuple[float, float]:
     cfg, gpu = w.model, w.gpu
     tokens = mbs * w.seq_len // cp
     v = cfg.vocab_size // tp
-    fwd = gemm_time(gpu, "bf16" if w.precision == "fp8" else w.precision, tokens, v, cfg.hidden)
-    ce_fwd, ce_bwd = CE_BYTES_PER_LOGIT[("megatron_fused" if w.ce_fusion else "megatron")
-                                        if w.framework == "megatron" else "loom"]
-    fwd += hbm_time(gpu, ce_fwd * tokens * v)
-    bwd = 2 * (fwd - hbm_time(gpu, ce_fwd * tokens * v)) + hbm_time(gpu, ce_bwd * tokens * v)
+    gemm = gemm_time(gpu, "bf16" if w.precision == "fp8" else w.precision, tokens, v, cfg.hidden)
+    loss = "loom" if w.framework != "megatron" else "megatron_fused" if w.ce_fusion else "megatron"
+    ce_fwd, ce_bwd = CE_BYTES_PER_LOGIT[loss]
+    fwd = gemm + hbm_time(gpu, ce_fwd * tokens * v)
+    bwd = 2 * gemm + hbm_time(gpu, ce_bwd * tokens * v)  # the input's and the weight's gradient products
     if w.loss_chunk:  # loom's chunked loss: forward computes the head's gradients too (the same three matmuls
         # and passes over the logits), adding each chunk's weight gradient into an fp32 buffer (read and
         # written once per chunk after the first); backward only scales the kept gradients

@@ -78,7 +78,7 @@ class Trainer:
         self.made_run_dir = not self.run_dir.exists()
         self.ckpt_root = self.run_dir / "checkpoints"
         self.quiet = quiet
-        self.recompute_note = ""  # recompute.mode=auto's plan, in words (plan_recompute)
+        self.recompute_note = ""  # recompute.mode=auto's plan, in words (loom.memory.describe_plan)
         self.loss = self.recipe.loss(cfg)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
@@ -127,13 +127,13 @@ class Trainer:
         torch.manual_seed(t.seed)
         layer_plan = None
         if cfg.recompute.mode in ("budget", "auto"):
-            from loom.memory import plan_budget
+            from loom.memory import describe_plan, recompute_plan
 
             measure_on = self.device if self.layout.tp > 1 else "meta"
-            if cfg.recompute.mode == "budget":
-                layer_plan = plan_budget(cfg, self.layout, measure_on)["plan"]
-            else:
-                layer_plan = self.plan_recompute(measure_on)
+            plan = recompute_plan(cfg, self.layout, measure_on, self._auto_memory())
+            layer_plan = plan["plan"]
+            if cfg.recompute.mode == "auto":
+                self.recompute_note = describe_plan(plan)
 
         def place(model):  # the runner applies the layout (pipeline stages, TP, FSDP) on meta
             model.train()
@@ -181,12 +181,14 @@ class Trainer:
         self.peak_tflops = flops.device_peak_tflops(name)
         self.recipe.set_up(self)
 
-    def plan_recompute(self, measure_on) -> dict[str, str]:
-        """`recompute.mode=auto`'s layer plan (loom.memory.plan_auto) for this rank's memory. Every rank plans
-        for the smallest memory of any rank: recomputed layers rerun their collectives in backward, so the
-        ranks of a layout must recompute the same layers."""
-        from loom.memory import auto_memory_bytes, describe_plan, plan_auto
+    def _auto_memory(self) -> float | None:
+        """The memory `recompute.mode=auto` plans for (loom.memory.auto_memory_bytes), the smallest of any rank's:
+        recomputed layers rerun their collectives in backward, so the ranks of a layout must recompute the same
+        layers. None for the other modes, or where no rank has a limit."""
+        from loom.memory import auto_memory_bytes
 
+        if self.cfg.recompute.mode != "auto":
+            return None
         memory = auto_memory_bytes(self.cfg, self.device)  # None on every rank or on none (same device type)
         if self.layout.distributed and memory is not None:
             import torch.distributed as dist
@@ -194,9 +196,7 @@ class Trainer:
             least = torch.tensor([memory], dtype=torch.float64, device=self.device)
             dist.all_reduce(least, op=dist.ReduceOp.MIN)
             memory = least.item()
-        plan = plan_auto(self.cfg, self.layout, measure_on, memory)
-        self.recompute_note = describe_plan(plan)
-        return plan["plan"]
+        return memory
 
     def _carry_template(self, template) -> None:
         """The recipe's chat template (a built-in or a file the tokenizer did not come with) into the run
