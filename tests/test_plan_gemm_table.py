@@ -187,3 +187,18 @@ def test_a_profile_sustained_clock_must_be_a_fraction(tmp_path):
         path.write_text(json.dumps({**data, "sustained_clock": bad}))
         with pytest.raises(UserError, match="sustained_clock"):
             load_gpu(str(path))
+
+
+def test_a_profile_eager_elementwise_share_must_be_rows_of_fractions(tmp_path):
+    """`eager_elementwise_fraction` (issue 38): rows [[bytes, share in (0, 1]], ...]; anything else exits 2
+    naming the key, and a valid table loads as given (a profile written before the key gets the default)."""
+    data = json.loads(H200.read_text())
+    path = tmp_path / "p.json"
+    for bad in (0.09, [[1e8, 1.5]], [[0, 0.1]], [[1e8]], [], [[1e8, True]]):
+        path.write_text(json.dumps({**data, "eager_elementwise_fraction": bad}))
+        with pytest.raises(UserError, match="eager_elementwise_fraction"):
+            load_gpu(str(path))
+    path.write_text(json.dumps({**data, "eager_elementwise_fraction": [[1e8, 0.5]]}))
+    assert load_gpu(str(path)).eager_elementwise_fraction == ((1e8, 0.5),)
+    path.write_text(json.dumps({k: v for k, v in data.items() if k != "eager_elementwise_fraction"}))
+    assert load_gpu(str(path)).eager_elementwise_fraction == PRESETS["h100"].eager_elementwise_fraction

@@ -30,6 +30,18 @@ Every number here is a property of the hardware, never of a particular training 
   Megatron-Core runs, which uses Hopper's asynchronous tensor cores as FlashAttention-3 does (FA3: up to
   75% forward on H100; cuDNN/FA3 forward and backward together ~40-60%); 0 means `attention_efficiency`.
 - `hbm_gbps` and `hbm_efficiency`: datasheet memory bandwidth and the fraction elementwise kernels reach.
+- `eager_elementwise_fraction`: the share of that rate (hbm_gbps x hbm_efficiency) at which loom's own eager
+  layer gets through the elementwise bytes the cost model counts (`layertime.elementwise_bytes_per_token`:
+  what fused kernels move, each operand read and written once), by working-set size ([[bytes, share],
+  ...], log-interpolated as a profile's `elementwise_gbps`). Eager PyTorch runs each op as its own kernel,
+  and loom's norm alone (fp32 upcast, square, mean, rsqrt, scale, downcast, weight) moves about ten times
+  the bytes a fused norm does. Measured, not assumed: the H200 profile of 2026-11-26
+  (`../shared/measured/h200-2026-11-26/profile.json`) timed 371.3 GB/s of counted bytes at a 97.5 MB
+  working set and 336.6 at 780 MB, where its copy reached 3919.5 GB/s: 0.0947 and 0.0859. It is a
+  property of loom's code more than of the chip (the same kernels move the same bytes on any GPU), so
+  every preset carries it; a profile measures the rate itself (`elementwise_gbps`) and ignores this.
+  Compiled blocks, Megatron-Core/Transformer Engine and other fused stacks run at the full rate
+  (`Workload.fused_elementwise`).
 - `nvlink_gbps`: NVLink bandwidth per GPU per direction inside the node (`node_size` GPUs);
   `internode_gbps`: network bandwidth per GPU per direction (one NIC per GPU);
   `collective_efficiency`: the fraction of link bandwidth NCCL ring collectives reach (bus bandwidth).
@@ -52,6 +64,11 @@ from loom.errors import UserError
 from loom.flops import PEAK_TFLOPS
 
 
+# loom's eager layer's elementwise rate over the copy rate on the H200 of 2026-11-26, by working set (its
+# profile's elementwise_gbps over its measured hbm_gbps; module docstring).
+EAGER_ELEMENTWISE_FRACTION = ((97517568.0, round(371.32 / 3919.51, 4)), (780140544.0, round(336.615 / 3919.51, 4)))
+
+
 @dataclass(frozen=True)
 class GPU:
     name: str
@@ -67,6 +84,8 @@ class GPU:
     attention_efficiency: float = 0.5
     fused_attention_efficiency: float = 0.0
     hbm_efficiency: float = 0.8
+    # [[bytes, share of the copy rate], ...] (module docstring); unused where a profile measured elementwise_gbps
+    eager_elementwise_fraction: tuple = EAGER_ELEMENTWISE_FRACTION
     collective_efficiency: float = 0.8
     collective_latency_us: float = 10.0  # fixed cost of one collective (launch + NCCL protocol)
     kernel_overhead_us: float = 2.0  # GPU idle time between two dependent kernels
@@ -167,6 +186,14 @@ def load_gpu(spec: str) -> GPU:
     if isinstance(clock, bool) or not isinstance(clock, (int, float)) or not 0 < clock <= 1:
         raise UserError(f"--gpu {spec}: sustained_clock={clock!r} must be a fraction in (0, 1] (1: the profile's "
                         "rates were measured at the power cap, as --profile-hardware measures them)")
+    eager = data.get("eager_elementwise_fraction", EAGER_ELEMENTWISE_FRACTION)
+    if not (isinstance(eager, (list, tuple)) and eager and all(
+            isinstance(r, (list, tuple)) and len(r) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                                 for x in r) and r[0] > 0 and 0 < r[1] <= 1 for r in eager)):
+        raise UserError(f"--gpu {spec}: eager_elementwise_fraction={eager!r} must be rows [[bytes, share], ...] with "
+                        "bytes > 0 and each share in (0, 1]: the share of the copy rate loom's eager elementwise ops "
+                        "reach by working set, used where the profile has no elementwise_gbps table")
+    data["eager_elementwise_fraction"] = tuple(tuple(r) for r in eager)
     latency = data.get("gemm_call_latency_us")
     if latency is not None and (isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0):
         raise UserError(f"--gpu {spec}: gemm_call_latency_us={latency!r} must be a number >= 0 (microseconds) or null")

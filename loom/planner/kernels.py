@@ -163,18 +163,24 @@ def p2p_time(gpu: GPU, nbytes: float, intra_node: bool) -> float:
 
 
 def elementwise_time(gpu: GPU, prec: str, nbytes: float) -> float:
-    """Seconds for a layer's elementwise ops that move `nbytes` (as `elementwise_bytes_per_token` counts
-    them): at the rate a profile measured for loom's own layer at the nearest working-set size (on a CPU
-    these ops are compute- and dispatch-bound, far below the memory bandwidth, and faster while the
-    working set fits in cache), else at the memory bandwidth."""
+    """Seconds for the elementwise ops of loom's own eager layer that move `nbytes` (as
+    `elementwise_bytes_per_token` counts them): at the rate a profile measured for that layer at the
+    nearest working-set size (on a CPU these ops are compute- and dispatch-bound, far below the memory
+    bandwidth, and faster while the working set fits in cache), else at the preset's share of the memory
+    bandwidth that eager layer was measured to reach (`GPU.eager_elementwise_fraction`). Fused kernels
+    (a compiled block, Transformer Engine's): `compiled_elementwise_time`."""
     table = gpu.elementwise_gbps.get("bf16" if prec == "fp8" else prec)  # fp8 runs these ops in bf16
-    if not table or nbytes <= 0:
-        return hbm_time(gpu, nbytes)
+    if nbytes <= 0:
+        return 0.0
+    if not table:
+        return hbm_time(gpu, nbytes) / log_interpolate(gpu.eager_elementwise_fraction, nbytes)
     return nbytes / (log_interpolate(table, nbytes) * 1e9)
 
 
 def compiled_elementwise_time(gpu: GPU, prec: str, nbytes: float) -> float:
-    """Seconds for a compiled block's elementwise bytes (train.compile). Inductor fuses a block's norms,
+    """Seconds for fused kernels' elementwise bytes: a compiled block's (train.compile, the engine's
+    compiled decode step), and a stack with fused norm / activation / rotary kernels (Transformer Engine's,
+    `Workload.fused_elementwise`). Inductor fuses a block's norms,
     residual adds, activation function, rotary embedding and fp8 casts into a few Triton kernels that
     stream their operands once, so they run at the rate a profile measured for those kernels
     (`elementwise_compiled_gbps`), else at the memory bandwidth. An eager profile's `elementwise_gbps` is a

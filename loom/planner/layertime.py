@@ -114,10 +114,10 @@ def _layer_forward(w: Workload, tp: int, cp: int, mbs: int, sp: bool, moe: bool 
         rate = measured * 1e12 if measured else peak16 * 1e12 * w.attention_efficiency
         core = {"attention": flops / rate, "elementwise": 0.0}
     # torchao's fp8 casts for loom's own runtime, Transformer Engine's for Megatron; a compiled block's
-    # elementwise bytes run as fused Triton kernels (`compiled_elementwise_time`), an eager one's at the
-    # profile's eager rate.
+    # elementwise bytes (or a fused stack's) run as fused kernels (`compiled_elementwise_time`), loom's eager
+    # ones at the profile's eager rate, or the preset's share of the bandwidth (`elementwise_time`).
     recipe = "torchao" if w.framework == "loom" else "te"
-    ew_time = compiled_elementwise_time if w.compile == "on" else elementwise_time
+    ew_time = compiled_elementwise_time if w.fused_elementwise() else elementwise_time
     ew_bytes = tokens * elementwise_bytes_per_token(cfg, prec, tp, sp, moe, recipe)
     if prec == "fp8" and recipe == "torchao" and not moe:
         # Each weight cast to fp8 once per micro-batch in forward and once (other axis) in backward;

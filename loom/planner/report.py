@@ -8,7 +8,7 @@ from loom.errors import UserError
 from loom.planner.workload import GIB, Estimate, Workload
 
 TERM_LABELS = {
-    "gemm": "linear-layer matmuls", "attention": "attention core", "elementwise": "elementwise (HBM)",
+    "gemm": "linear-layer matmuls", "attention": "attention core", "elementwise": "elementwise ops",
     "tp_comm": "TP collectives", "cp_comm": "CP K/V gather", "overhead": "kernel gaps", "head": "LM head + loss", "pp_p2p": "PP send/recv",
     "pp_bubble": "pipeline bubble", "dp_comm": "DP comm (exposed)", "optimizer": "optimizer step",
     "ep_comm": "EP all-to-all", "fsdp_copy": "FSDP2 buffer copies", "clock": "sustained clock",

@@ -178,6 +178,8 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                         for first, last in split_options(cfg.layers, pp, vpp, schedule, head):
                             for sp in cp_sp:
                                 for style in (dp_styles if dp > 1 else ("replicate",)):
+                                    if style == "distopt" and schedule == "zero_bubble":
+                                        continue  # Megatron-Core has no zero-bubble schedule (`MEGATRON_SCHEDULES`)
                                     for ep in ep_options(cfg, dp, cp, tp, sp):
                                         if fixed.get("ep", ep) != ep:
                                             continue

@@ -34,9 +34,11 @@ def _intra(gpu: GPU, stride: int, size: int) -> bool:
 
 
 @lru_cache(maxsize=1024)
-def _with_fused_attention(w: Workload) -> Workload:
-    """`w` with Transformer Engine's fused attention (one object per workload, so the caches keyed on it hold)."""
-    return replace(w, attention_kernel="fused")
+def _with_te_kernels(w: Workload) -> Workload:
+    """`w` with Transformer Engine's kernels where it left them to the framework: fused attention and fused
+    elementwise ops (one object per workload, so the caches keyed on it hold)."""
+    return replace(w, attention_kernel="fused" if w.attention_kernel == "auto" else w.attention_kernel,
+                   elementwise_kernels="fused" if w.elementwise_kernels == "auto" else w.elementwise_kernels)
 
 
 @lru_cache(maxsize=1024)
@@ -59,8 +61,8 @@ def step_time(w: Workload, lay: Layout) -> dict:
     cfg, gpu = w.model, w.gpu
     m = w.global_batch // (lay.dp * lay.micro_batch)
     base = "selective" if lay.recompute == "selective" else "none"
-    # A layout only Megatron runs (its distributed optimizer) runs Megatron's attention kernel too.
-    kw = _with_fused_attention(w) if lay.dp_style == "distopt" and w.attention_kernel == "auto" else w
+    # A layout only Megatron runs (its distributed optimizer) runs Megatron's kernels too.
+    kw = _with_te_kernels(w) if lay.dp_style == "distopt" else w
     kw = compiled_workload(kw, w.runs_compiled(lay))
     lt = layer_times(kw, lay.tp, lay.cp, lay.micro_batch, lay.sp, base, lay.ep)
     ft = layer_times(kw, lay.tp, lay.cp, lay.micro_batch, lay.sp, "full", lay.ep) if lay.recompute == "full" else None

@@ -119,12 +119,13 @@ def published_runs() -> dict:
     def meta(gpus, tflops, cp=1, seq=8192):
         batch = 16 * 2**20 // seq  # 16M tokens per step
         w = Workload(llama3_405b if seq == 8192 else llama(126, 16384, 128, 8, 53248, 128256, seq),
-                     seq, batch, gpus, h100, framework="loom", attention_kernel="fused", fsdp2=False)
+                     seq, batch, gpus, h100, framework="loom", attention_kernel="fused", elementwise_kernels="fused",
+                     fsdp2=False)
         return (w, dict(tp=8, pp=16, cp=cp, dp=gpus // (128 * cp), dp_style="fsdp"),
                 flops_seconds(w.model, batch, seq, tflops, gpus),
                 f"Llama 3 paper (Dubey et al. 2024), Table 4: {gpus} H100, bf16, {tflops} TFLOP/s/GPU, Meta's "
                 "FSDP + 4D parallelism (its own stack, 2024: FSDP's flat parameters, no FSDP2 buffer copies; "
-                "attention kernel not stated: priced at the fused rate); "
+                "attention and elementwise kernels not stated: priced as fused ones); "
                 "step time from TFLOP/s with loom's FLOP count")
     return {
         "narayanan-1.7b": (
@@ -168,14 +169,15 @@ def published_runs() -> dict:
             "Megatron-Core MoE (megatron/core/transformer/moe/README.md): Mixtral 8x7B, 64 H100, bf16, TP1 EP8 "
             "PP4 VPP8, 468 TFLOP/s/GPU; step time from TFLOP/s with loom's FLOP count (active experts)"),
         "automodel-qwen3-30b-a3b": (
-            Workload(qwen3_30b, 4096, 512, 8, h100, loss_chunk=4096, attention_kernel="fused"),
+            Workload(qwen3_30b, 4096, 512, 8, h100, loss_chunk=4096, attention_kernel="fused", elementwise_kernels="fused"),
             dict(tp=1, pp=1, ep=8, dp=8, micro_batch=4, dp_style="fsdp"), 21.773,
             "NeMo AutoModel performance summary (NVIDIA-NeMo/Automodel docs/performance-summary.md, 2025-10-02): "
             "Qwen3 MoE 30B, 8 H100, bf16, FSDP8 + EP8, PyTorch + TE (fused attention) + DeepEP, balanced gate, "
             "21.773 s/step; its "
             "fused linear cross-entropy priced as a 4096-token loss chunk"),
         "automodel-llama31-70b-fsdp-cp2": (
-            Workload(llama3_70b, 8192, 128, 64, h100, framework="loom", attention_kernel="sdpa"),
+            Workload(llama3_70b, 8192, 128, 64, h100, framework="loom", attention_kernel="sdpa",
+                     elementwise_kernels="fused"),
             dict(tp=1, pp=1, cp=2, dp=32, micro_batch=1, sp=False, recompute="full", recompute_layers=0,
                  dp_style="fsdp"), 18.90,
             "NeMo AutoModel performance summary (NVIDIA-NeMo/Automodel docs/performance-summary.mdx; recipe "
@@ -339,7 +341,7 @@ def published_wide_runs() -> dict:
     bridge = ("Megatron-Bridge performance summary (NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md{}), "
               "DGX-H100, fp8")
     meta_w = Workload(llama(126, 16384, 128, 8, 53248, 128256, 131072), 131072, 128, 16384, h100, framework="loom",
-                      attention_kernel="fused", fsdp2=False)
+                      attention_kernel="fused", elementwise_kernels="fused", fsdp2=False)
     return {
         "narayanan-3.6b": narayanan(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
         "narayanan-7.5b": narayanan(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),

@@ -59,6 +59,11 @@ class Workload:
     # loom runs), "fused" (Transformer Engine's cuDNN fused attention), or "auto": fused when the framework
     # is megatron, else sdpa.
     attention_kernel: str = "auto"
+    # Whose kernels run the layer's norms, residual adds, activation function and rotary embedding: "loom"
+    # (loom's own modules: one eager kernel per op unless the block is compiled, `GPU.eager_elementwise_fraction`),
+    # "fused" (a stack that fuses them: Transformer Engine's modules, Meta's), or "auto": fused when the
+    # framework is megatron (or the layout runs Megatron's distributed optimizer, `steptime`), else loom.
+    elementwise_kernels: str = "auto"
     # Data parallelism through torch's fully_shard (FSDP2, per-parameter buffers: loom and PyTorch-native
     # trainers), whose copies into and out of its flat collective buffers run on the compute stream
     # (fsdp2_copy_bytes); False for a stack that gathers and reduces flat buffers in place (FSDP1's flat
@@ -143,6 +148,12 @@ class Workload:
             return None
         nearest = min(dims, key=lambda dim: (abs(math.log(dim / self.model.head_dim)), -dim))
         return log_interpolate(tables[nearest], self.seq_len)
+
+    def fused_elementwise(self) -> bool:
+        """Whether the layer's elementwise ops run as fused kernels (`kernels.compiled_elementwise_time`): a
+        compiled block, or a stack with fused kernels (`elementwise_kernels`); else loom's eager ops."""
+        return self.compile == "on" or self.elementwise_kernels == "fused" or (
+            self.elementwise_kernels == "auto" and self.framework == "megatron")
 
     @property
     def attention_efficiency(self) -> float:
