@@ -17,7 +17,7 @@
 #
 # OUT_DIR gets one file per step, written as the step runs (the training JSONs are rewritten after every
 # row): versions.json, smi_static.csv + smi_query.txt, smi.csv (SM and memory clock, power, temperature,
-# use, memory, every second through the whole run), gpu_tests.log, gpu_train_1b.json, gpu_train_packed_1b.json,
+# use, memory, every second through the whole run), gpu_tests.log, gpu_train_1b.json, gpu_train_packed_1b.json, gpu_train_eager_1b.json,
 # gpu_train_3b.json, gpu_train_7b.json, gpu_train_fp8_7b.json, gpu_train_{7b,fp8_7b,fp8_7b_tw}_auto.json,
 # profile.json, generate_gpu.json,
 # generate_gpu_paged.json, rl_gpu.json, each step's NAME.log, steps.jsonl (one line per step: status
@@ -39,6 +39,8 @@
 #                     first H200 run; the current anchor is torchtitan 0.3.0.
 #   packed_1b     60  loom at the 1B shape on packed rows (documents of 512-1536 tokens, doc_ids + positions:
 #                     FlexAttention's block mask inside the compiled blocks), against train_1b's plain row
+#   eager_1b      90  loom at the 1B shape with train.compile=false (loss_chunk 0): the eager layer loom runs
+#                     wherever tp, pp or cp > 1, priced by the planner at its measured elementwise rate (issue 38)
 #   train_3b     150  the 3B shape, seq 8192, full recompute, 2 + 3 steps, rows loom (both losses),
 #                     torchtitan-0.3.0
 #   moe          150  loom on Qwen3-30B-A3B cut to 4 layers (128 experts of 768, top 8; 3.1B parameters), seq 4096,
@@ -242,6 +244,7 @@ if [ $SMOKE = 1 ]; then
   run_step train_1b $((240 * X)) "$PY" "${TRAIN[@]}" --frameworks $FW ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_1b.json"
   run_step packed_1b $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --loss-chunk 0 --doc-len 12 \
     --out "$DIR/gpu_train_packed_1b.json"
+  skip_step eager_1b "--smoke: train_1b's loom rows already run eager on the CPU (loom compiles on a GPU only)"
   run_step train_3b $((240 * X)) "$PY" "${TRAIN[@]}" --frameworks $FW ${TT_ARGS[@]+"${TT_ARGS[@]}"} --recompute full \
     --out "$DIR/gpu_train_3b.json"
   run_step moe $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --models tiny-moe --loss-chunk 16 \
@@ -271,6 +274,9 @@ else
   # packed rows (SFT packing, data.document_mask): documents of 512-1536 tokens; compare with train_1b's plain row
   run_step packed_1b 60 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 --frameworks loom \
     --loss-chunk 0 --doc-len 1024 --out "$DIR/gpu_train_packed_1b.json"
+  # train_1b's plain loom row without torch.compile: the eager layer of every loom layout with tp, pp or cp > 1
+  run_step eager_1b 90 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 --frameworks loom \
+    --loss-chunk 0 --no-compile --out "$DIR/gpu_train_eager_1b.json"
   run_step train_3b 150 "$PY" "${TRAIN[@]}" --models llama3.2-3b --seqs 8192 --steps 3 --warmup 2 \
     --frameworks loom,torchtitan-0.3.0 ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_3b.json"
   # MoE (issue 40): Qwen3-30B-A3B cut to 4 layers, grouped GEMM on Hopper in bf16; beside train_1b's dense rows

@@ -25,9 +25,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 from loom.provenance import stamp  # noqa: E402
 
 # (row name, gpu_train.py shape, sequence, micro-batch, recompute, loss_chunk, precision[, micro-batches a
-# step]): the device check's loom rows (bench/device_check.sh, GPU branch)
+# step[, compile]]): the device check's loom rows (bench/device_check.sh, GPU branch); compile "auto" is what
+# loom's GPU path runs (compiled blocks at one process), "off" gpu_train.py's --no-compile
 ROWS = [
     ("train_1b loom plain", "llama3.2-1b", 4096, 4, "none", 0, "bf16"),
+    # issue 38: the eager layer every loom layout with tp, pp or cp > 1 runs, at the 1B shape (eager_1b)
+    ("eager_1b loom", "llama3.2-1b", 4096, 4, "none", 0, "bf16", 1, "off"),
     ("train_1b loom chunked", "llama3.2-1b", 4096, 4, "none", 8192, "bf16"),
     ("train_3b loom plain", "llama3.2-3b", 8192, 2, "full", 0, "bf16"),
     ("train_3b loom chunked", "llama3.2-3b", 8192, 2, "full", 8192, "bf16"),
@@ -56,15 +59,18 @@ def main(argv=None) -> int:
 
     gpu = load_gpu(args.profile)
     rows = []
-    for name, shape, seq, mbs, recompute, chunk, precision, *micro in ROWS:
-        steps_mbs = mbs * (micro[0] if micro else 1)  # sequences a step
-        w = Workload(model_config(shape, seq), seq, steps_mbs, 1, gpu, precision=precision, loss_chunk=chunk)
+    for name, shape, seq, mbs, recompute, chunk, precision, *rest in ROWS:
+        micro, compile = (list(rest) + [1, "auto"][len(rest):])[:2]
+        steps_mbs = mbs * micro  # sequences a step
+        w = Workload(model_config(shape, seq), seq, steps_mbs, 1, gpu, precision=precision, loss_chunk=chunk,
+                     compile=compile)
         mode, _, layers = recompute.partition(":")  # "full:7": the first 7 layers in full (auto's plan), else all
         best = evaluate(w, Layout(micro_batch=mbs, recompute=mode, recompute_layers=int(layers or 0),
                                   dp_style="replicate"))
         memory = (best.memory["total"] - best.memory["reserve"]) / 2**30
         rows.append({"row": name, "shape": shape, "seq": seq, "micro_batch": mbs, "recompute": recompute,
-                     "loss_chunk": chunk, "precision": precision, "predicted_step_s": round(best.step_time_s, 4),
+                     "loss_chunk": chunk, "precision": precision, "compile": compile,
+                     "predicted_step_s": round(best.step_time_s, 4),
                      "sequences_per_step": steps_mbs,
                      "predicted_tokens_per_s": round(seq * steps_mbs / best.step_time_s, 1),
                      "predicted_peak_gib": round(memory, 2), "fits": bool(best.fits),

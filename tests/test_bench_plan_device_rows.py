@@ -32,5 +32,10 @@ def test_device_rows_priced_as_validate_prices_measured_runs(tmp_path):
                      ("fp8_7b loom", "h200-7b-seq4096-full-fp8")):
         assert rows[row]["predicted_step_s"] == pytest.approx(validated[run]["predicted_s"], abs=1e-4)
         assert rows[row]["predicted_peak_gib"] == pytest.approx(validated[run]["predicted_gib"], abs=0.01)
+    # the eager row (train.compile=false) differs from the plain compiled one in its elementwise ops, run at the
+    # profile's eager rate, and in what its blocks keep for backward; its matmuls are the same
+    eager, plain = rows["eager_1b loom"], rows["train_1b loom plain"]
+    assert eager["compile"] == "off" and eager["time_s"]["gemm"] == plain["time_s"]["gemm"]
+    assert eager["time_s"]["elementwise"] > 3 * plain["time_s"]["elementwise"]
     # fp8 at the 7B shape is priced faster than bf16 (fewer GEMM seconds, more cast traffic)
     assert rows["fp8_7b loom"]["predicted_step_s"] < rows["train_7b loom"]["predicted_step_s"]

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import ROOT
 
-STEPS = ["setup_wheels", "versions", "gpu_tests", "train_1b", "packed_1b", "train_3b", "moe", "train_7b", "fp8_7b",
+STEPS = ["setup_wheels", "versions", "gpu_tests", "train_1b", "packed_1b", "eager_1b", "train_3b", "moe", "train_7b", "fp8_7b",
          "train_7b_auto", "fp8_7b_auto", "fp8_7b_tw", "profile", "generate", "generate_paged", "rl", "serve"]
 
 
@@ -35,7 +35,7 @@ def test_every_step_is_recorded_and_a_cut_off_step_does_not_stop_the_run(check):
         assert status[name] == "ok", (name, (out / f"{name}.log").read_text()[-2000:])
     assert status["setup_wheels"] == status["gpu_tests"] == "skipped"  # the wheels and CUDA tests are the GPU's
     assert status["generate_paged"] == status["serve"] == "skipped"  # their smokes are other tests' (the notes say)
-    assert status["train_7b_auto"] == status["fp8_7b_auto"] == status["fp8_7b_tw"] == "skipped"
+    assert status["train_7b_auto"] == status["fp8_7b_auto"] == status["fp8_7b_tw"] == status["eager_1b"] == "skipped"
     # the smoke's profile step is cut off by its 5 s timeout (no mode of loom plan --profile-hardware is that
     # short on 2 cores) or finishes; either way the generate step after it ran
     assert status["profile"] in ("timeout", "ok")
@@ -123,5 +123,5 @@ def test_only_runs_the_named_steps(tmp_path):
     status = {s["step"]: (s["status"], s["note"]) for s in steps}
     assert status["versions"][0] == "ok"
     for name in STEPS[3:]:
-        if name not in ("generate_paged", "serve", "train_7b_auto", "fp8_7b_auto", "fp8_7b_tw"):  # skipped by --smoke
+        if name not in ("generate_paged", "serve", "train_7b_auto", "fp8_7b_auto", "fp8_7b_tw", "eager_1b"):  # --smoke skips
             assert status[name] == ("skipped", "not in --only"), name
