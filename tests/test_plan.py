@@ -593,7 +593,8 @@ def test_inference_decode_uses_a_profiles_measured_rates_and_engine_overheads():
     each weight over the streaming rate measured for its shape at that batch (time per byte linear in rows) +
     key/values over the attention rate measured for a read of one layer's size (log-interpolated in bytes) +
     the batch's elementwise bytes over their measured rate + the engine's per-layer, per-step and per-sequence
-    costs; fp32 weights and caches are 4 bytes."""
+    costs; fp32 weights and caches are 4 bytes. The elementwise rate is the eager one on a CPU profile (the engine
+    compiles decode steps on a GPU only: there they run at the fused rate)."""
     import dataclasses
     import math
 
@@ -604,7 +605,7 @@ def test_inference_decode_uses_a_profiles_measured_rates_and_engine_overheads():
     cfg = ModelConfig(layers=4, hidden=512, heads=8, kv_heads=4, ffn_hidden=1376, vocab_size=4096, max_seq_len=1024,
                       tie_embeddings=False)
     table = [[1, 512, 512, 10.0], [16, 512, 512, 4.0], [1, 4096, 512, 20.0], [16, 4096, 512, 8.0]]
-    gpu = dataclasses.replace(PRESETS["h100"], peak_tflops={"fp32": 1000.0}, decode_gbps={"fp32": table},
+    gpu = dataclasses.replace(PRESETS["h100"], name="cpu: x86_64 x2", peak_tflops={"fp32": 1000.0}, decode_gbps={"fp32": table},
                               decode_attention_gbps={"fp32": [[2.5e5, 1.0], [4e6, 3.0]]},
                               elementwise_gbps={"fp32": [[1e5, 2.0], [1e7, 6.0]]},
                               engine_overhead_us={"layer": 500.0, "step": 100.0, "row": 10.0})
@@ -628,6 +629,9 @@ def test_inference_decode_uses_a_profiles_measured_rates_and_engine_overheads():
     expected = 4 * layer_bytes / small + 4 * 4096 * 512 / big + 4 * kv_layer / kv_rate + 4 * ew_bytes / ew_rate \
         + (4 * 500 + 100 + 4 * 10) * 1e-6
     assert est.decode_step_s == pytest.approx(expected, rel=1e-9)
+    on_gpu = evaluate_inference(dataclasses.replace(w, gpu=dataclasses.replace(gpu, name="h100")), 1, 1, 4, 128, 32)
+    assert on_gpu.decode_step_s == pytest.approx(expected - 4 * ew_bytes / ew_rate + 4 * ew_bytes / (3350e9 * 0.8),
+                                                 rel=1e-9)  # compiled: no compiled table, the preset's bandwidth
     assert est.kv_cache_gib * GIB == 4 * 4 * (128 + 32) * (2 * 4 * 64 * 4)
     # A model small enough to stay partly cached between steps streams its weights faster by the profile's
     # factor at its weight bytes (log-interpolated): here 54 MB between 8 MB (x3) and 128 MB (x1). The
@@ -916,6 +920,13 @@ def test_loom_eager_elementwise_on_a_preset_runs_at_the_measured_share_of_the_ba
     for fused in (replace(w, framework="megatron"), replace(w, elementwise_kernels="fused"), replace(w, compile="on")):
         assert layer_times(fused, 2, 1, 1, True, "none").fwd["elementwise"] == pytest.approx(
             nbytes / (3350e9 * 0.8), rel=1e-9)
+    # Every published row ran another stack's fused kernels: Megatron's (its framework or distributed
+    # optimizer), or a row declared fused (Meta's, NeMo AutoModel's); none is priced at loom's eager rate.
+    from loom.planner.validation import published_moe_runs, published_runs, published_wide_runs
+
+    for table in (published_runs(), published_wide_runs(), published_moe_runs()):
+        for name, (row, fixed, *_) in table.items():
+            assert row.fused_elementwise() or fixed.get("dp_style") == "distopt", name
     # Through the step: a distopt layout (Megatron's runtime) prices TE's fused kernels; the same layout on
     # loom's FSDP, loom's eager ops, about 11x the elementwise time.
     lay = Layout(tp=2, dp=4, sp=True)
@@ -937,6 +948,13 @@ def test_the_405b_free_search_lands_in_metas_mfu_band_and_megatron_runs_no_zero_
     best = next(e for e in ranked if loom_runnable(e, w) is None)
     assert 0.38 <= best.mfu <= 0.43, (best.mfu, best.layout)
     assert not any(e.layout.dp_style == "distopt" and e.layout.schedule == "zero_bubble" for e in ranked)
+    from dataclasses import replace
+
+    from loom.planner.search import candidates
+
+    small = Workload(load_config("llama3-8b").model, 8192, 64, 32, PRESETS["h100"])
+    assert any(lay.schedule == "zero_bubble" for lay in candidates(small))  # loom's runtime has it
+    assert not any(lay.schedule == "zero_bubble" for lay in candidates(replace(small, framework="megatron")))
 
 
 def test_torchao_fp8_casts_priced_as_torchao_runs_them():

@@ -35,11 +35,12 @@ Every number here is a property of the hardware, never of a particular training 
   what fused kernels move, each operand read and written once), by working-set size ([[bytes, share],
   ...], log-interpolated as a profile's `elementwise_gbps`). Eager PyTorch runs each op as its own kernel,
   and loom's norm alone (fp32 upcast, square, mean, rsqrt, scale, downcast, weight) moves about ten times
-  the bytes a fused norm does. Measured, not assumed: the H200 profile of 2026-11-26
+  the bytes a fused norm does. From one measurement: the H200 profile of 2026-11-26
   (`../shared/measured/h200-2026-11-26/profile.json`) timed 371.3 GB/s of counted bytes at a 97.5 MB
-  working set and 336.6 at 780 MB, where its copy reached 3919.5 GB/s: 0.0947 and 0.0859. It is a
-  property of loom's code more than of the chip (the same kernels move the same bytes on any GPU), so
-  every preset carries it; a profile measures the rate itself (`elementwise_gbps`) and ignores this.
+  working set and 336.6 at 780 MB, where its copy reached 3919.5 GB/s: 0.0947 and 0.0859 (a forward at
+  hidden 1024; backward is assumed to run at the same share). Taken as a property of loom's code more than
+  of the chip (the same kernels move the same bytes on any GPU), every preset carries it, the H100 and
+  A100 ones unmeasured; a profile measures the rate itself (`elementwise_gbps`) and ignores this.
   Compiled blocks, Megatron-Core/Transformer Engine and other fused stacks run at the full rate
   (`Workload.fused_elementwise`).
 - `nvlink_gbps`: NVLink bandwidth per GPU per direction inside the node (`node_size` GPUs);

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from loom.planner.kernels import (collective_time, elementwise_time, gemm_time, log_interpolate, members_per_node,
+from loom.planner.kernels import (collective_time, compiled_elementwise_time, elementwise_time, gemm_time, log_interpolate, members_per_node,
                                   p2p_time)
 from loom.planner.layertime import elementwise_bytes_per_token, layer_times
 from loom.planner.memory import CONTEXT_GIB
@@ -77,7 +77,9 @@ def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int
     prefill_act = batch * input_len * (cfg.hidden * 6 + 3 * cfg.ffn_hidden / tp) * 2 + batch * cfg.vocab_size / tp * 4
     total = weights + kv_cache + prefill_act + CONTEXT_GIB * GIB
     # Prefill: the forward of every stage, one after another, plus the LM head on the last stage's last token.
-    pw = replace(w, seq_len=input_len)
+    # The engine runs loom's own modules, prefill eagerly (loom.infer.engine), whatever --compile and
+    # --framework say of training.
+    pw = replace(w, seq_len=input_len, compile="off", elementwise_kernels="loom")
     fwd = layer_times(pw, tp, 1, batch, tp > 1, "none").fwd
     if not cfg.moe_layers:
         # The engine runs the model's own linear layers, one product each (q, k and v apart, the MLP's gate
@@ -125,8 +127,11 @@ def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int
         compute = max((weights_read + kv_read) / hbm, flops / rate)
     comm = n_layers * 2 * collective_time(gpu, "all_reduce", batch * cfg.hidden * 2, tp, members_per_node(gpu, 1, tp)) if tp > 1 else 0.0
     gaps = step_gaps + batch * overhead.get("row", 0.0) * 1e-6 if overhead else n_layers * 16 * gpu.kernel_overhead_us * 1e-6
-    # The batch's tokens through the elementwise ops (norms, adds, activation, rotary), as in prefill.
-    elementwise = n_layers * elementwise_time(gpu, w.precision, batch * elementwise_bytes_per_token(cfg, w.precision, tp))
+    # The batch's tokens through the elementwise ops (norms, adds, activation, rotary), as in prefill; on a GPU
+    # the engine compiles its decode step (post.engine_compile "auto": loom.infer.step.resolve_compile), so
+    # they run fused there, eagerly on a CPU.
+    ew_time = elementwise_time if gpu.name.lower().startswith("cpu") else compiled_elementwise_time
+    elementwise = n_layers * ew_time(gpu, w.precision, batch * elementwise_bytes_per_token(cfg, w.precision, tp))
     decode = pp * (compute + elementwise + comm + gaps) + (pp - 1) * p2p_time(gpu, batch * cfg.hidden * 2, tp * pp <= gpu.node_size)
     latency = prefill + output_len * decode
     replicas = w.gpus // (tp * pp)

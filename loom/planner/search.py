@@ -178,8 +178,8 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                         for first, last in split_options(cfg.layers, pp, vpp, schedule, head):
                             for sp in cp_sp:
                                 for style in (dp_styles if dp > 1 else ("replicate",)):
-                                    if style == "distopt" and schedule == "zero_bubble":
-                                        continue  # Megatron-Core has no zero-bubble schedule (`MEGATRON_SCHEDULES`)
+                                    if schedule == "zero_bubble" and (style == "distopt" or w.framework == "megatron"):
+                                        continue  # Megatron-Core's schedules are 1F1B and interleaved only
                                     for ep in ep_options(cfg, dp, cp, tp, sp):
                                         if fixed.get("ep", ep) != ep:
                                             continue

@@ -152,6 +152,8 @@ class Workload:
     def fused_elementwise(self) -> bool:
         """Whether the layer's elementwise ops run as fused kernels (`kernels.compiled_elementwise_time`): a
         compiled block, or a stack with fused kernels (`elementwise_kernels`); else loom's eager ops."""
+        if self.elementwise_kernels not in ("auto", "loom", "fused"):
+            raise ValueError(f"elementwise_kernels={self.elementwise_kernels!r}; valid: auto, loom, fused")
         return self.compile == "on" or self.elementwise_kernels == "fused" or (
             self.elementwise_kernels == "auto" and self.framework == "megatron")
 
