@@ -446,6 +446,9 @@ def test_cli_json_contract_and_layout():
     (["--model", "gpt3-175b", "--gpus", "64", "--layout", "tp=8,pp=4,dp=1"], "must equal the GPU count"),
     (["--model", "gpt3-175b", "--gpus", "60", "--global-batch", "60", "--layout", "tp=5,pp=1"], "tp=5: it does not divide model.heads=96"),
     (["--model", "gpt3-175b", "--gpus", "64", "--layout", "tp=8,zz=1"], "unknown"),
+    # cp alone: tp and pp stay 1 and dp takes the rest, which the batch does not divide; the message says so
+    (["--model", "gpt3-175b", "--gpus", "64", "--global-batch", "32", "--layout", "cp=1"],
+     "fixes the mesh sizes it does not name at 1 (tp=1, pp=1)"),
     (["--model", "gpt3-175b", "--gpus", "8", "--gpu", "a100-40gb", "--global-batch", "8"], "no layout"),
     (["--model", "gpt3-175b", "--gpus", "8", "--precision", "fp8", "--gpu", "a100-80gb"], "not supported by a100"),
     (["--layers", "4", "--gpus", "8"], "missing"),

@@ -299,7 +299,16 @@ def search_layout(w: Workload, fields: dict, **kwargs) -> tuple[list[Estimate], 
         options = split_options(w.model.layers, pp, vpp, schedule, head_weight(w, fields.get("tp", 1), fields.get("cp", 1)))
         if options:
             fields["first_stage_layers"], fields["last_stage_layers"] = options[-1]
-    return [evaluate_layout(w, fields)], {"considered": max(1, info["considered"]), "fit": 0, "searched": []}
+    try:
+        estimate = evaluate_layout(w, fields)
+    except UserError as exc:
+        implied = [k for k in ("tp", "pp", "cp") if k not in fields]
+        if not implied:
+            raise
+        raise UserError(f"{exc}; note that --layout fixes the mesh sizes it does not name at 1 "
+                        f"({', '.join(f'{k}=1' for k in implied)}) and gives data parallelism the rest (dp={fields['dp']}): "
+                        "name them too, e.g. --layout tp=8,pp=16,cp=1") from None
+    return [estimate], {"considered": max(1, info["considered"]), "fit": 0, "searched": []}
 
 
 SEARCHED = ("dp_style", "micro_batch", "vpp", "schedule", "recompute", "first_stage_layers", "sp")
