@@ -960,6 +960,25 @@ def test_the_405b_free_search_lands_in_metas_mfu_band_and_megatron_runs_no_zero_
     assert not any(lay.schedule == "zero_bubble" for lay in candidates(replace(small, framework="megatron")))
 
 
+def test_distopt_layouts_split_the_stages_by_megatrons_layer_time():
+    """The uneven split balances the LM head against a layer's time as the layout's runtime runs the layer:
+    loom's eager layer (elementwise ops at the measured eager rate) on loom's styles, Transformer Engine's
+    fused one on Megatron's distributed optimizer, whose layer is cheaper, so its head weighs more."""
+    from loom.planner.search import candidates, head_weight, split_options
+    from loom.planner.steptime import with_te_kernels
+
+    w = Workload(load_config("llama3-8b").model, 8192, 64, 32, PRESETS["h100"])
+    loom_head, te_head = head_weight(w, 1, 1), head_weight(with_te_kernels(w), 1, 1)
+    assert te_head > loom_head
+    loom, te = split_options(32, 4, 1, "1f1b", loom_head), split_options(32, 4, 1, "1f1b", te_head)
+    assert loom != te  # (7, 7) against (8, 6): the last stage gives Megatron's head two layers
+    got = {}
+    for lay in candidates(w, fixed={"tp": 1, "cp": 1, "pp": 4}):
+        if lay.schedule == "1f1b":
+            got.setdefault(lay.dp_style, set()).add((lay.first_stage_layers, lay.last_stage_layers))
+    assert got["distopt"] == set(te) and got["fsdp"] == got["replicate"] == set(loom)
+
+
 def test_torchao_fp8_casts_priced_as_torchao_runs_them():
     """loom's fp8 (torchao Float8Linear): every linear casts its input in forward, its output gradient and
     both again along the other axis in backward, 5 bytes per element each (amax read, cast read, 1-byte

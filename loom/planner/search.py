@@ -14,7 +14,7 @@ from loom.rules import schedule_problem, sp_problem, split_problem, tp_problems,
 from loom.planner.layertime import head_times, layer_times
 from loom.planner.memory import memory
 from loom.planner.stages import max_chunk_layers, pipeline_ranks
-from loom.planner.steptime import evaluate
+from loom.planner.steptime import evaluate, with_te_kernels
 from loom.planner.workload import GIB, Estimate, Layout, Workload
 
 DP_STYLES = ("replicate", "distopt", "fsdp")
@@ -163,7 +163,8 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
             if fixed.get("cp", cp) != cp:
                 continue
             cp_sp = [sp for sp in sp_options if not cp_problem(w, cp, tp, sp)]
-            head = head_weight(w, tp, cp)
+            # the head's weight against a layer as loom runs the layer, and as Megatron (distopt) runs it
+            head, te_head = head_weight(w, tp, cp), head_weight(with_te_kernels(w), tp, cp)
             for pp in range(1, cfg.layers + 1):
                 if gpus % (tp * cp * pp) or fixed.get("pp", pp) != pp:
                     continue
@@ -175,11 +176,15 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                         break
                     m = w.global_batch // (dp * mbs)
                     for schedule, vpp in pipeline_options(cfg, pp, m, schedules, fixed.get("vpp")):
-                        for first, last in split_options(cfg.layers, pp, vpp, schedule, head):
+                        splits = split_options(cfg.layers, pp, vpp, schedule, head)
+                        te_splits = split_options(cfg.layers, pp, vpp, schedule, te_head)
+                        for first, last in splits + tuple(s for s in te_splits if s not in splits):
                             for sp in cp_sp:
                                 for style in (dp_styles if dp > 1 else ("replicate",)):
                                     if schedule == "zero_bubble" and (style == "distopt" or w.framework == "megatron"):
                                         continue  # Megatron-Core's schedules are 1F1B and interleaved only
+                                    if (first, last) not in (te_splits if style == "distopt" else splits):
+                                        continue
                                     for ep in ep_options(cfg, dp, cp, tp, sp):
                                         if fixed.get("ep", ep) != ep:
                                             continue

@@ -34,7 +34,7 @@ def _intra(gpu: GPU, stride: int, size: int) -> bool:
 
 
 @lru_cache(maxsize=1024)
-def _with_te_kernels(w: Workload) -> Workload:
+def with_te_kernels(w: Workload) -> Workload:
     """`w` with Transformer Engine's kernels where it left them to the framework: fused attention and fused
     elementwise ops (one object per workload, so the caches keyed on it hold)."""
     return replace(w, attention_kernel="fused" if w.attention_kernel == "auto" else w.attention_kernel,
@@ -62,7 +62,7 @@ def step_time(w: Workload, lay: Layout) -> dict:
     m = w.global_batch // (lay.dp * lay.micro_batch)
     base = "selective" if lay.recompute == "selective" else "none"
     # A layout only Megatron runs (its distributed optimizer) runs Megatron's kernels too.
-    kw = _with_te_kernels(w) if lay.dp_style == "distopt" else w
+    kw = with_te_kernels(w) if lay.dp_style == "distopt" else w
     kw = compiled_workload(kw, w.runs_compiled(lay))
     lt = layer_times(kw, lay.tp, lay.cp, lay.micro_batch, lay.sp, base, lay.ep)
     ft = layer_times(kw, lay.tp, lay.cp, lay.micro_batch, lay.sp, "full", lay.ep) if lay.recompute == "full" else None
