@@ -979,6 +979,16 @@ def test_distopt_layouts_split_the_stages_by_megatrons_layer_time():
     assert got["distopt"] == set(te) and got["fsdp"] == got["replicate"] == set(loom)
 
 
+def test_plan_says_when_the_winner_runs_loom_eager_blocks():
+    """The breakdown explains a large elementwise term: a tp=2 layout runs loom's blocks eagerly (a note);
+    the same model at tp=1 is compiled (no note)."""
+    eager = run_main("plan", "--model", "tiny", "--gpus", "2", "--gpu", "h100", "--top", "1", "--layout", "tp=2")
+    compiled = run_main("plan", "--model", "tiny", "--gpus", "2", "--gpu", "h100", "--top", "1")
+    assert eager.returncode == compiled.returncode == 0, eager.stderr + compiled.stderr
+    assert "note: loom runs this layout's blocks eagerly" in eager.stdout
+    assert "eagerly" not in compiled.stdout
+
+
 def test_torchao_fp8_casts_priced_as_torchao_runs_them():
     """loom's fp8 (torchao Float8Linear): every linear casts its input in forward, its output gradient and
     both again along the other axis in backward, 5 bytes per element each (amax read, cast read, 1-byte

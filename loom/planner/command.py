@@ -301,6 +301,8 @@ def run(args, engine_probe=None) -> int:
         print(f"loom cannot run #{', #'.join(map(str, rows))} yet: {reason}")
     print()
     print(report.format_terms(shown[0], w.gpu.memory_gib, w.memory_margin_gib))
+    if note := report.eager_note(shown[0], w):
+        print(note)
     if args.layout and not shown[0].fits:
         print("this layout does NOT fit in memory")
     if args.config:

@@ -69,6 +69,22 @@ def format_terms(e: Estimate, capacity_gib: float, margin_gib: float = 0.0) -> s
     return "\n".join(lines)
 
 
+def eager_note(e: Estimate, w: Workload) -> str | None:
+    """A line saying why a layout's elementwise ops cost what they do when loom runs its blocks eagerly on a
+    GPU (it compiles them only at tp = pp = cp = 1 with dense layers) and they take a tenth of the step or
+    more; None otherwise."""
+    from loom.planner.steptime import kernels_workload
+
+    if w.gpu.name.lower().startswith("cpu") or kernels_workload(w, e.layout).fused_elementwise():
+        return None
+    share = e.time_terms.get("elementwise", 0.0) / e.step_time_s
+    if share < 0.10:
+        return None
+    return (f"note: loom runs this layout's blocks eagerly (it compiles them only at tp = pp = cp = 1 with dense "
+            f"layers); eager elementwise ops are {100 * share:.0f}% of the step, priced at the rate loom's eager "
+            "layer was measured to reach (about a tenth of the memory bandwidth on an H200)")
+
+
 def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
     """The loom config that runs this layout: the one documented conversion from the planner's Layout
     (dp, dp_style) to loom's ParallelConfig (dp_replicate, dp_shard) and train/recompute settings.

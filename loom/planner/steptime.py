@@ -55,15 +55,20 @@ def at_burst_clock(w: Workload) -> Workload:
     return replace(w, gpu=replace(w.gpu, sustained_clock=1.0))
 
 
+def kernels_workload(w: Workload, lay: Layout) -> Workload:
+    """`w` with the kernels layout `lay` runs: Transformer Engine's under Megatron's distributed optimizer,
+    and its blocks compiled or not (`Workload.runs_compiled`)."""
+    kw = with_te_kernels(w) if lay.dp_style == "distopt" else w  # Megatron's runtime runs Megatron's kernels
+    return compiled_workload(kw, w.runs_compiled(lay))
+
+
 def step_time(w: Workload, lay: Layout) -> dict:
     """Seconds of one training step, term by term (the terms of this module's docstring and `layertime`'s)."""
     w = w.at_layout(lay)
     cfg, gpu = w.model, w.gpu
     m = w.global_batch // (lay.dp * lay.micro_batch)
     base = "selective" if lay.recompute == "selective" else "none"
-    # A layout only Megatron runs (its distributed optimizer) runs Megatron's kernels too.
-    kw = with_te_kernels(w) if lay.dp_style == "distopt" else w
-    kw = compiled_workload(kw, w.runs_compiled(lay))
+    kw = kernels_workload(w, lay)
     lt = layer_times(kw, lay.tp, lay.cp, lay.micro_batch, lay.sp, base, lay.ep)
     ft = layer_times(kw, lay.tp, lay.cp, lay.micro_batch, lay.sp, "full", lay.ep) if lay.recompute == "full" else None
     hf, hb = head_times(kw, lay.tp, lay.cp, lay.micro_batch)
