@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from loom.planner.kernels import (collective_time, compiled_elementwise_time, elementwise_time, gemm_time, log_interpolate, members_per_node,
-                                  p2p_time)
+from loom.planner.kernels import (collective_time, compiled_elementwise_time, elementwise_time, gemm_time,
+                                  log_interpolate, members_per_node, p2p_time)
 from loom.planner.layertime import elementwise_bytes_per_token, layer_times
 from loom.planner.memory import CONTEXT_GIB
 from loom.planner.params import embedding_params, head_params, layer_params

@@ -80,9 +80,10 @@ def eager_note(e: Estimate, w: Workload) -> str | None:
     share = e.time_terms.get("elementwise", 0.0) / e.step_time_s
     if share < 0.10:
         return None
-    return (f"note: loom runs this layout's blocks eagerly (it compiles them only at tp = pp = cp = 1 with dense "
-            f"layers); eager elementwise ops are {100 * share:.0f}% of the step, priced at the rate loom's eager "
-            "layer was measured to reach (about a tenth of the memory bandwidth on an H200)")
+    why = "--compile off" if w.compile == "off" else "loom compiles blocks only at tp = pp = cp = 1 with dense layers"
+    return (f"note: loom runs this layout's blocks eagerly ({why}); eager elementwise ops are {100 * share:.0f}% of "
+            "the step, priced at the rate loom's eager layer was measured to reach (about a tenth of the memory "
+            "bandwidth on an H200)")
 
 
 def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):

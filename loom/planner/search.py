@@ -301,7 +301,8 @@ def search_layout(w: Workload, fields: dict, **kwargs) -> tuple[list[Estimate], 
     pp, vpp = fields.get("pp", 1), fields.get("vpp", 1)
     if "first_stage_layers" not in fields and split_problem(w.model.layers, pp, vpp, 0, 0):
         schedule = fields.get("schedule", "1f1b")
-        options = split_options(w.model.layers, pp, vpp, schedule, head_weight(w, fields.get("tp", 1), fields.get("cp", 1)))
+        kw = with_te_kernels(w) if fields.get("dp_style") == "distopt" else w  # the head against the layer it runs
+        options = split_options(w.model.layers, pp, vpp, schedule, head_weight(kw, fields.get("tp", 1), fields.get("cp", 1)))
         if options:
             fields["first_stage_layers"], fields["last_stage_layers"] = options[-1]
     try:
