@@ -36,12 +36,17 @@ Every number here is a property of the hardware, never of a particular training 
   ...], log-interpolated as a profile's `elementwise_gbps`). Eager PyTorch runs each op as its own kernel,
   and loom's norm alone (fp32 upcast, square, mean, rsqrt, scale, downcast, weight) moves about ten times
   the bytes a fused norm does. From one measurement: the H200 profile of 2026-11-26
-  (`../shared/measured/h200-2026-11-26/profile.json`) timed 371.3 GB/s of counted bytes at a 97.5 MB
-  working set and 336.6 at 780 MB, where its copy reached 3919.5 GB/s: 0.0947 and 0.0859 (a forward at
-  hidden 1024; backward is assumed to run at the same share). Taken as a property of loom's code more than
-  of the chip (the same kernels move the same bytes on any GPU), every preset carries it, the H100 and
-  A100 ones unmeasured; a profile measures the rate itself (`elementwise_gbps`) and ignores this.
-  Compiled blocks, Megatron-Core/Transformer Engine and other fused stacks run at the full rate
+  (`bench/results/h200-2026-11-26/profile.json`) timed the eager layer's non-product kernels at 371.3 GB/s of
+  counted bytes at a 97.5 MB working set and 336.6 at 780 MB, where its copy reached 3919.5 GB/s; but its
+  kernel filter then knew GEMMs by "gemm" and "cutlass" only, and that machine's cuBLAS names them nvjet_sm90_*
+  (`profile.is_elementwise_kernel` now knows them), so those times include the layer's products.
+  `bench/eager_share.py` takes out the products' time by the same profile's GEMM table (0.147 of 0.263 ms and
+  0.658 of 2.318 ms): 842 and 470 GB/s, shares 0.2149 and 0.1199 (`bench/results/eager_share_h200.json`),
+  the values here; as measured, with the products in, 0.0947 and 0.0859 bound them from below. A forward at
+  hidden 1024; backward is assumed to run at the same share. Taken as a property of loom's code more than of
+  the chip (the same kernels move the same bytes on any GPU), every preset carries it, the H100 and A100
+  ones unmeasured; a profile measures the rate itself (`elementwise_gbps`) and ignores this. Compiled
+  blocks, Megatron-Core/Transformer Engine and other fused stacks run at the full rate
   (`Workload.fused_elementwise`).
 - `nvlink_gbps`: NVLink bandwidth per GPU per direction inside the node (`node_size` GPUs);
   `internode_gbps`: network bandwidth per GPU per direction (one NIC per GPU);
@@ -65,9 +70,10 @@ from loom.errors import UserError
 from loom.flops import PEAK_TFLOPS
 
 
-# loom's eager layer's elementwise rate over the copy rate on the H200 of 2026-11-26, by working set (its
-# profile's elementwise_gbps over its measured hbm_gbps; module docstring).
-EAGER_ELEMENTWISE_FRACTION = ((97517568.0, round(371.32 / 3919.51, 4)), (780140544.0, round(336.615 / 3919.51, 4)))
+# loom's eager layer's elementwise rate over the copy rate on the H200 of 2026-11-26, by working set: its
+# profile's elementwise_gbps with the layer's products taken out, over its measured hbm_gbps (module
+# docstring; bench/eager_share.py, bench/results/eager_share_h200.json).
+EAGER_ELEMENTWISE_FRACTION = ((97517568.0, 0.2149), (780140544.0, 0.1199))
 
 
 @dataclass(frozen=True)

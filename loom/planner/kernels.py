@@ -184,7 +184,7 @@ def compiled_elementwise_time(gpu: GPU, prec: str, nbytes: float) -> float:
     residual adds, activation function, rotary embedding and fp8 casts into a few Triton kernels that
     stream their operands once, so they run at the rate a profile measured for those kernels
     (`elementwise_compiled_gbps`), else at the memory bandwidth. An eager profile's `elementwise_gbps` is a
-    chain of small separate kernels (on an H200 about a tenth of the copy bandwidth) and does not apply."""
+    chain of small separate kernels (on an H200 12-21% of the copy bandwidth) and does not apply."""
     table = gpu.elementwise_compiled_gbps.get("bf16" if prec == "fp8" else prec)
     if not table or nbytes <= 0:
         return hbm_time(gpu, nbytes)

@@ -348,6 +348,22 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
     return profile
 
 
+# Products, attention and the embedding, by aten op (a CPU's profile) or by GPU kernel name: cuBLAS names its
+# Hopper GEMMs nvjet_sm90_* (torch 2.11+cu130 on an H200; bench/eager_share.py) or *gemm*/*xmma*, CUTLASS
+# cutlass*, cuDNN's fused attention cudnn_generated_*sdpa*, FlashAttention flash_*, the embedding's gather
+# indexSelect*.
+NOT_ELEMENTWISE_OPS = {"mm", "bmm", "addmm", "linear", "matmul", "embedding", "index_select"}
+NOT_ELEMENTWISE_KERNELS = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "cublas", "splitkreduce", "attention", "flash",
+                           "sdpa", "fmha", "cudnn", "indexselect", "embedding")
+
+
+def is_elementwise_kernel(name: str) -> bool:
+    """Whether a profiler event (an aten op on a CPU, a kernel on a GPU) counts as loom's elementwise work: not
+    a matrix product, attention or the embedding's gather."""
+    op = name.removeprefix("aten::")
+    return op not in NOT_ELEMENTWISE_OPS and not any(k in op.lower() for k in NOT_ELEMENTWISE_KERNELS)
+
+
 def elementwise_rates(device: str, dtype: torch.dtype, quick: bool = False) -> list[list[float]]:
     """[[bytes, GB/s], ...]: how fast loom's own layer gets through its elementwise ops (norms, residual adds,
     SwiGLU's activation, rotary embedding and what else runs between its products), at a few working-set
@@ -362,7 +378,6 @@ def elementwise_rates(device: str, dtype: torch.dtype, quick: bool = False) -> l
     if quick:
         tokens = tokens[:1]
     prec = "fp32" if dtype == torch.float32 else "bf16"
-    skip = ("mm", "bmm", "addmm", "linear", "matmul", "embedding", "index_select")
     out = []
     for n in tokens:
         cfg = ModelConfig(layers=1, hidden=1024, heads=16, kv_heads=8, ffn_hidden=2816, vocab_size=256, max_seq_len=n)
@@ -382,10 +397,8 @@ def elementwise_rates(device: str, dtype: torch.dtype, quick: bool = False) -> l
                         torch.cuda.synchronize()
                 seconds = 0.0
                 for e in prof.key_averages():
-                    name = e.key.removeprefix("aten::")
-                    if name in skip or "attention" in name or "flash" in name or "cutlass" in name or "gemm" in name:
-                        continue
-                    seconds += (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) * 1e-6
+                    if is_elementwise_kernel(e.key):
+                        seconds += (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) * 1e-6
                 best = seconds if best is None else min(best, seconds)
         out.append([float(nbytes), round(nbytes / max(best, 1e-9) / 1e9, 3)])
     return out

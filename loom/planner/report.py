@@ -82,8 +82,8 @@ def eager_note(e: Estimate, w: Workload) -> str | None:
         return None
     why = "--compile off" if w.compile == "off" else "loom compiles blocks only at tp = pp = cp = 1 with dense layers"
     return (f"note: loom runs this layout's blocks eagerly ({why}); eager elementwise ops are {100 * share:.0f}% of "
-            "the step, priced at the rate loom's eager layer was measured to reach (about a tenth of the memory "
-            "bandwidth on an H200)")
+            "the step, priced at the rate loom's eager layer was measured to reach (12-21% of the memory bandwidth "
+            "on an H200)")
 
 
 def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
