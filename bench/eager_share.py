@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from loom.provenance import stamp  # noqa: E402
+from loom.provenance import write_stamped  # noqa: E402
 
 # The one-layer Llama `profile.elementwise_rates` builds (hidden 1024, 16 heads of 64, 8 key/value heads, SwiGLU
 # of 2816, a 256-token vocabulary)
@@ -68,11 +68,8 @@ def main(argv=None) -> int:
     rows = eager_shares(profile)
     for row in rows:
         print(json.dumps(row))
-    report = {"profile": args.profile, "rows": rows,
-              **stamp("python bench/eager_share.py " + " ".join(argv if argv is not None else sys.argv[1:]))}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_stamped(args.out, {"profile": args.profile, "rows": rows},
+                  "python bench/eager_share.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     return 0
 
 

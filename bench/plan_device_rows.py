@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from loom.provenance import stamp  # noqa: E402
+from loom.provenance import write_stamped  # noqa: E402
 
 # (row name, gpu_train.py shape, sequence, micro-batch, recompute, loss_chunk, precision[, micro-batches a
 # step[, compile]]): the device check's loom rows (bench/device_check.sh, GPU branch); compile "auto" is what
@@ -76,11 +76,8 @@ def main(argv=None) -> int:
                      "predicted_peak_gib": round(memory, 2), "fits": bool(best.fits),
                      "time_s": {k: round(v, 4) for k, v in best.time_terms.items() if v}})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "time_s"}), flush=True)
-    report = {"profile": args.profile, "rows": rows,
-              **stamp("python bench/plan_device_rows.py " + " ".join(argv if argv is not None else sys.argv[1:]))}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_stamped(args.out, {"profile": args.profile, "rows": rows},
+                  "python bench/plan_device_rows.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     return 0
 
 

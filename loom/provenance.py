@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -46,3 +47,12 @@ def commit() -> str:
 def stamp(command: str) -> dict:
     return {"machine": machine(), "torch": torch.__version__, "commit": commit(), "command": command,
             "date": time.strftime("%Y-%m-%d")}
+
+
+def write_stamped(path, payload: dict, command: str) -> None:
+    """Write a bench result as JSON: `payload` and its `stamp(command)`, into `path` (folders made as needed);
+    says where it went."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**payload, **stamp(command)}, indent=1) + "\n")
+    print(f"wrote {path}")
