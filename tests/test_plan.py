@@ -1019,6 +1019,20 @@ def test_profile_counts_no_product_attention_or_gather_kernel_as_elementwise():
         assert is_elementwise_kernel(name), name
 
 
+def test_profile_times_eager_elementwise_through_backward_where_training_runs_it():
+    """A GPU profile's eager rate is timed over forward and backward (training's eager blocks; priced as three
+    forwards' bytes); a CPU profile's stays forward only. Both keyed by one forward's bytes, as the cost model
+    looks them up."""
+    import torch
+
+    from loom.planner.profile import elementwise_rates
+
+    (fwd_bytes, fwd_rate), = elementwise_rates("cpu", torch.float32, quick=True)
+    (train_bytes, train_rate), = elementwise_rates("cpu", torch.float32, quick=True, train=True)
+    assert fwd_bytes == train_bytes == 128 * (4 * (2 * 2 * 1024 + 2 * 3 * 1024 + 3 * 2816 + 2 * (16 + 8) * 64) + 2 * 1024 * 4)
+    assert fwd_rate > 0 and train_rate > 0
+
+
 def test_torchao_fp8_casts_priced_as_torchao_runs_them():
     """loom's fp8 (torchao Float8Linear): every linear casts its input in forward, its output gradient and
     both again along the other axis in backward, 5 bytes per element each (amax read, cast read, 1-byte

@@ -43,7 +43,8 @@ Every number here is a property of the hardware, never of a particular training 
   `bench/eager_share.py` takes out the products' time by the same profile's GEMM table (0.147 of 0.263 ms and
   0.658 of 2.318 ms): 842 and 470 GB/s, shares 0.2149 and 0.1199 (`bench/results/eager_share_h200.json`),
   the values here; as measured, with the products in, 0.0947 and 0.0859 bound them from below. A forward at
-  hidden 1024; backward is assumed to run at the same share. Taken as a property of loom's code more than of
+  hidden 1024; backward is assumed to run at the same share (a GPU profile now times forward and backward,
+  `profile.elementwise_rates`). Taken as a property of loom's code more than of
   the chip (the same kernels move the same bytes on any GPU), every preset carries it, the H100 and A100
   ones unmeasured; a profile measures the rate itself (`elementwise_gbps`) and ignores this. Compiled
   blocks, Megatron-Core/Transformer Engine and other fused stacks run at the full rate

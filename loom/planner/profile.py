@@ -311,6 +311,13 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
             attention_by_seq = attention_table(device, dtypes[attn_key], order, attn_key, quick=quick)
         except RuntimeError as exc:
             errors["attention_tflops"] = f"{type(exc).__name__}: {exc}"[:500]
+    try:  # on a GPU, forward and backward (what training's eager blocks run); a failure keeps the forward
+        eager = elementwise_rates(device, dtypes[attn_key], quick=quick)
+    except Exception as exc:  # noqa: BLE001 - the forward-only rate still stands
+        if not cuda:
+            raise
+        errors["elementwise_train"] = f"{type(exc).__name__}: {exc}"[:500]
+        eager = elementwise_rates(device, dtypes[attn_key], quick=quick, train=False)
     compiled = {}
     if cuda:  # inductor on a CPU needs a C++ toolchain and is not what loom's CPU path runs
         try:
@@ -334,7 +341,7 @@ def profile_hardware(out: Path, internode_gbps: float = 25.0, quick: bool = Fals
         "gemm_call_latency_us": round(gemm_call_latency_us(device), 3),
         "decode_gbps": {attn_key: decode_rates(device, dtypes[attn_key], quick=quick, product=product)},
         "decode_stream_scale": {attn_key: decode_stream_scale(device, dtypes[attn_key], quick=quick, product=product)},
-        "elementwise_gbps": {attn_key: elementwise_rates(device, dtypes[attn_key], quick=quick)},
+        "elementwise_gbps": {attn_key: eager},
         **({"elementwise_compiled_gbps": compiled} if compiled else {}),
         **({"fused_attention_efficiency": round(fused_attention / peak[attn_key], 4)} if fused_attention else {}),
         **({"attention_tflops": attention_by_seq} if attention_by_seq else {}),
@@ -364,16 +371,22 @@ def is_elementwise_kernel(name: str) -> bool:
     return op not in NOT_ELEMENTWISE_OPS and not any(k in op.lower() for k in NOT_ELEMENTWISE_KERNELS)
 
 
-def elementwise_rates(device: str, dtype: torch.dtype, quick: bool = False) -> list[list[float]]:
+def elementwise_rates(device: str, dtype: torch.dtype, quick: bool = False,
+                      train: bool | None = None) -> list[list[float]]:
     """[[bytes, GB/s], ...]: how fast loom's own layer gets through its elementwise ops (norms, residual adds,
     SwiGLU's activation, rotary embedding and what else runs between its products), at a few working-set
-    sizes. A one-layer Llama's forward runs under torch's profiler; the self time of every op that is not a
-    matrix product, attention or the embedding is the elementwise time, and the bytes are what the cost
-    model counts for those ops (`layertime.elementwise_bytes_per_token`, plus the final norm)."""
+    sizes (the bytes of one forward). A one-layer Llama runs under torch's profiler; the self time of every
+    op or kernel that is not a matrix product, attention or the embedding (`is_elementwise_kernel`) is the
+    elementwise time, and the bytes are what the cost model counts for those ops
+    (`layertime.elementwise_bytes_per_token`, plus the final norm). `train` (default: on a GPU) times a
+    forward and backward, which the cost model prices as three forwards' bytes, so the rate is what
+    training's eager blocks reach; otherwise a forward only (a CPU profile, whose rate also prices its
+    inference engine, keeps what it measured before)."""
     from loom.config import ModelConfig
     from loom.models.llama import build_model
     from loom.planner.layertime import elementwise_bytes_per_token
 
+    train = device == "cuda" if train is None else train
     tokens = (2048, 16384) if device == "cuda" else (128, 1024, 4096)
     if quick:
         tokens = tokens[:1]
@@ -382,25 +395,33 @@ def elementwise_rates(device: str, dtype: torch.dtype, quick: bool = False) -> l
     for n in tokens:
         cfg = ModelConfig(layers=1, hidden=1024, heads=16, kv_heads=8, ffn_hidden=2816, vocab_size=256, max_seq_len=n)
         torch.manual_seed(0)
-        model = build_model(cfg).to(device=device, dtype=dtype).eval()
+        model = build_model(cfg).to(device=device, dtype=dtype).train(train)
         ids = torch.randint(0, cfg.vocab_size, (1, n), device=device)
         nbytes = n * (elementwise_bytes_per_token(cfg, prec) + 2 * cfg.hidden * (4 if prec == "fp32" else 2))
+        nbytes *= 3 if train else 1
+
+        def run():
+            if not train:
+                with torch.no_grad():
+                    return model(ids)
+            model.zero_grad(set_to_none=True)
+            model(ids).float().square().mean().backward()
+
         best = None
-        with torch.no_grad():
-            for _ in range(2):
-                model(ids)  # warm-up
-            for _ in range(1 if quick else 3):
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if device == "cuda"
-                                                        else torch.profiler.ProfilerActivity.CPU]) as prof:
-                    model(ids)
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                seconds = 0.0
-                for e in prof.key_averages():
-                    if is_elementwise_kernel(e.key):
-                        seconds += (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) * 1e-6
-                best = seconds if best is None else min(best, seconds)
-        out.append([float(nbytes), round(nbytes / max(best, 1e-9) / 1e9, 3)])
+        for _ in range(2):
+            run()  # warm-up
+        for _ in range(1 if quick else 3):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if device == "cuda"
+                                                    else torch.profiler.ProfilerActivity.CPU]) as prof:
+                run()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            seconds = 0.0
+            for e in prof.key_averages():
+                if is_elementwise_kernel(e.key):
+                    seconds += (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) * 1e-6
+            best = seconds if best is None else min(best, seconds)
+        out.append([float(nbytes / (3 if train else 1)), round(nbytes / max(best, 1e-9) / 1e9, 3)])
     return out
 
 
