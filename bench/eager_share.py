@@ -27,35 +27,31 @@ sys.path.insert(0, str(ROOT))
 
 from loom.provenance import write_stamped  # noqa: E402
 
-# The one-layer Llama `profile.elementwise_rates` builds (hidden 1024, 16 heads of 64, 8 key/value heads, SwiGLU
-# of 2816, a 256-token vocabulary)
-SHAPE = dict(layers=1, hidden=1024, heads=16, kv_heads=8, ffn_hidden=2816, vocab_size=256)
-
-
-def eager_shares(profile: dict, precision: str = "bf16") -> list[dict]:
-    """Per measured row of `profile["elementwise_gbps"][precision]`: the tokens it ran, its measured time, the
-    products' time by the profile's GEMM table, and the elementwise rate and share of the copy rate without them."""
+def eager_shares(profile_path: str, precision: str = "bf16") -> list[dict]:
+    """Per measured row of a GPU profile's `elementwise_gbps[precision]`: the tokens it ran, its measured time,
+    the products' time by the profile's GEMM table, and the elementwise rate and share of the copy rate
+    without them."""
     from loom.config import ModelConfig
-    from loom.planner.hardware import GPU
+    from loom.planner.hardware import load_gpu
     from loom.planner.kernels import gemm_time
     from loom.planner.layertime import elementwise_bytes_per_token
+    from loom.planner.profile import ELEMENTWISE_PROBE
 
-    gpu = GPU(**{k: v for k, v in profile.items() if k in GPU.__dataclass_fields__})
-    h, f = SHAPE["hidden"], SHAPE["ffn_hidden"]
-    kv = SHAPE["kv_heads"] * h // SHAPE["heads"]
+    gpu = load_gpu(profile_path)
+    cfg = ModelConfig(**ELEMENTWISE_PROBE, max_seq_len=16384)
+    h, f, kv = cfg.hidden, cfg.ffn_hidden, cfg.kv_heads * cfg.head_dim
     rows = []
-    for nbytes, gbps in profile["elementwise_gbps"][precision]:
-        cfg = ModelConfig(**SHAPE, max_seq_len=16384)
+    for nbytes, gbps in gpu.elementwise_gbps[precision]:
         tokens = round(nbytes / (elementwise_bytes_per_token(cfg, precision) + 2 * h * 2))
         products = [(tokens, h, h), (tokens, kv, h), (tokens, kv, h), (tokens, h, h), (tokens, f, h), (tokens, f, h),
-                    (tokens, h, f), (tokens, SHAPE["vocab_size"], h)]
+                    (tokens, h, f), (tokens, cfg.vocab_size, h)]  # q, k, v, o, gate, up, down, the head
         measured = nbytes / (gbps * 1e9)
         gemm = sum(gemm_time(gpu, precision, *p) for p in products)
         rate = nbytes / (measured - gemm) / 1e9
         rows.append({"bytes": nbytes, "tokens": tokens, "measured_gbps": gbps, "measured_ms": round(measured * 1e3, 4),
                      "products_ms": round(gemm * 1e3, 4), "elementwise_gbps": round(rate, 1),
-                     "share_of_copy": round(rate / profile["hbm_gbps"], 4),
-                     "share_as_measured": round(gbps / profile["hbm_gbps"], 4)})
+                     "share_of_copy": round(rate / gpu.hbm_gbps, 4),
+                     "share_as_measured": round(gbps / gpu.hbm_gbps, 4)})
     return rows
 
 
@@ -64,8 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", required=True, help="a `loom plan --profile-hardware` JSON measured on a GPU")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    profile = json.loads(Path(args.profile).read_text())
-    rows = eager_shares(profile)
+    rows = eager_shares(args.profile)
     for row in rows:
         print(json.dumps(row))
     write_stamped(args.out, {"profile": args.profile, "rows": rows},

@@ -915,8 +915,7 @@ def test_loom_eager_elementwise_on_a_preset_runs_at_the_measured_share_of_the_ba
     spec = importlib.util.spec_from_file_location("eager_share", ROOT / "bench" / "eager_share.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    profile = json.loads((ROOT / "bench" / "results" / "h200-2026-11-26" / "profile.json").read_text())
-    rows = bench.eager_shares(profile)
+    rows = bench.eager_shares(str(ROOT / "bench" / "results" / "h200-2026-11-26" / "profile.json"))
     assert [(r["bytes"], r["share_of_copy"]) for r in rows] == list(EAGER_ELEMENTWISE_FRACTION)
     assert [r["share_as_measured"] for r in rows] == [0.0947, 0.0859]
     for r in rows:  # hand check of one row: bytes over (measured time - products' time) over the copy rate

@@ -133,6 +133,11 @@ class GPU:
     errors: dict = field(default_factory=dict)
     source: str = "preset"
 
+    @property
+    def is_cpu(self) -> bool:
+        """A CPU's profile (`--profile-hardware` names it "cpu: ...")."""
+        return self.name.lower().startswith("cpu")
+
     def peak(self, precision: str) -> float:
         if precision not in self.peak_tflops:
             raise UserError(

@@ -130,7 +130,7 @@ def evaluate_inference(w: Workload, tp: int, pp: int, batch: int, input_len: int
     # The batch's tokens through the elementwise ops (norms, adds, activation, rotary), as in prefill; on a GPU
     # the engine compiles its decode step (post.engine_compile "auto": loom.infer.step.resolve_compile), so
     # they run fused there, eagerly on a CPU.
-    ew_time = elementwise_time if gpu.name.lower().startswith("cpu") else compiled_elementwise_time
+    ew_time = elementwise_time if gpu.is_cpu else compiled_elementwise_time
     elementwise = n_layers * ew_time(gpu, w.precision, batch * elementwise_bytes_per_token(cfg, w.precision, tp))
     decode = pp * (compute + elementwise + comm + gaps) + (pp - 1) * p2p_time(gpu, batch * cfg.hidden * 2, tp * pp <= gpu.node_size)
     latency = prefill + output_len * decode

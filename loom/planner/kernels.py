@@ -73,7 +73,7 @@ def gemm_call_latency_s(gpu: GPU, precision: str) -> float:
     nothing is removed, nor from a preset (no table) or a table built by hand (source "preset")."""
     if gpu.gemm_call_latency_us is not None:
         return gpu.gemm_call_latency_us * 1e-6
-    if gpu.source == "preset" or gpu.name.lower().startswith("cpu"):
+    if gpu.source == "preset" or gpu.is_cpu:
         return 0.0
     return table_call_latency_s(tuple(map(tuple, gpu.gemm.get(precision) or ())))
 

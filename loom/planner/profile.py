@@ -371,6 +371,10 @@ def is_elementwise_kernel(name: str) -> bool:
     return op not in NOT_ELEMENTWISE_OPS and not any(k in op.lower() for k in NOT_ELEMENTWISE_KERNELS)
 
 
+# The one-layer Llama whose eager elementwise ops `elementwise_rates` times (bench/eager_share.py reads it too)
+ELEMENTWISE_PROBE = dict(layers=1, hidden=1024, heads=16, kv_heads=8, ffn_hidden=2816, vocab_size=256)
+
+
 def elementwise_rates(device: str, dtype: torch.dtype, quick: bool = False,
                       train: bool | None = None) -> list[list[float]]:
     """[[bytes, GB/s], ...]: how fast loom's own layer gets through its elementwise ops (norms, residual adds,
@@ -393,12 +397,12 @@ def elementwise_rates(device: str, dtype: torch.dtype, quick: bool = False,
     prec = "fp32" if dtype == torch.float32 else "bf16"
     out = []
     for n in tokens:
-        cfg = ModelConfig(layers=1, hidden=1024, heads=16, kv_heads=8, ffn_hidden=2816, vocab_size=256, max_seq_len=n)
+        cfg = ModelConfig(**ELEMENTWISE_PROBE, max_seq_len=n)
         torch.manual_seed(0)
         model = build_model(cfg).to(device=device, dtype=dtype).train(train)
         ids = torch.randint(0, cfg.vocab_size, (1, n), device=device)
         nbytes = n * (elementwise_bytes_per_token(cfg, prec) + 2 * cfg.hidden * (4 if prec == "fp32" else 2))
-        nbytes *= 3 if train else 1
+        timed = nbytes * (3 if train else 1)  # backward priced as twice the forward's bytes
 
         def run():
             if not train:
@@ -421,7 +425,7 @@ def elementwise_rates(device: str, dtype: torch.dtype, quick: bool = False,
                 if is_elementwise_kernel(e.key):
                     seconds += (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) * 1e-6
             best = seconds if best is None else min(best, seconds)
-        out.append([float(nbytes / (3 if train else 1)), round(nbytes / max(best, 1e-9) / 1e9, 3)])
+        out.append([float(nbytes), round(timed / max(best, 1e-9) / 1e9, 3)])
     return out
 
 
@@ -445,7 +449,7 @@ def compiled_elementwise_rates(device: str, dtype: torch.dtype, quick: bool = Fa
     prec = "fp32" if dtype == torch.float32 else "bf16"
     out = []
     for n in (16384,) if not quick else (4096,):  # one size: each compiles the block anew (tens of seconds)
-        cfg = ModelConfig(layers=1, hidden=1024, heads=16, kv_heads=8, ffn_hidden=2816, vocab_size=256, max_seq_len=n)
+        cfg = ModelConfig(**ELEMENTWISE_PROBE, max_seq_len=n)
         torch.manual_seed(0)
         model = build_model(cfg).to(device=device, dtype=dtype)
         for block in model.layers.values():

@@ -75,7 +75,7 @@ def eager_note(e: Estimate, w: Workload) -> str | None:
     more; None otherwise."""
     from loom.planner.steptime import kernels_workload
 
-    if w.gpu.name.lower().startswith("cpu") or kernels_workload(w, e.layout).fused_elementwise():
+    if w.gpu.is_cpu or kernels_workload(w, e.layout).fused_elementwise():
         return None
     share = e.time_terms.get("elementwise", 0.0) / e.step_time_s
     if share < 0.10:

@@ -104,7 +104,7 @@ class Workload:
         """Whether layout `lay` runs on loom's own runtime (not Megatron's distributed optimizer) on a GPU (a CPU
         profile's name starts with "cpu", profile.py)."""
         return (self.framework == "loom" and lay.dp_style != "distopt"
-                and not self.gpu.name.lower().startswith("cpu"))
+                and not self.gpu.is_cpu)
 
     def runs_compiled(self, lay: "Layout") -> bool:
         """Whether the blocks of layout `lay` run compiled (see `compile`)."""
