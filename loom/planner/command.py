@@ -250,11 +250,15 @@ def run(args, engine_probe=None) -> int:
     else:
         estimates, info = search(w, top=0, cross_node_tp=args.cross_node_tp, max_micro_batch=args.max_micro_batch)
         if estimates and args.runtime == "loom":  # never offer what `loom train` refuses
-            runnable = [e for e in estimates if report.loom_runnable(e, w) is None]
+            verdicts = [(e, report.loom_runnable(e, w)) for e in estimates]
+            runnable = [e for e, reason in verdicts if reason is None]
             if not runnable:
-                raise UserError(f"no layout loom can run fits ({report.loom_runnable(estimates[0], w)}); "
-                                "--runtime any shows the layouts other runtimes run")
+                why = "; ".join(f"{r['reason']} (fastest: {r['layout']}, {r['step_time_s']:.3f} s/step)"
+                                for r in report.refused_faster(verdicts, None)) or verdicts[0][1]
+                raise UserError(f"no layout loom can run fits: {why}; --runtime any shows the layouts other "
+                                "runtimes run")
             info["fit_and_loom_runs"] = len(runnable)
+            info["refused_faster"] = report.refused_faster(verdicts, runnable[0])
             estimates = runnable
         if not estimates:
             need = f"; the smallest layout needs {info['smallest_gib']:.1f} GiB" if info.get("smallest_gib") else ""
@@ -299,6 +303,8 @@ def run(args, engine_probe=None) -> int:
             refused.setdefault(reason, []).append(i)
     for reason, rows in refused.items():  # only with --runtime any, or a --layout loom refuses
         print(f"loom cannot run #{', #'.join(map(str, rows))} yet: {reason}")
+    for row in info.get("refused_faster", []):
+        print(f"faster, but loom refuses it: {row['layout']} at {row['step_time_s']:.3f} s/step ({row['reason']})")
     print()
     print(report.format_terms(shown[0], w.gpu.memory_gib, w.memory_margin_gib))
     if note := report.eager_note(shown[0], w):

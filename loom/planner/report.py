@@ -134,6 +134,21 @@ def loom_runnable(e: Estimate, w: Workload) -> str | None:
     return layout_problem(cfg, e.layout.world, w.recipe)
 
 
+def refused_faster(verdicts: list, best: Estimate | None, margin: float = 0.10) -> list[dict]:
+    """The layouts loom refuses that would run at least `margin` faster than `best`, the fastest loom runs
+    (None: loom runs none, so every refused layout counts): for each reason loom gives (`loom_runnable`), its
+    fastest layout that fits, fastest first. `verdicts` holds (estimate, reason or None) in the search's
+    order. A user then sees what a setting costs (dropout with tensor parallelism, say) rather than a slow
+    winner, or a refusal, with no explanation."""
+    fastest: dict[str, Estimate] = {}
+    for e, reason in verdicts:
+        if reason and e.fits and (best is None or e.step_time_s < (1 - margin) * best.step_time_s):
+            if reason not in fastest or e.step_time_s < fastest[reason].step_time_s:
+                fastest[reason] = e
+    rows = sorted(fastest.items(), key=lambda item: item[1].step_time_s)
+    return [{"layout": layout_name(e), "step_time_s": round(e.step_time_s, 4), "reason": reason} for reason, e in rows]
+
+
 def write_config(e: Estimate, w: Workload, base_name: str | None, path: Path) -> str:
     """Write the layout as a loom config (only one the rule book accepts); returns a note about what was mapped."""
     from loom.rules import layout_problem
