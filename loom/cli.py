@@ -120,10 +120,10 @@ def cmd_memory(args, extra) -> int:
     overrides = split_overrides(extra)
     if args.attention:  # loom plan's names: flash is SDPA's fused kernel
         overrides.append(f"model.attention={'math' if args.attention == 'math' else 'sdpa'}")
-    cfg = load_config(args.config, overrides, measuring=True)
+    cfg = load_config(args.config, overrides)
     if args.nproc > 1 and not in_worker():
         command = ["memory", "--config", args.config] + (["--json"] if args.json else [])
-        return launch(cfg, command, overrides, args.nproc, measuring=True)
+        return launch(cfg, command, overrides, args.nproc)
     result = report(cfg)
     if result is None:  # not rank 0
         return 0

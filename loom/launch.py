@@ -26,7 +26,7 @@ def in_worker() -> bool:
 
 def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nnodes: int = 1,
            node_rank: int = 0, rdzv_endpoint: str | None = None, max_restarts: int = 0,
-           prepare_data=None, measuring: bool = False, recipe: str = "train") -> int:
+           prepare_data=None, recipe: str = "train") -> int:
     """Start `python -m loom.cli COMMAND... --OVERRIDES` on nproc x nnodes workers.
 
     `prepare_data()` builds the run's shared data caches once, in this process, after the layout is checked
@@ -48,7 +48,7 @@ def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nn
         cfg.parallel.dp_shard = inferred[0]
         overrides = [*overrides, f"parallel.dp_shard={inferred[0]}"]
         print(f"loom {command[0]}: {inferred[1]}", file=sys.stderr, flush=True)
-    check_layout(cfg, nproc * nnodes, measuring, recipe)
+    check_layout(cfg, nproc * nnodes, recipe=recipe)
     if prepare_data is not None:
         prepare_data()
     return start_workers(command, overrides, nproc, nnodes, node_rank, rdzv_endpoint, max_restarts)

@@ -357,7 +357,7 @@ def report(cfg: Config) -> dict | None:
     distributed = not dist.is_initialized()
     init_distributed(torch.device("cpu"))  # measurement runs on CPU ranks (gloo)
     distributed = distributed and dist.is_initialized()
-    layout = place_in_mesh(cfg, "cpu", measuring=True)
+    layout = place_in_mesh(cfg, "cpu")
     if layout.tp > 1 and not layout.distributed:
         from loom.errors import UserError
 

@@ -190,13 +190,10 @@ def cp_problem(cp: int, seq_len: int, tp: int = 1, sp: bool = False) -> str | No
     return None
 
 
-def cp_feature_problem(cp: int, dropout: float, compile: bool, recompute_mode: str) -> str | None:
+def cp_feature_problem(cp: int, compile: bool, recompute_mode: str) -> str | None:
     """What context parallelism does not compose with yet (None: nothing in this config)."""
     if cp == 1:
         return None
-    if dropout > 0:
-        return (f"parallel.cp={cp} with dropout needs per-rank random streams, which this build does not have yet; "
-                "set model.dropout=0 and model.attn_dropout=0, or parallel.cp=1")
     if compile:
         return (f"train.compile=true is not applied with parallel.cp={cp} yet (the key/value all-gather is a Python "
                 "autograd function); set train.compile=false or parallel.cp=1")
@@ -251,12 +248,11 @@ def world_size(p) -> int:
     return p.tp * p.cp * p.pp * p.dp_replicate * p.dp_shard
 
 
-def check_layout(cfg, world: int | None = None, measuring: bool = False, recipe: str = "train") -> None:
+def check_layout(cfg, world: int | None = None, recipe: str = "train") -> None:
     """Raise UserError naming the field, value and valid choices for a layout loom cannot run.
 
-    `world`: the processes started (None: not checked). `measuring` (loom memory) allows dropout under
-    tensor parallelism: its masks are measured, never trained with. `recipe`: the subcommand that runs it
-    (train, sft, rm, dpo, rl; `recipe_problem`).
+    `world`: the processes started (None: not checked). `recipe`: the subcommand that runs it (train, sft, rm,
+    dpo, rl; `recipe_problem`).
     """
     p, m, t = cfg.parallel, cfg.model, cfg.train
     check_sizes(p)
@@ -268,7 +264,7 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False, recipe:
     if problem := sp_problem(p.tp, p.sp):
         raise UserError(problem)
     if problem := cp_problem(p.cp, t.seq_len, p.tp, p.sp) or cp_feature_problem(
-            p.cp, max(m.dropout, m.attn_dropout), t.compile, cfg.recompute.mode):
+            p.cp, t.compile, cfg.recompute.mode):
         raise UserError(problem)
     if problem := document_mask_problem(cfg.data.document_mask, m.position, p.sp):
         raise UserError(problem)
@@ -279,11 +275,6 @@ def check_layout(cfg, world: int | None = None, measuring: bool = False, recipe:
                 f"parallel.tp={p.tp} is not possible: {'; '.join(reasons)}; valid tp sizes for this model: "
                 f"{', '.join(map(str, valid_tp_sizes(m, t.seq_len, p.sp)))}"
             )
-    if (m.dropout > 0 or m.attn_dropout > 0) and not measuring and p.tp > 1:
-        raise UserError(
-            "dropout with parallel.tp > 1 needs per-rank random streams, which this build does not have yet; "
-            "set model.dropout=0 and model.attn_dropout=0, or parallel.tp=1"
-        )
     if problem := gpu_path_problem(p.tp, p.pp, explicit_loss_chunk(t.loss_chunk), t.fp8, t.compile):
         raise UserError(problem)
     dp = data_parallel_size(p)

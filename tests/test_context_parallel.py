@@ -94,7 +94,6 @@ def test_positions_follow_the_rank_not_the_local_index():
     (["parallel.cp=3", "train.seq_len=32"], ["2 x cp = 6", "valid cp sizes for this seq_len: 1, 2, 4, 8, 16"]),
     (["parallel.cp=2", "parallel.tp=4", "parallel.sp=true", "train.seq_len=36", "model.max_seq_len=64"],
      ["cp x tp = 8", "valid cp sizes"]),
-    (["parallel.cp=2", "model.dropout=0.1"], ["parallel.cp=2 with dropout"]),
     (["parallel.cp=2", "recompute.mode=budget", "recompute.budget_gib=1"], ["recompute.mode=budget"]),
 ])
 def test_bad_context_parallel_configs_are_refused(overrides, fragments):

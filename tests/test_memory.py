@@ -12,7 +12,7 @@ from loom.memory import measure_activations, plan_budget, step_flops
 
 
 def korthikanti(t, *extra):
-    return load_config("korthikanti", [f"parallel.tp={t}", *extra], measuring=True)
+    return load_config("korthikanti", [f"parallel.tp={t}", *extra])
 
 
 def paper(cfg, case, t):
@@ -44,7 +44,7 @@ def _measure_all(t):
     out = {}
     for case, extra in CASES.items():
         cfg = korthikanti(t, *extra)
-        out[case] = measure_activations(cfg, place_in_mesh(cfg, "cpu", measuring=True), device="cpu")["layer_activation_bytes"]
+        out[case] = measure_activations(cfg, place_in_mesh(cfg, "cpu"), device="cpu")["layer_activation_bytes"]
     return out
 
 

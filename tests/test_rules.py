@@ -77,7 +77,7 @@ def test_every_search_candidate_agrees_with_the_rule_book(tmp_path):
             if runnable % 20 == 1:
                 path = tmp_path / f"c{i}.toml"
                 write_config(e, w, None, path)
-                cfg = load_config(str(path), measuring=True)
+                cfg = load_config(str(path))
             else:
                 cfg = to_loom_config(e, w)
             check_layout(cfg, e.layout.world)

@@ -38,7 +38,7 @@ def resolve_config_path(name_or_path: str) -> Path:
 
 
 def load_config(name_or_path: str | None = None, overrides: list[str] | dict | None = None,
-                measuring: bool = False, validate: bool = True) -> Config:
+                validate: bool = True) -> Config:
     """Defaults, then the TOML file, then overrides (`section.key=value` strings or a nested dict).
 
     `validate=False` leaves the cross-field checks to the caller (train.init_from replaces the model first).
@@ -60,7 +60,7 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | dict | N
             if not sep:
                 raise UserError(f"override {item!r} must look like section.key=value, e.g. train.steps=100")
             set_value(cfg, key.strip().removeprefix("--"), value, parse_text=True)
-    return cfg.validate(measuring) if validate else cfg
+    return cfg.validate() if validate else cfg
 
 
 def config_from_dict(data: dict) -> Config:

@@ -46,10 +46,10 @@ class Config:
         return {f"{name}.{path}": value for name, section in self.sections().items()
                 for path, value in flat_values(section).items()}
 
-    def validate(self, measuring: bool = False) -> "Config":
+    def validate(self) -> "Config":
         for section in self.sections().values():
             section.validate()
-        check_layout(self, measuring=measuring)
+        check_layout(self)
         if self.sft.data and (self.data.paths or self.data.valid_paths):
             raise UserError("sft.data and data.paths/data.valid_paths are both set; an SFT run reads its examples "
                             "from sft.data (and sft.valid_data) only: clear data.paths and data.valid_paths")

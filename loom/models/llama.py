@@ -230,9 +230,17 @@ class Dropout(nn.Module):
     def __init__(self, p: float):
         super().__init__()
         self.p = p
+        # Under tensor or context parallelism, this rank's random stream (loom/parallel/rng.py `install`);
+        # None: the default generator.
+        self.stream = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.native_dropout(x, self.p, True)[0] if self.training else x
+        if not self.training:
+            return x
+        if self.stream is None:
+            return torch.native_dropout(x, self.p, True)[0]
+        with self.stream(x):
+            return torch.native_dropout(x, self.p, True)[0]
 
 
 def _dropout(p: float) -> nn.Module:

@@ -41,6 +41,11 @@ def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype:
         # Experts over tp ranks too: the balance loss and Sinkhorn then cover the cp x tp ranks' tokens.
         shards = (layout.submesh("cp_tp" if layout.cp > 1 else "tp") if layout.experts_span_tp else None)
         apply_expert_parallel(model, layout.submesh("ep"), shards)
+    if layout.tp * layout.cp > 1:  # dropout on shards draws from this rank's stream
+        from loom.parallel.rng import install
+
+        tp_rank = layout.submesh("tp").get_local_rank() if layout.tp > 1 else 0
+        install(model, cfg.train.seed, layout.tp, tp_rank, cfg.parallel.sp, layout.cp, layout.cp_rank)
     apply_recompute(model, cfg, layer_plan)
     if cfg.train.compile:
         compile_blocks(model)

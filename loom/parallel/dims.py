@@ -67,17 +67,17 @@ class MeshPlace:
         return self.mesh[names if len(names) > 1 else names[0]]
 
 
-def place_in_mesh(cfg: Config, device_type: str, measuring: bool = False) -> MeshPlace:
+def place_in_mesh(cfg: Config, device_type: str) -> MeshPlace:
     """Create the mesh for an initialised process group (or a trivial layout on one process)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        check_layout(cfg, 1, measuring)
+        check_layout(cfg, 1)
         return MeshPlace(mesh=None)
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    check_layout(cfg, world, measuring)
+    check_layout(cfg, world)
     p = cfg.parallel
     names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     # The mesh's groups get train.collective_timeout_s too (new groups otherwise take PyTorch's default).

@@ -9,7 +9,8 @@
   rest keep their activations), as in Megatron.
 - `budget`: per layer, the cheapest set of recomputations that fits `budget_gib` (see `plan_budget`).
 
-Checkpoints are non-reentrant `torch.utils.checkpoint` regions; RNG state is replayed, so dropout
+Checkpoints are non-reentrant `torch.utils.checkpoint` regions; RNG state is replayed (the default
+generators' by torch, tensor and context parallelism's dropout streams by `rng.replay_context`), so dropout
 masks in a recomputed region are the ones of the original forward.
 """
 
@@ -22,6 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from loom.ledger import SavedTensorLedger
+from loom.parallel import rng
 
 
 def _record_inputs(*tensors) -> None:
@@ -36,33 +38,37 @@ def _record_inputs(*tensors) -> None:
 _CHECKPOINTED: weakref.WeakSet = weakref.WeakSet()  # the wrappers made here: a region is wrapped once
 
 
-def _checkpointed(fn):
+def _checkpointed(fn, streams=None):
+    """`fn` as a checkpointed region; `streams`: the model's dropout streams under tp or cp
+    (loom/parallel/rng.py), whose draws the recomputation replays as torch replays the default generators'."""
+    extra = {"context_fn": functools.partial(rng.replay_context, streams)} if streams is not None else {}
+
     @functools.wraps(fn)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
         _record_inputs(*args)
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
 
     _CHECKPOINTED.add(run)
     return run
 
 
-def recompute_attention_core(block) -> None:
+def recompute_attention_core(block, streams=None) -> None:
     attn = block.attention
     # A core that exchanges data first (context parallelism's key/value all-gather) exposes its local
     # computation as `inner`: only that is recomputed, the exchange is not repeated in backward.
     owner, name = (attn.core, "inner") if hasattr(attn.core, "inner") else (attn, "core")
     core = getattr(owner, name)
     if core not in _CHECKPOINTED:
-        setattr(owner, name, _checkpointed(core))
+        setattr(owner, name, _checkpointed(core, streams))
 
 
-def recompute_layer(block) -> None:
+def recompute_layer(block, streams=None) -> None:
     # Replace the instance's forward (module hooks such as FSDP's still run around it, and names
     # are unchanged, so checkpoints and parallel plans see the same module).
     if block.forward not in _CHECKPOINTED:
-        block.forward = _checkpointed(block.forward)
+        block.forward = _checkpointed(block.forward, streams)
 
 
 def apply_recompute(model, cfg, layer_plan: dict[str, str] | None = None) -> dict[str, str]:
@@ -81,10 +87,11 @@ def apply_recompute(model, cfg, layer_plan: dict[str, str] | None = None) -> dic
             layer_plan = {n: ("full" if i < count else "none") for i, n in enumerate(names)}
         else:
             raise ValueError("recompute.mode=budget needs a layer plan from loom.memory.plan_budget")
+    streams = getattr(model, "dropout_streams", None)  # dropout under tp or cp (loom/parallel/rng.py `install`)
     for name, how in layer_plan.items():
         block = model.layers[name]
         if how == "selective":
-            recompute_attention_core(block)
+            recompute_attention_core(block, streams)
         elif how == "full":
-            recompute_layer(block)
+            recompute_layer(block, streams)
     return layer_plan

@@ -108,7 +108,7 @@ def build_workload(args):
     opts = vars(args)
     base = None
     if args.model:
-        base = load_config(args.model, measuring=True)
+        base = load_config(args.model)
         model = base.model
     else:
         missing = [f for f in ("layers", "hidden", "heads", "vocab") if opts[f] is None]

@@ -96,7 +96,7 @@ def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
     lay = e.layout
     if lay.dp_style == "distopt" and lay.dp > 1:
         raise UserError("loom has no separate distributed optimizer (its fsdp style shards weights and optimizer state)")
-    cfg = load_config(base_name, measuring=True) if base_name else Config()
+    cfg = load_config(base_name) if base_name else Config()
     cfg.model = w.model
     p = cfg.parallel
     p.tp, p.sp, p.pp, p.vpp, p.cp, p.ep = lay.tp, lay.sp, lay.pp, lay.vpp, lay.cp, lay.ep

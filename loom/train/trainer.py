@@ -41,7 +41,7 @@ from loom.errors import TrainingDiverged, UserError
 from loom.models.io import TOKENIZER_FILES, atomic_write_text, copy_tokenizer_files
 from loom.models.lora import trainable_count
 from loom.models.moe import step_stats, update_router_biases
-from loom.parallel import place_in_mesh
+from loom.parallel import place_in_mesh, rng
 from loom.parallel.distributed import all_reduce_sum, clip_grad_norm, init_distributed, pick_device
 from loom.train.banner import banner
 from loom.train.checkpoint import Checkpointer, TrainState, latest_checkpoint
@@ -292,6 +292,7 @@ class Trainer:
         """One step of the recipe and its metrics row: the step's wall time (the device synchronised), marked
         for hang reports."""
         self.beacon.mark(f"step {self.state.step + 1}: {self.recipe.command}")
+        rng.begin_step(self.state.step)  # dropout's streams under tp or cp: the same on every rank, and on resume
         t0 = time.perf_counter()
         out = self.train_step()
         if self.device.type == "cuda":
