@@ -146,3 +146,16 @@ def test_ranks_draw_the_masks_their_shards_need(tmp_path, layout, same):
         assert norms0.keys() == norms1.keys() and norms0
         for name in norms0:
             assert torch.equal(norms0[name], norms1[name]), name
+
+
+def test_install_streams_lora_dropout_without_model_dropout(streams_cleared):
+    """LoRA's dropout acts on a cp rank's own tokens: it gets the rank's stream even when the model has none."""
+    from loom.models.lora import apply_lora
+
+    cfg = load_config("tiny", MODEL + ["lora.rank=4", "lora.dropout=0.1", "parallel.cp=2"])
+    model = Transformer(cfg.model)
+    apply_lora(model, cfg.lora, torch.float32)
+    drops = [m for m in model.modules() if isinstance(m, Dropout)]
+    assert drops and cfg.model.dropout == cfg.model.attn_dropout == 0
+    rng.install(model, cfg.train.seed, 1, 0, False, 2, 1)
+    assert {m.stream.offset for m in drops} == {1}

@@ -98,21 +98,21 @@ class Stream:
 
 def install(model: nn.Module, seed: int, tp: int, tp_rank: int, sp: bool, cp: int, cp_rank: int) -> None:
     """Give `model`'s dropout its rank's streams when it runs sharded over tp or cp ranks (module docstring):
-    the residual stream's dropout (`Dropout`, the embedding's included) an offset of the ranks that hold other
-    parts of it (cp, and tp under SP), the attention core's an offset of the ranks holding other heads or
+    the residual stream's dropout (`Dropout`, the embedding's and LoRA adapters' included: their inputs are
+    this rank's tokens) an offset of the ranks that hold other parts of it (cp, and tp under SP), the attention core's an offset of the ranks holding other heads or
     query chunks (tp and cp). Call after tensor and context parallelism are applied, before recomputation wraps
     the cores (so recomputation replays the streamed core)."""
     from loom.models.llama import Dropout
 
-    if tp * cp == 1 or (model.cfg.dropout == 0 and model.cfg.attn_dropout == 0):
+    drops = [m for m in model.modules() if isinstance(m, Dropout)]  # the model's, and LoRA's on its inputs
+    if tp * cp == 1 or not (drops or model.cfg.attn_dropout > 0):
         return
     streams = _STREAMS.setdefault(seed, DropoutStreams(seed))
     model.dropout_streams = streams  # what recomputation replays (`replay_context`)
     hidden = Stream(streams, (tp_rank if sp else 0) + tp * cp_rank)
     attention = Stream(streams, tp_rank + tp * cp_rank)
-    for module in model.modules():
-        if isinstance(module, Dropout):
-            module.stream = hidden
+    for module in drops:
+        module.stream = hidden
     if model.cfg.attn_dropout > 0:
         for block in model.layers.values():
             attn = block.attention
