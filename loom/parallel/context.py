@@ -98,6 +98,14 @@ def gather_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     return torch.cat(first + second, dim=2)
 
 
+def local_core_slot(attention) -> tuple[object, str]:
+    """Where an Attention module keeps the core that computes on this rank's data: (owner, attribute name).
+    A core that exchanges data first (`ContextParallelCore`'s key/value all-gather) exposes its local
+    computation as `inner`, which is what recomputation and dropout streams wrap; otherwise the module's
+    `core` itself."""
+    return (attention.core, "inner") if hasattr(attention.core, "inner") else (attention, "core")
+
+
 class ContextParallelCore:
     """The attention core of one cp rank: its two query chunks against the gathered keys/values. `inner`
     is the local attention (what selective recomputation wraps; the all-gather is not recomputed)."""

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from loom.ledger import SavedTensorLedger
 from loom.parallel import rng
+from loom.parallel.context import local_core_slot
 
 
 def _record_inputs(*tensors) -> None:
@@ -55,10 +56,8 @@ def _checkpointed(fn, streams=None):
 
 
 def recompute_attention_core(block, streams=None) -> None:
-    attn = block.attention
-    # A core that exchanges data first (context parallelism's key/value all-gather) exposes its local
-    # computation as `inner`: only that is recomputed, the exchange is not repeated in backward.
-    owner, name = (attn.core, "inner") if hasattr(attn.core, "inner") else (attn, "core")
+    # Under context parallelism only the local attention is recomputed, the exchange is not repeated.
+    owner, name = local_core_slot(block.attention)
     core = getattr(owner, name)
     if core not in _CHECKPOINTED:
         setattr(owner, name, _checkpointed(core, streams))

@@ -83,11 +83,8 @@ class Stream:
     @contextlib.contextmanager
     def __call__(self, x: torch.Tensor):
         seed = _mix(self.streams.draw(), self.offset)
-        if x.device.type == "cuda":
-            generator = torch.cuda.default_generators[x.device.index if x.device.index is not None
-                                                      else torch.cuda.current_device()]
-        else:
-            generator = torch.random.default_generator
+        cuda = x.device.type == "cuda"  # a CUDA tensor's device always has its index
+        generator = torch.cuda.default_generators[x.device.index] if cuda else torch.random.default_generator
         state = generator.get_state()
         generator.manual_seed(seed)
         try:
@@ -99,10 +96,12 @@ class Stream:
 def install(model: nn.Module, seed: int, tp: int, tp_rank: int, sp: bool, cp: int, cp_rank: int) -> None:
     """Give `model`'s dropout its rank's streams when it runs sharded over tp or cp ranks (module docstring):
     the residual stream's dropout (`Dropout`, the embedding's and LoRA adapters' included: their inputs are
-    this rank's tokens) an offset of the ranks that hold other parts of it (cp, and tp under SP), the attention core's an offset of the ranks holding other heads or
-    query chunks (tp and cp). Call after tensor and context parallelism are applied, before recomputation wraps
-    the cores (so recomputation replays the streamed core)."""
+    this rank's tokens) an offset of the ranks that hold other parts of it (cp, and tp under SP), the
+    attention core's an offset of the ranks holding other heads or query chunks (tp and cp). Call after tensor
+    and context parallelism are applied, before recomputation wraps the cores (so recomputation replays the
+    streamed core)."""
     from loom.models.llama import Dropout
+    from loom.parallel.context import local_core_slot
 
     drops = [m for m in model.modules() if isinstance(m, Dropout)]  # the model's, and LoRA's on its inputs
     if tp * cp == 1 or not (drops or model.cfg.attn_dropout > 0):
@@ -115,8 +114,7 @@ def install(model: nn.Module, seed: int, tp: int, tp_rank: int, sp: bool, cp: in
         module.stream = hidden
     if model.cfg.attn_dropout > 0:
         for block in model.layers.values():
-            attn = block.attention
-            owner, name = (attn.core, "inner") if hasattr(attn.core, "inner") else (attn, "core")
+            owner, name = local_core_slot(block.attention)
             core = getattr(owner, name)
             if not isinstance(core, StreamedCore):
                 setattr(owner, name, StreamedCore(core, attention))
