@@ -326,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    from loom import compile_cache
+
+    compile_cache.activate(f"loom-{args.command}")  # only where LOOM_COMPILE_CACHE_LOAD / _SAVE are set
     try:
         return args.func(args, extra)
     except UserError as exc:
