@@ -299,26 +299,30 @@ def test_sample_dataset_matches_stream(tmp_path):
     seq_len, n = 16, 200
     total = sum(len(d) for d in docs)
     sd = SampleDataset(ds, seq_len, n, seed=7)
-    epochs = -(-(n * seq_len + 1) // total)
+    # Whole passes are indexed: pass k holds the windows that start in epoch k of the stream.
+    passes = (n - 1) * seq_len // total + 1
+    indexed = -(-passes * total // seq_len)
+    epochs = -(-(indexed * seq_len + 1) // total)
     # Independently rebuild the stream: each epoch is a permutation of all documents.
     order = np.asarray(sd.doc_index)
     assert len(order) == epochs * len(docs)
     for e in range(epochs):
         assert sorted(order[e * len(docs) : (e + 1) * len(docs)]) == list(range(len(docs)))
     stream = np.concatenate([docs[j] for j in order])
-    starts = []
+    shuffle = np.asarray(sd.shuffle_index)
+    assert len(sd) == n and len(shuffle) == indexed
+    starts = shuffle.astype(np.int64) * seq_len
     for i in range(n):
         s = sd[i]
         assert s.dtype == np.int64 and len(s) == seq_len + 1
-        start = int(np.asarray(sd.shuffle_index)[i]) * seq_len
-        np.testing.assert_array_equal(s, stream[start : start + seq_len + 1])
-        starts.append(start)
-    assert sorted(starts) == list(range(0, n * seq_len, seq_len))  # every window exactly once
-    assert starts != sorted(starts)  # shuffled
-    # A full epoch of samples covers the first epoch's stream.
-    first_epoch = total // seq_len
-    covered = np.concatenate([sd[int(np.argwhere(np.asarray(sd.shuffle_index) == k)[0, 0])][:-1] for k in range(first_epoch)])
-    np.testing.assert_array_equal(covered, stream[: first_epoch * seq_len])
+        np.testing.assert_array_equal(s, stream[starts[i] : starts[i] + seq_len + 1])
+    assert sorted(starts) == list(range(0, indexed * seq_len, seq_len))  # every window exactly once
+    assert list(starts // total) == sorted(starts // total)  # pass after pass, epoch by epoch
+    assert list(starts[:n]) != sorted(starts[:n])  # shuffled
+    # The first pass covers the first epoch's stream.
+    first_epoch = -(-total // seq_len)
+    covered = np.concatenate([stream[k * seq_len : k * seq_len + seq_len] for k in sorted(shuffle[:first_epoch])])
+    np.testing.assert_array_equal(covered[:total], stream[:total])
 
 
 def test_sample_dataset_determinism_and_cache(tmp_path):

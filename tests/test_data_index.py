@@ -21,16 +21,24 @@ from loom.errors import UserError
 
 
 def ref_indices(sizes, seq_len, num_samples, seed):
+    """Whole passes: pass k is the samples whose first token lies in epoch k of the stream, shuffled among
+    themselves; as many passes as hold `num_samples`."""
     total = int(np.sum(sizes, dtype=np.int64))
-    epochs = max(1, -(-(num_samples * seq_len + 1) // total))
+    starts = np.arange(0, num_samples * seq_len + 2 * total, seq_len, dtype=np.int64)
+    passes = int(starts[num_samples - 1] // total) + 1 if num_samples else 0
+    indexed = int(np.sum(starts < passes * total))
+    epochs = max(1, -(-(indexed * seq_len + 1) // total))
     rng = np.random.RandomState(seed % 2**32)
     doc_index = np.concatenate([rng.permutation(len(sizes)) for _ in range(epochs)])
     ends = np.cumsum(np.asarray(sizes)[doc_index], dtype=np.int64)
-    starts = np.arange(num_samples, dtype=np.int64) * seq_len
+    starts = starts[:indexed]
     pos = np.searchsorted(ends, starts, side="right")
     offset = starts - (ends[pos] - np.asarray(sizes)[doc_index[pos]])
     sample_index = np.stack([pos, offset], axis=1)
-    shuffle = np.random.RandomState((seed + 1) % 2**32).permutation(num_samples)
+    rng = np.random.RandomState((seed + 1) % 2**32)
+    epoch_of = starts // total
+    shuffle = np.concatenate([np.flatnonzero(epoch_of == k)[rng.permutation(int(np.sum(epoch_of == k)))]
+                              for k in range(passes)] + [np.zeros(0, np.int64)])
     return doc_index, sample_index, shuffle
 
 
@@ -142,7 +150,9 @@ def test_built_once_then_opened_without_hashing(tmp_path, monkeypatch):
     files = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
     assert sorted(files)[1].endswith("-meta.json") and len(files) == 4  # no lock or temporary left behind
     meta = json.loads(first.meta_path.read_text())
-    assert (meta["num_samples"], meta["seq_len"], meta["documents"]) == (300, 8, 40)
+    passes = -(-300 * 8 // int(ds.sizes.sum()))  # whole passes: the ones sample 299 needs
+    assert (meta["passes"], meta["samples"], meta["seq_len"], meta["documents"]) == (passes, first.indexed, 8, 40)
+    assert first.indexed >= 300 and len(first) == 300
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("rebuilt or hashed on open")
@@ -152,8 +162,10 @@ def test_built_once_then_opened_without_hashing(tmp_path, monkeypatch):
     again = SampleDataset(ds, 8, 300, seed=1, cache_dir=cache, name="train")
     assert not again.built and {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == files
     np.testing.assert_array_equal(again.rows(np.arange(300)), first.rows(np.arange(300)))
+    longer = SampleDataset(ds, 8, first.indexed, seed=1, cache_dir=cache, name="train")  # the same passes
+    assert not longer.built and len(longer) == first.indexed
     with pytest.raises(AssertionError, match="rebuilt"):  # other parameters need their own index
-        SampleDataset(ds, 8, 301, seed=1, cache_dir=cache, name="train")
+        SampleDataset(ds, 8, first.indexed + 1, seed=1, cache_dir=cache, name="train")
 
 
 def test_changed_data_gets_a_new_index(tmp_path):
@@ -176,14 +188,14 @@ def test_a_failed_or_partial_build_is_never_read(tmp_path, monkeypatch):
 
     def dies_at_the_shuffle(n, rng):  # the doc and sample files are written by then
         calls.append(n)
-        if n == 300:
+        if n != 40:  # not a permutation of the 40 documents: the first pass's shuffle
             raise KeyboardInterrupt
         return real(n, rng)
 
     monkeypatch.setattr(samples, "_permutation", dies_at_the_shuffle)
     with pytest.raises(KeyboardInterrupt):
         SampleDataset(ds, 8, 300, seed=1, cache_dir=cache)
-    assert calls[-1] == 300 and [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
+    assert calls[-1] != 40 and len(calls) > 1 and [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
     monkeypatch.undo()
     good = SampleDataset(ds, 8, 300, seed=1, cache_dir=cache)
     want = good.rows(np.arange(300))
@@ -232,11 +244,12 @@ def test_build_memory_is_bounded(tmp_path, monkeypatch):
             sd = SampleDataset(ds, seq_len, num_samples, seed=1, cache_dir=tmp_path / "cache")
         peaks[name] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-    assert sd.built and sd.num_epochs == 2
+    # Two passes; the last samples of the second reach into a third epoch of documents.
+    assert sd.built and len(sd.pass_ends) == 3 and sd.num_epochs == 3
     for got, want in zip((sd.doc_index, sd.sample_index, sd.shuffle_index), ref):
         np.testing.assert_array_equal(got, want)
-    # One epoch's permutation (4 bytes/document) and the sample permutation (4 bytes/sample) plus chunks.
-    bound = 4 * n_docs + 4 * num_samples + 64 * (1 << 16) + (4 << 20)
+    # One epoch's permutation (4 bytes/document) and one pass's sample permutation (4 bytes/sample) plus chunks.
+    bound = 4 * n_docs + 4 * num_samples // 2 + 64 * (1 << 16) + (4 << 20)
     assert peaks["streamed"] < bound, peaks
     assert peaks["streamed"] * 4 < peaks["reference"], peaks
 
@@ -285,3 +298,26 @@ def test_a_run_builds_its_indices_once(tmp_path, monkeypatch):
     second = build_datasets(cfg, None)
     assert built(second) == [False] * 5
     np.testing.assert_array_equal(first[0].rows(np.arange(len(first[0]))), second[0].rows(np.arange(len(second[0]))))
+
+
+def test_more_samples_extend_the_order_of_fewer(tmp_path, monkeypatch):
+    """The sample order of a run is a prefix of a longer run's (issue 53): a run resumed with a larger
+    train.steps reads what a run planned for it reads. Single datasets across passes, and a blend of two
+    through build_datasets, as `loom train` builds them for 4 and for 9 steps."""
+    from conftest import small_config
+    from loom.data.token_datasets import build_datasets
+
+    ds = write(tmp_path / "ds", random_docs(53, 30, seed=9))
+    short = SampleDataset(ds, 8, 100, seed=3)
+    for n in (101, 250, 1000):  # the same pass, the next ones
+        longer = SampleDataset(ds, 8, n, seed=3, cache_dir=tmp_path / "cache")
+        np.testing.assert_array_equal(longer.rows(np.arange(100)), short.rows(np.arange(100)))
+    monkeypatch.setenv("LOOM_CACHE", str(tmp_path / "cache"))
+    paths = ",".join(str(write(tmp_path / f"b{k}", random_docs(300, 40, seed=k, vocab=500)).prefix) for k in (1, 2))
+    rows = {}
+    for steps in (4, 9):
+        cfg = small_config(f"data.paths={paths}", "data.weights=0.7,0.3", f"train.steps={steps}")
+        train, _ = build_datasets(cfg, None)
+        assert len(train) == steps * 8
+        rows[steps] = train.rows(np.arange(len(train)))
+    np.testing.assert_array_equal(rows[9][: 4 * 8], rows[4])

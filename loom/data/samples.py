@@ -1,21 +1,26 @@
 """Fixed-length training samples over an indexed dataset, and weighted blends of such datasets: the token
 data a pre-training run reads (`TokenSamples`: batches, with document masking, and what the banner says).
 
-Like Megatron's GPTDataset, three index arrays are built once and cached:
+Three index arrays are built once and cached (the arrays of Megatron's GPTDataset, but not its files: the
+document order is shuffled per epoch and the samples per pass, so that no order depends on the run's length):
 
 - document index: the document order; each epoch is a fresh seeded permutation of all documents,
-  repeated for as many epochs as `num_samples` needs;
+  repeated for as many epochs as the samples need;
 - sample index: the (document position, token offset) where each sample starts in the stream that
   document order concatenates. Sample i is stream tokens [i*seq_len, i*seq_len + seq_len + 1), so
   consecutive samples share one token (the last target of one is the first input of the next);
-- shuffle index: a seeded permutation of the samples.
+- shuffle index: pass k holds the samples that start in epoch k of the stream (`pass_bounds`), in a seeded
+  permutation of their own, drawn pass after pass from one generator. The index always covers whole passes.
 
-`ds[i]` is a pure function of i, so a run resumes by skipping the samples already consumed.
+So every array is a prefix of the one built for more samples: a run resumed with a larger `train.steps`
+reads, for the steps it has not taken, exactly what a run planned for that many steps reads. `ds[i]` is a
+pure function of i, so a run resumes by skipping the samples already consumed.
 
 The index is built once, by the launcher (or the first process to take the cache's lock), into `.npy`
 files under the cache directory, named by a key of the dataset's fingerprint (`.bin` size and the `.idx`
-hash recorded at preprocess time: nothing is read whole) and the sampling parameters. The build streams:
-it holds one epoch's document permutation (4 bytes per document) and the sample permutation (4 bytes per
+hash recorded at preprocess time: nothing is read whole) and the sampling parameters (the number of passes,
+not of samples: runs of any length within the same passes share one index). The build streams: it holds
+one epoch's document permutation (4 bytes per document) and one pass's sample permutation (4 bytes per
 sample) in memory, never the concatenated epochs or per-sample Python objects, and writes each file under
 a temporary name renamed into place; a `-meta.json` written last marks the index complete. Every rank then
 memory-maps the files. A batch's samples are located together, vectorised, and read from the memory-mapped
@@ -25,21 +30,17 @@ memory-maps the files. A batch's samples are located together, vectorised, and r
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import pathlib
-import tempfile
-import time
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from loom.data.dataset import Dataset
+from loom.data.index_cache import INDEX_VERSION, ArrayWriter, cached_arrays
 from loom.data.indexed import IndexedDataset, fingerprint
 from loom.errors import UserError
 
-INDEX_VERSION = "v2"  # bump when the index construction or its files change (v1 hashed the whole .idx)
 CHUNK = 1 << 20  # document-index entries per step of the streaming sample-index build (~40 MiB working set)
 
 
@@ -54,6 +55,13 @@ def _num_epochs(tokens_per_epoch: int, seq_len: int, num_samples: int) -> int:
     return max(1, -(-need // tokens_per_epoch))
 
 
+def pass_bounds(tokens_per_epoch: int, seq_len: int, num_samples: int) -> np.ndarray:
+    """[b_0 = 0, b_1, ..., b_E]: pass k is samples [b_k, b_k+1), those starting in epoch k of the stream
+    (b_k = ceil(k * tokens_per_epoch / seq_len)), and E the fewest passes that hold `num_samples`."""
+    passes = (num_samples - 1) * seq_len // tokens_per_epoch + 1 if num_samples > 0 else 0
+    return -(-np.arange(passes + 1, dtype=np.int64) * tokens_per_epoch // seq_len)
+
+
 def _permutation(n: int, rng: np.random.RandomState) -> np.ndarray:
     """`rng.permutation(n)` in the smallest integer dtype: numpy's legacy permutation is arange then an
     in-place Fisher-Yates shuffle whose draws do not depend on the dtype, so the values are the same."""
@@ -62,52 +70,16 @@ def _permutation(n: int, rng: np.random.RandomState) -> np.ndarray:
     return out
 
 
-class _NpyWriter:
-    """An .npy file of known shape written front to back in pieces, under a temporary name until
-    `commit()` renames it into place (a reader never sees half a file)."""
-
-    def __init__(self, path: pathlib.Path, dtype, shape: tuple[int, ...]) -> None:
-        self.path, self.dtype, self.shape = path, np.dtype(dtype), shape
-        fd, self.tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        self.f = os.fdopen(fd, "wb")
-        np.lib.format.write_array_header_1_0(
-            self.f, {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": shape})
-        self.written = 0
-
-    def write(self, array: np.ndarray) -> None:
-        self.f.write(memoryview(np.ascontiguousarray(array, dtype=self.dtype)).cast("B"))  # no copy
-        self.written += len(array)
-
-    def commit(self) -> None:
-        assert self.written == self.shape[0], (self.path, self.written, self.shape)
-        self.f.close()
-        os.replace(self.tmp, self.path)
-
-    def abort(self) -> None:
-        self.f.close()
-        pathlib.Path(self.tmp).unlink(missing_ok=True)
-
-
-class _ArrayWriter:
-    """The in-memory counterpart of _NpyWriter (no cache directory)."""
-
-    def __init__(self, dtype, shape: tuple[int, ...]) -> None:
-        self.array, self.written, self.dtype = np.empty(shape, dtype), 0, np.dtype(dtype)
-
-    def write(self, array: np.ndarray) -> None:
-        self.array[self.written : self.written + len(array)] = array
-        self.written += len(array)
-
-
-def build_indices(sizes: np.ndarray, num_epochs: int, seq_len: int, num_samples: int, seed: int,
+def build_indices(sizes: np.ndarray, num_epochs: int, seq_len: int, bounds: np.ndarray, seed: int,
                   doc_out, sample_out, shuffle_out, chunk: int | None = None) -> None:
-    """Stream the document, sample and shuffle indices into the three writers (see the module docstring).
+    """Stream the document, sample and shuffle indices of the passes `bounds` (`pass_bounds`) into the three
+    writers (see the module docstring).
 
     Sample i starts at stream token s = i*seq_len: its entry is the first document position whose stream
     end lies after s (empty documents are skipped) and the offset of s within that document. Documents are
     taken a chunk at a time in stream order, so only the samples starting inside the current chunk are
     resolved against it."""
-    num_docs, chunk = len(sizes), chunk or CHUNK
+    num_docs, chunk, num_samples = len(sizes), chunk or CHUNK, int(bounds[-1])
     rng = np.random.RandomState(seed % 2**32)
     base = 0  # stream position where the current chunk starts
     entry = 0  # document-index position of the current chunk's first entry
@@ -133,62 +105,11 @@ def build_indices(sizes: np.ndarray, num_epochs: int, seq_len: int, num_samples:
             next_sample = max(next_sample, stop)
             base = end
         entry += num_docs
-    shuffle_out.write(_permutation(num_samples, np.random.RandomState((seed + 1) % 2**32)))
-
-
-def cached_arrays(cache_dir: pathlib.Path, stem: str, kinds: Sequence[str], specs: Sequence[tuple], build,
-                  meta: dict) -> tuple[list[np.ndarray], bool, list[pathlib.Path], pathlib.Path]:
-    """Memory-map the arrays `cache_dir/STEM-KIND.npy` (one per kind, of the given (dtype, shape)), building
-    them first when they are not all there: `build(writers)` streams each array into its writer.
-
-    One process builds, under an exclusive lock on `STEM.lock`; every other waits for it and then opens
-    what it wrote. Each array is written under a temporary name and renamed into place, and `STEM-meta.json`
-    (`meta`, the format version, the build time) is renamed last: an index is complete when its meta file
-    exists, so no reader ever sees part of one. Returns (arrays, whether this call built them, the array
-    paths, the meta path)."""
-    cache_dir = pathlib.Path(cache_dir)
-    paths = [cache_dir / f"{stem}-{kind}.npy" for kind in kinds]
-    meta_path = cache_dir / f"{stem}-meta.json"
-
-    def opened() -> list[np.ndarray] | None:
-        try:
-            recorded = json.loads(meta_path.read_text())
-            arrays = [np.load(p, mmap_mode="r") for p in paths]
-        except (OSError, ValueError):
-            return None
-        if recorded.get("version") != INDEX_VERSION or [a.shape for a in arrays] != [tuple(s) for _, s in specs]:
-            return None
-        return arrays
-
-    if (arrays := opened()) is not None:
-        return arrays, False, paths, meta_path
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot create the sample-index cache {cache_dir} ({exc}); set LOOM_CACHE to a "
-                        "writable directory") from exc
-    with _lock(cache_dir / f"{stem}.lock") as lock:  # one process builds; the others wait, then open its files
-        if (arrays := opened()) is not None:
-            return arrays, False, paths, meta_path
-        t0 = time.perf_counter()
-        outs = [_NpyWriter(p, dtype, shape) for p, (dtype, shape) in zip(paths, specs)]
-        try:
-            build(outs)
-            for o in outs:
-                o.commit()
-        except BaseException:
-            for o in outs:
-                o.abort()
-            raise
-        record = {"version": INDEX_VERSION, **meta, "build_s": round(time.perf_counter() - t0, 3)}
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=meta_path.name + ".", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(record) + "\n")
-        os.replace(tmp, meta_path)  # last: its presence means the index is complete
-        lock.path.unlink(missing_ok=True)  # safe: whoever takes the lock (this inode or a new one) opens first
-        if (arrays := opened()) is None:
-            raise RuntimeError(f"the index just written to {cache_dir} ({stem}) does not read back")
-        return arrays, True, paths, meta_path
+    rng = np.random.RandomState((seed + 1) % 2**32)
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):  # each pass shuffled within itself
+        order = _permutation(hi - lo, rng).astype(shuffle_out.dtype)
+        order += lo
+        shuffle_out.write(order)
 
 
 class TokenSamples(Dataset):
@@ -229,17 +150,19 @@ class TokenSamples(Dataset):
 
     def epoch_steps(self, global_batch: int) -> dict[int, str]:
         """{step: message} for each step after which the run has read one more full pass over a dataset behind
-        it. Samples are shuffled across the whole run, so an "epoch" here is a count: after it, documents repeat."""
+        it: the last sample of its pass k (`pass_bounds`: samples are shuffled within each pass)."""
         parts = self.parts()
         out: dict[int, str] = {}
         for d, part in enumerate(parts):
-            per_epoch = max(1, (int(part.dataset.num_tokens) - 1) // part.seq_len)
             if len(parts) == 1:
                 drawn = np.arange(1, len(self) + 1)
             else:  # samples drawn from part d after each global sample of the blend
                 drawn = np.cumsum(np.asarray(self.dataset_index) == d)
-            for k in range(1, int(drawn[-1]) // per_epoch + 1 if len(drawn) else 1):
-                i = int(np.searchsorted(drawn, k * per_epoch))  # the sample that completes pass k
+            read = int(drawn[-1]) if len(drawn) else 0
+            for k, end in enumerate(part.pass_ends[1:].tolist(), 1):
+                if end > read:
+                    break
+                i = int(np.searchsorted(drawn, end))  # the sample that completes pass k
                 step = i // global_batch + 1
                 name = part.dataset.prefix if len(parts) > 1 else "the training data"
                 out[step] = (out.get(step, "") + "; " if step in out else "") + \
@@ -288,7 +211,9 @@ class SampleDataset(TokenSamples):
                 f"dataset {dataset.prefix} has {total} tokens in {len(dataset)} documents; "
                 f"one sample of seq_len {seq_len} needs {seq_len + 1} tokens"
             )
-        self.num_epochs = _num_epochs(total, seq_len, num_samples)
+        self.pass_ends = pass_bounds(total, seq_len, num_samples)  # indexed: whole passes, >= num_samples
+        self.indexed = int(self.pass_ends[-1])
+        self.num_epochs = _num_epochs(total, seq_len, self.indexed)
         self.built = False  # whether this object built the index (False: it opened an existing one)
         if cache_dir is None:
             self.doc_index, self.sample_index, self.shuffle_index = self._build_in_memory()
@@ -301,22 +226,22 @@ class SampleDataset(TokenSamples):
     def _shapes(self) -> list[tuple[np.dtype, tuple[int, ...]]]:
         entries = self.num_epochs * len(self.dataset)
         return [(_index_dtype(max(len(self.dataset) - 1, 0)), (entries,)),
-                (_index_dtype(entries), (self.num_samples, 2)),  # offsets fit: sizes are int32
-                (_index_dtype(max(self.num_samples - 1, 0)), (self.num_samples,))]
+                (_index_dtype(entries), (self.indexed, 2)),  # offsets fit: sizes are int32
+                (_index_dtype(max(self.indexed - 1, 0)), (self.indexed,))]
 
     def _build_in_memory(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        outs = [_ArrayWriter(dtype, shape) for dtype, shape in self._shapes()]
-        build_indices(self.dataset.sizes, self.num_epochs, self.seq_len, self.num_samples, self.seed, *outs)
+        outs = [ArrayWriter(dtype, shape) for dtype, shape in self._shapes()]
+        build_indices(self.dataset.sizes, self.num_epochs, self.seq_len, self.pass_ends, self.seed, *outs)
         return tuple(o.array for o in outs)
 
     def cache_key(self) -> str:
         """Hash of the dataset's fingerprint (its .bin size and recorded .idx hash; see
-        loom.data.indexed.fingerprint), the document subset and the sampling parameters."""
+        loom.data.indexed.fingerprint), the document subset and the sampling parameters (passes, not samples)."""
         if self._fingerprint is None:
             self._fingerprint = fingerprint(self.dataset.prefix)
         fp = self._fingerprint
         subset = self.dataset.subset_key
-        params = (f"{INDEX_VERSION}|{fp['bin_bytes']}|{fp['idx_sha256']}|{self.seq_len}|{self.num_samples}|"
+        params = (f"{INDEX_VERSION}|{fp['bin_bytes']}|{fp['idx_sha256']}|{self.seq_len}|{len(self.pass_ends) - 1}|"
                   f"{self.seed}{'|' + subset if subset else ''}")
         return hashlib.sha256(params.encode()).hexdigest()[:20]
 
@@ -324,11 +249,11 @@ class SampleDataset(TokenSamples):
         stem = f"{name or pathlib.Path(self.dataset.prefix).name}-{self.cache_key()}"
         meta = {"dataset": str(self.dataset.prefix), "subset": self.dataset.subset_key,
                 "fingerprint": self._fingerprint, "seq_len": self.seq_len,
-                "num_samples": self.num_samples, "seed": self.seed, "epochs": self.num_epochs,
+                "passes": len(self.pass_ends) - 1, "samples": self.indexed, "seed": self.seed, "epochs": self.num_epochs,
                 "documents": len(self.dataset)}
         arrays, self.built, self.cache_paths, self.meta_path = cached_arrays(
             cache_dir, stem, ("doc", "sample", "shuffle"), self._shapes(),
-            lambda outs: build_indices(self.dataset.sizes, self.num_epochs, self.seq_len, self.num_samples,
+            lambda outs: build_indices(self.dataset.sizes, self.num_epochs, self.seq_len, self.pass_ends,
                                        self.seed, *outs), meta)
         self.doc_index, self.sample_index, self.shuffle_index = arrays
 
@@ -375,31 +300,6 @@ class SampleDataset(TokenSamples):
         return [self]
 
 
-class _lock:
-    """An exclusive advisory lock on `path` (fcntl.flock) for the duration of a with-block. Where the file
-    system does not support locks, nothing is held: the atomic renames keep concurrent builders harmless
-    (they write the same bytes)."""
-
-    def __init__(self, path: pathlib.Path) -> None:
-        self.path, self.fd = path, None
-
-    def __enter__(self) -> "_lock":
-        try:
-            import fcntl
-
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except (ImportError, OSError):
-            if self.fd is not None:
-                os.close(self.fd)
-            self.fd = None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing releases the lock
-
-
 def blend_indices(weights: np.ndarray, num_samples: int, which_out=None, within_out=None,
                   chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Megatron's greedy blend: each sample goes to the dataset furthest behind its target share.
@@ -409,8 +309,8 @@ def blend_indices(weights: np.ndarray, num_samples: int, which_out=None, within_
     w = [float(x) for x in weights]
     in_memory = which_out is None
     if in_memory:
-        which_out = _ArrayWriter(_blend_dtype(len(w)), (num_samples,))
-        within_out = _ArrayWriter(np.int64, (num_samples,))
+        which_out = ArrayWriter(_blend_dtype(len(w)), (num_samples,))
+        within_out = ArrayWriter(np.int64, (num_samples,))
     chunk = chunk or CHUNK
     counts = [0] * len(w)
     for lo in range(0, num_samples, chunk):
