@@ -1,68 +1,60 @@
 #!/usr/bin/env bash
-# The device check: everything loom needs from a GPU, in one run of about 9 minutes, into one folder.
+# The device check: every GPU target loom has, in one call of at most 540 s, into one folder.
 #
-#   bench/device_check.sh OUT_DIR [--smoke [--rehearse]] [--tar FILE] [--only STEP,STEP,...]
+#   bench/device_check.sh OUT_DIR [--smoke [--rehearse]] [--tar FILE] [--only STEP,STEP,...] [--budget S]
 #
-# --only: run just these measurement steps (setup_wheels and versions always run; the others are recorded as
-# skipped). On a fresh machine every step's process compiles from a cold cache, so all the steps together
-# need about 15 minutes, more than one call: pick the steps an issue needs (bench/DEVICE.md).
+# The standing check (bench/DEVICE.md): a session lent a GPU runs this first, whatever its issue. Its steps
+# run in the order of what they are worth (the rows whose targets are open or never measured first,
+# `python bench/ledger.py status`), loom's rows of one shape share one process (one torch import, one CUDA
+# context, the compiled blocks' kernels reused), and the whole call keeps to --budget seconds (540 on a GPU;
+# 0 = none, the smoke's default): a step gets what is left of the budget at most, and a step that would start
+# with under 20 s left is recorded as skipped ("budget"). Every finished row is kept when a step is cut off.
+#
+# Compile caches travel (loom/compile_cache.py): the call loads bench/compile_cache/<gpu>/ (committed from the
+# previous call on that GPU kind) into every process before it compiles, and each process saves what it
+# compiled or loaded into OUT_DIR/compile_cache/; `python bench/ledger.py ingest OUT_DIR` adopts that folder as
+# the next call's cache. A cache made with another torch, Triton, CUDA or GPU is refused with a note.
+#
+# --only: run just these measurement steps (setup_wheels, versions and predict always run; the others are
+# recorded as skipped).
 #
 # On a GPU machine (the one call, bench/DEVICE.md):
 #   bench/device_check.sh /tmp/check --tar $OUT/device_check.tar.gz        with carry: [".whl"]
-# On this CPU (tests/test_device_check.py runs it; tiny shapes, a few steps, well under a minute):
+# On this CPU (tests/test_device_check.py runs it; tiny shapes, a few steps):
 #   bench/device_check.sh /tmp/check --smoke
 # A rehearsal of the GPU run's setup on this CPU (Python 3.12, torch 2.11, bench/fetch_wheels.sh run first):
-# the carried wheels installed as there, each training row in its own process with its torchtitan:
 #   PYTHON=/path/to/python3.12 bench/device_check.sh /tmp/check --smoke --rehearse
 #
-# OUT_DIR gets one file per step, written as the step runs (the training JSONs are rewritten after every
-# row): versions.json, smi_static.csv + smi_query.txt, smi.csv (SM and memory clock, power, temperature,
-# use, memory, every second through the whole run), gpu_tests.log, gpu_train_1b.json, gpu_train_packed_1b.json, gpu_train_eager_1b.json,
-# gpu_train_3b.json, gpu_train_7b.json, gpu_train_fp8_7b.json, gpu_train_{7b,fp8_7b,fp8_7b_tw}_auto.json,
-# profile.json, generate_gpu.json,
-# generate_gpu_paged.json, rl_gpu.json, each step's NAME.log, steps.jsonl (one line per step: status
-# ok/failed/timeout/skipped, exit code, seconds, timeout) and log.txt (the run's own log).
-# --tar FILE: a tar.gz of OUT_DIR rewritten after every step and every 30 s (the device tool brings back at
-# most 8 files; this is one). A step past its timeout is killed with its processes; the next one starts.
+# OUT_DIR gets: versions.json (commit, versions, GPU, the compile cache's state), predictions.json (loom plan's
+# prices for the loom rows, made before they run), smi_static.csv + smi_query.txt, smi.csv (clocks, power,
+# temperature, use, memory every second), one results JSON per step (rewritten after every row), each step's
+# NAME.log, steps.jsonl (one line per step: status ok/failed/timeout/skipped, exit code, seconds, timeout),
+# log.txt, call.json (the call's seconds, budget, whether every standing step finished, the cache's state) and
+# compile_cache/. --tar FILE: a tar.gz of OUT_DIR without compile_cache/, rewritten after every step and every
+# 30 s; the cache goes into FILE's sibling *_cache.tar at the end (a large cache cannot cost the results).
 #
-# Steps and timeouts on the GPU (seconds; sum 1775 with setup, more than one 10-minute call: choose with
-# --only). Sized from the second H200 run of 2026-11-26 (bench/results/device_check_h200_2026-11-26_b/), where
-# the earlier, tighter timeouts cut off every step but two: on a fresh machine each process imports torch,
-# builds its model and compiles from a cold cache (about 40 s for a 1B loom row, over 60 s for a 7B one)
-# with the GPU idle; bench/DEVICE.md has the table and the sets that fit one call.
-#   setup_wheels  20  install the carried wheel groups (below); then smi_static.csv, the smi.csv sampler
-#   versions      15  versions.json: commit ($LOOM_COMMIT or git), torch, CUDA, Python, GPU, packages
-#   gpu_tests     90  pytest -m gpu -rs (the tests marked gpu, collected from the files that mark them)
-#   train_1b     200  gpu_train.py, Llama-3.2-1B shape, seq 4096, 2 + 5 steps: loom (loss_chunk 0 and 8192),
-#                     transformers+liger, torchtitan-0.3.0 (100 s a row at most). Plain transformers and
-#                     torchtitan-0.2.2 are left out on the GPU (the smoke keeps them): both measured on the
-#                     first H200 run; the current anchor is torchtitan 0.3.0.
-#   packed_1b     60  loom at the 1B shape on packed rows (documents of 512-1536 tokens, doc_ids + positions:
-#                     FlexAttention's block mask inside the compiled blocks), against train_1b's plain row
-#   eager_1b      90  loom at the 1B shape with train.compile=false (loss_chunk 0): the eager layer loom runs
-#                     wherever tp, pp or cp > 1, priced by the planner at its measured elementwise rate (issue 38)
-#   train_3b     150  the 3B shape, seq 8192, full recompute, 2 + 3 steps, rows loom (both losses),
-#                     torchtitan-0.3.0
-#   moe          150  loom on Qwen3-30B-A3B cut to 4 layers (128 experts of 768, top 8; 3.1B parameters), seq 4096,
-#                     loss_chunk 8192, grouped GEMM (bf16, Hopper): tokens/s and MFU of the active FLOPs (issue 40)
-#   train_7b     120  the Llama 2 7B shape (NeMo's published figure), seq 4096, 8192 tokens a step, full
-#                     recompute, loss_chunk 8192, 2 + 3 steps, loom only (fits an H200's memory, not an H100's)
-#   fp8_7b       120  the same with train.fp8=rowwise (torchao): the shape where fp8 should pay (issue 39)
-#   train_7b_auto 120 the 7B shape as `loom plan` lays it out on one H200 (issue 39 item 5): micro-batches of 1
-#                     (two a step) and recompute.mode=auto (per layer, the cheapest recomputation that fits
-#                     the GPU's free memory) instead of full recomputation of micro-batches of 2
-#   fp8_7b_auto  120  the same with train.fp8=rowwise
-#   fp8_7b_tw    120  the same with train.fp8=tensorwise (torchao's per-tensor scales, torchtitan's default)
-#   profile       60  python3 -m loom.cli plan --profile-hardware (30 s on the first H200 run, to a crash)
-#   generate     120  generate_gpu.py --kv slab --batches 1,64 --new 32 --repeats 2 (+ --profile): the engine's
-#                     default keys and values, each batch's top kernels by device time
-#   generate_paged 150 the same on paged keys and values at batches 1, 64, 256 (Triton split-KV reads), no transformers
-#   rl           150  rl_gpu.py: loom rl, GRPO, 1B shape, 8 prompts of 128 tokens x 8 completions of up to 512,
-#                     1 + 2 steps, each step's phases (its start, the engine's graphs for every bucket up to
-#                     batch 64 and 641 keys included, took more than 45 s on the second H200 run)
-#   serve        120  serve_load.py: loom serve (FastAPI + uvicorn, carried as wheels) on the 1B shape with random
-#                     weights, 32 concurrent streaming clients x 2 requests of 64 tokens: throughput, time to
-#                     first token and inter-token latency percentiles, the server's decode batching
+# The standing steps, in order (GPU timeouts in seconds; each also capped by what is left of the budget):
+#   setup_wheels   20  install the carried wheel groups (below); smi_static.csv, the smi.csv sampler
+#   versions       15  versions.json
+#   predict        30  bench/plan_device_rows.py from the committed profile of this GPU kind -> predictions.json
+#   train_1b      150  gpu_train.py, Llama-3.2-1B shape, seq 4096, loom in one process: train_1b (loss_chunk 0
+#                      and 8192), eager_1b (train.compile=false: the eager layer of loom's tp/pp/cp layouts),
+#                      packed_1b (documents of 512-1536 tokens, FlexAttention's block mask); 2 + 5 steps each
+#   titan_1b      110  torchtitan 0.3.0 at the same shape (its own process and folder of wheels)
+#   train_7b_auto 240  Llama 2 7B shape, 8192 tokens a step as loom plan lays it out on one H200 (micro-batches
+#                      of 1, recompute.mode=auto), loom in one process: bf16, fp8 rowwise, fp8 tensorwise;
+#                      2 + 3 steps each (H200 only: one H100 does not hold 7B's fp32 states)
+#   generate_paged 100 generate_gpu.py on paged keys and values, batches 1, 64, 256, no transformers
+#   generate       80  the same on the slab at batches 1, 64 (+ transformers, + the profile's predictions)
+#   rl            120  rl_gpu.py: loom rl, GRPO, 1B shape, 8 prompts of 128 tokens x 8 completions of 512, 1 + 2 steps
+#   profile        60  python3 -m loom.cli plan --profile-hardware (its own attention probe)
+#   train_3b      120  3B shape, seq 8192, full recompute, loom (both losses) in one process, 2 + 3 steps
+#   titan_3b      110  torchtitan 0.3.0 at the 3B shape
+#   moe           100  loom on Qwen3-30B-A3B cut to 4 layers (128 experts of 768, top 8), seq 4096, grouped GEMM
+#   serve         100  serve_load.py: loom serve, 1B shape, 32 concurrent streaming clients x 2 requests of 64 tokens
+#   gpu_tests      90  pytest -m gpu over the files that mark tests gpu
+#   train_7b      200  the 7B shape at micro-batch 2 with full recompute (measured 2026-11-26): bf16, fp8 rowwise
+#   liger_1b      100  transformers + Liger at the 1B shape (measured 2026-11-26)
 #
 # Wheels carried (bench/device_wheels.txt, fetched by bench/fetch_wheels.sh into .whl/<group>/, 10.2 MiB):
 #   .whl/common -> /tmp/site-common (on PYTHONPATH for every step): torchao 0.17.0, liger-kernel 0.8.5,
@@ -74,25 +66,30 @@
 #   .whl/torchtitan-0.2.2 -> /tmp/site-torchtitan-0.2.2: torchtitan 0.2.2 (its rows only)
 # A torchtitan whose wheel is not carried gets an error row; every other step still runs.
 set -u -o pipefail
+ARGS=("$@")
 
 DIR=
 SMOKE=0
 REHEARSE=0
 TAR=
 ONLY=
+BUDGET=
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=1 ;;
     --rehearse) REHEARSE=1 ;;
     --tar) TAR=$2; shift ;;
     --only) ONLY=",$2,"; shift ;;
+    --budget) BUDGET=$2; shift ;;
     -h|--help) awk 'NR > 1 && /^set -u/ {exit} NR > 1' "$0"; exit 0 ;;
     -*) echo "device_check.sh: unknown option $1" >&2; exit 2 ;;
     *) [ -z "$DIR" ] || { echo "device_check.sh: one OUT_DIR only" >&2; exit 2; }; DIR=$1 ;;
   esac
   shift
 done
-[ -n "$DIR" ] || { echo "usage: bench/device_check.sh OUT_DIR [--smoke] [--tar FILE]" >&2; exit 2; }
+[ -n "$DIR" ] || { echo "usage: bench/device_check.sh OUT_DIR [--smoke] [--tar FILE] [--only STEPS] [--budget S]" >&2; exit 2; }
+[ -n "$BUDGET" ] || { [ $SMOKE = 1 ] && BUDGET=0 || BUDGET=540; }
+[[ $BUDGET =~ ^[0-9]+$ ]] || { echo "device_check.sh: --budget takes whole seconds (0: none), not $BUDGET" >&2; exit 2; }
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -110,7 +107,7 @@ say() { echo "== $(date +%T) [+$(( $(date +%s) - START ))s] $*" | tee -a "$LOG";
 pack() {  # a tar.gz of DIR, replaced atomically, so a cut-off run leaves the last complete one
   [ -n "$TAR" ] || return 0
   local tmp="$TAR.$BASHPID.tmp"
-  tar -czf "$tmp" -C "$(dirname "$DIR")" "$(basename "$DIR")" 2>/dev/null
+  tar -czf "$tmp" --exclude="$(basename "$DIR")/compile_cache" -C "$(dirname "$DIR")" "$(basename "$DIR")" 2>/dev/null
   [ $? -le 1 ] && mv -f "$tmp" "$TAR"  # 1: a file changed while read (smi.csv grows): the tar is still whole
   rm -f "$tmp"
 }
@@ -124,10 +121,15 @@ record() {  # record NAME STATUS RC SECONDS LIMIT [NOTE]
 # to stdout and log.txt; status ok / failed / timeout in steps.jsonl; then the tar.
 run_step() {
   local name=$1 limit=$2; shift 2
-  local t0 rc status
-  case $name in setup_wheels|versions) ;; *)  # --only: the measurement steps named, setup always
+  local t0 rc status left
+  case $name in setup_wheels|versions|predict) ;; *)  # --only: the measurement steps named, setup always
     if [ -n "$ONLY" ] && [[ $ONLY != *",$name,"* ]]; then skip_step "$name" "not in --only"; return 0; fi ;;
   esac
+  if [ "$BUDGET" -gt 0 ] && [[ ! $name =~ ^(setup_wheels|versions|predict)$ ]]; then  # the budget left, less 10 s to pack
+    left=$(( START + BUDGET - 10 - $(date +%s) ))
+    if [ $left -lt 20 ]; then skip_step "$name" "budget: ${left} s left of the call's ${BUDGET} s"; return 0; fi
+    [ $left -lt "$limit" ] && limit=$left
+  fi
   say "$name (timeout ${limit}s): $*"
   t0=$(date +%s)
   timeout -k 3 "$limit" "$@" 2>&1 | tee "$DIR/$name.log" \
@@ -151,8 +153,30 @@ finish() {
   [ -z "$SMI_PID" ] || kill "$SMI_PID" 2>/dev/null
   [ -z "$PACK_PID" ] || kill "$PACK_PID" 2>/dev/null
   wait 2>/dev/null
+  summary
   say "done"
   pack
+  if [ -n "$TAR" ] && [ -d "$DIR/compile_cache" ]; then
+    tar -cf "${TAR%.tar.gz}_cache.tar" -C "$DIR" compile_cache 2>/dev/null
+  fi
+}
+
+summary() {  # call.json: the call's seconds, whether every standing step finished, the compile cache's state
+  "$PY" - "$DIR" "$BUDGET" "$(( $(date +%s) - START ))" "$ONLY" "$0 ${ARGS[*]}" <<'PYEOF' 2>&1 | tee -a "$LOG"
+import json, sys
+from pathlib import Path
+folder, budget, seconds, only, command = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+steps = [json.loads(x) for x in (folder / "steps.jsonl").read_text().splitlines() if x.strip()]
+versions = json.loads((folder / "versions.json").read_text()) if (folder / "versions.json").is_file() else {}
+design = lambda s: s["status"] == "skipped" and s["note"].startswith(("n/a", "--smoke"))  # skips by design
+complete = not only and all(s["status"] == "ok" or design(s) for s in steps if s["step"] != "setup_wheels")
+call = {"seconds": seconds, "budget_s": budget, "complete": complete, "cache": versions.get("compile_cache"),
+        "command": command, "steps": {s["step"]: s["status"] for s in steps},
+        "ok": sum(s["status"] == "ok" for s in steps)}
+(folder / "call.json").write_text(json.dumps(call, indent=1) + "\n")
+print(f"call: {seconds} s of a {budget or 'unlimited'} s budget, {call['ok']} steps ok, "
+      f"{'every standing step finished' if complete else 'not every standing step finished'}; cache: {call['cache']}")
+PYEOF
 }
 trap finish EXIT
 
@@ -194,6 +218,14 @@ fi
 
 LOOM_COMMIT=${LOOM_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export LOOM_COMMIT
+# the compile cache this GPU kind's last call left (bench/compile_cache/<gpu>/), and where this call's goes
+GPU_NAME=cpu
+command -v nvidia-smi > /dev/null && GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+GPU_SLUG=$(echo "${GPU_NAME:-cpu}" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
+CACHE_IN=$ROOT/bench/compile_cache/$GPU_SLUG
+[ -f "$CACHE_IN/manifest.json" ] && export LOOM_COMPILE_CACHE_LOAD=$CACHE_IN
+export LOOM_COMPILE_CACHE_SAVE=$DIR/compile_cache
+say "compile cache: ${LOOM_COMPILE_CACHE_LOAD:-none for $GPU_SLUG (a cold call)} -> $LOOM_COMPILE_CACHE_SAVE"
 VERSIONS_S=15; [ $SMOKE = 1 ] && VERSIONS_S=120
 run_step versions $VERSIONS_S "$PY" - "$DIR/versions.json" ${TT_ARGS[@]+"${TT_ARGS[@]}"} <<'EOF'
 import json, os, platform, subprocess, sys
@@ -224,6 +256,16 @@ for flag, spec in zip(args[::2], args[1::2]):  # --pythonpath torchtitan-X=DIR: 
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
     out[fw] = r.stdout.strip() or r.stderr.strip()[-300:]
 out.setdefault("torchtitan (default path)", v("torchtitan"))
+cache = os.environ.get("LOOM_COMPILE_CACHE_LOAD")  # what the steps will load: its key checked, nothing loaded here
+if cache:
+    sys.path.insert(0, os.getcwd())
+    from loom import compile_cache
+    manifest = compile_cache.read_manifest(cache) or {}
+    differ = compile_cache.key_mismatch(manifest.get("key", {}), compile_cache.current_key())
+    out["compile_cache"] = (f"refused: {cache} was made for another machine ({'; '.join(differ)})" if differ else
+                            f"warm: {cache}, {len(manifest.get('entries', {}))} blobs compiled at {manifest.get('commit')}")
+else:
+    out["compile_cache"] = "cold: no committed cache for this GPU kind"
 try:
     out["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                                        capture_output=True, text=True).stdout.strip()
@@ -233,78 +275,86 @@ open(sys.argv[1], "w").write(json.dumps(out, indent=1) + "\n")
 print(json.dumps(out))
 EOF
 
-# --- the measurements --------------------------------------------------------------------------------------
-FW=loom,transformers+liger,torchtitan-0.3.0,torchtitan-0.2.2,transformers
+# --- the measurements, in the order of what they are worth ---------------------------------------------------
+PROFILE_FOR=bench/results/h200-2026-11-26/profile.json  # the committed profile of each GPU kind (H200 only so far)
+case $GPU_SLUG in *h200*|cpu) ;; *) PROFILE_FOR= ;; esac
+if [ -n "$PROFILE_FOR" ]; then
+  run_step predict 30 "$PY" bench/plan_device_rows.py --profile "$PROFILE_FOR" --out "$DIR/predictions.json"
+else
+  skip_step predict "n/a: no committed hardware profile for $GPU_NAME (the profile step makes one)"
+fi
+TT030=torchtitan-0.3.0
 if [ $SMOKE = 1 ]; then
-  skip_step gpu_tests "--smoke: the tests marked gpu need a CUDA device"
+  # the same steps on the CPU at tiny shapes (2 + 1 steps); loom's rows of a shape in one process, as on the GPU
   TRAIN=(bench/gpu_train.py --smoke --in-process)
   [ $REHEARSE = 1 ] && TRAIN=(bench/gpu_train.py --smoke --row-timeout 300)
-  # ceilings only (a loaded 2-core machine is slow to import torch); tiny work, a minute or less in all
-  X=1; [ $REHEARSE = 1 ] && X=2  # a process per row, torch's CUDA build to import: slower than the smoke
-  run_step train_1b $((240 * X)) "$PY" "${TRAIN[@]}" --frameworks $FW ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_1b.json"
-  run_step packed_1b $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --loss-chunk 0 --doc-len 12 \
-    --out "$DIR/gpu_train_packed_1b.json"
-  skip_step eager_1b "--smoke: train_1b's loom rows already run eager on the CPU (loom compiles on a GPU only)"
-  run_step train_3b $((240 * X)) "$PY" "${TRAIN[@]}" --frameworks $FW ${TT_ARGS[@]+"${TT_ARGS[@]}"} --recompute full \
-    --out "$DIR/gpu_train_3b.json"
-  run_step moe $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --models tiny-moe --loss-chunk 16 \
-    --out "$DIR/gpu_train_moe.json"
-  # the 7B rows at the tiny shape (their 7B shape is checked on the meta device by tests/test_bench_gpu_train.py)
-  run_step train_7b $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --recompute full --loss-chunk 16 \
-    --out "$DIR/gpu_train_7b.json"
-  run_step fp8_7b $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --recompute full --fp8 rowwise --loss-chunk 16 \
-    --out "$DIR/gpu_train_fp8_7b.json"
-  for step in train_7b_auto fp8_7b_auto fp8_7b_tw; do
-    skip_step $step "--smoke: tests/test_bench_gpu_train.py runs --recompute auto --micro-batch 1 on the tiny shape"
-  done
+  X=1; [ $REHEARSE = 1 ] && X=2  # ceilings only: a loaded 2-core machine is slow to import torch
+  run_step train_1b $((240 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --variant train_1b:loss_chunk=0,16 \
+    --variant eager_1b:loss_chunk=0:compile=false --variant packed_1b:loss_chunk=0:doc_len=12 --out "$DIR/gpu_train_1b.json"
+  # every peer framework's row (the smoke has no torchtitan and no CUDA for Liger: error rows, then the next)
+  run_step titan_1b $((240 * X)) "$PY" "${TRAIN[@]}" --frameworks $TT030,torchtitan-0.2.2,transformers+liger,transformers \
+    ${TT_ARGS[@]+"${TT_ARGS[@]}"} --variant train_1b: --out "$DIR/gpu_train_titan_1b.json"
+  run_step train_7b_auto $((240 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --loss-chunk 16 --recompute auto \
+    --micro-batch 1 --variant train_7b_auto: --variant fp8_7b_auto:fp8=rowwise --out "$DIR/gpu_train_7b_auto.json"
+  skip_step generate_paged "--smoke: tests/test_bench_generate_gpu.py runs generate_gpu.py --smoke on paged keys"
+  run_step generate $((240 * X)) "$PY" bench/generate_gpu.py --smoke --kv slab --out "$DIR/generate_gpu.json"
+  run_step rl $((120 * X)) "$PY" bench/rl_gpu.py --smoke --out "$DIR/rl_gpu.json"
   # loom plan --profile-hardware has no mode short enough for a smoke run (--quick: about 40 s of CPU on
   # 2 cores): started, then cut off by its timeout, which is also what this run checks of a step that overruns.
   run_step profile 5 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json" --quick
-  run_step generate $((240 * X)) "$PY" bench/generate_gpu.py --smoke --kv slab --out "$DIR/generate_gpu.json"
-  skip_step generate_paged "--smoke: tests/test_bench_generate_gpu.py runs generate_gpu.py --smoke on paged keys"
-  run_step rl $((120 * X)) "$PY" bench/rl_gpu.py --smoke --out "$DIR/rl_gpu.json"
+  run_step train_3b $((240 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --recompute full --variant train_3b:loss_chunk=0,16 \
+    --out "$DIR/gpu_train_3b.json"
+  skip_step titan_3b "--smoke: titan_1b's smoke runs the same rows"
+  run_step moe $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --models tiny-moe --loss-chunk 16 --variant moe: \
+    --out "$DIR/gpu_train_moe.json"
   skip_step serve "--smoke: tests/test_bench_serve_load.py runs serve_load.py --smoke"
+  skip_step gpu_tests "--smoke: the tests marked gpu need a CUDA device"
+  run_step train_7b $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --recompute full --loss-chunk 16 \
+    --variant train_7b: --variant fp8_7b:fp8=rowwise --out "$DIR/gpu_train_7b.json"
+  skip_step liger_1b "--smoke: titan_1b's smoke runs transformers+liger"
 else
+  TRAIN=(bench/gpu_train.py --kernels 15 --in-process)  # loom's rows, each with its top kernels of one profiled step
+  PEER=(bench/gpu_train.py --kernels 15 --row-timeout 100)  # a peer's row in its own process
+  run_step train_1b 150 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 --frameworks loom \
+    --variant train_1b:loss_chunk=0,8192 --variant eager_1b:loss_chunk=0:compile=false \
+    --variant packed_1b:loss_chunk=0:doc_len=1024 --out "$DIR/gpu_train_1b.json"
+  run_step titan_1b 110 "$PY" "${PEER[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 --frameworks $TT030 \
+    ${TT_ARGS[@]+"${TT_ARGS[@]}"} --variant train_1b: --out "$DIR/gpu_train_titan_1b.json"
+  MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  SEVEN=(--models llama2-7b --seqs 4096 --tokens-per-step 8192 --steps 3 --warmup 2 --frameworks loom --loss-chunk 8192)
+  if [ "${MEM:-0}" -ge 130000 ]; then  # an H200's 141 GB; one H100's 80 GB does not hold 7B's fp32 states and moments
+    run_step train_7b_auto 240 "$PY" "${TRAIN[@]}" "${SEVEN[@]}" --recompute auto --micro-batch 1 \
+      --variant train_7b_auto: --variant fp8_7b_auto:fp8=rowwise --variant fp8_7b_tw:fp8=tensorwise \
+      --out "$DIR/gpu_train_7b_auto.json"
+  else
+    skip_step train_7b_auto "n/a: ${MEM:-?} MiB of GPU memory; the 7B rows need an H200"
+  fi
+  run_step generate_paged 100 "$PY" bench/generate_gpu.py --kv paged --batches 1,64,256 --new 32 --repeats 2 --no-hf \
+    --out "$DIR/generate_gpu_paged.json"
+  PROFILE=()
+  [ -n "$PROFILE_FOR" ] && PROFILE=(--profile "$PROFILE_FOR")
+  run_step generate 80 "$PY" bench/generate_gpu.py --kv slab --batches 1,64 --new 32 --repeats 2 \
+    ${PROFILE[@]+"${PROFILE[@]}"} --out "$DIR/generate_gpu.json"
+  run_step rl 120 "$PY" bench/rl_gpu.py --warmup 1 --steps 2 --timeout 115 --out "$DIR/rl_gpu.json"
+  run_step profile 60 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json"
+  run_step train_3b 120 "$PY" "${TRAIN[@]}" --models llama3.2-3b --seqs 8192 --steps 3 --warmup 2 --frameworks loom \
+    --variant train_3b:loss_chunk=0,8192 --out "$DIR/gpu_train_3b.json"
+  run_step titan_3b 110 "$PY" "${PEER[@]}" --models llama3.2-3b --seqs 8192 --steps 3 --warmup 2 --frameworks $TT030 \
+    ${TT_ARGS[@]+"${TT_ARGS[@]}"} --variant train_3b: --out "$DIR/gpu_train_titan_3b.json"
+  run_step moe 100 "$PY" "${TRAIN[@]}" --models qwen3-30b-a3b-4l --seqs 4096 --steps 5 --warmup 2 --frameworks loom \
+    --loss-chunk 8192 --variant moe: --out "$DIR/gpu_train_moe.json"
+  run_step serve 100 "$PY" bench/serve_load.py --shape llama3.2-1b --clients 32 --rounds 2 --max-tokens 64 \
+    --out "$DIR/serve_load.json"
   # only the files that mark tests gpu: collecting the whole folder took most of the step's 90 s on an H200
   GPU_TEST_FILES=$(grep -l "mark\.gpu" tests/test_*.py)
   run_step gpu_tests 90 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider --continue-on-collection-errors $GPU_TEST_FILES
-  TRAIN=(bench/gpu_train.py --row-timeout 100 --kernels 15)  # + each row's top kernels of one profiled step
-  run_step train_1b 200 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 \
-    --frameworks loom,transformers+liger,torchtitan-0.3.0 ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_1b.json"
-  # packed rows (SFT packing, data.document_mask): documents of 512-1536 tokens; compare with train_1b's plain row
-  run_step packed_1b 60 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 --frameworks loom \
-    --loss-chunk 0 --doc-len 1024 --out "$DIR/gpu_train_packed_1b.json"
-  # train_1b's plain loom row without torch.compile: the eager layer of every loom layout with tp, pp or cp > 1
-  run_step eager_1b 90 "$PY" "${TRAIN[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 --frameworks loom \
-    --loss-chunk 0 --no-compile --out "$DIR/gpu_train_eager_1b.json"
-  run_step train_3b 150 "$PY" "${TRAIN[@]}" --models llama3.2-3b --seqs 8192 --steps 3 --warmup 2 \
-    --frameworks loom,torchtitan-0.3.0 ${TT_ARGS[@]+"${TT_ARGS[@]}"} --out "$DIR/gpu_train_3b.json"
-  # MoE (issue 40): Qwen3-30B-A3B cut to 4 layers, grouped GEMM on Hopper in bf16; beside train_1b's dense rows
-  run_step moe 150 "$PY" "${TRAIN[@]}" --models qwen3-30b-a3b-4l --seqs 4096 --steps 5 --warmup 2 --frameworks loom \
-    --loss-chunk 8192 --out "$DIR/gpu_train_moe.json"
-  # Llama 2 7B shape (issue 39; NeMo's figure): loom only, full recompute, the memory-light loss, bf16 then fp8
-  TRAIN7=(bench/gpu_train.py --row-timeout 118 --kernels 15 --models llama2-7b --seqs 4096 --tokens-per-step 8192 --steps 3
-          --warmup 2 --frameworks loom --recompute full --loss-chunk 8192)
-  run_step train_7b 120 "$PY" "${TRAIN7[@]}" --out "$DIR/gpu_train_7b.json"
-  run_step fp8_7b 120 "$PY" "${TRAIN7[@]}" --fp8 rowwise --out "$DIR/gpu_train_fp8_7b.json"
-  # the same 8192 tokens a step as loom plan lays them out on one H200 (issue 39 item 5): two micro-batches of 1,
-  # recompute.mode=auto instead of full recomputation (loom memory: 25 of 32 layers kept whole at micro-batch 1)
-  TRAIN7A=(bench/gpu_train.py --row-timeout 118 --kernels 15 --models llama2-7b --seqs 4096 --tokens-per-step 8192
-           --steps 3 --warmup 2 --frameworks loom --recompute auto --micro-batch 1 --loss-chunk 8192)
-  run_step train_7b_auto 120 "$PY" "${TRAIN7A[@]}" --out "$DIR/gpu_train_7b_auto.json"
-  run_step fp8_7b_auto 120 "$PY" "${TRAIN7A[@]}" --fp8 rowwise --out "$DIR/gpu_train_fp8_7b_auto.json"
-  run_step fp8_7b_tw 120 "$PY" "${TRAIN7A[@]}" --fp8 tensorwise --out "$DIR/gpu_train_fp8_7b_tw_auto.json"
-  run_step profile 60 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json"
-  PROFILE=()
-  [ -f "$DIR/profile.json" ] && PROFILE=(--profile "$DIR/profile.json")
-  # the engine's default keys and values (the slab), then paged blocks at batch 64 (issue 37)
-  run_step generate 120 "$PY" bench/generate_gpu.py --kv slab --batches 1,64 --new 32 --repeats 2 \
-    ${PROFILE[@]+"${PROFILE[@]}"} --out "$DIR/generate_gpu.json"
-  run_step generate_paged 150 "$PY" bench/generate_gpu.py --kv paged --batches 1,64,256 --new 32 --repeats 2 --no-hf \
-    --out "$DIR/generate_gpu_paged.json"
-  run_step rl 150 "$PY" bench/rl_gpu.py --warmup 1 --steps 2 --timeout 140 --out "$DIR/rl_gpu.json"
-  # loom serve under 32 concurrent streaming clients, the 1B shape with random weights (issue 41)
-  run_step serve 120 "$PY" bench/serve_load.py --shape llama3.2-1b --clients 32 --rounds 2 --max-tokens 64 \
-    --out "$DIR/serve_load.json"
+  if [ "${MEM:-0}" -ge 130000 ]; then
+    run_step train_7b 200 "$PY" "${TRAIN[@]}" "${SEVEN[@]}" --recompute full --variant train_7b: \
+      --variant fp8_7b:fp8=rowwise --out "$DIR/gpu_train_7b.json"
+  else
+    skip_step train_7b "n/a: ${MEM:-?} MiB of GPU memory; the 7B rows need an H200"
+  fi
+  run_step liger_1b 100 "$PY" "${PEER[@]}" --models llama3.2-1b --seqs 4096 --steps 5 --warmup 2 \
+    --frameworks transformers+liger --variant train_1b: --out "$DIR/gpu_train_liger_1b.json"
 fi
 exit 0

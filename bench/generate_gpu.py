@@ -68,6 +68,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import loom  # noqa: E402
+from loom import compile_cache  # noqa: E402
 from loom.infer.engine import Engine  # noqa: E402
 from loom.infer.sampling import SamplingParams  # noqa: E402
 from loom.provenance import stamp  # noqa: E402
@@ -262,6 +263,7 @@ def main(argv=None) -> int:
                     help="per batch, the top N kernels of one profiled generation by device time (0: none)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    compile_cache.activate("generate_gpu")  # LOOM_COMPILE_CACHE_LOAD / _SAVE (bench/DEVICE.md)
     if args.smoke:
         shape, device, dtype, compile_mode = "tiny", torch.device("cpu"), torch.float32, False
         args.batches, args.new, args.prompt, args.repeats = "1,4", 8, 12, 1
@@ -349,6 +351,7 @@ def main(argv=None) -> int:
             if "eager_decode_step_ms" in row:
                 row["decode_error_eager"] = round(row["decode_step_predicted_ms"] / row["eager_decode_step_ms"] - 1, 4)
         rows.append(row)
+        compile_cache.save_active()  # a later batch's cut-off keeps this one's compiled kernels
         print(json.dumps(row), flush=True)
         result["rows"] = rows
         write(args.out, result)

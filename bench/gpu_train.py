@@ -50,6 +50,10 @@ No number is estimated: only what ran is reported.
 
 from __future__ import annotations
 
+import time
+
+PROCESS_START = time.perf_counter()  # before torch's import: a row's `timing_started_s` counts from here
+
 import argparse
 import contextlib
 import copy
@@ -62,7 +66,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -71,6 +74,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from loom import compile_cache  # noqa: E402
 from loom.config import ModelConfig  # noqa: E402
 from loom.flops import train_flops_per_token  # noqa: E402
 
@@ -207,6 +211,7 @@ def time_steps(step, device, steps: int, warmup: int) -> dict:
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter() - PROCESS_START  # the carried compile cache's target: the 1B row within 30 s
     times, losses = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -218,7 +223,7 @@ def time_steps(step, device, steps: int, warmup: int) -> dict:
         raise RuntimeError(f"non-finite loss: {losses}")
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     out = {"step_s": sorted(times)[len(times) // 2], "step_times_s": times, "loss": losses[-1],
-           "peak_memory_gib": peak}
+           "peak_memory_gib": peak, "timing_started_s": round(started, 2)}
     if KERNELS and device.type == "cuda":  # one more step under the profiler: where its device time went
         out["device_time"] = profiled_step(step, device, KERNELS)
     return out
@@ -728,6 +733,9 @@ def run_row(row: Row, device, args) -> dict:
     else:
         kind, setting = loom_loss(row.loss_chunk)
         out.update(loss_kind=kind, loss_setting=setting)
+    if getattr(args, "variant_name", None):
+        out["row"] = args.variant_name
+    hits0, t0 = compile_cache.hits(), time.perf_counter()
     try:
         if args.fp8 != "off" and row.framework != "loom":
             raise RuntimeError(f"--fp8 {args.fp8} is loom's train.fp8; {row.framework} runs without it here")
@@ -742,6 +750,10 @@ def run_row(row: Row, device, args) -> dict:
     except Exception as exc:  # one framework failing does not stop the others
         out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         out["traceback"] = traceback.format_exc()[-3000:]
+    out["row_s"] = round(time.perf_counter() - t0, 2)  # build + compile + warm-up + timed steps
+    hits1 = compile_cache.hits()
+    out["compile_cache"] = {k: hits1[k] - hits0[k] for k in hits1}
+    compile_cache.save_active()  # a later row's cut-off keeps this one's artifacts
     return out
 
 
@@ -762,6 +774,8 @@ def child_argv(row: Row, args, out: Path) -> list[str]:
         argv.append("--torchtitan-compile")
     if args.cpu:
         argv.append("--cpu")
+    if getattr(args, "variant_name", None):
+        argv += ["--variant", f"{args.variant_name}:"]  # the name only: the child gets the settings as flags
     return argv
 
 
@@ -785,9 +799,40 @@ def run_row_in_child(row: Row, args, pythonpaths: dict[str, str]) -> tuple[dict,
     head = row.head(args)
     kind, setting = loom_loss(row.loss_chunk) if row.framework == "loom" else LOSS[row.framework]
     head.update(loss_kind=kind, loss_setting=setting)
+    if getattr(args, "variant_name", None):
+        head["row"] = args.variant_name
     head["error"] = (f"timed out after --row-timeout {args.row_timeout} s" if code is None
                      else f"its process exited {code} without a result")
     return head, None
+
+
+FIXED = ("variant", "out", "child", "in_process", "smoke", "cpu", "pythonpath", "row_timeout")
+
+
+def variants(args) -> list[argparse.Namespace]:
+    """--variant NAME:KEY=VALUE:...: copies of `args` with those options changed (typed as their defaults),
+    each named; no --variant: `args` alone."""
+    out = []
+    for spec in args.variant:
+        name, _, rest = spec.partition(":")
+        v = argparse.Namespace(**{**vars(args), "variant_name": name})
+        for item in filter(None, rest.split(":")):
+            key, sep, text = item.partition("=")
+            if not sep or key not in vars(args) or key in FIXED:
+                allowed = sorted(set(vars(args)) - set(FIXED))
+                raise SystemExit(f"--variant {spec!r}: {item!r} is not KEY=VALUE with KEY one of {allowed}")
+            default = vars(args)[key]
+            if isinstance(default, bool):
+                if text not in ("true", "false"):
+                    raise SystemExit(f"--variant {spec!r}: {key} takes true or false, not {text!r}")
+                value = text == "true"
+            else:
+                value = type(default)(text) if default is not None else text
+            setattr(v, key, value)
+        if args.smoke and v.models != args.models:
+            raise SystemExit(f"--variant {spec!r}: --smoke runs the tiny shape only")
+        out.append(v)
+    return out or [args]
 
 
 def write(path: str | None, report: dict) -> None:
@@ -838,6 +883,10 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shape, CPU, 2 steps: checks the script runs")
     ap.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # children of a --smoke run
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one row, in this process
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE:...",
+                    help="run the planned rows with these settings (this script's option names with _, e.g. "
+                    "eager_1b:loss_chunk=0:compile=false), each result named NAME in its `row`; repeatable, in "
+                    "order; with --in-process every variant shares one process (one torch import, one CUDA context)")
     ap.add_argument("--out", default=None, help="write the JSON report here (rewritten after every row)")
     args = ap.parse_args(argv)
     global KERNELS
@@ -848,6 +897,7 @@ def main(argv=None) -> int:
         if args.loss_chunk == ap.get_default("loss_chunk"):
             args.loss_chunk = "0,16"
         args.cpu = True
+    runs = variants(args)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     pythonpaths = {}
     for item in args.pythonpath:
@@ -857,20 +907,21 @@ def main(argv=None) -> int:
         pythonpaths[fw] = str(Path(path).resolve())
     if args.recompute == "auto" and set(args.frameworks.split(",")) - {"loom"}:
         raise SystemExit("--recompute auto is loom's recompute.mode=auto: give --frameworks loom")
-    rows = plan_rows(args)
+    rows = [(v, row) for v in runs for row in plan_rows(v)]
     parent = not (args.child or args.in_process)  # keeps off the GPU: its children report the machine
     command = " ".join(sys.argv if argv is None else ["bench/gpu_train.py", *argv])
     report = {"machine": machine(torch.device("cpu") if parent else device), "command": command,
               "peak_tflops": args.peak_tflops, "tokens_per_step": args.tokens_per_step,
               "pythonpath": pythonpaths, "runs": []}
     write(args.out, report)
-    for row in rows:
+    compile_cache.activate("gpu_train")  # LOOM_COMPILE_CACHE_LOAD / _SAVE (bench/DEVICE.md)
+    for v, row in rows:
         if parent:
-            result, seen = run_row_in_child(row, args, pythonpaths)
+            result, seen = run_row_in_child(row, v, pythonpaths)
             if seen and report["machine"]["device"] == "cpu":
                 report["machine"] = seen
         else:
-            result = run_row(row, device, args)
+            result = run_row(row, device, v)
         report["runs"].append(result)
         write(args.out, report)
         if not args.child:
