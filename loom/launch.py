@@ -43,15 +43,25 @@ def launch(cfg: Config, command: list[str], overrides: list[str], nproc: int, nn
         raise UserError(f"--node-rank={node_rank} must be in 0..{nnodes - 1}")
     if nnodes > 1 and not rdzv_endpoint:
         raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the address of node 0, reachable by all)")
-    inferred = infer_dp_shard(cfg.parallel, nproc * nnodes)
-    if inferred:
-        cfg.parallel.dp_shard = inferred[0]
-        overrides = [*overrides, f"parallel.dp_shard={inferred[0]}"]
-        print(f"loom {command[0]}: {inferred[1]}", file=sys.stderr, flush=True)
-    check_layout(cfg, nproc * nnodes, recipe=recipe)
-    if prepare_data is not None:
-        prepare_data()
-    return start_workers(command, overrides, nproc, nnodes, node_rank, rdzv_endpoint, max_restarts)
+    from loom.train.control import LAUNCHED_AT
+
+    started = os.environ.get(LAUNCHED_AT)
+    os.environ[LAUNCHED_AT] = repr(time.time())  # the workers' train.exit_after_minutes counts from here
+    try:
+        inferred = infer_dp_shard(cfg.parallel, nproc * nnodes)
+        if inferred:
+            cfg.parallel.dp_shard = inferred[0]
+            overrides = [*overrides, f"parallel.dp_shard={inferred[0]}"]
+            print(f"loom {command[0]}: {inferred[1]}", file=sys.stderr, flush=True)
+        check_layout(cfg, nproc * nnodes, recipe=recipe)
+        if prepare_data is not None:
+            prepare_data()
+        return start_workers(command, overrides, nproc, nnodes, node_rank, rdzv_endpoint, max_restarts)
+    finally:
+        if started is None:
+            os.environ.pop(LAUNCHED_AT, None)
+        else:
+            os.environ[LAUNCHED_AT] = started
 
 
 def start_workers(command: list[str], overrides: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,

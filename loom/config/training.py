@@ -71,10 +71,17 @@ class TrainConfig(Section):
     # data.tokenizer names one with the same vocabulary, the tokenizer come from it; optimizer and step
     # start fresh. Empty: random initialisation from train.seed.
     init_from: str = ""
+    # Stop before a scheduler's wall-clock limit (Megatron's --exit-duration-in-mins / --exit-interval): after the
+    # first optimizer step at which this launch has run this many minutes (from the start of `loom train`) or taken
+    # this many steps, save a checkpoint, print the command that resumes and exit 0. Counted per launch, so the
+    # printed command runs another slice as long. 0: off.
+    exit_after_minutes: float = 0.0
+    exit_after_steps: int = 0
 
     def validate(self) -> None:
         positive("train", self, "steps", "global_batch", "micro_batch", "seq_len", "eval_samples", "log_interval")
-        non_negative("train", self, "eval_interval", "threads", "max_skipped_consecutive")
+        non_negative("train", self, "eval_interval", "threads", "max_skipped_consecutive", "exit_after_steps")
+        finite_non_negative("train", self, "exit_after_minutes")
         if self.loss_chunk != "auto" and self.loss_chunk < 0:
             raise UserError(f"train.loss_chunk={self.loss_chunk} must be >= 0 (0: the whole micro-batch's logits) "
                             "or auto")

@@ -1,4 +1,5 @@
-"""Run control: resuming, signals, when to checkpoint, and what to say when a run diverges or stops.
+"""Run control: resuming, signals and early exits, when to checkpoint, and what to say when a run diverges or
+stops.
 
 Everything here decides *whether* and *when*; the step runners (steps.py) decide *how* a step runs.
 """
@@ -7,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -19,7 +22,13 @@ from loom.errors import UserError
 from loom.parallel.distributed import full_tensor
 from loom.train.checkpoint import Checkpointer, TrainState, list_checkpoints, verify_everywhere
 
-STOP_RECORD = "stopped.json"  # the main rank writes it after a signal stop's checkpoint is complete (launch.py reads it)
+STOP_RECORD = "stopped.json"  # the main rank writes it after an early stop's checkpoint is complete (launch.py reads it)
+LAUNCHED_AT = "LOOM_LAUNCHED_AT"  # the launcher's start (time.time()), passed to its workers: train.exit_after_minutes
+
+
+def launch_time() -> float:
+    """When this launch began: the launcher's clock when it started workers, else now."""
+    return float(os.environ.get(LAUNCHED_AT) or time.time())
 
 
 def resume(checkpointer: Checkpointer, latest: Path, root: Path, fallback: bool, is_main: bool) -> tuple[TrainState, Path]:
@@ -42,13 +51,38 @@ def resume(checkpointer: Checkpointer, latest: Path, root: Path, fallback: bool,
     raise AssertionError("unreachable")
 
 
-class RunControl:
-    """Signals (SIGTERM/SIGINT finish the step, checkpoint and stop), the checkpoint interval, and the
-    stop after `train.max_skipped_consecutive` non-finite steps."""
+def resume_note(saved_steps: int, cfg: Config, step: int) -> str:
+    """What a resume with another train.steps than the checkpoint's run does, in words ("" for the same)."""
+    new, o = cfg.train.steps, cfg.optim
+    if new == saved_steps:
+        return ""
+    lr = ""
+    if o.decay != "constant" and not o.decay_steps:  # lr_at decays over train.steps - warmup
+        old_decay, new_decay = max(1, saved_steps - o.warmup_steps), max(1, new - o.warmup_steps)
+        lr = (f"; the learning rate now decays over {new_decay} steps, not {old_decay} (set "
+              f"optim.decay_steps={old_decay} to keep the checkpoint's schedule)")
+    if new > saved_steps:
+        return (f"note: train.steps={new} extends the checkpoint's run of {saved_steps} steps: steps {step + 1}..{new} "
+                f"read what a run planned for {new} steps reads (the data order does not depend on train.steps){lr}")
+    if step >= new:
+        return (f"note: train.steps={new} shrinks the checkpoint's run of {saved_steps} steps, and the checkpoint is "
+                f"at step {step}: nothing is left to train")
+    return (f"note: train.steps={new} shrinks the checkpoint's run of {saved_steps} steps: it now stops after step "
+            f"{new}; steps {step + 1}..{new} read what they would have read{lr}")
 
-    def __init__(self, cfg: Config, layout, device: torch.device):
+
+class RunControl:
+    """Signals (SIGTERM/SIGINT finish the step, checkpoint and stop), the early exits (`train.exit_after_minutes`,
+    `train.exit_after_steps`: the same), the checkpoint interval, and the stop after
+    `train.max_skipped_consecutive` non-finite steps."""
+
+    def __init__(self, cfg: Config, layout, device: torch.device, started: float | None = None):
+        """`started`: when this launch began (time.time(); `launch_time`), for train.exit_after_minutes."""
         self.cfg, self.layout, self.device = cfg, layout, device
+        self.started = time.time() if started is None else started
         self.stop_signal: int | None = None
+        self.stop_reason = ""  # why the run stops early, in words
+        self.steps_taken = 0  # by this launch
         self.skipped_steps = self.skipped_in_a_row = 0
 
     @contextlib.contextmanager
@@ -71,14 +105,32 @@ class RunControl:
                 signal.signal(sig, handler)
 
     def stop_requested(self, beacon, step: int) -> bool:
-        """A SIGTERM/SIGINT arrived (on any rank): every rank stops after the same step."""
-        flag = torch.tensor(1.0 if self.stop_signal is not None else 0.0, device=self.device)
+        """Whether to stop after `step`: a SIGTERM/SIGINT arrived, or this launch reached train.exit_after_minutes
+        (on any rank: the clocks are folded into the step's one stop check), or train.exit_after_steps (the same
+        count on every rank). Every rank stops after the same step; the last step of the run is no early exit."""
+        t = self.cfg.train
+        self.steps_taken += 1
+        minutes = (time.time() - self.started) / 60
+        late = bool(t.exit_after_minutes) and minutes >= t.exit_after_minutes
+        flag = torch.tensor(2.0 if self.stop_signal is not None else 1.0 if late else 0.0, device=self.device)
         if self.layout.distributed:
             beacon.mark(f"step {step}: stop check")
             import torch.distributed as dist
 
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        verdict = int(flag.item())
+        if verdict == 2:
+            self.stop_reason = f"signal {self.stop_signal or 'on another rank'}"
+        elif step >= t.steps:
+            return False
+        elif verdict == 1:
+            self.stop_reason = (f"train.exit_after_minutes={t.exit_after_minutes:g} ({minutes:.2f} minutes since the "
+                                f"launch{'' if late else ' on this rank; reached on another'})")
+        elif t.exit_after_steps and self.steps_taken >= t.exit_after_steps:
+            self.stop_reason = f"train.exit_after_steps={t.exit_after_steps} ({self.steps_taken} steps in this launch)"
+        else:
+            return False
+        return True
 
     def count_step(self, finite: bool) -> None:
         """Book a step: a non-finite one is skipped (no update; its batch counts as consumed)."""

@@ -38,14 +38,14 @@ from loom.data.indexed import fingerprint
 from loom.data.dataset import Dataset, first_passes
 from loom.data.tokenizer import load_tokenizer
 from loom.errors import TrainingDiverged, UserError
-from loom.models.io import TOKENIZER_FILES, atomic_write_text, copy_tokenizer_files
+from loom.models.io import TOKENIZER_FILES, atomic_write_text, copy_tokenizer_files, read_config
 from loom.models.lora import trainable_count
 from loom.models.moe import step_stats, update_router_biases
 from loom.parallel import place_in_mesh, rng
 from loom.parallel.distributed import all_reduce_sum, clip_grad_norm, init_distributed, pick_device
 from loom.train.banner import banner
 from loom.train.checkpoint import Checkpointer, TrainState, latest_checkpoint
-from loom.train.control import STOP_RECORD, RunControl, is_finite, resume
+from loom.train.control import STOP_RECORD, RunControl, is_finite, launch_time, resume, resume_note
 from loom.train.evaluate import Evaluator
 from loom.train.hang import Beacon
 from loom.train.host_memory import keep_freed_memory, return_freed_memory
@@ -71,6 +71,7 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, quiet: bool = False,
                  recipe: Recipe | None = None):
         """`recipe`: what this run trains (recipe.py); pre-training's by default."""
+        self.started = launch_time()  # train.exit_after_minutes counts from here (or from the launcher's start)
         self.recipe = recipe or Recipe()
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir else cfg.default_run_dir()
@@ -148,7 +149,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.evaluator = Evaluator(self.runner, self.val_data, self.tokenizer, t.micro_batch)
         self.batches = BatchPrefetcher(self.rank_batch, pin=self.device.type == "cuda", background=cfg.data.prefetch)
-        self.control = RunControl(cfg, self.layout, self.device)
+        self.control = RunControl(cfg, self.layout, self.device, self.started)
 
         self.state = TrainState()
         self.tokenizer_path = self.run_dir / "tokenizer.json"
@@ -166,6 +167,8 @@ class Trainer:
             self.state, resume_from = resume(self.checkpointer, resume_from, self.ckpt_root, cfg.checkpoint.fallback,
                                              self.is_main)
         self.resumed_from = resume_from
+        # A resume with another train.steps: what it reads and how the schedule changes, said at the start.
+        self.resume_note = resume_note(read_config(resume_from).train.steps, cfg, self.state.step) if resume_from else ""
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             source = self.tokenizer.path
@@ -334,7 +337,7 @@ class Trainer:
                         # save commits here; an asynchronous one at the first step after its write finished.
                         self.checkpointer.poll()
                         if stop:
-                            self._stop_by_signal(step)
+                            self._stop_early(step)
                             break
                     self.checkpointer.wait()  # the last checkpoint is complete before the run ends
             finally:
@@ -368,6 +371,8 @@ class Trainer:
             progress.message(line)
         if resumed:
             progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
+            if self.resume_note and self.is_main:  # always shown, whatever the progress setting
+                print(self.resume_note, file=sys.stderr, flush=True)
         elif t.init_from:
             progress.message(f"weights from train.init_from={t.init_from}")
         report = Reporter(metrics, progress, self.ckpt_root, self.cfg.checkpoint.async_save,
@@ -380,7 +385,7 @@ class Trainer:
         last = self.train_data.batch(self.state.consumed_samples - t.global_batch, t.micro_batch)
         raise TrainingDiverged(self.control.diagnose(self.model, self.runner, last, step))
 
-    def _stop_by_signal(self, step: int) -> None:
+    def _stop_early(self, step: int) -> None:
         self.checkpointer.wait()
         self.stopped_at = step
         self._announce_stop()
@@ -398,7 +403,8 @@ class Trainer:
     def _announce_stop(self) -> None:
         if self.is_main:  # always shown, whatever the progress setting
             atomic_write_text(self.run_dir / STOP_RECORD, json.dumps(
-                {"step": self.state.step, "signal": self.control.stop_signal, "resume_command": self.resume_command()}))
-            print(f"stopped by signal {self.control.stop_signal or 'on another rank'} after step "
-                  f"{self.state.step}; checkpoint saved. Resume with: {self.resume_command()}",
-                  file=sys.stderr, flush=True)
+                {"step": self.state.step, "signal": self.control.stop_signal, "reason": self.control.stop_reason,
+                 "resume_command": self.resume_command()}))
+            how = "by" if self.control.stop_reason.startswith("signal") else "at"
+            print(f"stopped {how} {self.control.stop_reason} after step {self.state.step}; checkpoint saved. "
+                  f"Resume with: {self.resume_command()}", file=sys.stderr, flush=True)
