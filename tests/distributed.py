@@ -68,14 +68,46 @@ def run_ranks(world: int, fn, *args) -> list:
     return [results[r] for r in range(world)]
 
 
+def release_groups() -> int:
+    """Destroy every process group but the default one; returns how many. Each gloo group a layout's device mesh
+    makes holds its own threads for the life of the process, so a rank that runs many layouts would otherwise
+    gather hundreds of them (issue 53: over 1,000 threads in one rank during the MoE matrix)."""
+    import torch
+    from torch.distributed.distributed_c10d import GroupMember, _world
+
+    groups = [pg for pg in list(_world.pg_map) if pg is not GroupMember.WORLD]
+    for pg in groups:
+        dist.destroy_process_group(pg)
+    # DTensor's caches hold meshes equal (by layout) to the next task's, whose groups are now gone
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    for fn in vars(_redistribute).values():
+        if callable(getattr(fn, "cache_clear", None)):
+            fn.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's copy of the same
+    return len(groups)
+
+
 def _pool_worker(rank, world, port, tasks, results):
     _join(rank, world, port)
     while (task := tasks.get()) is not None:
         fn, args = task
         try:
-            results.put((rank, fn(*args), None))
+            value, error = fn(*args), None
         except BaseException:
-            results.put((rank, None, traceback.format_exc()))
+            value, error = None, traceback.format_exc()
+        if error is None:  # every rank ends the task before any destroys a group another rank may still use
+            try:  # (a failed task closes the pool: its error goes out at once, the other ranks may be stuck)
+                dist.barrier()
+                release_groups()
+            except BaseException:
+                error = traceback.format_exc()
+        results.put((rank, value, error))
     dist.destroy_process_group()
     _leave(results)
 

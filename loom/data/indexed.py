@@ -102,7 +102,7 @@ class IndexedDatasetBuilder:
         self._code = dtype_code(self.dtype)
         self.bin_path, self.idx_path = _paths(prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
-        tag = f".tmp-{os.getpid()}-{id(self):x}"
+        self._tag = tag = f".tmp-{os.getpid()}-{id(self):x}"
         self._bin_tmp = self.bin_path.with_name(self.bin_path.name + tag)
         self._idx_tmp = self.idx_path.with_name(self.idx_path.name + tag)
         self._bin = open(self._bin_tmp, "wb")
@@ -151,7 +151,7 @@ class IndexedDatasetBuilder:
             f.write(pointers.astype("<i8").tobytes())
             f.write(doc_index.astype("<i8").tobytes())
         stats = stats_path(str(self.bin_path)[:-4])
-        stats_tmp = stats.with_name(stats.name + ".tmp")
+        stats_tmp = stats.with_name(stats.name + self._tag)  # per process, as the .bin and .idx: ranks may race
         stats_tmp.write_text(json.dumps({"documents": len(sizes), "tokens": int(sizes.sum()),
                                          "max_token_id": self._max_id, "idx_bytes": self._idx_tmp.stat().st_size,
                                          "bin_bytes": self._bin_tmp.stat().st_size,
