@@ -72,8 +72,8 @@ def cmd_train(args, extra) -> int:
                       args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts, prepare_data=prepare_data,
                       recipe=recipe.command)
         if code == 0 and args.export_hf and args.node_rank == 0:  # the workers' final checkpoint, exported here
-            if (latest := Path(run_dir) / "checkpoints" / "latest").is_file() and \
-                    int(latest.read_text().strip()[5:]) < cfg.train.steps:  # stopped early (a signal, train.exit_after_*)
+            latest = Path(run_dir) / "checkpoints" / "latest"  # before train.steps: a signal, train.exit_after_*
+            if latest.is_file() and int(latest.read_text().strip()[5:]) < cfg.train.steps:
                 print(f"not exported to {args.export_hf}: the run stopped before train.steps={cfg.train.steps}; resume "
                       "it, or export the checkpoint with loom convert", file=sys.stderr)
             else:

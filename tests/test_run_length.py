@@ -125,7 +125,8 @@ def test_exit_after_steps_then_minutes_under_nproc_2(tmp_path):
     the launch passes it, continues at step 3 and stops there (the step count starts again with each launch)."""
     run_dir = tmp_path / "r"
     args = ["train", "--config", "tiny", *[f"--{o}" for o in SMALL], "--train.steps=5", "--parallel.dp_shard=2",
-            "--train.exit_after_steps=2", "--nproc", "2", "--run-dir", str(run_dir), "--export-hf", str(tmp_path / "hf")]
+            "--train.exit_after_steps=2", "--nproc", "2", "--run-dir", str(run_dir),
+            "--export-hf", str(tmp_path / "hf")]
     first = subprocess.run([sys.executable, "-m", "loom.cli", *args], cwd=ROOT, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "stopped at train.exit_after_steps=2 (2 steps in this launch) after step 2; checkpoint saved" in first.stderr

@@ -249,7 +249,8 @@ class SampleDataset(TokenSamples):
         stem = f"{name or pathlib.Path(self.dataset.prefix).name}-{self.cache_key()}"
         meta = {"dataset": str(self.dataset.prefix), "subset": self.dataset.subset_key,
                 "fingerprint": self._fingerprint, "seq_len": self.seq_len,
-                "passes": len(self.pass_ends) - 1, "samples": self.indexed, "seed": self.seed, "epochs": self.num_epochs,
+                "passes": len(self.pass_ends) - 1, "samples": self.indexed, "seed": self.seed,
+                "epochs": self.num_epochs,
                 "documents": len(self.dataset)}
         arrays, self.built, self.cache_paths, self.meta_path = cached_arrays(
             cache_dir, stem, ("doc", "sample", "shuffle"), self._shapes(),

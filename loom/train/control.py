@@ -22,7 +22,7 @@ from loom.errors import UserError
 from loom.parallel.distributed import full_tensor
 from loom.train.checkpoint import Checkpointer, TrainState, list_checkpoints, verify_everywhere
 
-STOP_RECORD = "stopped.json"  # the main rank writes it after an early stop's checkpoint is complete (launch.py reads it)
+STOP_RECORD = "stopped.json"  # the main rank writes it after an early stop's checkpoint is complete (launch.py)
 LAUNCHED_AT = "LOOM_LAUNCHED_AT"  # the launcher's start (time.time()), passed to its workers: train.exit_after_minutes
 
 

@@ -168,7 +168,8 @@ class Trainer:
                                              self.is_main)
         self.resumed_from = resume_from
         # A resume with another train.steps: what it reads and how the schedule changes, said at the start.
-        self.resume_note = resume_note(read_config(resume_from).train.steps, cfg, self.state.step) if resume_from else ""
+        self.resume_note = "" if resume_from is None else resume_note(read_config(resume_from).train.steps, cfg,
+                                                                      self.state.step)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             source = self.tokenizer.path
