@@ -134,7 +134,7 @@ def test_unavailable_when_switched_off_or_unbuildable(monkeypatch, tmp_path, cap
     model = Transformer(ModelConfig(vocab_size=64, hidden=32, layers=1, heads=2, kv_heads=1, ffn_hidden=48,
                                     max_seq_len=32))
     engine = Engine(model, max_batch=2, max_len=16)
-    assert engine.stats["packed_linears"] == 0 and engine._decoder is model and engine.slab.decode_kernel is None
+    assert engine.stats["packed_linears"] == 0 and engine.runner.decoder is model and engine.slab.decode_kernel is None
 
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return
@@ -186,8 +186,8 @@ def test_engine_with_the_kernel_equals_the_engine_without(tmp_path):
         assert max(abs(a - b) for x, y in zip(got, plain) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
     assert type(model.layers["0"].attention.wq) is nn.Linear and type(model.output) is nn.Linear
     shared = {id(p) for p in model.parameters()}
-    assert all(id(p) in shared for p in engine._decoder.parameters())  # norms, embedding: the model's own
-    packed = [m for m in engine._decoder.modules() if isinstance(m, cpu_kernels.PackedLinear)]
+    assert all(id(p) in shared for p in engine.runner.decoder.parameters())  # norms, embedding: the model's own
+    packed = [m for m in engine.runner.decoder.modules() if isinstance(m, cpu_kernels.PackedLinear)]
     originals = set(map(id, model.modules()))
     assert len(packed) == 15 and all(id(m.source[0]) in originals for m in packed)
 

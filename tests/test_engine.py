@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import types
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from engine_ranks import generate_tp
 from loom.cli import main
 from loom.errors import UserError
 from loom.infer.engine import Engine
+from loom.infer.runner import Runner, pick
 from loom.infer.sampling import SamplingParams, sample
 from loom.infer.step import CompiledDecode
 
@@ -104,7 +104,7 @@ def test_prefill_packs_ragged_prompts_without_padding(models):
     engine = Engine(model, max_batch=6, max_len=40)
     # The prefill runs on the model, decode steps on the engine's packed twin (the same module on a CPU
     # without the packed kernel): hook both.
-    for m in {model, engine._decoder}:
+    for m in {model, engine.runner.decoder}:
         m.layers["0"].attention.wq.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
     prompts = ragged_prompts(6, seed=4)
     assert len(set(map(len, prompts))) > 2
@@ -160,19 +160,19 @@ def test_compiled_decode_equals_eager_and_follows_a_refit(models, tmp_path, monk
 
 
 def test_compiled_step_with_the_head_inside_equals_eager(models, monkeypatch):
-    """The GPU's compiled step (`Engine._head_in_step`, forced on here with the CPU's packed twin off) computes
+    """The GPU's compiled step (`Runner._head_in_step`, forced on here with the CPU's packed twin off) computes
     the head, its argmax and log-sum-exp inside the step: no head runs after a decode step, and greedy and
     sampled tokens and log-probs equal the eager engine's (fp32, 1e-5)."""
     _, path = models["llama"]
     prompts = ragged_prompts(6, seed=3)
     params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_new_tokens=6, seed=i) for i in range(6)]
     eager = Engine(loom.load_model(path), max_batch=4, max_len=48, cpu_kernel=False).generate(prompts, params)
-    monkeypatch.setattr(Engine, "_head_in_step", lambda self: True)
+    monkeypatch.setattr(Runner, "_head_in_step", lambda self: True)
     engine = Engine(loom.load_model(path), max_batch=4, max_len=48, compile=True, cpu_kernel=False)
-    assert engine._compiled.head_in_step
+    assert engine.runner.compiled.head_in_step
     heads, steps = [], []
-    real_head, real_step = Engine._head_logits, CompiledDecode.__call__
-    monkeypatch.setattr(Engine, "_head_logits", lambda self, h: heads.append(h.shape[0]) or real_head(self, h))
+    real_head, real_step = Runner._head_logits, CompiledDecode.__call__
+    monkeypatch.setattr(Runner, "_head_logits", lambda self, h: heads.append(h.shape[0]) or real_head(self, h))
     monkeypatch.setattr(CompiledDecode, "__call__",
                         lambda self, *a: steps.append(out := real_step(self, *a)) or out)
     got = engine.generate(prompts, params)
@@ -200,7 +200,7 @@ def test_bf16_logits_from_the_step_pick_as_their_fp32_copy():
         assert head[0].dtype == x.dtype and head[2].dtype == torch.float32
         gens = [torch.Generator().manual_seed(i) for i in range(5)]
         sampler = Sampler(params, gens, 1, 97, "cpu")
-        picks.append(Engine._pick(None, head, sampler, 0, top=3))
+        picks.append(pick(head, sampler, 0, top=3))
         assert picks[-1][0].data_ptr() != head[1].data_ptr()
     for a, b in zip(*picks):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -565,7 +565,7 @@ def as_if_on(monkeypatch, device: str) -> list:
     seen, real = [], engine_module.resolve_compile
     monkeypatch.setattr(engine_module, "resolve_compile",
                         lambda setting, d: seen.append((setting, torch.device(d).type)) or real(setting, device))
-    monkeypatch.setattr(Engine, "_compile", lambda self, *args: None)
+    monkeypatch.setattr(Runner, "_compile", lambda self, *args: None)
     return seen
 
 
@@ -621,29 +621,25 @@ def test_rl_engine_compiles_by_default_on_a_gpu_only(monkeypatch, override, devi
 @pytest.mark.gpu
 def test_eager_decode_windows_do_not_synchronise_on_cuda(models):
     """compile="off" on a GPU: inside a decode window nothing waits for the device (CUDA's sync debug mode raises
-    on a read-back or a synchronous copy), its inputs go up without waiting, and only `_emit`'s read-back at the
-    window's end synchronises; fp32 GQA, greedy and sampled requests with stop tokens, the same tokens as the
-    same engine without the debug mode."""
+    on a read-back or a synchronous copy), its inputs go up without waiting, and only the postprocess's read-back
+    (`emit`) after the window's run (`Runner.decode`) synchronises; fp32 GQA, greedy and sampled requests with stop
+    tokens, the same tokens as the same engine without the debug mode."""
     _, path = models["llama"]
     engine = Engine(loom.load_model(path, device="cuda"), max_batch=4, max_len=48, compile="off")
     prompts = ragged_prompts(8, seed=13)
     params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, top_p=0.9, max_new_tokens=3 + 2 * i,
                              stop_token_ids=(7,), seed=i) for i in range(8)]
     want = engine.generate(prompts, params)
-    real_decode, real_emit = Engine._decode, Engine._emit
+    real_decode = engine.runner.decode
 
-    def decode(self, rows, seqs):
+    def decode(rows, seqs):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return real_decode(self, rows, seqs)
+            return real_decode(rows, seqs)
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
-    def emit(self, *args, **kwargs):
-        torch.cuda.set_sync_debug_mode(0)  # the window's one read-back
-        return real_emit(self, *args, **kwargs)
-
-    engine._decode, engine._emit = types.MethodType(decode, engine), types.MethodType(emit, engine)
+    engine.runner.decode = decode
     got = engine.generate(prompts, params)
     assert engine.stats["decode_steps"] > 8
     assert [d.tokens for d in got] == [d.tokens for d in want]

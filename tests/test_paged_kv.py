@@ -73,14 +73,14 @@ def test_a_group_stores_its_prompt_once(models):
     params = [SamplingParams(temperature=1.0, max_new_tokens=5, seed=i) for i in range(8)]
     engine = Engine(model, max_batch=8, max_len=40, paged=True, block_size=8)
     held = []
-    real = engine._decode
+    real = engine.runner.decode
 
     def spy(rows, seqs):
         out = real(rows, seqs)
         held.append((engine.slab.pool.in_use(), [list(engine.slab.tables[r]) for r in rows]))
         return out
 
-    engine._decode = spy
+    engine.runner.decode = spy
     got = engine.generate([prompt] * 8, params)
     close(got, Engine(model, max_batch=8, max_len=40).generate([prompt] * 8, params))
     in_use, tables = held[0]
@@ -99,8 +99,8 @@ def test_batch_is_bounded_by_the_pool_not_max_batch(models):
     params = [SamplingParams(max_new_tokens=4 + i) for i in range(10)]
     engine = Engine(model, max_batch=8, max_len=48, paged=True, block_size=8, kv_tokens=40)
     busy = []
-    real = engine._decode
-    engine._decode = lambda rows, seqs: busy.append((len(rows), engine.slab.pool.in_use())) or real(rows, seqs)
+    real = engine.runner.decode
+    engine.runner.decode = lambda rows, seqs: busy.append((len(rows), engine.slab.pool.in_use())) or real(rows, seqs)
     close(engine.generate(prompts, params), Engine(model, max_batch=8, max_len=48).generate(prompts, params))
     assert max(n for n, _ in busy) < 8 and max(b for _, b in busy) <= 5
     with pytest.raises(UserError, match="kv_tokens"):
@@ -246,7 +246,7 @@ def test_a_decode_step_reads_weights_once_and_each_requests_own_keys(models, rea
     prompts = [[(7 * n + i) % VOCAB for i in range(n)] for n in lengths]
     engine = Engine(model, max_batch=5, max_len=128, paged=True, block_size=8, paged_read=read, cpu_kernel=False,
                     sync_every=1)
-    steps, real = [], engine._step
+    steps, real = [], engine.runner._step
 
     def spy(rows, tokens, positions, keys, where):
         out = []
@@ -254,7 +254,7 @@ def test_a_decode_step_reads_weights_once_and_each_requests_own_keys(models, rea
                                                                                           keys, where)))))
         return out[0]
 
-    engine._step = spy
+    engine.runner._step = spy
     engine.generate(prompts, SamplingParams(max_new_tokens=3))
     positions, counted = steps[-1]
     cfg, layers = model.cfg, len(model.layers)
