@@ -275,7 +275,7 @@ def check_layout(cfg, world: int | None = None, recipe: str = "train") -> None:
                 f"parallel.tp={p.tp} is not possible: {'; '.join(reasons)}; valid tp sizes for this model: "
                 f"{', '.join(map(str, valid_tp_sizes(m, t.seq_len, p.sp)))}"
             )
-    if problem := gpu_path_problem(p.tp, p.pp, explicit_loss_chunk(t.loss_chunk), t.fp8, t.compile):
+    if problem := gpu_path_problem(p.tp, p.pp, explicit_loss_chunk(t.loss_chunk), t.fp8):
         raise UserError(problem)
     dp = data_parallel_size(p)
     detail = f" (dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard})"
@@ -394,13 +394,9 @@ def explicit_loss_chunk(loss_chunk: int | str) -> int:
     return 0 if loss_chunk == "auto" else int(loss_chunk)
 
 
-def gpu_path_problem(tp: int, pp: int, loss_chunk: int, fp8: str, compile: bool = False) -> str | None:
-    """Which layouts per-block compilation, the chunked cross-entropy and fp8 linears compose with (None:
-    this one)."""
-    if compile and tp > 1:
-        return (f"train.compile=true with parallel.tp={tp} is not supported yet (the compiled blocks' backward "
-                "breaks on loom's tensor-parallel hooks in torch 2.11-2.13); set train.compile=false, or "
-                "parallel.tp=1 (compile composes with dp_shard, dp_replicate and recompute)")
+def gpu_path_problem(tp: int, pp: int, loss_chunk: int, fp8: str) -> str | None:
+    """Which layouts the chunked cross-entropy and fp8 linears compose with (None: this one). Per-block
+    compilation (train.compile) composes with every layout (tests/test_compile_layouts.py)."""
     if loss_chunk and tp > 1:
         return (f"train.loss_chunk={loss_chunk} with parallel.tp={tp} is not supported: under tensor parallelism "
                 "the LM head is split by vocabulary and the vocabulary-parallel loss already keeps only 1/tp of "

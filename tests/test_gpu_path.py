@@ -359,7 +359,6 @@ def test_per_block_compile_with_inductor_matches_eager(plain_step):
     (["parallel.tp=2", "train.loss_chunk=1024"], ["train.loss_chunk=1024", "parallel.tp=2", "loss_chunk=0"]),
     (["parallel.pp=2", "train.loss_chunk=1024", "model.tie_embeddings=false"], ["train.loss_chunk=1024", "parallel.pp=2"]),
     (["parallel.tp=2", "train.fp8=rowwise"], ["train.fp8=rowwise", "parallel.tp=2", "fp8=off"]),
-    (["parallel.tp=2", "train.compile=true"], ["train.compile=true", "parallel.tp=2", "compile=false"]),
     (["train.fp8=fp4"], ["train.fp8", "tensorwise", "rowwise"]),
     (["train.loss_chunk=-1"], ["train.loss_chunk=-1"]),
 ])

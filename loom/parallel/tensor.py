@@ -149,6 +149,7 @@ class GatherSequence(ParallelStyle):
             mesh_, placements, shape, stride = packed.spec
             return DTensor.from_local(view, mesh_, placements, run_check=False, shape=shape, stride=stride)
 
+        @torch.compiler.disable  # eager in a compiled block: one graph break on entry (see `compile_blocks`)
         def pre_hook(mod, inputs):
             x, *rest = inputs
             if not isinstance(x, DTensor):
@@ -161,6 +162,7 @@ class GatherSequence(ParallelStyle):
                 state["hooks"].__enter__()
             return (full, *rest)
 
+        @torch.compiler.disable
         def post_hook(mod, inputs, output):
             hooks = state.pop("hooks", None)
             if hooks is not None:
@@ -173,13 +175,26 @@ class GatherSequence(ParallelStyle):
         return module
 
 
+class RowwiseEmbedding(RowwiseParallel):
+    """The vocabulary-split token embedding, whose output is reduced synchronously: `RowwiseParallel` returns
+    an `AsyncCollectiveTensor`, which torch.compile (2.11-2.13) unwraps at a compiled block's entry without
+    its autograd edge, so the embedding's gradient arrives as a plain tensor (a compiled first block fails in
+    backward). The next op waits for the reduction at once in either case."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts)
+        return outputs.to_local() if use_local_output else outputs
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sp: bool, experts_span_tp: bool = False) -> None:
     """Shard `model` in place over the 1-D mesh `tp_mesh`. `experts_span_tp` (with `sp`): the MoE layers route
     each rank's own sequence shard (`_moe_plan_own_tokens`); expert parallelism then spreads their experts."""
     seq = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
     tied = model.cfg.tie_embeddings
     top = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "tok_embeddings": RowwiseEmbedding(input_layouts=Replicate(), output_layouts=seq),
         "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
     }
     top["norm"] = SequenceParallel() if sp else Replicated()
