@@ -5,6 +5,7 @@ import json
 import math
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -242,13 +243,20 @@ def rows(run_dir):
 def test_moe_model_learns_and_reports_routing(tmp_path):
     from loom.train.trainer import Trainer
 
-    cfg = small_config(*MOE, "train.steps=30", "optim.warmup_steps=5", "model.moe.capacity_factor=1.25",
+    cfg = small_config(*MOE, "train.steps=40", "optim.warmup_steps=5", "optim.lr=3e-3", "model.moe.capacity_factor=1.25",
                        "model.moe.z_loss_coeff=0.001")
-    Trainer(cfg, tmp_path / "r", quiet=True).fit()
+    trainer = Trainer(cfg, tmp_path / "r", quiet=True)
+    trainer.fit()
     steps, evals = rows(tmp_path / "r")
     first = sum(r["loss"] for r in steps[:3]) / 3
     last = sum(r["loss"] for r in steps[-3:]) / 3
-    assert last < first - 1.0, (first, last)
+    # Since issue 53 the samples come from the whole corpus, so 40 steps no longer memorise a few documents: the
+    # loss falls from uniform (ln 512 = 6.24) to within 0.1 of the best loss without context, the entropy of the
+    # token frequencies of the run's own targets (measured: 6.23 -> 5.39 against 5.32).
+    targets = trainer.train_data.rows(np.arange(len(trainer.train_data)))[:, 1:]
+    p = np.bincount(targets.ravel()) / targets.size
+    unigram = -(p[p > 0] * np.log(p[p > 0])).sum()
+    assert last < first - 0.75 and last < unigram + 0.1, (first, last, unigram)
     for r in steps:
         assert 0.99 < r["moe_load_balance_loss"] < 8 and r["moe_z_loss"] > 0
         assert r["moe_imbalance_max"] >= r["moe_imbalance"] >= 1.0

@@ -25,9 +25,10 @@ ROUTERS = {
     # Routing is discrete: a token whose second and third best experts are within float rounding of each
     # other may go either way, and tensor- and context-parallel attention round differently from one process.
     # With seed 0 one of ~10^5 top-2 choices here is that close (tp=2 and cp=2 agree to 1e-7 for two steps,
-    # then one token switches experts 2 and 4 of layer 1, moving those router rows by 2% of a step); seed 1
-    # has no such token, so the comparison stays at 1e-5.
-    "top2of8": MOE + ["model.moe.top_k=2", "model.moe.z_loss_coeff=0.001", "train.seed=1"],
+    # then one token switches experts 2 and 4 of layer 1, moving those router rows by 2% of a step). Since the
+    # samples are shuffled per pass (issue 53) seed 1 has one too (pp=2, step 6: 7.8e-5); seed 2 has none in any
+    # top2of8 case here or in test_moe_ep*.py, so the comparison stays at 1e-5.
+    "top2of8": MOE + ["model.moe.top_k=2", "model.moe.z_loss_coeff=0.001", "train.seed=2"],
     "sinkhorn_top1": MOE + ["model.moe.top_k=1", "model.moe.router=sinkhorn"],
     # A large rate so the bias steers the selection within six steps.
     "sigmoid_bias": MOE + ["model.moe.top_k=2", "model.moe.router=sigmoid_bias", "model.moe.bias_update_rate=0.02",
