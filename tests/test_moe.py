@@ -243,25 +243,29 @@ def rows(run_dir):
 def test_moe_model_learns_and_reports_routing(tmp_path):
     from loom.train.trainer import Trainer
 
-    cfg = small_config(*MOE, "train.steps=40", "optim.warmup_steps=5", "optim.lr=3e-3", "model.moe.capacity_factor=1.25",
+    cfg = small_config(*MOE, "train.steps=30", "optim.warmup_steps=5", "model.moe.capacity_factor=1.25",
                        "model.moe.z_loss_coeff=0.001")
     trainer = Trainer(cfg, tmp_path / "r", quiet=True)
     trainer.fit()
     steps, evals = rows(tmp_path / "r")
     first = sum(r["loss"] for r in steps[:3]) / 3
     last = sum(r["loss"] for r in steps[-3:]) / 3
-    # Since issue 53 the samples come from the whole corpus, so 40 steps no longer memorise a few documents: the
-    # loss falls from uniform (ln 512 = 6.24) to within 0.1 of the best loss without context, the entropy of the
-    # token frequencies of the run's own targets (measured: 6.23 -> 5.39 against 5.32).
+    # Since issue 53 the samples come from the whole corpus, so 30 steps no longer memorise a few documents: the
+    # loss falls from uniform (ln 512 = 6.24) to within 0.2 of the best loss without context, the entropy of the
+    # token frequencies of the run's own targets (measured: 6.23 -> 5.48 against 5.31).
     targets = trainer.train_data.rows(np.arange(len(trainer.train_data)))[:, 1:]
     p = np.bincount(targets.ravel()) / targets.size
     unigram = -(p[p > 0] * np.log(p[p > 0])).sum()
-    assert last < first - 0.75 and last < unigram + 0.1, (first, last, unigram)
+    assert last < first - 0.7 and last < unigram + 0.2, (first, last, unigram)
     for r in steps:
         assert 0.99 < r["moe_load_balance_loss"] < 8 and r["moe_z_loss"] > 0
         assert r["moe_imbalance_max"] >= r["moe_imbalance"] >= 1.0
-        assert 0 <= r["moe_dropped"] < 0.5
+        assert 0 <= r["moe_dropped"] < 0.75
     assert any(r["moe_dropped"] > 0 for r in steps)  # capacity 1.25 drops something on a random router
+    # the router concentrates as it learns (up to 58% dropped at step 14 here), then the balance loss spreads
+    # the tokens again (about 20% over the last steps)
+    dropped = [r["moe_dropped"] for r in steps]
+    assert sum(dropped[-5:]) / 5 < 0.3 < max(dropped), dropped
     assert math.isfinite(evals[-1]["val_loss"])
 
 
