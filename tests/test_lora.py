@@ -191,6 +191,48 @@ def test_lora_resume_continues_the_run(sft_run, hf_base, tmp_path):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
 
 
+def _resumable_copy(run_dir, dst):
+    import shutil
+
+    shutil.copytree(run_dir / "checkpoints" / "step-3", dst / "checkpoints" / "step-3")
+    (dst / "checkpoints" / "latest").write_text("step-3\n")
+    shutil.copyfile(run_dir / "config.toml", dst / "config.toml")
+    return (dst / "config.toml").read_bytes()
+
+
+@pytest.mark.parametrize("change,named", [
+    ("lora.targets=q_proj,v_proj", "lora.targets: ['all-linear'] in the checkpoint, ['q_proj', 'v_proj'] now (the "
+     "trained adapters of k_proj, o_proj, gate_proj, up_proj, down_proj would be dropped)"),
+    ("lora.alpha=16", "lora.alpha: 8.0 in the checkpoint, 16.0 now"),
+    ("sft.template=llama3", "sft.template: 'chatml' in the checkpoint, 'llama3' now"),
+    ("sft.packing=false", "sft.packing: True in the checkpoint, False now"),
+])
+def test_resume_that_changes_what_was_trained_is_refused_before_writing(change, named, sft_run, hf_base, tmp_path):
+    """Changing the adapters or the examples on resume names the keys and the override, and leaves the run
+    directory (its config.toml) as it was; the same change with checkpoint.allow_changes resumes."""
+    from loom.post import recipe_for
+    from loom.train.trainer import Trainer
+
+    run_dir, _ = sft_run
+    config = _resumable_copy(run_dir, tmp_path / "run")
+    cfg, _ = _config(hf_base, "checkpoint.resume=true", change)
+    with pytest.raises(UserError) as err:
+        Trainer(cfg, tmp_path / "run", quiet=True, recipe=recipe_for("sft"))
+    key = change.split("=")[0]
+    assert named in str(err.value) and f"--checkpoint.allow_changes={key} " in str(err.value), str(err.value)
+    assert (tmp_path / "run" / "config.toml").read_bytes() == config
+    if key == "lora.alpha":
+        cfg, _ = _config(hf_base, "checkpoint.resume=true", change, f"checkpoint.allow_changes={key}")
+        resumed = Trainer(cfg, tmp_path / "run", quiet=True, recipe=recipe_for("sft"))
+        assert resumed.state.step == 3 and resumed.cfg.lora.alpha == 16
+
+
+def test_allow_changes_names_only_what_a_resume_may_change():
+    with pytest.raises(UserError, match="checkpoint.allow_changes names 'train.seq_len', which a resume may not "
+                                        "change on purpose; valid: lora.targets, lora.alpha, sft.data"):
+        load_config("tiny", ["checkpoint.allow_changes=lora.alpha,train.seq_len"])
+
+
 # FSDP (mixed requires_grad in every unit) and pipeline stages (one layer each, four micro-batches).
 LAYOUTS = {"dp_shard2": ["parallel.dp_shard=2"], "pp2": ["parallel.pp=2"]}
 

@@ -131,9 +131,23 @@ class CheckpointConfig(Section):
     # `checkpoint.async` in TOML and on the command line (`async` is a Python keyword): write in the
     # background while training continues.
     async_save: bool = field(default=False, metadata={"key": "async"})
+    # Keys of RESUME_GUARDED a resume may change on purpose (e.g. lora.alpha,sft.template); any other change of
+    # them is refused on resume (loom/train/checkpoint.py: check_compatible), as it changes what was trained.
+    allow_changes: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         non_negative("checkpoint", self, "interval", "keep_last")
+        unknown = [k for k in self.allow_changes if k not in RESUME_GUARDED]
+        if unknown:
+            raise UserError(f"checkpoint.allow_changes names {', '.join(map(repr, unknown))}, which a resume may not "
+                            f"change on purpose; valid: {', '.join(RESUME_GUARDED)} (the data order, the model and "
+                            "lora.rank are fixed for the life of a run: start a new one, another --run-dir)")
+
+
+# What a run trained on and with: a resume that changes one of them is refused unless checkpoint.allow_changes
+# names it (the adapters' targets and scale, the examples and how they are rendered and packed).
+RESUME_GUARDED = ("lora.targets", "lora.alpha", "sft.data", "sft.template", "sft.packing", "sft.overlong",
+                  "pref.data", "pref.template", "rl.prompts", "rl.template")
 
 
 @dataclass

@@ -282,13 +282,46 @@ def check_compatible(path: Path, cfg: Config) -> None:
             f"checkpoint {path} was trained with different data settings ({'; '.join(changed)}); the data order "
             "and position depend on them, so resume with the checkpoint's values (its config.toml)"
         )
-    if saved.model != cfg.model:
+    if saved.model != cfg.model or saved.lora.rank != cfg.lora.rank:
         diffs = [f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now"
-                 for k in new if k.startswith("model.") and old[k] != new[k]]
+                 for k in new if (k.startswith("model.") or k == "lora.rank") and old[k] != new[k]]
         raise UserError(
             f"checkpoint {path} was trained with a different model ({'; '.join(diffs)}); resume with the same "
             "model settings or use another --run-dir"
         )
+    check_same_training(path, saved, cfg)
+
+
+def check_same_training(path: Path, saved: Config, cfg: Config) -> None:
+    """UserError naming each key of RESUME_GUARDED that differs from the checkpoint's and that
+    checkpoint.allow_changes does not name: adapters a resume would drop or scale otherwise, examples it would
+    render, pack or choose otherwise."""
+    from loom.config.lora import hf_target, loom_targets
+    from loom.config.training import RESUME_GUARDED
+
+    def value(c: Config, key: str):
+        v = c.field_values()[key]
+        return loom_targets(v) if key == "lora.targets" else v
+
+    lora = cfg.lora.enabled
+    changed = [k for k in RESUME_GUARDED if k not in cfg.checkpoint.allow_changes
+               and (lora or not k.startswith("lora.")) and value(saved, k) != value(cfg, k)]
+    if not changed:
+        return
+    old, new = saved.field_values(), cfg.field_values()
+    parts = []
+    for k in changed:
+        part = f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now"
+        if k == "lora.targets" and (dropped := set(value(saved, k)) - set(value(cfg, k))):
+            part += f" (the trained adapters of {', '.join(hf_target(n) for n in loom_targets(list(dropped)))} " \
+                    "would be dropped)"
+        parts.append(part)
+    run = path.parent.parent
+    raise UserError(
+        f"checkpoint {path} was trained with other settings than this resume's: {'; '.join(parts)}. Resume with the "
+        f"run's own values (--config {run / CONFIG}), or, if the change is intended, add "
+        f"--checkpoint.allow_changes={','.join(changed)} (nothing was changed)"
+    )
 
 
 def check_same_data(path: Path, now: dict) -> None:

@@ -44,7 +44,7 @@ from loom.models.moe import step_stats, update_router_biases
 from loom.parallel import place_in_mesh, rng
 from loom.parallel.distributed import all_reduce_sum, clip_grad_norm, init_distributed, pick_device
 from loom.train.banner import banner
-from loom.train.checkpoint import Checkpointer, TrainState, latest_checkpoint
+from loom.train.checkpoint import Checkpointer, TrainState, check_compatible, latest_checkpoint
 from loom.train.control import STOP_RECORD, RunControl, is_finite, launch_time, resume, resume_note
 from loom.train.evaluate import Evaluator
 from loom.train.hang import Beacon
@@ -121,6 +121,8 @@ class Trainer:
                 f"{self.run_dir} already holds checkpoints; pass --checkpoint.resume=true to continue that run "
                 "or choose another --run-dir (nothing was changed)"
             )
+        if resume_from is not None and not cfg.checkpoint.fallback:  # refused before anything is built or written
+            check_compatible(resume_from, cfg)  # (with fallback, the checkpoint loaded is checked when it loads)
 
         self.tokenizer = load_tokenizer(cfg)
         self.train_data, self.val_data = self.recipe.datasets(cfg, self.tokenizer)
