@@ -26,11 +26,13 @@ CONVERSATIONS = [
      {"role": "assistant", "content": " a b\n\n"}],
     [{"role": "user", "content": "{\"json\": [1, 2]} and <tags>"}, {"role": "assistant", "content": "ok"}],
 ]
-# ChatML with the assistant's text inside {% generation %}: transformers then reports which tokens are the
-# assistant's (return_assistant_tokens_mask), an independent reference for loom's prefix rendering.
+# ChatML (renders as CHATML) with the assistant's reply and its <|im_end|> inside {% generation %}, the newline
+# after it outside: transformers then reports which tokens are the assistant's (return_assistant_tokens_mask), the
+# mask TRL's SFTTrainer trains on with assistant_only_loss=True (its tokenize_fn keeps it as "assistant_masks" and
+# labels every other token -100): an independent reference for loom's prefix rendering.
 CHATML_GENERATION = (
     "{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
-    "{% generation %}{{ message['content'] + '<|im_end|>\n' }}{% endgeneration %}{% else %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -93,16 +95,20 @@ def test_template_tokens_equal_transformers(name, template, bos, eos, chat_token
             encode_chat(loom_template, tok, [{"role": "assistant", "content": "hi"}], "chat.jsonl, line 7")
 
 
-def test_assistant_mask_equals_transformers_generation_mask(chat_tokenizer, tmp_path):
-    """Loom finds the assistant's tokens by rendering prefixes; transformers by {% generation %} markers."""
-    hf, tok, template = hf_and_loom(tmp_path / "gen", chat_tokenizer, CHATML_GENERATION, None, "<|im_end|>")
+@pytest.mark.parametrize("template", ["marked", "chatml"])
+def test_assistant_mask_equals_transformers_generation_mask(template, chat_tokenizer, tmp_path):
+    """Loom finds the assistant's tokens by rendering prefixes (of the marked template, or of the built-in ChatML it
+    renders as); transformers, for TRL's assistant_only_loss, by {% generation %} markers: exactly each reply and
+    its <|im_end|>, never the newline the template writes after it (the model stops at <|im_end|>)."""
+    hf, tok, marked = hf_and_loom(tmp_path / "gen", chat_tokenizer, CHATML_GENERATION, None, "<|im_end|>")
+    loom_template = marked if template == "marked" else load_template("chatml")
     for messages in CONVERSATIONS:
-        ids, mask = encode_chat(template, tok, messages, "test")
+        ids, mask = encode_chat(loom_template, tok, messages, "test")
         want_ids, out = hf_ids(hf, messages, return_assistant_tokens_mask=True)
         assert ids.tolist() == want_ids
         assert mask.tolist() == list(out["assistant_masks"]), messages
         learned = tok.decode(ids[mask == 1])
-        assert learned == "".join(m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant")
+        assert learned == "".join(m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant")
 
 
 def test_prompt_completion_masks_the_prompt():

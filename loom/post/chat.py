@@ -12,8 +12,12 @@ Which tokens are the assistant's, found by rendering prefixes: for assistant mes
 messages[:i] with the generation prompt ends where its reply starts, and the text of messages[:i+1] ends
 where the reply (with the template's end-of-turn marker) ends. Both must be prefixes of the whole
 conversation's text, or the template does not render prefixes consistently (some drop earlier turns'
-reasoning) and the record is refused. A token is supervised when it starts inside such a span (tokenizer
-offsets), so a reply's end-of-turn token is learned and nothing the user wrote is.
+reasoning) and the record is refused. The whitespace a template writes after its end-of-turn marker (ChatML's
+newline after <|im_end|>) is no part of the span: generation stops at the marker, so the model never writes it.
+A token is supervised when it starts inside such a span (tokenizer offsets), so exactly the reply and its
+end-of-turn token are learned, as transformers' `return_assistant_tokens_mask` (what TRL's `assistant_only_loss`
+trains on) marks them for a template whose `{% generation %}` block ends at the marker, and nothing the user
+wrote is.
 
 Where a chat model's template and stops come from: the files carried beside its tokenizer.json (run
 directories, checkpoints and `loom convert` keep them, loom.models.io.TOKENIZER_FILES): chat_template.jinja
@@ -24,6 +28,7 @@ template's end-of-turn), which `loom generate` and `loom rl` both use.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -102,6 +107,13 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+
+    @functools.cached_property
+    def space_after_turn(self) -> str:
+        """The whitespace the template writes after an assistant's end-of-turn marker ("\n" after ChatML's
+        <|im_end|>); "" when it writes none, or no marker at all."""
+        after = _after_reply(self) or ""
+        return after[len(after.rstrip()):] if after.strip() else ""
 
 
 def _token_text(value) -> str | None:
@@ -291,7 +303,8 @@ def encode_chat(template: ChatTemplate, tokenizer, messages: list[dict], where: 
                     f"{where}: chat template {template.name} does not render this conversation's prefixes as "
                     f"prefixes of the whole (message {i}), so the assistant's tokens cannot be located; use a "
                     "template that renders earlier turns unchanged (e.g. sft.template=chatml)")
-            spans.append((lo, hi))
+            space = template.space_after_turn  # never generated: not learned
+            spans.append((lo, hi - len(space) if done.endswith(space) else hi))
     except jinja2.TemplateError as e:
         raise UserError(f"{where}: chat template {template.name} refused the conversation: {e}") from None
     enc = tokenizer.tok.encode(text, add_special_tokens=False)
