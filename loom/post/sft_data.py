@@ -44,6 +44,9 @@ from loom.post import tasks
 from loom.post.chat import ChatTemplate, check_record, encode_chat, encode_completion
 
 FORMAT = "loom-sft-v1"
+# The rule that marks the learned tokens (loom.post.chat.encode_chat), in the cache key: cached prefixes made by an
+# earlier rule are made again. 2: the whitespace after an end-of-turn marker is not learned.
+MASK_RULE = 2
 
 
 def _is_prefix(path: str) -> bool:
@@ -143,7 +146,7 @@ def prepare(paths: list[str], tokenizer: Tokenizer, template: ChatTemplate,
         renamed = {k: v for k, v in columns.items() if k != v}
         key = hashlib.sha256(json.dumps([FORMAT, str(path.resolve()), stat.st_size, stat.st_mtime_ns,
                                          tokenizer.sha256(), template.source, template.special]
-                                        + ([renamed] if renamed else [])).encode()).hexdigest()
+                                        + ([renamed] if renamed else []) + [MASK_RULE]).encode()).hexdigest()
         prefix = cache_dir() / "sft" / f"{path.stem}-{key[:16]}"
         if not _is_prefix(str(prefix)):
             write_prefix([path], prefix, tokenizer, template, columns)
