@@ -22,7 +22,6 @@ def load_model(path, dtype=None, device="cpu"):
     from loom.errors import UserError
     from loom.interop import import_hf, is_hf_dir
     from loom.interop.peft import load_model_dir  # a LoRA checkpoint: its base and adapters, merged
-    from loom.models.io import CONFIG
 
     dtype = torch.float32 if dtype is None else dtype
     p = Path(path)
@@ -34,8 +33,7 @@ def load_model(path, dtype=None, device="cpu"):
 
     if is_peft_dir(p):  # a PEFT LoRA adapter directory: its base (base_model_name_or_path) with the adapters merged
         return load_peft_dir(p, dtype=dtype, device=device)
-    loom_like = (p / CONFIG).is_file() or (p / "checkpoints").is_dir() or (p / "latest").is_file()
-    if is_hf_dir(p) and not loom_like:
+    if is_hf_dir(p):
         model, _, _ = import_hf(p, dtype=dtype, device=device)
         return model.eval()
     model, _, _ = load_model_dir(p, dtype=dtype, device=device)

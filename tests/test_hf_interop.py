@@ -317,3 +317,32 @@ def test_qwen2_matches_transformers_converts_both_ways_and_generates(tmp_path):
         assert main(["generate", "--checkpoint", str(loom_dir), "--prompt", "w5 w6 w7", "--max-new-tokens", "5",
                      "--temperature", "0"]) == 0
     assert expected and expected in printed.getvalue(), (expected, printed.getvalue())
+
+
+def test_one_rule_tells_a_hugging_face_directory_from_a_loom_one(tmp_path):
+    """`is_hf_dir` is the rule loom.load_model, train.init_from, loom generate and the LoRA base fingerprint all
+    ask: a config.json alone is Hugging Face's; beside a config.toml, a run's checkpoints/ or a latest pointer, the
+    directory is loom's."""
+    from loom.generate import find_tokenizer
+    from loom.interop import is_hf_dir
+    from loom.models.io import save_model_dir
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert is_hf_dir(hf)
+    loom_dir = tmp_path / "loom"  # a loom model directory carrying a config.json beside its own
+    loom_dir.mkdir()
+    cfg = Config(model=ModelConfig(layers=1, hidden=16, heads=2, kv_heads=2, ffn_hidden=32, vocab_size=32))
+    save_model_dir(build_model(cfg.model), cfg, loom_dir)
+    (loom_dir / "config.json").write_text("{}")
+    (loom_dir / "tokenizer.json").write_text("{}")
+    for marker in ("checkpoints", "latest"):
+        other = tmp_path / marker
+        other.mkdir()
+        (other / "config.json").write_text("{}")
+        (other / marker).mkdir() if marker == "checkpoints" else (other / marker).write_text("step-1\n")
+        assert not is_hf_dir(other), marker
+    assert not is_hf_dir(loom_dir)
+    assert find_tokenizer(str(loom_dir)) == loom_dir / "tokenizer.json"
+    assert loom.load_model(loom_dir).cfg == cfg.model

@@ -233,6 +233,35 @@ def test_allow_changes_names_only_what_a_resume_may_change():
         load_config("tiny", ["checkpoint.allow_changes=lora.alpha,train.seq_len"])
 
 
+def test_lora_base_is_recorded_absolute_and_a_changed_base_is_refused(hf_base, tmp_path, monkeypatch):
+    """A run started with a relative train.init_from records it absolute, so its adapters load from any directory;
+    a base whose weights changed since is refused, by loading (loom.load_model, loom convert, loom generate) and by
+    a resume."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import loom
+    from loom.post import recipe_for
+    from loom.train.trainer import Trainer
+
+    shutil.copytree(hf_base, tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    cfg, _ = _config("base", "train.steps=2", "train.eval_samples=4")
+    assert cfg.train.init_from == str(tmp_path / "base")
+    Trainer(cfg, tmp_path / "run", quiet=True, recipe=recipe_for("sft")).fit()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    loom.load_model(tmp_path / "run")
+    weights = tmp_path / "base" / "model.safetensors"
+    save_file({k: v * 1.01 for k, v in load_file(weights).items()}, weights)  # the base, trained a little further
+    with pytest.raises(UserError, match="trained on the base model at .*base, whose weights have changed since"):
+        loom.load_model(tmp_path / "run")
+    cfg, _ = _config(tmp_path / "base", "train.steps=3", "train.eval_samples=4", "checkpoint.resume=true")
+    with pytest.raises(UserError, match="whose weights have changed since"):
+        Trainer(cfg, tmp_path / "run", quiet=True, recipe=recipe_for("sft"))
+
+
 # FSDP (mixed requires_grad in every unit) and pipeline stages (one layer each, four micro-batches).
 LAYOUTS = {"dp_shard2": ["parallel.dp_shard=2"], "pp2": ["parallel.pp=2"]}
 

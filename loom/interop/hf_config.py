@@ -31,8 +31,14 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def is_hf_dir(path: str | Path) -> bool:
-    """True when `path` is a directory with a Hugging Face `config.json`."""
-    return (Path(path) / HF_CONFIG).is_file()
+    """The one rule telling a Hugging Face model directory from a loom one: a Hugging Face `config.json` and
+    nothing of loom's (its `config.toml`, a run's `checkpoints/`, a checkpoints directory's `latest`), which wins
+    where both are present (a loom directory may carry a config.json beside its own)."""
+    from loom.models.io import CONFIG
+
+    p = Path(path)
+    loom = (p / CONFIG).is_file() or (p / "checkpoints").is_dir() or (p / "latest").is_file()
+    return (p / HF_CONFIG).is_file() and not loom
 
 
 def read_hf_config(path: str | Path) -> dict:

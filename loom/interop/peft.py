@@ -24,6 +24,7 @@ import torch
 from loom.config import Config
 from loom.config.lora import hf_target, loom_targets
 from loom.errors import UserError
+from loom.interop.fingerprint import check_same_base, recorded_base
 from loom.interop.hf_io import TARGETS as HF_TARGETS
 from loom.interop.hf_io import _atomic_dir, _check_free, export_hf
 from loom.interop.hf_io import convert as convert_hf
@@ -64,9 +65,12 @@ def load_adapted(path: str | Path, extend=None):
     base = cfg.train.init_from
     if base:
         if not Path(base).is_dir():
+            relative = "" if Path(base).is_absolute() else (
+                f" from {Path.cwd()} (a relative path: the run recorded it from the directory it was started in)")
             raise UserError(f"{model_dir} holds LoRA adapters only; their base model, train.init_from={base} in its "
-                            f"{CONFIG}, does not exist (any more). Restore it at that path, or set train.init_from in "
-                            f"{model_dir / CONFIG} to where the same base model is now")
+                            f"{CONFIG}, does not exist{relative} (any more). Restore it at that path, or set "
+                            f"train.init_from in {model_dir / CONFIG} to where the same base model is now")
+        check_same_base(recorded_base(model_dir), base, str(model_dir))
         load_pretrained(model, base)
     _read_trained(model_dir, adapter_state(model))
     return model.eval(), cfg, model_dir

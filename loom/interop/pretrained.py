@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ import torch
 
 from loom.config import Config, ModelConfig, flat_values, leaves
 from loom.errors import UserError
-from loom.interop.hf_config import HF_CONFIG, HF_WEIGHTS, model_config_from_hf, read_hf_config
+from loom.interop.hf_config import HF_CONFIG, HF_WEIGHTS, is_hf_dir, model_config_from_hf, read_hf_config
 from loom.interop.hf_io import HF_INDEX, TOKENIZER
 from loom.interop.hf_names import Piece, hf_pieces, loom_to_hf_name, piece_shape, read_piece
 from loom.models.init import canonical_name
@@ -59,8 +60,7 @@ def describe_source(path: str | Path) -> Source:
         raise UserError(f"train.init_from={str(path)!r} does not exist or is not a directory; give a Hugging Face "
                         "model directory (config.json + *.safetensors), a loom model directory (config.toml + "
                         "model.safetensors) or a loom run / checkpoint directory")
-    loom_like = (p / CONFIG).is_file() or (p / "checkpoints").is_dir() or (p / "latest").is_file()
-    if (p / HF_CONFIG).is_file() and not loom_like:
+    if is_hf_dir(p):
         model = model_config_from_hf(read_hf_config(p), where=str(p / HF_CONFIG))
         kind, directory = "hf", p
     else:
@@ -89,6 +89,8 @@ def resolve_init_from(cfg: Config, overrides=None) -> Config:
     """
     if not cfg.train.init_from:
         return cfg
+    # Recorded absolute: a run's config.toml (and a LoRA run's base) names the same directory from anywhere.
+    cfg.train.init_from = os.path.abspath(cfg.train.init_from)
     src = describe_source(cfg.train.init_from)
     explicit = _override_keys(overrides)
     model = copy.deepcopy(src.model)  # its nested sections (model.moe) too
@@ -292,6 +294,9 @@ def _load_lora_run(model: torch.nn.Module, src: Source, saved: Config) -> dict:
         raise UserError(f"train.init_from={src.path} is a LoRA run (adapters only); its base model, train.init_from="
                         f"{base} in its {CONFIG}, does not exist (any more): restore it, or export the run merged "
                         "where the base is available (loom convert RUN DIR --to hf --merge)")
+    from loom.interop.fingerprint import check_same_base, recorded_base
+
+    check_same_base(recorded_base(src.path), base, f"train.init_from={src.path} (a LoRA run)")
     out = load_pretrained(model, base)
     meta = FileSystemReader(str(src.path)).read_metadata().state_dict_metadata
     state = {key[len("model."):]: torch.empty(tuple(m.size), dtype=m.properties.dtype) for key, m in meta.items()

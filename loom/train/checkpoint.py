@@ -136,6 +136,11 @@ class Checkpointer:
         dist = _dist()
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
         self.pending = None  # (future, tmp dir, name) of an asynchronous save in flight
+        self.base_fingerprint = None  # a LoRA run's base (loom/interop/fingerprint.py), recorded with every save
+        if cfg.lora.enabled and cfg.train.init_from and self.rank == 0:
+            from loom.interop.fingerprint import weights_fingerprint
+
+            self.base_fingerprint = weights_fingerprint(cfg.train.init_from)
 
     @property
     def options(self) -> StateDictOptions:
@@ -170,7 +175,8 @@ class Checkpointer:
             (tmp / CONFIG).write_text(self.cfg.to_toml())
             write_json(tmp / STATE, {"step": state.step, "consumed_samples": state.consumed_samples,
                                      "world_size": self.world, "data": self.data_fingerprints,
-                                     **({"lora_base": self.cfg.train.init_from or f"train.seed={self.cfg.train.seed}"}
+                                     **({"lora_base": self.cfg.train.init_from or f"train.seed={self.cfg.train.seed}",
+                                         "lora_base_fingerprint": self.base_fingerprint}
                                         if self.cfg.lora.enabled else {})})
             own += [CONFIG, STATE]
             own += copy_tokenizer_files(self.tokenizer_path, tmp)  # with its chat template and stop ids
@@ -290,6 +296,10 @@ def check_compatible(path: Path, cfg: Config) -> None:
             "model settings or use another --run-dir"
         )
     check_same_training(path, saved, cfg)
+    if cfg.lora.enabled and cfg.train.init_from:  # the base a resumed LoRA run loads again: the one it trained on
+        from loom.interop.fingerprint import check_same_base, recorded_base
+
+        check_same_base(recorded_base(path), cfg.train.init_from, f"checkpoint {path}")
 
 
 def check_same_training(path: Path, saved: Config, cfg: Config) -> None:
