@@ -165,17 +165,20 @@ LAYOUTS = [
     pytest.param(["parallel.pp=2"], "llama31", id="pp2-llama31"),
     pytest.param(["parallel.dp_shard=2"], "qwen2", id="dp_shard2-qwen2"),  # sharded biases, tied embeddings
     pytest.param(["parallel.cp=2"], "llama31", id="cp2-llama31"),  # scaled RoPE at each chunk's positions
-    pytest.param(["parallel.tp=2", "parallel.sp=true"], "qwen2", id="tp2-sp-qwen2", marks=pytest.mark.slow),
+    pytest.param(["parallel.tp=2", "parallel.sp=true"], "qwen2", id="tp2-sp-qwen2"),
 ]
 
 
 @pytest.mark.parametrize("extra,kind", LAYOUTS)
 def test_init_from_hf_parallel_step1_loss(tmp_path, hf_dirs, extra, kind):
+    """`loom train --nproc 2` in the session's kept rank processes (tests/pool_launch.py); the command itself
+    with train.init_from is run by test_init_from_loom_checkpoint_and_model_dir."""
+    from pool_launch import launch_in_pool
+
     src, hf_model = hf_dirs[kind]
     overrides = RUN + [f"train.init_from={src}", *extra]
     run_dir = tmp_path / "run"
-    proc = cli("train", "--config", "tiny", "--run-dir", str(run_dir), "--nproc", "2", *[f"--{o}" for o in overrides])
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    launch_in_pool("train", "tiny", run_dir, 2, overrides)
     want = reference_loss(lambda ids: hf_model(input_ids=ids).logits, first_batch(overrides))
     got = step1_loss(run_dir)
     print(f"step-1 loss {got!r} vs transformers {want!r}: relative difference {abs(got - want) / want:.1e}")

@@ -3,14 +3,10 @@ trainer/engine mismatch is measured, layouts compute what one process computes, 
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT
 from loom.cli import main
 from loom.config import load_config
 from loom.post import tasks
@@ -35,6 +31,13 @@ def rows(run_dir):
 
 def rl_main(run_dir, *extra):
     return main(["rl", "--config", "tiny-grpo", "--run-dir", str(run_dir), *[f"--{o}" for o in RL], *extra])
+
+
+def rl_in_pool(run_dir, *extra):
+    """`loom rl --nproc 2` with RL and `extra` (--key=value), in the session's kept rank processes."""
+    from pool_launch import launch_in_pool
+
+    launch_in_pool("rl", "tiny-grpo", run_dir, 2, RL + [o[2:] for o in extra])
 
 
 @pytest.fixture(scope="module")
@@ -254,20 +257,29 @@ def test_ppo_value_head_epochs_minibatches_and_truncated_is(tmp_path):
 PPO = ["--rl.algorithm=ppo", "--rl.group_size=1", "--rl.kl_coef=0.05", "--rl.epochs=2", "--rl.minibatches=2"]
 
 
+@pytest.fixture(scope="module")
+def rl_single(tmp_path_factory):
+    """`get(*extra)`: the one-process run of RL with `extra`, made on first use (the layouts share it)."""
+    runs = {}
+
+    def get(*extra):
+        if extra not in runs:
+            runs[extra] = tmp_path_factory.mktemp("rl-one") / "run"
+            assert rl_main(runs[extra], *extra) == 0
+        return runs[extra]
+
+    return get
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_reward_function_gets_the_record_fields_and_dp_shard2_matches(tmp_path, algorithm):
+def test_reward_function_gets_the_record_fields_and_dp_shard2_matches(tmp_path, rl_single, algorithm):
     """rl.reward receives the prompt record's other fields ("answer"); two FSDP ranks draw the same
     rollouts as one process (seeds follow the sample, not the rank) and compute the same losses. PPO with
     two minibatches: a minibatch is the same groups in every layout."""
     common = ["--rl.reward=rl_rewards:needs_answer" if algorithm == "grpo" else "--rl.reward=rl_rewards:ones",
               "--train.steps=2", *(PPO if algorithm == "ppo" else [])]
-    assert rl_main(tmp_path / "one", *common) == 0
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
-    cmd = [sys.executable, "-m", "loom.cli", "rl", "--config", "tiny-grpo", "--run-dir", str(tmp_path / "two"),
-           "--nproc", "2", *[f"--{o}" for o in RL], *common, "--parallel.dp_shard=2", "--train.micro_batch=8"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (one, one_evals), (two, two_evals) = rows(tmp_path / "one"), rows(tmp_path / "two")
+    rl_in_pool(tmp_path / "two", *common, "--parallel.dp_shard=2", "--train.micro_batch=8")
+    (one, one_evals), (two, two_evals) = rows(rl_single(*common)), rows(tmp_path / "two")
     for a, b in zip(one, two):
         for key in ("reward", "response_length"):
             assert a[key] == b[key], (a["step"], key)
@@ -276,19 +288,13 @@ def test_reward_function_gets_the_record_fields_and_dp_shard2_matches(tmp_path, 
     assert one_evals[-1]["val_reward"] == two_evals[-1]["val_reward"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_tp2_matches_single_process(tmp_path, algorithm):
+def test_tp2_matches_single_process(tmp_path, rl_single, algorithm):
     """Two tensor-parallel ranks (the engine sharded the same way) compute one process's losses; PPO's value
     head is replicated over the group and its value loss matches too."""
-    common = ["--train.steps=2", *(PPO if algorithm == "ppo" else [])]
-    assert rl_main(tmp_path / "one", *common) == 0
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
-    cmd = [sys.executable, "-m", "loom.cli", "rl", "--config", "tiny-grpo", "--run-dir", str(tmp_path / "two"),
-           "--nproc", "2", *[f"--{o}" for o in RL], *common, "--parallel.tp=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (one, _), (two, _) = rows(tmp_path / "one"), rows(tmp_path / "two")
+    common = ["--rl.reward=rl_rewards:ones", "--train.steps=2", *(PPO if algorithm == "ppo" else [])]
+    rl_in_pool(tmp_path / "two", *common, "--parallel.tp=2")
+    (one, _), (two, _) = rows(rl_single(*common)), rows(tmp_path / "two")
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
         assert a["reward"] == b["reward"]

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT
 from loom.cli import main
 from loom.config import ModelConfig, load_config
 from loom.errors import UserError
@@ -323,17 +322,13 @@ SFT_LAYOUTS = {"dp_shard2": ["parallel.dp_shard=2"], "tp2": ["parallel.tp=2"], "
                "cp2": ["parallel.cp=2"]}
 
 
-# tp2 (vocabulary-parallel cross-entropy skipping -100 labels) passes too but is marked slow to keep `make test`
-# within its time: each launch costs ~25 s on the 2-core test machine.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "tp2" else n for n in SFT_LAYOUTS])
+# tp2: vocabulary-parallel cross-entropy skipping -100 labels
+@pytest.mark.parametrize("name", list(SFT_LAYOUTS))
 def test_packed_sft_layout_matches_single_process(name, sft_reference, tmp_path):
-    import subprocess
-    import sys
+    from pool_launch import launch_in_pool
 
-    cmd = [sys.executable, "-m", "loom.cli", "sft", "--config", "tiny-sft", "--run-dir", str(tmp_path / "run"),
-           "--nproc", "2", *[f"--{o}" for o in SFT + ["train.micro_batch=2"] + SFT_LAYOUTS[name]]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # `loom sft --nproc 2`, in the session's kept rank processes
+    launch_in_pool("sft", "tiny-sft", tmp_path / "run", 2, SFT + ["train.micro_batch=2"] + SFT_LAYOUTS[name])
     steps, evals = metrics(tmp_path / "run")
     ref_steps, ref_evals = metrics(sft_reference)
     assert len(steps) == len(ref_steps) == 3
