@@ -388,6 +388,16 @@ def test_dpo_lora_from_a_lora_sft_run_uses_the_base_without_a_second_model(sft_r
     resumed = Trainer(cfg, tmp_path / "run", quiet=True, recipe=recipe_for("dpo"))
     known = ~torch.isnan(first)
     assert known.any() and torch.allclose(resumed.train_data.ref[known], first[known], atol=1e-6)
+    # Its adapters were trained on the SFT run's merged model, which peft cannot load as a base (and the HF base
+    # alone is another model): the PEFT export is refused, naming the merged export to run instead, which works.
+    from loom.interop import convert
+
+    with pytest.raises(UserError, match=f"a LoRA run, whose own adapters are part of that base; .* Export the adapted "
+                                        f"model merged instead: loom convert {tmp_path / 'run'} .* --to hf --merge"):
+        convert(tmp_path / "run", tmp_path / "peft", "peft")
+    assert not (tmp_path / "peft").exists()
+    convert(tmp_path / "run", tmp_path / "merged", "hf", merge=True)
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged") is not None
 
 
 # --- memory ----------------------------------------------------------------------------------------------------

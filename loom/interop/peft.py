@@ -25,6 +25,7 @@ from loom.config import Config
 from loom.config.lora import hf_target, loom_targets
 from loom.errors import UserError
 from loom.interop.fingerprint import check_same_base, recorded_base
+from loom.interop.hf_config import is_hf_dir
 from loom.interop.hf_io import TARGETS as HF_TARGETS
 from loom.interop.hf_io import _atomic_dir, _check_free, export_hf
 from loom.interop.hf_io import convert as convert_hf
@@ -205,11 +206,21 @@ def export_peft(src: str | Path, dst: str | Path) -> Path:
 
     from loom.files import honour_umask
 
-    model, cfg, model_dir = load_adapted(src)
+    model_dir = resolve_model_dir(src)
+    cfg = read_config(model_dir)
+    merged = f"loom convert {src} {dst} --to hf --merge"
     if not cfg.train.init_from:
         raise UserError(f"{model_dir} trained adapters on a base initialised from train.seed, not on a saved model; "
-                        "peft loads adapters onto a base model directory, so export the merged model instead: "
-                        "loom convert SRC DST --to hf --merge")
+                        f"peft loads adapters onto a base model directory, so export the merged model instead: {merged}")
+    base = cfg.train.init_from
+    if Path(base).is_dir() and not is_hf_dir(base):  # a loom run, checkpoint or model directory (e.g. an SFT run)
+        what = "a LoRA run, whose own adapters are part of that base" if is_lora_checkpoint(base) else "a loom directory"
+        raise UserError(f"{model_dir}'s adapters were trained on train.init_from={base}, {what}; peft loads adapters "
+                        "onto a Hugging Face model directory only, and on any other base (that run's own base, say) "
+                        f"they compute something else. Export the adapted model merged instead: {merged} (or convert "
+                        "the base to a Hugging Face directory, `loom convert BASE DIR --to hf`, adding --merge for a "
+                        "LoRA run, and train the adapters on DIR)")
+    model, cfg, model_dir = load_adapted(src)
     if cfg.pref.recipe == "rm":
         raise UserError(f"{model_dir} is a reward model: its score head, trained beside the adapters, has no place in "
                         "a PEFT causal-LM adapter directory; load it with loom (rl.reward_model=RUN)")
