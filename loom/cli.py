@@ -15,9 +15,15 @@ from loom.errors import CollectiveTimeout, TrainingDiverged, UserError
 
 def split_overrides(extra: list[str]) -> list[str]:
     """`--section.key=value` or `--section.key value` -> ["section.key=value", ...]."""
+    from loom.config.load import other_name
+
     out, i = [], 0
     while i < len(extra):
         arg = extra[i]
+        name = arg.split("=", 1)[0].removeprefix("--").replace("-", "_")
+        if arg.startswith("--") and (how := other_name(name)):
+            raise UserError(f"unrecognised argument {arg!r}: {name} is what Hugging Face / TRL call it; in loom write "
+                            f"{how}. loom's settings are --section.key=value (see `loom train --help`)")
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
             raise UserError(
                 f"unrecognised argument {arg!r}; config overrides look like --section.key=value "

@@ -45,6 +45,25 @@ def test_train_bad_input(capsys, tmp_path, extra, fragments):
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("arg, meant", [
+    ("--learning_rate=2e-5", "--optim.lr=VALUE"),
+    ("--bf16", "--train.dtype=bfloat16"),
+    ("--lr_scheduler_type=cosine", "--optim.decay=cosine, linear or constant"),
+    ("--num_train_epochs=3", "--train.steps=N: loom counts optimizer steps, N = epochs x examples / train.global_batch"),
+    ("--warmup_ratio=0.1", "--optim.warmup_steps=N, N = ratio x train.steps"),
+    ("--lora_r=16", "--lora.rank=VALUE"),
+    ("--gradient-accumulation-steps=4", "--train.global_batch=G and --train.micro_batch=M"),
+    ("--output_dir", "--run-dir VALUE"),
+])
+def test_trl_argument_names_get_the_loom_key_they_mean(capsys, tmp_path, arg, meant):
+    """TRL / transformers spellings exit 2 naming what to write instead, before anything runs."""
+    run_dir = tmp_path / "run"
+    name = arg.split("=")[0].removeprefix("--").replace("-", "_")
+    fails(capsys, ["sft", "--config", "tiny-sft", "--run-dir", str(run_dir), arg, "--train.steps=1"],
+          f"unrecognised argument '{arg}': {name} is what Hugging Face / TRL call it; in loom write {meant}")
+    assert not run_dir.exists()
+
+
 def test_tokenizer_larger_than_embedding(capsys, tmp_path):
     from loom.data.tokenizer import train_bpe
 

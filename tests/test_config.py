@@ -80,10 +80,22 @@ def test_bad_values_name_field_and_valid_choices(override, fragments):
     ("train.batch_size", "train.global_batch"),
     ("model.moe.expert", "model.moe.experts"),  # a typo inside a nested section
     ("rl.max_new_token", "rl.max_new_tokens"),
+    ("lora.r", "lora.rank"),  # PEFT's and TRL's name
 ])
 def test_unknown_key_suggests_across_sections(given, meant):
     with pytest.raises(UserError, match=f"unknown config key '{given}' \\(did you mean '{meant}'\\?\\)"):
         load_config("tiny", [f"{given}=1"])
+
+
+@pytest.mark.parametrize("given, meant", [
+    ("optim.lr_scheduler_type", "'optim.decay'? write --optim.decay=cosine, linear or constant"),
+    ("train.bf16", "'train.dtype'? write --train.dtype=bfloat16)"),
+    ("optim.warmup_ratio", "'optim.warmup_steps'? write --optim.warmup_steps=N, N = ratio x train.steps)"),
+])
+def test_other_trainers_settings_say_how_loom_writes_them(given, meant):
+    with pytest.raises(UserError) as err:
+        load_config("tiny", [f"{given}=1"])
+    assert f"unknown config key '{given}' (did you mean {meant}" in str(err.value)
 
 
 def test_other_trainers_names_point_at_real_keys():

@@ -100,7 +100,37 @@ OTHER_NAMES = {
     "num_key_value_heads": "model.kv_heads", "intermediate_size": "model.ffn_hidden",
     "save_steps": "checkpoint.interval", "eval_steps": "train.eval_interval", "logging_steps": "train.log_interval",
     "output_dir": "--run-dir", "model_name_or_path": "train.init_from", "resume_from_checkpoint": "checkpoint.resume",
+    # TRL and PEFT (SFTConfig, DPOConfig, GRPOConfig, LoraConfig, TRL's script arguments)
+    "fp16": "train.dtype", "lr_scheduler_type": "optim.decay", "num_train_epochs": "train.steps",
+    "warmup_ratio": "optim.warmup_steps", "gradient_accumulation_steps": "train.global_batch",
+    "gradient_checkpointing": "recompute.mode", "adam_beta1": "optim.beta1", "adam_beta2": "optim.beta2",
+    "adam_epsilon": "optim.eps", "torch_compile": "train.compile", "packing": "sft.packing",
+    "report_to": "log.wandb", "run_name": "log.wandb_name", "r": "lora.rank", "lora_r": "lora.rank",
+    "use_peft": "lora.rank", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
+    "target_modules": "lora.targets", "lora_target_modules": "lora.targets", "num_generations": "rl.group_size",
+    "max_completion_length": "rl.max_new_tokens",
 }
+# How such a setting is written in loom where its value does not carry over as it is.
+TRANSLATIONS = {
+    "bf16": "--train.dtype=bfloat16",
+    "fp16": "--train.dtype=bfloat16 (loom trains in float32 or bfloat16)",
+    "lr_scheduler_type": "--optim.decay=cosine, linear or constant (after optim.warmup_steps, down to optim.min_lr)",
+    "num_train_epochs": "--train.steps=N: loom counts optimizer steps, N = epochs x examples / train.global_batch "
+                        "(an SFT run states its rows per epoch as it starts)",
+    "warmup_ratio": "--optim.warmup_steps=N, N = ratio x train.steps",
+    "gradient_accumulation_steps": "--train.global_batch=G and --train.micro_batch=M: loom accumulates G / (M x "
+                                   "data-parallel ranks) micro-batches per step",
+    "gradient_checkpointing": "--recompute.mode=full (or selective)",
+    "use_peft": "--lora.rank=R (e.g. 16; 0 trains every weight)",
+    "report_to": "--log.wandb=true (Weights & Biases; TensorBoard is log.tensorboard)",
+}
+
+
+def other_name(name: str) -> str:
+    """How another trainer's setting `name` (`learning_rate`, `bf16`, `lora_r`) is written in loom, e.g.
+    "--optim.lr=VALUE"; "" for a name loom does not know."""
+    key = OTHER_NAMES.get(name)
+    return "" if key is None else TRANSLATIONS.get(name, f"{key} VALUE" if key.startswith("--") else f"--{key}=VALUE")
 
 
 def suggest_key(cfg: Config, section: str, key: str) -> str:
@@ -115,7 +145,9 @@ def suggest_key(cfg: Config, section: str, key: str) -> str:
             break
         match = difflib.get_close_matches(key, list(scope.values()), n=1, cutoff=0.6)
         guess = next(d for d, k in scope.items() if k == match[0]) if match else None
-    return f" (did you mean {guess!r}?)" if guess else ""
+    leaf = key.rsplit(".", 1)[-1]
+    how = f" write {TRANSLATIONS[leaf]}" if not same and leaf in TRANSLATIONS else ""
+    return f" (did you mean {guess!r}?{how})" if guess else ""
 
 
 def set_value(cfg: Config, dotted: str, value: Any, parse_text: bool) -> None:
