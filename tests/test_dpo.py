@@ -3,13 +3,10 @@
 import json
 import math
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT
 from loom.cli import main
 from loom.config import load_config
 from loom.data.tokenizer import Tokenizer
@@ -51,10 +48,10 @@ def test_first_step_is_at_the_reference_and_stats_are_logged(dpo_run):
 
 
 def test_dpo_dp_shard2_matches_single_process(dpo_run, tmp_path):
-    cmd = [sys.executable, "-m", "loom.cli", "dpo", "--config", "tiny-dpo", "--run-dir", str(tmp_path / "run"),
-           "--nproc", "2", *[f"--{o}" for o in PREF + ["train.micro_batch=2", "parallel.dp_shard=2"]]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    from pool_launch import launch_in_pool
+
+    # `loom dpo --nproc 2`, in the session's kept rank processes
+    launch_in_pool("dpo", "tiny-dpo", tmp_path / "run", 2, PREF + ["train.micro_batch=2", "parallel.dp_shard=2"])
     (steps, evals), (ref_steps, ref_evals) = metrics(tmp_path / "run"), metrics(dpo_run)
     assert len(steps) == len(ref_steps) == 3
     for got, want in zip(steps, ref_steps):

@@ -367,20 +367,14 @@ def test_import_hf_names_missing_experts(tmp_path, hf_dirs):
         import_hf(bad)
 
 
-@pytest.mark.slow  # two processes on a small machine
 def test_init_from_hf_dp_shard2_step1_loss(tmp_path, hf_dirs):
     """dp_shard=2: FSDP shards each stacked expert weight by rows of its first dimension, so each rank
     builds its experts from its own per-expert Hugging Face tensors; the loss is transformers'."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
+    from pool_launch import launch_in_pool
 
     src, hf_model = hf_dirs["qwen2_moe"]
     overrides = RUN + [f"train.init_from={src}", "parallel.dp_shard=2"]
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "loom.cli", "train", "--config", "tiny", "--run-dir", str(run_dir),
-                           "--nproc", "2", *[f"--{o}" for o in overrides]], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    launch_in_pool("train", "tiny", run_dir, 2, overrides)  # `loom train --nproc 2`, in kept rank processes
     got, want = step1_row(run_dir)["loss"], transformers_loss(hf_model, overrides)
     assert math.isclose(got, want, rel_tol=LOSS_RTOL), (got, want)

@@ -506,12 +506,14 @@ def test_config_written_for_the_winner_trains(tmp_path):
     assert r.returncode == 0, r.stderr
     cfg = load_config(str(out))
     assert cfg.parallel.world_size == 2 and cfg.train.global_batch == 4 and cfg.train.seq_len == 64
-    r = run_cli("train", "--config", str(out), "--nproc", "2", "--run-dir", str(tmp_path / "run"),
-                "--train.steps=2", "--train.dtype=float32", "--train.device=cpu", "--train.eval_samples=2",
-                "--checkpoint.save_final=false", "--data.corpus_max_bytes=300000",
-                "--train.compile=false")  # a GPU plan writes compiled blocks; this CPU run checks the layout
+    from pool_launch import launch_in_pool
+
+    # `loom train --config OUT --nproc 2`, in the session's kept rank processes
+    launch_in_pool("train", str(out), tmp_path / "run", 2, [
+        "train.steps=2", "train.dtype=float32", "train.device=cpu", "train.eval_samples=2",
+        "checkpoint.save_final=false", "data.corpus_max_bytes=300000",
+        "train.compile=false"])  # a GPU plan writes compiled blocks; this CPU run checks the layout
     assert cfg.train.compile  # priced compiled (--compile auto on a GPU, tp = pp = 1), written compiled
-    assert r.returncode == 0, r.stderr[-2000:]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len([json.loads(x) for x in lines if '"loss"' in x]) >= 2
 

@@ -1,13 +1,10 @@
 """Reward model (loom/post/pref.py): a scalar head on a pretrained body, its loss, metrics and saved head."""
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT
 from loom.cli import main
 from loom.config import load_config
 from loom.data.tokenizer import load_tokenizer
@@ -84,13 +81,13 @@ def test_saved_head_gives_the_reported_held_out_accuracy(rm_run):
     assert evals[-1]["val_accuracy"] == pytest.approx(sum(wins) / len(wins))
 
 
-@pytest.mark.slow  # ~25 s on the 2-core machine; DPO's dp_shard=2 test covers the recipe hooks under FSDP
+@pytest.mark.slow  # DPO's dp_shard=2 test covers the recipe hooks under FSDP
 def test_rm_dp_shard2_matches_single_process(rm_run, pretrained, tmp_path):
-    cmd = [sys.executable, "-m", "loom.cli", "rm", "--config", "tiny-rm", "--run-dir", str(tmp_path / "run"),
-           "--nproc", "2", *[f"--{o}" for o in RUN + ["train.micro_batch=2", "parallel.dp_shard=2"]],
-           f"--train.init_from={pretrained}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    from pool_launch import launch_in_pool
+
+    # `loom rm --nproc 2`, in the session's kept rank processes
+    launch_in_pool("rm", "tiny-rm", tmp_path / "run", 2,
+                   RUN + ["train.micro_batch=2", "parallel.dp_shard=2", f"train.init_from={pretrained}"])
     (steps, evals), (ref_steps, ref_evals) = metrics(tmp_path / "run"), metrics(rm_run)
     for got, want in zip(steps, ref_steps):
         for key in ("loss", "grad_norm", "margin", "accuracy"):
