@@ -151,7 +151,7 @@ engine = Engine(model, max_batch=2, max_len=16)
 done = engine.generate([[1, 2, 3], [4]], SamplingParams(max_new_tokens=3))
 print("available", cpu_kernels.available(), "packed", engine.stats["packed_linears"], [len(d.tokens) for d in done])
 """
-    env = {**os.environ, "LOOM_CACHE_DIR": str(tmp_path), "CXX": "false"}  # a "compiler" that fails
+    env = {**os.environ, "LOOM_CACHE": str(tmp_path), "CXX": "false"}  # a "compiler" that fails
     env.pop("LOOM_CPU_KERNELS", None)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

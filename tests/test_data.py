@@ -400,3 +400,20 @@ def test_blended_errors():
         BlendedDataset(sets, [1.0], 5)
     with pytest.raises(UserError, match="has 10 samples"):
         BlendedDataset(sets, [0.9, 0.1], 20)
+
+
+def test_one_cache_directory_variable_and_the_old_name_still_works(tmp_path, monkeypatch, capsys):
+    """LOOM_CACHE names the one cache directory (tokenizers, datasets, indices, the CPU kernels' build);
+    LOOM_CACHE_DIR, the kernels' earlier name, still works when LOOM_CACHE is unset, with a note to rename it."""
+    from loom.data.tokenizer import cache_dir as data_cache
+    from loom.files import cache_dir
+    from loom.infer.cpu.kernels import cache_dir as kernels_cache
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "old"))
+    assert data_cache() == kernels_cache() == cache_dir() == tmp_path / "cache"  # LOOM_CACHE wins
+    monkeypatch.delenv("LOOM_CACHE")
+    assert data_cache() == kernels_cache() == tmp_path / "old"
+    assert "LOOM_CACHE_DIR is deprecated; loom's one cache variable is LOOM_CACHE" in capsys.readouterr().err
+    monkeypatch.delenv("LOOM_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert data_cache() == kernels_cache() == tmp_path / "xdg" / "loom"

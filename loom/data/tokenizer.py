@@ -20,17 +20,11 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from loom.data.corpus import iter_documents
 from loom.errors import UserError
-from loom.files import honour_umask
+from loom.files import cache_dir, honour_umask  # cache_dir: tokenizers, datasets
 
 EOD_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
 SPECIAL_BYTES = b"\x00"  # what a special token counts as in token_bytes (one byte)
-
-
-def cache_dir() -> pathlib.Path:
-    """Where loom caches tokenizers and tokenized datasets: $LOOM_CACHE or ~/.cache/loom."""
-    env = os.environ.get("LOOM_CACHE")
-    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "loom"
 
 
 @functools.lru_cache(maxsize=1)

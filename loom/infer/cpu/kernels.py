@@ -28,7 +28,7 @@ tensor-parallel shard) keeps `F.linear` and SDPA; `available()` says whether thi
 
 Built from kernels.cpp (beside this file) with the system's C++ compiler the first time a process asks for
 it, into a cache directory keyed by the source, torch's and Python's versions and the compiler (`cache_dir`:
-LOOM_CACHE_DIR, else ~/.cache/loom, else the temporary directory), written whole or not at all, then loaded with
+loom.files.cache_dir: $LOOM_CACHE, else ~/.cache/loom, else the temporary directory), written whole or not at all, then loaded with
 `torch.ops.load_library`: the ops are `torch.ops.loom_cpu.packed_linear`, `.decode_attention` and
 `.decode_attention_paged` (and `.packed_linear_isa`, behind `product_isa`), with fake
 (meta) implementations so that `torch.compile` keeps each as one opaque call inside a compiled decode step.
@@ -53,6 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.files import cache_dir
+
 log = logging.getLogger(__name__)
 
 PANEL = 16  # output columns per packed panel: two AVX2 registers
@@ -62,21 +64,6 @@ SOURCE = (Path(__file__).parent / "kernels.cpp").read_text()  # the kernels, in 
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-DNDEBUG"]
 
 _state: dict = {}  # "ok": bool once decided; "why": the reason when not
-
-
-def cache_dir() -> Path:
-    """LOOM_CACHE_DIR, else $XDG_CACHE_HOME/loom or ~/.cache/loom; where that cannot be created (a read-only
-    home), loom-<uid> in the temporary directory, as inductor keeps its own cache."""
-    if os.environ.get("LOOM_CACHE_DIR"):
-        return Path(os.environ["LOOM_CACHE_DIR"])
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "loom"
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-        if os.access(home, os.W_OK):
-            return home
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"loom-{os.getuid()}"
 
 
 def _build_command(out: Path, src: Path) -> list[str]:
