@@ -114,11 +114,12 @@ def _children(pid):
 def test_killed_worker_is_restarted_and_run_completes_like_undisturbed(tmp_path):
     import os
 
-    args = ["train", "--config", "tiny", *[f"--{o}" for o in SMALL], "--train.steps=24", "--checkpoint.interval=2",
-            "--parallel.dp_shard=2", "--nproc", "2"]
-    full = tmp_path / "full"
-    assert subprocess.run([sys.executable, "-m", "loom.cli", *args, "--run-dir", str(full)], cwd=ROOT,
-                          capture_output=True).returncode == 0
+    from pool_launch import launch_in_pool
+
+    overrides = [*SMALL, "train.steps=24", "checkpoint.interval=2", "parallel.dp_shard=2"]
+    args = ["train", "--config", "tiny", *[f"--{o}" for o in overrides], "--nproc", "2"]
+    full = tmp_path / "full"  # the undisturbed run: the same workers' run, in the session's kept rank processes
+    launch_in_pool("train", "tiny", full, 2, overrides)
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "loom.cli", *args, "--run-dir", str(run_dir), "--max-restarts", "1"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
