@@ -72,8 +72,7 @@ def sp_problem(tp: int, sp: bool) -> str | None:
 # --- mixture of experts ------------------------------------------------------------------------------
 
 
-def moe_problem(experts: int, pp: int, schedule: str, cp: int, capacity_factor: float,
-                compile: bool) -> str | None:
+def moe_problem(experts: int, pp: int, schedule: str, cp: int, capacity_factor: float) -> str | None:
     """Which layouts a mixture-of-experts model runs on (None: this one). Proven equal to one process:
     data parallelism, expert parallelism carved from it (`ep_problem`), pipeline parallelism (every stage
     counts its own layers' routing), tensor parallelism (with SP and ep > 1 a multiple of tp, each rank routes
@@ -91,9 +90,6 @@ def moe_problem(experts: int, pp: int, schedule: str, cp: int, capacity_factor: 
                 "context-parallel rank holds part of every sequence, so an expert's capacity (and which tokens "
                 "it keeps) would differ from one process; set model.moe.capacity_factor=0 (dropless) or "
                 "parallel.cp=1")
-    if compile:
-        return (f"train.compile=true with model.moe.experts={experts} is not supported yet (the expert loop has "
-                "data-dependent shapes); set train.compile=false")
     return None
 
 
@@ -190,13 +186,10 @@ def cp_problem(cp: int, seq_len: int, tp: int = 1, sp: bool = False) -> str | No
     return None
 
 
-def cp_feature_problem(cp: int, compile: bool, recompute_mode: str) -> str | None:
+def cp_feature_problem(cp: int, recompute_mode: str) -> str | None:
     """What context parallelism does not compose with yet (None: nothing in this config)."""
     if cp == 1:
         return None
-    if compile:
-        return (f"train.compile=true is not applied with parallel.cp={cp} yet (the key/value all-gather is a Python "
-                "autograd function); set train.compile=false or parallel.cp=1")
     if recompute_mode in ("budget", "auto"):
         return (f"recompute.mode={recompute_mode} plans one rank's layers without context parallelism; with "
                 f"parallel.cp={cp} use recompute.mode=none, selective or full")
@@ -259,12 +252,12 @@ def check_layout(cfg, world: int | None = None, recipe: str = "train") -> None:
     experts = m.moe.experts
     if problem := ep_problem(p.ep, experts, p.dp_replicate, p.dp_shard, p.cp, p.tp, p.sp,
                              m.moe.capacity_factor) or moe_problem(
-            experts, p.pp, p.schedule, p.cp, m.moe.capacity_factor, t.compile):
+            experts, p.pp, p.schedule, p.cp, m.moe.capacity_factor):
         raise UserError(problem)
     if problem := sp_problem(p.tp, p.sp):
         raise UserError(problem)
     if problem := cp_problem(p.cp, t.seq_len, p.tp, p.sp) or cp_feature_problem(
-            p.cp, t.compile, cfg.recompute.mode):
+            p.cp, cfg.recompute.mode):
         raise UserError(problem)
     if problem := document_mask_problem(cfg.data.document_mask, m.position, p.sp):
         raise UserError(problem)
@@ -295,12 +288,17 @@ def check_layout(cfg, world: int | None = None, recipe: str = "train") -> None:
         raise UserError(problem)
 
 
+def adam_moment_bytes(state_dtype: str) -> int:
+    """Bytes per trained parameter of AdamW's two moments (exp_avg, exp_avg_sq), kept in optim.state_dtype
+    (loom/train/optim.py): the one formula for `loom memory`, the banner and the planner's memory and step time."""
+    return 2 * (2 if state_dtype in ("bfloat16", "bf16") else 4)
+
+
 def lora_bytes_per_param(dtype: str, state_dtype: str) -> tuple[int, int, int]:
     """Bytes held between steps per parameter: (a frozen base weight: train.dtype alone, no gradient, no
     optimizer state; a trained one: fp32 weight + fp32 gradient + AdamW's two moments; the same trained one in
     full fine-tuning). One formula for the banner, `loom memory` and the planner."""
-    moments = 4 if state_dtype == "bfloat16" else 8
-    trained = 4 + 4 + moments
+    trained = 4 + 4 + adam_moment_bytes(state_dtype)
     return (2 if dtype in ("bfloat16", "bf16", "fp16", "fp8") else 4), trained, trained
 
 
@@ -420,9 +418,11 @@ def _check_pipeline(cfg) -> None:
         return
     if split:
         raise UserError(split)
-    if t.compile:
-        raise UserError("train.compile=true is not applied to pipeline stages yet; set train.compile=false with "
-                        "parallel.pp > 1")
+    if t.compile and p.schedule == "zero_bubble":
+        raise UserError("train.compile=true with parallel.schedule=zero_bubble is not supported: the schedule splits "
+                        "each stage's backward into an input pass and a weight pass, and a compiled block's backward "
+                        "is one graph, which would run whole in both; set parallel.schedule=1f1b or interleaved, or "
+                        "train.compile=false")
     if cfg.recompute.mode in ("budget", "auto"):
         raise UserError(f"recompute.mode={cfg.recompute.mode} plans one rank's layers without pipeline stages; "
                         "with parallel.pp > 1 use recompute.mode=selective or full")

@@ -314,7 +314,9 @@ def _runner_step(overrides, backend=None):
     loss_sum = runner.forward_backward(batch, layout.dp_size / total)
     norm = clip_grad_norm(runner.model.parameters(), 0.0)
     loss_sum = all_reduce_sum(loss_sum) / layout.tp if dist.is_initialized() else loss_sum
-    compiled = [getattr(b, "_compiled_call_impl", None) is not None for b in runner.model.layers.values()]
+    from loom.parallel import is_compiled
+
+    compiled = [is_compiled(b) for b in runner.model.layers.values()]  # in place, or inside a full checkpoint
     return float(loss_sum / total), float(full_tensor(norm)), compiled
 
 

@@ -207,12 +207,11 @@ def test_expert_parallel_sizes():
     assert ep_problem(4, 8, 1, 2, 1).endswith("valid ep sizes for this layout: 1, 2, or raise parallel.dp_shard "
                                               "(e.g. parallel.dp_shard=4)")
     assert ep_problem(4, 6, 1, 4, 1).endswith("valid ep sizes for this layout: 1, 2")
-    assert moe_problem(8, 2, "interleaved", 2, 0.0, False) is None and moe_problem(8, 1, "1f1b", 1, 1.25, False) is None
-    assert moe_problem(0, 2, "zero_bubble", 2, 1.25, True) is None  # a dense model
-    assert moe_problem(8, 1, "1f1b", 2, 1.25, False).startswith("parallel.cp=2 with model.moe.capacity_factor=1.25 "
-                                                                "is not supported")
-    assert "set parallel.schedule=1f1b or interleaved" in moe_problem(8, 2, "zero_bubble", 1, 0.0, False)
-    assert "set train.compile=false" in moe_problem(8, 1, "1f1b", 1, 0.0, True)
+    assert moe_problem(8, 2, "interleaved", 2, 0.0) is None and moe_problem(8, 1, "1f1b", 1, 1.25) is None
+    assert moe_problem(0, 2, "zero_bubble", 2, 1.25) is None  # a dense model
+    assert moe_problem(8, 1, "1f1b", 2, 1.25).startswith("parallel.cp=2 with model.moe.capacity_factor=1.25 "
+                                                         "is not supported")
+    assert "set parallel.schedule=1f1b or interleaved" in moe_problem(8, 2, "zero_bubble", 1, 0.0)
     cfg = load_config("tiny", ["model.moe.experts=4", "model.moe.top_k=2", "parallel.dp_shard=2", "parallel.ep=2",
                                 "train.micro_batch=4"])
     check_layout(cfg, 2)  # two processes: ep=2 adds none

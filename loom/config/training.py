@@ -58,7 +58,7 @@ class TrainConfig(Section):
     eval_interval: int = 0  # 0: evaluate only at the end
     eval_samples: int = 32  # held-out sequences per evaluation
     log_interval: int = 1
-    compile: bool = False  # torch.compile each transformer block (composes with FSDP and recompute; not TP yet)
+    compile: bool = False  # torch.compile each transformer block (every layout; tests/test_compile_layouts.py)
     # LM head + cross-entropy this many tokens at a time, its gradients computed in forward (memory-light); 0: the
     # whole micro-batch's logits; "auto": 8192 on a GPU where the layout takes it (tp = pp = 1), else 0
     loss_chunk: int | Literal["auto"] = "auto"

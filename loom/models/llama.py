@@ -239,6 +239,10 @@ class Dropout(nn.Module):
             return x
         if self.stream is None:
             return torch.native_dropout(x, self.p, True)[0]
+        return self._streamed(x)
+
+    @torch.compiler.disable  # seeds a generator from the rank's stream: eager inside a compiled block
+    def _streamed(self, x: torch.Tensor) -> torch.Tensor:
         with self.stream(x):
             return torch.native_dropout(x, self.p, True)[0]
 

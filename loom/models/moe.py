@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, Shard
 from loom.config import ModelConfig
 
 
+@torch.compiler.disable  # iterates to a tolerance read on the host: eager in a compiled block (one graph break)
 def sinkhorn(logits: torch.Tensor, tol: float = 1e-4, max_iters: int = 1000) -> torch.Tensor:
     """Sinkhorn balancing of router logits [T, E] in fp32, as Megatron-Core's S-BASE router does.
 
@@ -102,8 +103,16 @@ def statistics_off():
 
 
 def _in_backward() -> bool:
-    """True while autograd runs a backward pass (activation recomputation re-runs forward there)."""
-    return torch._C._current_graph_task_id() != -1
+    """True while autograd runs a backward pass (activation recomputation re-runs forward there). Never in a
+    compiled block: its recomputation is part of the compiled backward graph, which runs no Python."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries of `experts` (int64, any shape) name each expert: [num_experts] int64. `bincount` with a
+    static output size (its own has a data-dependent one, which would cut a compiled block)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
 
 
 def _local(w):
@@ -184,7 +193,8 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(experts, hidden, ffn)) if gated else None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
-        """`grouped`: force (True) or forbid (False) `torch._grouped_mm`; None picks it where it is fast."""
+        """`grouped`: force (True) or forbid (False) `torch._grouped_mm`; None picks it where it is fast. In a
+        compiled block the grouped path is traced whole (static shapes); the loop runs eagerly."""
         if grouped is None:
             grouped = use_grouped_mm(x)
         return self._grouped(x, counts) if grouped else self._looped(x, counts)
@@ -197,6 +207,7 @@ class GroupedExperts(nn.Module):
         h = F.silu(mm(x, w1)) * mm(x, w3) if self.gated else F.gelu(mm(x, w1))
         return mm(h, w2)
 
+    @torch.compiler.disable  # sizes read on the host: eager in a compiled block (one graph break, no recompiles)
     def _looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """One matmul per expert on its contiguous rows. Every expert runs, an empty one on zero rows, so
         every weight gets a (zero) gradient; `unbind` makes backward stack the experts' gradients once."""
@@ -315,12 +326,12 @@ class MoE(nn.Module):
                 priority = position * (tokens * k) + index  # earliest position first, then batch order
             by_priority = torch.argsort(priority, stable=True)
             ranked = by_priority[torch.argsort(flat_expert[by_priority], stable=True)]  # expert-major
-            counts_all = torch.bincount(flat_expert, minlength=e)
+            counts_all = expert_counts(flat_expert, e)
             group_start = torch.cumsum(counts_all, 0) - counts_all
             rank_in_expert = index - group_start[flat_expert[ranked]]
             kept = ranked[rank_in_expert < capacity]
             order = kept[torch.argsort(flat_expert[kept] * (tokens * k) + kept)]  # expert, then token
-        counts = torch.bincount(flat_expert[order], minlength=e)
+        counts = expert_counts(flat_expert[order], e)
         return order // k, flat_gate[order], counts
 
     def combine(self, y: torch.Tensor, token: torch.Tensor, gate: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -357,7 +368,7 @@ class MoE(nn.Module):
         z = z_loss(logits)
         # A recomputed forward is not counted twice; a pipeline's shape inference not at all.
         if _RECORDING[0] and not _in_backward() and chosen.device.type != "meta":
-            load = torch.bincount(chosen.reshape(-1), minlength=e).float()
+            load = expert_counts(chosen, e).float()
             n = chosen.numel()
             rest = torch.stack([torch.tensor(float(n - kept), device=load.device), torch.tensor(float(n),
                                 device=load.device), balance.detach().float(), z.detach().float(),

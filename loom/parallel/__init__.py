@@ -46,7 +46,7 @@ def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype:
 
         tp_rank = layout.submesh("tp").get_local_rank() if layout.tp > 1 else 0
         install(model, cfg.train.seed, layout.tp, tp_rank, cfg.parallel.sp, layout.cp, layout.cp_rank)
-    apply_recompute(model, cfg, layer_plan)
+    apply_recompute(model, cfg, layer_plan, eager_core=cfg.train.compile and layout.tp > 1)
     if cfg.train.compile:
         compile_blocks(model)
     if layout.grad_ranks > 1:
@@ -69,12 +69,27 @@ def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype:
 def compile_blocks(model: nn.Module) -> None:
     """Compile every transformer block in place (`nn.Module.compile`: names, state dicts and the hooks
     FSDP registers later are unchanged). After TP and recomputation, so the compiled graph contains the
-    DTensor ops and the checkpoint regions; before FSDP, whose all-gathers stay outside the graphs.
+    DTensor ops and the selective checkpoint regions; before FSDP, whose all-gathers stay outside the graphs.
+    A fully recomputed block is compiled inside its checkpoint (`recompute.compile_inside`).
+    What cannot be traced runs eagerly between a block's graphs, each a counted graph break
+    (tests/test_compile_layouts.py): sequence parallelism's gather hooks, the context-parallel key/value
+    exchange and the MoE layers' cp-group sums, the expert-parallel all-to-all, Sinkhorn's iterations and the
+    experts' per-expert loop where `torch._grouped_mm` does not run (the grouped path traces whole).
     `LOOM_COMPILE_BACKEND` picks another torch.compile backend (tests use `aot_eager`: the same graph
     capture and autograd tracing, without code generation)."""
+    from loom.parallel.recompute import compile_inside
+
     backend = os.environ.get("LOOM_COMPILE_BACKEND", "inductor")
     for block in model.layers.values():
-        block.compile(backend=backend)
+        if not compile_inside(block, lambda fn: torch.compile(fn, backend=backend)):
+            block.compile(backend=backend)
+
+
+def is_compiled(block: nn.Module) -> bool:
+    """Whether `compile_blocks` compiled this transformer block (in place, or inside its checkpoint)."""
+    inner = getattr(block.forward, "inner", None)
+    return (getattr(block, "_compiled_call_impl", None) is not None
+            or getattr(inner, "_torchdynamo_orig_callable", None) is not None)
 
 
 __all__ = ["MeshPlace", "place_in_mesh", "parallelize"]

@@ -117,7 +117,7 @@ class ContextParallelCore:
     def __call__(self, q, k, v, kind: str, dropout: float, doc_ids=None) -> torch.Tensor:
         """`doc_ids`: packed sequences' document ids of whole rows [b, S] (`shard_batch` leaves them whole),
         so each chunk's mask needs no exchange: its queries' and keys' documents are a slice of them."""
-        k, v = gather_sequence(k, self.group, self.cp), gather_sequence(v, self.group, self.cp)
+        k, v = self.exchange(k, v)
         c = q.shape[2] // 2
         a, b = self.rank, 2 * self.cp - 1 - self.rank
         docs = () if doc_ids is None else (doc_ids,)
@@ -125,6 +125,10 @@ class ContextParallelCore:
         out_a = self.inner(q[:, :, :c], k[:, :, :(a + 1) * c], v[:, :, :(a + 1) * c], kind, dropout, *docs)
         out_b = self.inner(q[:, :, c:], k[:, :, :(b + 1) * c], v[:, :, :(b + 1) * c], kind, dropout, *docs)
         return torch.cat([out_a, out_b], dim=2)
+
+    @torch.compiler.disable  # the exchange stays outside a compiled block's graphs (one graph break)
+    def exchange(self, k, v):
+        return gather_sequence(k, self.group, self.cp), gather_sequence(v, self.group, self.cp)
 
 
 class _SumOverShards(torch.autograd.Function):
@@ -151,10 +155,12 @@ class TokenShards:
     def __init__(self, group, size: int, rank: int):
         self.group, self.size, self.rank = group, size, rank
 
+    @torch.compiler.disable  # collectives stay outside a compiled block's graphs
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """`x` summed over the ranks (differentiable)."""
         return _SumOverShards.apply(x, self.group)
 
+    @torch.compiler.disable
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` concatenated along dim 0, rank after rank (no gradient)."""
         x = x.detach().contiguous()

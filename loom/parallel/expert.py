@@ -52,6 +52,7 @@ class ExpertParallel:
         self.group = ep_mesh.get_group()
         self.size = ep_mesh.size()
 
+    @torch.compiler.disable  # split sizes read on the host: eager in a compiled block (one graph break)
     def __call__(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`x` [N, hidden]: this rank's rows sorted expert-major, `counts[e]` rows for global expert e.
         Returns the rows through their experts, in the same order."""

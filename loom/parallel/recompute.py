@@ -39,9 +39,10 @@ def _record_inputs(*tensors) -> None:
 _CHECKPOINTED: weakref.WeakSet = weakref.WeakSet()  # the wrappers made here: a region is wrapped once
 
 
-def _checkpointed(fn, streams=None):
+def _checkpointed(fn, streams=None, eager: bool = False):
     """`fn` as a checkpointed region; `streams`: the model's dropout streams under tp or cp
-    (loom/parallel/rng.py), whose draws the recomputation replays as torch replays the default generators'."""
+    (loom/parallel/rng.py), whose draws the recomputation replays as torch replays the default generators'.
+    `eager`: the region runs eagerly inside a compiled block (one graph break) instead of being traced."""
     extra = {"context_fn": functools.partial(rng.replay_context, streams)} if streams is not None else {}
 
     @functools.wraps(fn)
@@ -51,16 +52,32 @@ def _checkpointed(fn, streams=None):
         _record_inputs(*args)
         return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
 
+    if eager:
+        run = torch.compiler.disable(run)
+    run.inner, run.streams = fn, streams
     _CHECKPOINTED.add(run)
     return run
 
 
-def recompute_attention_core(block, streams=None) -> None:
+def compile_inside(block, compile_fn) -> bool:
+    """A fully recomputed block (`recompute_layer`) compiled inside its checkpoint: `block.forward` becomes the
+    checkpoint of `compile_fn(original forward)`, so backward recomputes through the compiled graphs. (Traced
+    from outside, the checkpoint is one higher-order op that a graph break anywhere in the block, at a
+    collective or a data-dependent step, would make dynamo run eagerly, block and all.) False: the block is
+    not fully recomputed."""
+    run = block.forward
+    if run not in _CHECKPOINTED:
+        return False
+    block.forward = _checkpointed(compile_fn(run.inner), run.streams)
+    return True
+
+
+def recompute_attention_core(block, streams=None, eager: bool = False) -> None:
     # Under context parallelism only the local attention is recomputed, the exchange is not repeated.
     owner, name = local_core_slot(block.attention)
     core = getattr(owner, name)
     if core not in _CHECKPOINTED:
-        setattr(owner, name, _checkpointed(core, streams))
+        setattr(owner, name, _checkpointed(core, streams, eager))
 
 
 def recompute_layer(block, streams=None) -> None:
@@ -70,8 +87,11 @@ def recompute_layer(block, streams=None) -> None:
         block.forward = _checkpointed(block.forward, streams)
 
 
-def apply_recompute(model, cfg, layer_plan: dict[str, str] | None = None) -> dict[str, str]:
-    """Wrap `model`'s layers per `cfg.recompute`; returns {layer name: none|selective|full}."""
+def apply_recompute(model, cfg, layer_plan: dict[str, str] | None = None, eager_core: bool = False) -> dict[str, str]:
+    """Wrap `model`'s layers per `cfg.recompute`; returns {layer name: none|selective|full}. `eager_core`: a
+    selectively recomputed attention core runs eagerly inside a compiled block (tensor parallelism: AOTAutograd
+    in torch 2.13 saves a device mesh for backward when it traces that checkpoint among DTensor ops, and
+    fails)."""
     rc = cfg.recompute
     names = list(model.layers.keys())
     if layer_plan is not None:
@@ -90,7 +110,7 @@ def apply_recompute(model, cfg, layer_plan: dict[str, str] | None = None) -> dic
     for name, how in layer_plan.items():
         block = model.layers[name]
         if how == "selective":
-            recompute_attention_core(block, streams)
+            recompute_attention_core(block, streams, eager_core)
         elif how == "full":
             recompute_layer(block, streams)
     return layer_plan

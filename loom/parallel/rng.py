@@ -69,6 +69,10 @@ class StreamedCore:
     def __call__(self, q, k, v, kind: str, dropout: float, *rest):
         if dropout == 0:
             return self.core(q, k, v, kind, dropout, *rest)
+        return self._streamed(q, k, v, kind, dropout, *rest)
+
+    @torch.compiler.disable  # seeds a generator from the rank's stream: eager inside a compiled block
+    def _streamed(self, q, k, v, kind: str, dropout: float, *rest):
         with self.stream(q):
             return self.core(q, k, v, kind, dropout, *rest)
 

@@ -78,9 +78,10 @@ class Workload:
     lora_targets: tuple = ()
     # Transformer blocks compiled (loom's train.compile: inductor fuses each block's elementwise ops into
     # Triton kernels, priced by `kernels.compiled_elementwise_time`): "on", "off", or "auto", what loom's
-    # GPU path runs (docs/gpu.md: train.compile=true on a GPU, where loom's rule book allows it: tp = pp =
-    # cp = 1, dense layers, loom's own runtime; eager on a CPU). The step-time model resolves "auto" per
-    # layout (`steptime.compiled_workload`).
+    # GPU path has run compiled on a GPU (docs/gpu.md: tp = pp = cp = 1, dense layers, loom's own runtime;
+    # eager on a CPU). The rule book accepts train.compile in every layout; "auto" stays eager elsewhere
+    # until a GPU run measures those blocks compiled (their graph breaks, tests/test_compile_layouts.py).
+    # The step-time model resolves "auto" per layout (`steptime.compiled_workload`).
     compile: str = "auto"
 
     @property
@@ -110,8 +111,8 @@ class Workload:
         """Whether the blocks of layout `lay` run compiled (see `compile`)."""
         if self.compile != "auto":
             return self.compile == "on"
-        # loom.rules refuses train.compile with tp > 1, pp > 1, cp > 1 and MoE layers (gpu_path_problem,
-        # cp_feature_problem, moe_problem)
+        # Priced compiled where loom's compiled blocks were measured on a GPU (see `compile`); a config the
+        # planner writes then says train.compile=false elsewhere, which every layout accepts.
         return (self._loom_gpu_runtime(lay) and lay.tp == 1 and lay.pp == 1 and lay.cp == 1
                 and not self.model.moe_layers)
 
