@@ -22,7 +22,7 @@ from loom.build import build_in_layout, tensor_parallel, torch_dtype, whole
 from loom.config import Config
 from loom.ledger import SavedTensorLedger
 from loom.models.losses import token_loss_sum
-from loom.rules import experts_span_tp, grads_stay_sharded
+from loom.rules import adam_moment_bytes, experts_span_tp, grads_stay_sharded
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -191,7 +191,7 @@ def state_bytes(cfg: Config, layout=None) -> dict:
     experts = 0 if cfg.lora.enabled else sum(t.numel() for n, t in model.named_parameters() if ".experts." in n)
     expert_group = shard * (p.tp if experts_span_tp(p.tp, p.sp, p.ep) else 1)
     per_rank = (trained - experts) / ranks + experts / (p.pp * max(p.ep, expert_group))
-    moment_bytes = 4 if cfg.optim.state_dtype == "bfloat16" else 8
+    moment_bytes = adam_moment_bytes(cfg.optim.state_dtype)
     # Gradients between a step's micro-batches: this rank's shard, or the whole stage's (rules.py).
     micro_batches = cfg.train.global_batch // (p.dp * cfg.train.micro_batch)
     sharded = grads_stay_sharded(p.grad_accum, p.pp, micro_batches)

@@ -56,3 +56,28 @@ def test_bf16_moments_stay_bf16_after_loading_a_state_dict():
     fresh.load_state_dict(sd)
     state = next(iter(fresh.state.values()))
     assert state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg_sq"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_one_optimizer_state_formula_is_what_adamw_holds(state_dtype):
+    """adam_moment_bytes is the bytes per trained parameter the optimizer really holds after a step, and what
+    `loom memory`, the banner's LoRA line and the planner's memory all count (one formula, not four)."""
+    from loom.memory import state_bytes
+    from loom.planner.hardware import load_gpu
+    from loom.planner.memory import memory
+    from loom.planner.workload import Layout, Workload
+    from loom.rules import adam_moment_bytes, lora_bytes_per_param
+
+    cfg = small_config(f"optim.state_dtype={state_dtype}")
+    model = build_model(cfg.model)
+    opt = build_optimizer(model, cfg.optim)
+    model(torch.randint(0, cfg.model.vocab_size, (2, 16))).float().logsumexp(-1).mean().backward()
+    opt.step()
+    held = state_bytes_per_param(model, opt)["optimizer"]
+    assert held == adam_moment_bytes(state_dtype) == (8 if state_dtype == "float32" else 4)
+    estimate = state_bytes(cfg)
+    assert estimate["optimizer_bytes"] == held * estimate["trained_params_per_rank"]
+    assert lora_bytes_per_param(cfg.train.dtype, state_dtype)[1] == 4 + 4 + held
+    w = Workload(cfg.model, cfg.train.seq_len, 8, 1, load_gpu("h100"), state_dtype=state_dtype)
+    planned = memory(w, Layout(micro_batch=4))
+    assert planned["optimizer"] == pytest.approx(held * planned["params"] / 4, rel=1e-9)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from loom.config import ModelConfig
 from loom.flops import layer_activation_bytes
-from loom.rules import grads_stay_sharded, lora_bytes_per_param
+from loom.rules import adam_moment_bytes, grads_stay_sharded, lora_bytes_per_param
 from loom.planner.params import lora_params, model_sizes
 from loom.planner.stages import (expert_data_parallel, local_params, loom_shard_groups, priced_as_megatron, rank_shapes,
                                  recomputed_layers)
@@ -104,7 +104,7 @@ def memory(w: Workload, lay: Layout) -> dict:
     w = w.at_layout(lay)
     cfg = w.model
     m = w.global_batch // (lay.dp * lay.micro_batch)
-    moment_bytes = 4 if w.state_dtype == "bfloat16" else 8
+    moment_bytes = adam_moment_bytes(w.state_dtype)
     # Activations: per layer (loom.flops, the formula `loom memory` is tested against) x layers x in flight.
     act_bytes = 4 if w.precision == "fp32" else 2
     s = w.seq_len // lay.cp

@@ -18,7 +18,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from loom.flops import train_flops_per_token
-from loom.rules import grads_stay_sharded
+from loom.rules import adam_moment_bytes, grads_stay_sharded
 from loom.planner.hardware import GPU
 from loom.planner.kernels import collective_time, hbm_time, members_per_node, p2p_time
 from loom.planner.layertime import head_times, layer_times
@@ -173,10 +173,10 @@ def step_time(w: Workload, lay: Layout) -> dict:
                                             else loom_shard_groups(lay)[1])
     else:
         shard = dense / group + experts / egroup
-    moment = 2 if w.state_dtype == "bfloat16" else 4
+    moments = adam_moment_bytes(w.state_dtype)
     if w.lora_rank:  # LoRA: AdamW updates the adapters only (the frozen base has no gradient)
         shard = lora_params(w.model, w.lora_rank, w.lora_targets) / lay.pp / (group if lay.dp_style == "fsdp" else 1)
-    step["optimizer"] = hbm_time(gpu, shard * (4 + 4 + 2 * moment + 4 + 2 * moment + 2))
+    step["optimizer"] = hbm_time(gpu, shard * (4 + 4 + moments + 4 + moments + 2))
     return step
 
 
