@@ -472,6 +472,43 @@ def test_tensor_parallel_serving_equals_one_process(tiny, tmp_path):
     assert again.choices[0].token_ids == last.tokens
 
 
+def _sharded_serve_rank(model: str, prompts: list[list[int]]):
+    """A `loom serve --nproc` rank's load, with loading the whole model made an error: its shapes and tokens."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import loom
+
+    def whole(*args, **kwargs):
+        raise AssertionError("a serving rank loaded the whole model")
+
+    loom.load_model = whole
+    served = load(model, max_batch=4, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    engine = served.scheduler.engine
+    wq = dict(engine.model.named_parameters())["layers.0.attention.wq.weight"]
+    done = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+    return tuple(wq.to_local().shape), [d.tokens for d in done]
+
+
+def test_tensor_parallel_serving_builds_each_shard_on_meta(tiny):
+    """`loom serve --nproc 2` builds its model as RL builds the engine's (loom.build.build_in_layout): on meta,
+    sharded, each rank reading its half of the weights; no rank loads the whole model, and the tokens are one
+    process's."""
+    from distributed import shared_pool
+
+    from loom import load_model
+    from loom.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(tiny / "tokenizer.json")
+    prompts = [tok.encode(p) for p in PROMPTS]
+    results = shared_pool(2).run(_sharded_serve_rank, str(tiny), prompts)
+    want = [d.tokens for d in Engine(load_model(str(tiny)), max_batch=4, max_len=CONTEXT).generate(
+        prompts, SamplingParams(max_new_tokens=6))]
+    for shape, tokens in results:
+        assert shape == (4 * 16 // 2, 64)  # half of the 4 heads x head_dim 16 rows
+        assert tokens == want
+
+
 def test_paged_keys_and_values_serve_the_same_tokens(tiny, generated):
     """--kv paged: the engine keeps keys and values in blocks (a request's n choices share their prompt's);
     greedy completions equal loom generate's and n=3 seeded choices equal the slab server's."""

@@ -76,14 +76,7 @@ def load(model: str, name: str | None = None, device: str = "cpu", max_batch: in
     from loom.serve.protocol import Limits
     from loom.serve.scheduler import Scheduler
 
-    net = load_model(model, device=device)
-    if mesh is not None:
-        from loom.parallel.tensor import apply_tensor_parallel
-        from loom.rules import tp_problems
-
-        if problems := tp_problems(mesh.size(), net.cfg, net.cfg.max_seq_len, sp=False):
-            raise UserError(f"--nproc={mesh.size()} cannot shard {model}: {'; '.join(problems)}")
-        apply_tensor_parallel(net, mesh, sp=False)
+    net = load_model(model, device=device) if mesh is None else sharded_model(model, mesh, device)
     tok = Tokenizer.from_file(find_tokenizer(model))
     context = net.cfg.max_seq_len
     engine = Engine(net, max_batch=max_batch, max_len=context, compile=compile, sync_every=sync_every,
@@ -93,6 +86,46 @@ def load(model: str, name: str | None = None, device: str = "cpu", max_batch: in
                   stop_ids=stop_token_ids(tok), stop_texts=stop_texts(tok), template=find_template(tok.path),
                   limits=limits or Limits(),
                   api_key=api_key, timeout_s=timeout_s, max_body=max_body)
+
+
+def sharded_model(model: str, mesh, device):
+    """This rank's tensor-parallel shard of the model at `model` (`loom serve --nproc`), built as RL builds its
+    engine's copy: on meta, sharded over `mesh`, then only this rank's slices allocated and read
+    (`loom.build.build_in_layout`, `loom.interop.pretrained.load_pretrained`; a LoRA run: its base's slices with
+    the adapters' products added). No rank holds the whole model. A PEFT adapter directory is the exception: it
+    is merged whole (`loom.interop.peft.load_peft_dir`), then sharded."""
+    from loom.build import build_in_layout, whole
+    from loom.config import Config
+    from loom.interop.peft import is_peft_dir
+    from loom.parallel.tensor import apply_tensor_parallel
+    from loom.rules import tp_problems
+
+    if not Path(model).is_dir():
+        raise UserError(f"--model {model!r} does not exist or is not a directory; give a loom run, checkpoint or model "
+                        "directory or a Hugging Face model directory")
+
+    def check(cfg) -> None:
+        if problems := tp_problems(mesh.size(), cfg, cfg.max_seq_len, sp=False):
+            raise UserError(f"--nproc={mesh.size()} cannot shard {model}: {'; '.join(problems)}")
+
+    if is_peft_dir(model):
+        from loom import load_model
+
+        net = load_model(model, device=device)
+        check(net.cfg)
+        apply_tensor_parallel(net, mesh, sp=False)
+        return net
+    from loom.interop.pretrained import describe_source
+
+    cfg = Config(model=describe_source(model).model)
+    cfg.train.init_from = str(Path(model).absolute())
+    check(cfg.model)
+
+    def place(net):
+        apply_tensor_parallel(net, mesh, sp=False)
+        return whole(net)
+
+    return build_in_layout(cfg, device, place, init_from=cfg.train.init_from).model.eval()
 
 
 def _loopback(host: str) -> bool:
