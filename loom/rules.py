@@ -408,6 +408,18 @@ def gpu_path_problem(tp: int, pp: int, loss_chunk: int, fp8: str) -> str | None:
     return None
 
 
+def compile_problem(schedule: str) -> str | None:
+    """Where per-block compilation (train.compile) cannot run (None: it can). Every layout the rule book
+    accepts compiles (tests/test_compile_layouts.py) except the zero-bubble schedule; `loom plan` prices
+    blocks compiled on a GPU exactly where this returns None."""
+    if schedule == "zero_bubble":
+        return ("train.compile=true with parallel.schedule=zero_bubble is not supported: the schedule splits "
+                "each stage's backward into an input pass and a weight pass, and a compiled block's backward "
+                "is one graph, which would run whole in both; set parallel.schedule=1f1b or interleaved, or "
+                "train.compile=false")
+    return None
+
+
 def _check_pipeline(cfg) -> None:
     p, t = cfg.parallel, cfg.train
     problem = schedule_problem(p.pp, p.vpp, p.schedule)
@@ -418,11 +430,8 @@ def _check_pipeline(cfg) -> None:
         return
     if split:
         raise UserError(split)
-    if t.compile and p.schedule == "zero_bubble":
-        raise UserError("train.compile=true with parallel.schedule=zero_bubble is not supported: the schedule splits "
-                        "each stage's backward into an input pass and a weight pass, and a compiled block's backward "
-                        "is one graph, which would run whole in both; set parallel.schedule=1f1b or interleaved, or "
-                        "train.compile=false")
+    if t.compile and (problem_c := compile_problem(p.schedule)):
+        raise UserError(problem_c)
     if cfg.recompute.mode in ("budget", "auto"):
         raise UserError(f"recompute.mode={cfg.recompute.mode} plans one rank's layers without pipeline stages; "
                         "with parallel.pp > 1 use recompute.mode=selective or full")

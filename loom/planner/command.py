@@ -53,8 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "8192 on a GPU where tp = pp = 1, whole logits elsewhere and for Megatron's runtime")
     c.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="price compiled transformer blocks (loom's train.compile: elementwise ops fused by inductor); "
-                        "auto (default): as loom's GPU path runs, compiled on a GPU where loom compiles (tp = pp = "
-                        "cp = 1, dense layers), eager on a CPU profile")
+                        "auto (default): as loom's GPU path runs, compiled on a GPU in every layout but the "
+                        "zero-bubble schedule, eager on a CPU profile")
     c.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="mixture of experts: tokens routed to the busiest expert-parallel rank over the mean (default "
                         "1.0, balanced, as NVIDIA's published MoE benchmarks force); it scales that rank's expert work, "

@@ -71,8 +71,8 @@ def format_terms(e: Estimate, capacity_gib: float, margin_gib: float = 0.0) -> s
 
 def eager_note(e: Estimate, w: Workload) -> str | None:
     """A line saying why a layout's elementwise ops cost what they do when loom runs its blocks eagerly on a
-    GPU (the planner prices and writes compiled blocks only at tp = pp = cp = 1 with dense layers) and they take
-    a tenth of the step or more; None otherwise."""
+    GPU (--compile off, or the zero-bubble schedule, which loom does not compile: `loom.rules.compile_problem`)
+    and they take a tenth of the step or more; None otherwise."""
     from loom.planner.steptime import kernels_workload
 
     if w.gpu.is_cpu or kernels_workload(w, e.layout).fused_elementwise():
@@ -80,8 +80,7 @@ def eager_note(e: Estimate, w: Workload) -> str | None:
     share = e.time_terms.get("elementwise", 0.0) / e.step_time_s
     if share < 0.10:
         return None
-    why = ("--compile off" if w.compile == "off" else
-           "--compile auto prices compiled blocks only at tp = pp = cp = 1 with dense layers; --compile on for more")
+    why = "--compile off" if w.compile == "off" else "loom does not compile blocks under the zero-bubble schedule"
     return (f"note: loom runs this layout's blocks eagerly ({why}); eager elementwise ops are {100 * share:.0f}% of "
             "the step, priced at the rate loom's eager layer was measured to reach (12-21% of the memory bandwidth "
             "on an H200)")

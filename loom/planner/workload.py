@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loom.config import ModelConfig
-from loom.rules import experts_span_tp
+from loom.rules import compile_problem, experts_span_tp
 from loom.planner.hardware import GPU
 
 GIB = 2**30
@@ -78,10 +78,12 @@ class Workload:
     lora_targets: tuple = ()
     # Transformer blocks compiled (loom's train.compile: inductor fuses each block's elementwise ops into
     # Triton kernels, priced by `kernels.compiled_elementwise_time`): "on", "off", or "auto", what loom's
-    # GPU path has run compiled on a GPU (docs/gpu.md: tp = pp = cp = 1, dense layers, loom's own runtime;
-    # eager on a CPU). The rule book accepts train.compile in every layout; "auto" stays eager elsewhere
-    # until a GPU run measures those blocks compiled (their graph breaks, tests/test_compile_layouts.py).
-    # The step-time model resolves "auto" per layout (`steptime.compiled_workload`).
+    # GPU path runs: compiled wherever the rule book lets train.compile run (`runs_compiled`; every layout
+    # but the zero-bubble schedule since issue 52, tests/test_compile_layouts.py), on loom's own runtime,
+    # eager on a CPU. The compiled rate is the one measured for tp = 1 dense blocks on an H200; the
+    # tensor-parallel, context-parallel and MoE blocks' compiled rate (their graph breaks at the collectives)
+    # is the device check's to measure. The step-time model resolves "auto" per layout
+    # (`steptime.compiled_workload`).
     compile: str = "auto"
 
     @property
@@ -111,10 +113,11 @@ class Workload:
         """Whether the blocks of layout `lay` run compiled (see `compile`)."""
         if self.compile != "auto":
             return self.compile == "on"
-        # Priced compiled where loom's compiled blocks were measured on a GPU (see `compile`); a config the
-        # planner writes then says train.compile=false elsewhere, which every layout accepts.
-        return (self._loom_gpu_runtime(lay) and lay.tp == 1 and lay.pp == 1 and lay.cp == 1
-                and not self.model.moe_layers)
+        # loom's GPU path compiles every block wherever the rule book lets train.compile run
+        # (`loom.rules.compile_problem`: all layouts but the zero-bubble schedule), and the config the planner
+        # writes says so. What stays eager inside a compiled layout (the collectives at the graph breaks, the
+        # experts between the expert-parallel all-to-alls) is priced by its own terms, not by this one.
+        return self._loom_gpu_runtime(lay) and compile_problem(lay.schedule) is None
 
     def experts_over_tp(self, tp: int, sp: bool, ep: int) -> bool:
         """Whether each rank routes only its own sequence shard (its tokens / tp) to routed experts spread over
