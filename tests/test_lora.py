@@ -31,10 +31,20 @@ RUN = ["train.seq_len=64", "train.global_batch=8", "train.micro_batch=8", "train
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory, tokenizer_file):
     """A tiny Qwen3 (q/k norms, head_dim 32 != hidden / heads, untied head) saved by transformers."""
+    return _qwen3_base(tmp_path_factory, tokenizer_file, tied=False)
+
+
+@pytest.fixture(scope="module")
+def hf_base_tied(tmp_path_factory, tokenizer_file):
+    """The same with the head tied to the embedding."""
+    return _qwen3_base(tmp_path_factory, tokenizer_file, tied=True)
+
+
+def _qwen3_base(tmp_path_factory, tokenizer_file, tied: bool):
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                    head_dim=32, intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=128,
-                                   rms_norm_eps=1e-6, tie_word_embeddings=False)
+                                   rms_norm_eps=1e-6, tie_word_embeddings=tied)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     randomize_hf_weights(model)
     with torch.no_grad():  # a base that predicts something: smaller weights than the parity tests' spread
@@ -285,6 +295,22 @@ def test_lora_layout_equals_one_process(layout, sft_run, hf_base, tmp_path):
     adapters = [k for k in sa if "lora_" in k]
     assert adapters and max((sa[k] - sb[k]).abs().max().item() for k in adapters) < 1e-5
     assert max(sb[k].abs().max().item() for k in adapters if k.endswith("lora_B")) > 1e-3  # trained
+
+
+def test_lora_pipeline_on_a_tied_model_equals_one_process(hf_base_tied, tmp_path):
+    """Issue 58 item 2: pipeline stages of a tied model hold the embedding and the head apart and sum their
+    gradients; under LoRA both are frozen (no gradient), which crashed the exchange. Two stages equal one process."""
+    from distributed import shared_pool
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ["train.micro_batch=2", "train.steps=3"]
+    _sft_rank(str(one), str(hf_base_tied), extra, 1)
+    shared_pool(2).run(_sft_rank, str(two), str(hf_base_tied), [*extra, "parallel.pp=2"], 2)
+    got, want = _metrics(two)[0], _metrics(one)[0]
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        for key in ("loss", "grad_norm"):
+            assert math.isclose(g[key], w[key], rel_tol=1e-5), (g["step"], key, g[key], w[key])
 
 
 # --- export ----------------------------------------------------------------------------------------------------

@@ -260,6 +260,8 @@ class TiedEmbedding:
     @torch.no_grad()
     def sum_gradients(self) -> None:
         embedding, head = self.embedding, self.head
+        if not any(w is not None and w.requires_grad for w in (embedding, head)):
+            return  # a frozen base (LoRA): the tied copies start equal and nothing trains them
         if embedding is not None and head is not None:  # both stages on this rank (V schedules)
             mine, theirs = self._in_parameter_layout(embedding), self._in_parameter_layout(head)
             mine.add_(theirs)  # embedding + head, as the two-rank case below adds them
