@@ -135,7 +135,7 @@ def _group_timeouts():
 
 def test_every_mesh_group_gets_the_collective_timeout():
     """New process groups take PyTorch's default timeout (30 min) unless told otherwise."""
-    from distributed import run_ranks
+    from distributed import shared_pool
 
-    for timeouts in run_ranks(4, _group_timeouts):
+    for timeouts in shared_pool(4).run(_group_timeouts):
         assert timeouts == {"pp": 7.0, "dp_replicate": 7.0, "dp_shard": 7.0, "tp": 7.0}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_ranks
+from distributed import shared_pool
 from loom.config import load_config
 from loom.errors import UserError
 from loom.parallel.context import rank_positions, shard_batch
@@ -60,7 +60,7 @@ def _attention_rank(seq, cp, kind):
 @pytest.mark.parametrize("kind", ["sdpa", "math"])
 def test_attention_over_gathered_keys_equals_whole_sequence(kind):
     seq, cp = 24, 3
-    for r in run_ranks(cp, _attention_rank, seq, cp, kind):
+    for r in shared_pool(cp).run(_attention_rank, seq, cp, kind):
         assert r["local_len"] == seq // cp
         assert max(r["errors"]) < 1e-12, r["errors"]  # output and the gradients of q, k and v (float64)
         # K and V of the other two ranks gathered (forward), their gradients scattered back (backward).

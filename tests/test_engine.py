@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import loom
 from conftest import randomize_hf_weights
-from distributed import run_ranks
+from distributed import shared_pool
 from engine_ranks import generate_tp
 from loom.cli import main
 from loom.errors import UserError
@@ -416,7 +416,7 @@ def test_tensor_parallel_engine_equals_one_process(models, tmp_path, compile):
     old = [d.tokens for d in Engine(loom.load_model(path), max_batch=3, max_len=40).generate(prompts, params)]
     want = Engine(loom.load_model(new_path), max_batch=3, max_len=40).generate(prompts, params)
     assert [d.tokens for d in want] != old
-    for kv_local, placements, tokens, logprobs in run_ranks(2, generate_tp, path, new_path, prompts, params, compile):
+    for kv_local, placements, tokens, logprobs in shared_pool(2).run(generate_tp, path, new_path, prompts, params, compile):
         assert kv_local == 1  # 2 key/value heads over 2 ranks
         assert placements == {"(Shard(dim=0),)"}  # the new weights came FSDP-sharded
         assert tokens == [d.tokens for d in want]

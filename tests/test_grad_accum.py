@@ -4,7 +4,7 @@ the last micro-batch. Both compute the same step."""
 
 import pytest
 
-from distributed import run_ranks
+from distributed import shared_pool
 from loom.config import load_config
 
 MODEL = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=128",
@@ -50,7 +50,7 @@ def single(tmp_path_factory):
 
 @pytest.mark.parametrize("policy", ["sharded", "unsharded"])
 def test_fsdp_gradient_accumulation_policy(policy, single, tmp_path):
-    ranks = run_ranks(2, _run, str(tmp_path), ["parallel.dp_shard=2", f"parallel.grad_accum={policy}"])
+    ranks = shared_pool(2).run(_run, str(tmp_path), ["parallel.dp_shard=2", f"parallel.grad_accum={policy}"])
     for got in ranks:
         # Same losses as one process, whichever way the gradients are accumulated.
         for a, b in zip(got["losses"], single["losses"]):

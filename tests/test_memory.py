@@ -57,9 +57,9 @@ def test_single_process_matches_paper():
 
 @pytest.mark.parametrize("t", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 processes: slow
 def test_tensor_and_sequence_parallel_match_paper(t):
-    from distributed import run_ranks
+    from distributed import shared_pool
 
-    results = run_ranks(t, _measure_all, t)
+    results = shared_pool(t).run(_measure_all, t)
     for case in CASES:
         got = results[0][case]
         assert all(r[case] == got for r in results)  # every rank holds the same
@@ -128,9 +128,9 @@ def _llama_tp(t):
 
 
 def test_llama_tensor_parallel_matches_derived_formula():
-    from distributed import run_ranks
+    from distributed import shared_pool
 
-    got = run_ranks(2, _llama_tp, 2)[0]
+    got = shared_pool(2).run(_llama_tp, 2)[0]
     cfg = load_config("tiny", LLAMA + ["model.kv_heads=4"])
     assert got[False] == pytest.approx(llama_formula(cfg, 2, sp=False), rel=0.03)
     assert got[True] == pytest.approx(llama_formula(cfg, 2, sp=True), rel=0.03)

@@ -84,10 +84,10 @@ def _exchange_worker():
 
 
 def test_exchange_matches_one_process_when_a_rank_gets_no_tokens():
-    from distributed import run_ranks
+    from distributed import shared_pool
 
     ranks = [{k: torch.from_numpy(v) if hasattr(v, "dtype") else {n: torch.from_numpy(g) for n, g in v.items()}
-              if isinstance(v, dict) else v for k, v in r.items()} for r in run_ranks(2, _exchange_worker)]
+              if isinstance(v, dict) else v for k, v in r.items()} for r in shared_pool(2).run(_exchange_worker)]
     _, layer, x, grad_out = _starving_layer_and_data()
     xr = x.clone().requires_grad_()
     out = layer(xr)

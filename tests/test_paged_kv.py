@@ -276,7 +276,7 @@ def test_a_decode_step_reads_weights_once_and_each_requests_own_keys(models, rea
 def test_tensor_parallel_paged_engine_equals_one_process(models, tmp_path):
     """tp=2 over gloo with paged keys and values (each rank's pool holds its key/value head), shared prompts
     among the requests, refit from FSDP-sharded new weights: one process's slab engine's tokens and log-probs."""
-    from distributed import run_ranks
+    from distributed import shared_pool
     from engine_ranks import generate_tp
 
     _, path = models["qwen2"]
@@ -286,7 +286,7 @@ def test_tensor_parallel_paged_engine_equals_one_process(models, tmp_path):
     prompts = [prompts[0], prompts[1], prompts[1], prompts[2]]
     params = [SamplingParams(max_new_tokens=6), SamplingParams(temperature=0.9, top_k=20, max_new_tokens=6, seed=4)] * 2
     want = Engine(loom.load_model(new_path), max_batch=3, max_len=40).generate(prompts, params)
-    for kv_local, _, tokens, logprobs in run_ranks(2, generate_tp, path, new_path, prompts, params, False, True):
+    for kv_local, _, tokens, logprobs in shared_pool(2).run(generate_tp, path, new_path, prompts, params, False, True):
         assert kv_local == 1  # 2 key/value heads over 2 ranks
         assert tokens == [d.tokens for d in want]
         assert max(abs(a - b) for got, ref in zip(logprobs, want) for a, b in zip(got, ref.logprobs)) < 1e-5

@@ -109,9 +109,9 @@ def _stop_checks(cases):
 def test_every_rank_stops_at_the_step_one_rank_passed_the_time_limit():
     """The ranks' clocks differ (nodes start apart): the step's stop check takes the latest, so every rank stops
     after the same step; a signal on one rank wins over the limit everywhere."""
-    from distributed import run_ranks
+    from distributed import shared_pool
 
-    rank0, rank1 = run_ranks(2, _stop_checks, [([0.0, 2.0], None), ([0.0, 0.5], None), ([0.0, 2.0], 0)])
+    rank0, rank1 = shared_pool(2).run(_stop_checks, [([0.0, 2.0], None), ([0.0, 0.5], None), ([0.0, 2.0], 0)])
     late_on_1, in_time, signal_on_0 = zip(rank0, rank1)
     assert [stop for stop, _ in late_on_1] == [True, True]
     assert "on this rank; reached on another" in late_on_1[0][1] and "train.exit_after_minutes=1" in late_on_1[1][1]
