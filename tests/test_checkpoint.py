@@ -71,9 +71,11 @@ def _launch(run_dir, *extra, env=None):
 
 
 def test_damaged_shard_of_a_two_rank_async_run_is_named_and_fallback_resumes(tmp_path):
-    run = tmp_path / "r"
-    proc = _launch(run, "--checkpoint.interval=2", "--checkpoint.async=true")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    from pool_launch import launch_in_pool
+
+    run = tmp_path / "r"  # the two-rank async run, in the session's kept ranks; the resumes below are commands
+    launch_in_pool("train", "tiny", run, 2, [*SMALL, "parallel.dp_shard=2", "checkpoint.interval=2",
+                                             "checkpoint.async=true"])
     reference = losses(run)
     step6 = run / "checkpoints" / "step-6"
     assert sorted(p.name for p in step6.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
@@ -113,8 +115,10 @@ def test_hung_rank_becomes_an_error_naming_it(tmp_path):
 @pytest.mark.slow  # 2 x 2 processes, ~25 s: the watchdog that names a hung rank is in make test (the test above)
 def test_rank_hung_while_loading_a_checkpoint_is_named(tmp_path):
     """A hang at start-up (here: rank 1 never starts loading the checkpoint to resume from) is named too."""
+    from pool_launch import launch_in_pool
+
     run = tmp_path / "r"
-    assert _launch(run, "--train.steps=2", "--checkpoint.interval=2").returncode == 0
+    launch_in_pool("train", "tiny", run, 2, [*SMALL, "parallel.dp_shard=2", "train.steps=2", "checkpoint.interval=2"])
     proc = _launch(run, "--train.steps=4", "--checkpoint.resume=true", "--train.collective_timeout_s=5",
                    env={"LOOM_TEST_HANG": "1:checkpoint load"})
     assert proc.returncode == 1, proc.stderr[-3000:]
