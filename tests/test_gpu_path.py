@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distributed import run_ranks
+from distributed import shared_pool
 from loom.config import ModelConfig, load_config
 from loom.errors import UserError
 from loom.models.llama import build_model
@@ -283,7 +283,7 @@ def test_chunked_loss_tells_the_ledger_what_it_keeps():
 
 
 def _runner_step(overrides, backend=None):
-    """One forward/backward + gradient norm through loom's SPMD runner (in a rank of run_ranks, or alone)."""
+    """One forward/backward + gradient norm through loom's SPMD runner (on a rank of shared_pool, or alone)."""
     import torch.distributed as dist
 
     from loom.parallel import place_in_mesh
@@ -320,6 +320,19 @@ def _runner_step(overrides, backend=None):
     return float(loss_sum / total), float(full_tensor(norm)), compiled
 
 
+def _runner_step_rank(overrides, backend=None):
+    """`_runner_step` on a rank of the session's kept ranks, which later tasks reuse: the compile backend it
+    sets is put back."""
+    before = os.environ.get("LOOM_COMPILE_BACKEND")
+    try:
+        return _runner_step(overrides, backend)
+    finally:
+        if before is None:
+            os.environ.pop("LOOM_COMPILE_BACKEND", None)
+        else:
+            os.environ["LOOM_COMPILE_BACKEND"] = before
+
+
 @pytest.fixture(scope="module")
 def plain_step():
     return _runner_step([])
@@ -328,7 +341,7 @@ def plain_step():
 def test_chunked_loss_with_fully_sharded_data_parallel_matches_one_process(plain_step):
     one = _runner_step(["train.loss_chunk=24"])
     assert one[0] == pytest.approx(plain_step[0], rel=1e-6) and one[1] == pytest.approx(plain_step[1], rel=1e-5)
-    ranks = run_ranks(2, _runner_step, ["train.loss_chunk=24", "parallel.dp_shard=2"])
+    ranks = shared_pool(2).run(_runner_step_rank, ["train.loss_chunk=24", "parallel.dp_shard=2"])
     for loss, norm, _ in ranks:
         assert loss == pytest.approx(plain_step[0], rel=1e-5)
         assert norm == pytest.approx(plain_step[1], rel=1e-5)
@@ -343,8 +356,8 @@ def test_per_block_compile_matches_eager(plain_step, extra):
 
 
 def test_per_block_compile_composes_with_fsdp_and_recompute(plain_step):
-    ranks = run_ranks(2, _runner_step, ["train.compile=true", "recompute.mode=selective", "parallel.dp_shard=2"],
-                      "aot_eager")
+    ranks = shared_pool(2).run(_runner_step_rank, ["train.compile=true", "recompute.mode=selective",
+                                                   "parallel.dp_shard=2"], "aot_eager")
     for loss, norm, compiled in ranks:
         assert compiled == [True, True]
         assert loss == pytest.approx(plain_step[0], rel=1e-5) and norm == pytest.approx(plain_step[1], rel=1e-5)
@@ -456,7 +469,8 @@ def test_fp8_with_fully_sharded_data_parallel_matches_one_process():
     one = _runner_step(["train.fp8=tensorwise", "train.dtype=bfloat16"])
     plain = _runner_step(["train.dtype=bfloat16"])
     assert one[0] != plain[0]  # fp8 ran
-    ranks = run_ranks(2, _runner_step, ["train.fp8=tensorwise", "train.dtype=bfloat16", "parallel.dp_shard=2"])
+    ranks = shared_pool(2).run(_runner_step_rank, ["train.fp8=tensorwise", "train.dtype=bfloat16",
+                                                   "parallel.dp_shard=2"])
     for loss, norm, _ in ranks:
         assert loss == pytest.approx(one[0], rel=2e-3) and norm == pytest.approx(one[1], rel=2e-2)
 
