@@ -219,16 +219,15 @@ def test_load_pretrained_one_process_reads_everything(hf_dirs):
     assert load_pretrained(model, src) == {"kind": "hf", "elements_read": model.num_params()}
 
 
-@pytest.mark.slow  # four processes on a small machine
 def test_load_pretrained_reads_only_local_slices_tp2_dp_shard2(hf_dirs):
     """tp=2 x dp_shard=2 (2-D DTensors, FSDP sharding TP shards): every weight is exact, and each rank
     read exactly its local elements, a fraction of the model."""
-    from distributed import run_ranks
+    from distributed import shared_pool
     from pretrained_ranks import load_on_rank
 
     src, _ = hf_dirs["qwen3"]
     overrides = RUN + [f"train.init_from={src}", "parallel.tp=2", "parallel.dp_shard=2"]
-    results = run_ranks(4, load_on_rank, str(src), overrides)
+    results = shared_pool(4).run(load_on_rank, str(src), overrides)
     for read, local, total in results:
         assert read == local and read < total / 2, (read, local, total)
 
