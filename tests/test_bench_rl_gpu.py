@@ -24,10 +24,9 @@ def bench():
     return module
 
 
-def test_rl_gpu_bench_smoke(bench, tmp_path):
-    out = tmp_path / "smoke.json"
-    assert bench.main(["--smoke", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
+def check_smoke(report, folder):
+    """What `rl_gpu.py --smoke --out FOLDER/F.json` wrote: also checked on the device check's smoke run
+    (tests/test_device_check.py runs the same command as its rl step)."""
     rows = report["rows"]
     assert [r["step"] for r in rows] == [1, 2, 3] and [r["warmup"] for r in rows] == [True, False, False]
     settings = report["settings"]
@@ -54,7 +53,15 @@ def test_rl_gpu_bench_smoke(bench, tmp_path):
     assert s["generation_share"] + sum(s[k.replace("_s", "_share")] for k in PHASES[1:]) <= 1.001
     assert report["machine"]["cpu"] and report["torch"] and report["commit"] and "--smoke" in report["command"]
     assert report["startup_s"] > 0 and report["model"]["layers"] == 2
-    assert (tmp_path / report["loom_rl_log"]).is_file()  # loom rl's own output, beside the JSON
+    assert (folder / report["loom_rl_log"]).is_file()  # loom rl's own output, beside the JSON
+
+
+# make test-all: test_device_check.py's test_rl_step_is_the_rl_bench_smoke checks the same command's report
+@pytest.mark.slow
+def test_rl_gpu_bench_smoke(bench, tmp_path):
+    out = tmp_path / "smoke.json"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    check_smoke(json.loads(out.read_text()), tmp_path)
 
 
 FAKE = """import json, sys, time

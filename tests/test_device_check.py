@@ -131,6 +131,15 @@ def test_fp8_generate_and_rl_rows(check):
         assert r["generation_s"] > 0 and r["training_s"] > 0 and sum(r[k] for k in phases) <= r["step_s"] + 5e-4
 
 
+def test_rl_step_is_the_rl_bench_smoke(check):
+    """The rl step runs `bench/rl_gpu.py --smoke`: its report passes every check of test_bench_rl_gpu.py's smoke
+    (which runs the same command on its own in make test-all)."""
+    from test_bench_rl_gpu import check_smoke
+
+    out, _, _ = check
+    check_smoke(json.loads((out / "rl_gpu.json").read_text()), out)
+
+
 def test_the_tar_holds_the_folder(check):
     out, tar, _ = check
     with tarfile.open(tar) as t:
