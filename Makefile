@@ -23,8 +23,11 @@ demo: $(STAMP)
 demo-rl: $(STAMP)
 	$(PY) bench/rl_demo.py
 
+# Two workers, each file on one of them (its module fixtures and kept rank processes shared by its tests), the
+# longest files first (tests/conftest.py LONG_FIRST): 571 s of pytest on 2 cores where one worker took 695 s.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" --durations=25 tests
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -9,9 +9,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache(tmp_path_factory):
-    """Tokenizers and token datasets built by the tests go to a private cache, shared by the session."""
+    """Tokenizers and token datasets built by the tests go to a private cache, shared by the session (and by the
+    workers of `pytest -n`, as loom's cache is by concurrent runs: each file is written whole or not at all, the
+    sample indices and the CPU kernels' build under a lock)."""
     old = os.environ.get("LOOM_CACHE")
-    os.environ["LOOM_CACHE"] = str(tmp_path_factory.mktemp("loom-cache"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' base temporary folders share a parent
+        cache = tmp_path_factory.getbasetemp().parent / "loom-cache"
+        cache.mkdir(exist_ok=True)
+    else:
+        cache = tmp_path_factory.mktemp("loom-cache")
+    os.environ["LOOM_CACHE"] = str(cache)
     yield
     if old is None:
         os.environ.pop("LOOM_CACHE", None)
@@ -128,11 +135,23 @@ def save_hf_models(tmp_path_factory, kinds, make_model, tokenizer_file) -> dict:
     return out
 
 
+# The files that take longest on 2 cores (rank processes, subprocesses, compiling), longest first: they run first,
+# so that `make test`'s two workers (pytest -n 2 --dist loadfile) end together instead of one waiting for the
+# other's last long file. A file not named keeps its place after them.
+LONG_FIRST = ["test_tied_pipeline", "test_device_check", "test_faults", "test_parallel", "test_checkpoint", "test_plan",
+              "test_bench_serve_load", "test_compile_layouts", "test_run_control", "test_compile_cache",
+              "test_pretrained", "test_run_length", "test_bench_gpu_train", "test_readme", "test_bench_generate_gpu",
+              "test_moe_ep", "test_memory", "test_cli", "test_lora", "test_serve", "test_meta_init"]
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` are the ones a GPU run must pass (`pytest -m gpu`, run by bench/device_check.sh);
-    without a CUDA device they are skipped here, with the reason, instead of each repeating a skipif."""
+    """Long files first (LONG_FIRST). Tests marked `gpu` are the ones a GPU run must pass (`pytest -m gpu`, run by
+    bench/device_check.sh); without a CUDA device they are skipped here, with the reason, instead of each
+    repeating a skipif."""
     import torch
 
+    order = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: order.get(Path(str(item.fspath)).stem, len(order)))  # stable: in-file order kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device (run by bench/device_check.sh)")
