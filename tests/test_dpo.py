@@ -164,5 +164,5 @@ def test_only_the_last_reply_is_scored(tmp_path):
     pairs = Pairs(*prepare_pairs([str(data)], tok, load_template("chatml")))
     for side, reply in ((0, "2 + 2 = 4."), (1, "2 + 2 = 5.")):
         ids, mask = pairs.get(0, side)
-        assert tok.decode(ids[mask > 0].tolist()) == reply + "<|im_end|>\n"
+        assert tok.decode(ids[mask > 0].tolist()) == reply + "<|im_end|>"  # not the newline after it
         assert "hi<|im_end|>" in tok.decode(ids[mask == 0].tolist())
