@@ -88,9 +88,12 @@ class RLConfig(Section):
     valid_prompts: list[str] = field(default_factory=list)  # held out: greedy completions scored each evaluation
     template: str = "none"  # "none": a string prompt is the model's input as is; else as sft.template (chat)
     # Rewards: a Python callable "package.module:function" called as f(prompt, completion, **fields) -> float,
-    # and/or a reward model (a `loom rm` run or checkpoint) scoring prompt + completion; both: their sum,
-    # the model's score times reward_model_coef.
+    # or built-in rewards and callables with weights, "math:1.0,format:0.2" (math, exact_match, format, length:
+    # loom/rewards), and/or a reward model (a `loom rm` run or checkpoint) scoring prompt + completion; both:
+    # their sum, the model's score times reward_model_coef.
     reward: str = ""
+    format_pattern: str = r"<think>.*</think>\s*<answer>.*</answer>"  # the format reward's regex (re.fullmatch)
+    length_buffer: int = 4  # the length reward: tokens before rl.max_new_tokens where its penalty starts
     reward_model: str = ""
     reward_model_coef: float = 1.0
     algorithm: Literal["grpo", "ppo"] = "grpo"  # grpo: group baselines, no critic; ppo: value head + GAE
@@ -145,8 +148,6 @@ class RLConfig(Section):
         if self.prompts and not (self.reward or self.reward_model):
             raise UserError("an RL run needs a reward: rl.reward=package.module:function (e.g. "
                             "loom.post.tasks:exact_match) and/or rl.reward_model=RUN_OR_CHECKPOINT")
-        if self.reward and ":" not in self.reward:
-            raise UserError(f"rl.reward={self.reward!r} must be package.module:function, e.g. loom.post.tasks:exact_match")
         positive("rl", self, "group_size", "epochs", "minibatches", "max_new_tokens", "engine_batch",
                  "engine_sync_every")
         if not all(isinstance(s, str) and s for s in self.stop):

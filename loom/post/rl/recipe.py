@@ -62,7 +62,7 @@ from loom.parallel.distributed import all_reduce_sum, full_tensor
 from loom.post import losses as L
 from loom.post.rl.policy import PolicyLoss, add_value_head, value_of
 from loom.post.rl.prompts import PromptSet, build_datasets
-from loom.post.rl.rewards import Rewards, is_user_code, load_callable
+from loom.post.rl.rewards import Rewards, is_user_code, reward_function
 from loom.post.rl.rollouts import rollout_engine, rollout_seed, rows_of, stops
 from loom.train.recipe import Recipe
 from loom.train.schedule import lr_at
@@ -94,7 +94,7 @@ class RL(Recipe):
                             "the reward function), or addition:N, e.g. --rl.prompts=prompts.jsonl "
                             "--rl.reward=mypkg.rewards:score")
         if cfg.rl.reward:
-            load_callable(cfg.rl.reward)
+            reward_function(cfg)
 
     def prepare_data(self, cfg: Config, tokenizer: Tokenizer) -> None:
         """Write task prompts into the cache and check the prompt files once, before the workers start."""

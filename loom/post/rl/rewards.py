@@ -1,5 +1,6 @@
-"""RL's rewards: `rl.reward` (a Python callable f(prompt, completion, **fields)) and/or a reward model
-(`rl.reward_model`, a `loom rm` run scoring prompt + completion), their sum."""
+"""RL's rewards: `rl.reward` (a Python callable f(prompt, completion, **fields), or loom.rewards' built-in
+rewards and callables with weights, e.g. math:1.0,format:0.2) and/or a reward model (`rl.reward_model`, a
+`loom rm` run scoring prompt + completion), their sum."""
 
 from __future__ import annotations
 
@@ -16,11 +17,21 @@ from loom.build import torch_dtype
 from loom.config import Config
 from loom.data.tokenizer import Tokenizer
 from loom.errors import UserError
+from loom import rewards as builtin
 
 
 def is_user_code(spec: str) -> bool:
     """Whether `rl.reward` names a module of the user's (outside loom)."""
-    return bool(spec) and not spec.partition(":")[0].startswith("loom.")
+    return bool(spec) and any(not name.startswith("loom.") for name in builtin.user_callables(spec))
+
+
+def reward_function(cfg: Config, count_tokens=None):
+    """`rl.reward` -> f(prompt, completion, **fields): a user's callable, or loom.rewards' weighted sum of
+    built-in rewards and callables (`count_tokens`: text -> its token count, for the length reward)."""
+    rl = cfg.rl
+    settings = builtin.Settings(format_pattern=rl.format_pattern, max_tokens=rl.max_new_tokens,
+                                length_buffer=rl.length_buffer, count_tokens=count_tokens)
+    return builtin.combine(rl.reward, settings, load_callable)
 
 
 def load_callable(spec: str):
@@ -59,7 +70,7 @@ class Rewards:
     def __init__(self, cfg: Config, tokenizer: Tokenizer, device: torch.device):
         rl = cfg.rl
         self.spec = rl.reward
-        self.fn = load_callable(rl.reward) if rl.reward else None
+        self.fn = reward_function(cfg, lambda text: len(tokenizer.encode(text))) if rl.reward else None
         self.model = None
         self.coef = rl.reward_model_coef
         if rl.reward_model:
@@ -78,6 +89,8 @@ class Rewards:
         the record `where`."""
         try:
             value = self.fn(prompt, completion, **fields)
+        except UserError:
+            raise
         except Exception as e:
             error = f"raised {type(e).__name__}: {e}"
         else:
