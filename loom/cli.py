@@ -64,6 +64,9 @@ def cmd_train(args, extra) -> int:
         _check_export(args.export_hf, cfg)
     if args.nproc < 1 or args.nnodes < 1:
         raise UserError(f"--nproc={args.nproc} and --nnodes={args.nnodes} must be >= 1")
+    choice = None
+    if cfg.parallel.layout == "auto":
+        cfg, choice = _auto_layout(cfg, args, recipe.command)
     if (args.nproc > 1 or args.nnodes > 1) and not in_worker():
         if args.nnodes > 1 and not args.run_dir:
             raise UserError("--nnodes > 1 needs an explicit --run-dir on storage every node shares")
@@ -88,11 +91,17 @@ def cmd_train(args, extra) -> int:
     from loom.train.trainer import Trainer
 
     trainer = Trainer(cfg, args.run_dir, recipe=recipe)
+    if choice is not None:
+        trainer.prediction = choice.prediction()
     result = trainer.fit()
     if trainer.is_main:
         print(f"run directory: {trainer.run_dir}")
         if result:
             print("final eval: " + "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "step"))
+        if choice is not None:
+            from loom.planner.auto import summary
+
+            print(summary(trainer.prediction, trainer.step_times, trainer.memory_gib()))
         if args.export_hf and trainer.stopped_at is None and not in_worker():
             _export_hf(trainer.run_dir, args.export_hf)
     import torch.distributed as dist
@@ -100,6 +109,30 @@ def cmd_train(args, extra) -> int:
     if dist.is_initialized():  # every rank finished the same steps: release the process groups cleanly
         dist.destroy_process_group()
     return 0
+
+
+AUTO_LAYOUT_ENV = "LOOM_AUTO_LAYOUT"  # the launcher's choice, read by its workers (they do not search again)
+
+
+def _auto_layout(cfg, args, recipe: str):
+    """`parallel.layout=auto`: the planner's choice applied to `cfg` (loom/planner/auto.py); the launcher
+    chooses and prints, its workers take the same choice from the environment it passes them."""
+    from loom.launch import in_worker
+    from loom.planner.auto import Choice, apply, choose
+
+    if in_worker() and os.environ.get(AUTO_LAYOUT_ENV):
+        choice = Choice.from_json(os.environ[AUTO_LAYOUT_ENV])
+    else:
+        if in_worker():  # started by torchrun directly
+            world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        else:
+            world, local = args.nproc * args.nnodes, args.nproc
+        choice = choose(cfg, world, recipe, local_procs=local)
+        print(choice.describe(), file=sys.stderr, flush=True)
+        os.environ[AUTO_LAYOUT_ENV] = choice.to_json()  # inherited by the launcher's workers
+    cfg = apply(cfg, choice.values)
+    cfg.validate()
+    return cfg, choice
 
 
 def _check_export(dst: str, cfg) -> None:

@@ -32,6 +32,12 @@ class ParallelConfig(Section):
     # "unsharded" keeps full fp32 gradients until the last micro-batch and reduces once (fewer
     # collectives, the whole model's gradients in memory). Pipeline schedules always reduce once.
     grad_accum: Literal["sharded", "unsharded"] = "sharded"
+    # "auto": the planner chooses the layout at launch for the world size and accelerator found, and every
+    # metrics.jsonl step row carries its predicted_step_s / predicted_memory_gib (loom/planner/auto.py).
+    layout: Literal["manual", "auto"] = "manual"
+    auto_fix: str = ""  # with layout=auto: knobs fixed, in `loom plan --layout` syntax ("tp=2,recompute=none")
+    auto_hardware: str = ""  # with layout=auto: a planner preset or profile JSON ("": this device, found)
+    auto_memory_margin_gib: float | Literal["auto"] = "auto"  # GiB per process kept free (auto: 5% of its memory)
 
     @property
     def world_size(self) -> int:
@@ -43,6 +49,14 @@ class ParallelConfig(Section):
 
     def validate(self) -> None:
         check_sizes(self)  # the rest of the layout rules run in Config.validate (loom/rules.py)
+        margin = self.auto_memory_margin_gib
+        if margin != "auto" and not margin >= 0:
+            raise UserError(f"parallel.auto_memory_margin_gib={margin} must be >= 0 (GiB kept free per process) or auto")
+        if self.layout == "manual":
+            given = [f"parallel.{k}={getattr(self, k)!r}" for k in ("auto_fix", "auto_hardware") if getattr(self, k)]
+            if given:
+                raise UserError(f"{', '.join(given)} only applies with parallel.layout=auto (the planner chooses the "
+                                "layout); set parallel.layout=auto, or remove it")
 
 
 @dataclass

@@ -80,6 +80,8 @@ class Trainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         self.quiet = quiet
         self.recompute_note = ""  # recompute.mode=auto's plan, in words (loom.memory.describe_plan)
+        self.prediction: dict | None = None  # parallel.layout=auto: the planner's figures, on every step row
+        self.step_times: list[float] = []  # this process's steps' wall times (the layout=auto summary)
         self.loss = self.recipe.loss(cfg)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
@@ -323,6 +325,9 @@ class Trainer:
                 with control.signals():
                     while self.state.step < t.steps:
                         row = self.timed_step()
+                        self.step_times.append(row["step_time_s"])
+                        if self.prediction:
+                            row.update(self.prediction)
                         step = self.state.step
                         if control.diverged:
                             report.step(row)
