@@ -13,16 +13,28 @@ from loom.errors import UserError
 # `parallel.last_stage_layers`, as Megatron-Core's decoder_first/last_pipeline_num_layers); the other
 # chunks split the rest evenly. The usual reason: the last chunk also runs the LM head and loss, and the
 # first holds the most activations in flight, so giving them fewer layers balances the pipeline.
+#
+# Megatron-Core's other way (--account-for-embedding-in-pipeline-split, --account-for-loss-in-pipeline-split;
+# loom's `parallel.embedding_in_split`, `parallel.loss_in_split`): the embedding and/or the final norm + LM
+# head + loss count as one layer each, the L + 1 or L + 2 units split evenly, and the first chunk holds one
+# transformer layer fewer (the embedding takes its place), the last one fewer (the loss). pp x vpp may then
+# reach L + 2, a chunk holding only the embedding or only the head and loss (e.g. 94 layers in 96 chunks).
 
 SCHEDULES = ("1f1b", "interleaved", "zero_bubble")
 
 
-def split_layers(layers: int, chunks: int, first: int = 0, last: int = 0, what: str | None = None) -> list[int]:
-    """Layers in each chunk, first to last; UserError naming what is wrong for an impossible split."""
+def split_layers(layers: int, chunks: int, first: int = 0, last: int = 0, what: str | None = None,
+                 embedding: bool = False, loss: bool = False) -> list[int]:
+    """Transformer layers in each chunk, first to last; UserError naming what is wrong for an impossible split.
+    `embedding` / `loss`: the embedding / the head and loss count as a layer each (Megatron-Core's
+    account_for_embedding/loss_in_pipeline_split), so the first / last chunk holds one layer fewer."""
     what = what or f"{chunks} pipeline chunks"
+    if embedding or loss:
+        return _split_counting_ends(layers, chunks, first, last, what, embedding, loss)
     if chunks > layers:
         raise UserError(f"{what} = {chunks} pipeline stages but model.layers={layers}; every stage needs at least "
-                        f"one layer: valid pp x vpp <= {layers}")
+                        f"one layer: valid pp x vpp <= {layers}, or up to {layers + 2} with "
+                        "parallel.embedding_in_split=true and parallel.loss_in_split=true")
     if chunks == 1:
         return [layers]
     rest = layers - first - last
@@ -32,7 +44,8 @@ def split_layers(layers: int, chunks: int, first: int = 0, last: int = 0, what: 
             raise UserError(
                 f"model.layers={layers} does not split evenly into pp x vpp = {chunks} stages; valid stage "
                 f"counts: {', '.join(str(d) for d in range(1, layers + 1) if layers % d == 0)}, or set parallel.first_stage_layers / "
-                "parallel.last_stage_layers for an uneven split"
+                "parallel.last_stage_layers for an uneven split (or parallel.embedding_in_split / "
+                "parallel.loss_in_split to count the embedding / the loss as a layer)"
             )
         raise UserError(
             f"parallel.first_stage_layers={first} and parallel.last_stage_layers={last} leave {rest} of "
@@ -46,23 +59,53 @@ def split_layers(layers: int, chunks: int, first: int = 0, last: int = 0, what: 
     return counts
 
 
-def valid_split(layers: int, chunks: int, first: int = 0, last: int = 0) -> list[int] | None:
+def _split_counting_ends(layers: int, chunks: int, first: int, last: int, what: str, embedding: bool,
+                         loss: bool) -> list[int]:
+    """split_layers with the embedding and/or the loss counted as a layer each (an even split of the units)."""
+    names = " and ".join(f"{n}=true" for n, on in (("parallel.embedding_in_split", embedding),
+                                                    ("parallel.loss_in_split", loss)) if on)
+    if first or last:
+        raise UserError(f"{names} counts the ends of the model in an even split, so parallel.first_stage_layers="
+                        f"{first} / parallel.last_stage_layers={last} cannot be set with it (as Megatron-Core's "
+                        "account_for_*_in_pipeline_split); valid: 0, or set the flags to false")
+    if chunks == 1:
+        raise UserError(f"{names} splits pipeline stages, so it needs parallel.pp > 1; valid: false")
+    units = layers + embedding + loss
+    counted = "model.layers=" + str(layers) + "".join(f" + the {n}" for n, on in (("embedding", embedding),
+                                                                                  ("loss", loss)) if on)
+    if chunks > units or units % chunks:
+        valid = [str(d) for d in range(2, units + 1) if units % d == 0]
+        raise UserError(f"{counted} = {units} units do not split evenly into {what} = {chunks} stages (with {names}); "
+                        f"valid pp x vpp: {', '.join(valid)}")
+    counts = [units // chunks] * chunks
+    counts[0] -= embedding
+    counts[-1] -= loss
+    return counts
+
+
+def valid_split(layers: int, chunks: int, first: int = 0, last: int = 0, embedding: bool = False,
+                loss: bool = False) -> list[int] | None:
     """split_layers, or None when the split is impossible (for searches)."""
     try:
-        return split_layers(layers, chunks, first, last)
+        return split_layers(layers, chunks, first, last, embedding=embedding, loss=loss)
     except UserError:
         return None
 
 
-def split_problem(layers: int, pp: int, vpp: int, first: int = 0, last: int = 0) -> str | None:
+def split_problem(layers: int, pp: int, vpp: int, first: int = 0, last: int = 0, embedding: bool = False,
+                  loss: bool = False) -> str | None:
     """Why these pipeline sizes cannot split the model's layers, or None."""
     if pp == 1:
         if first or last:
             return (f"parallel.first_stage_layers={first} / parallel.last_stage_layers={last} split pipeline "
                     "stages, so they need parallel.pp > 1; valid: 0")
+        if embedding or loss:
+            return ("parallel.embedding_in_split / parallel.loss_in_split count the embedding / the loss in the "
+                    "split of pipeline stages, so they need parallel.pp > 1; valid: false")
         return None
     try:
-        split_layers(layers, pp * vpp, first, last, what=f"parallel.pp={pp} x parallel.vpp={vpp}")
+        split_layers(layers, pp * vpp, first, last, what=f"parallel.pp={pp} x parallel.vpp={vpp}", embedding=embedding,
+                     loss=loss)
     except UserError as exc:
         return str(exc)
     return None
@@ -121,7 +164,11 @@ def micro_batch_count_problem(pp: int, vpp: int, schedule: str, global_batch: in
 
 
 def chunk_layer_counts(cfg) -> list[int]:
-    """Layers in each of the pp*vpp chunks of `cfg`, first to last; UserError for impossible splits."""
+    """Transformer layers in each of the pp*vpp chunks of `cfg`, first to last (a chunk may hold none when the
+    embedding or the loss counts as a layer); UserError for impossible splits."""
     p = cfg.parallel
+    if p.pp == 1:
+        return [cfg.model.layers]
     return split_layers(cfg.model.layers, p.pp * p.vpp, p.first_stage_layers, p.last_stage_layers,
-                        what=f"parallel.pp={p.pp} x parallel.vpp={p.vpp}")
+                        what=f"parallel.pp={p.pp} x parallel.vpp={p.vpp}", embedding=p.embedding_in_split,
+                        loss=p.loss_in_split)

@@ -423,7 +423,8 @@ def compile_problem(schedule: str) -> str | None:
 def _check_pipeline(cfg) -> None:
     p, t = cfg.parallel, cfg.train
     problem = schedule_problem(p.pp, p.vpp, p.schedule)
-    split = split_problem(cfg.model.layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers)
+    split = split_problem(cfg.model.layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers,
+                          p.embedding_in_split, p.loss_in_split)
     if p.pp == 1:
         if problem or split:
             raise UserError(problem or split)

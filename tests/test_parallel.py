@@ -162,6 +162,11 @@ PIPE_LAYOUTS = {
     "pp2-dp_shard2": (4, ["parallel.pp=2", "parallel.dp_shard=2"]),
     "pp2-cp2": (4, ["parallel.pp=2", "parallel.cp=2"]),
     "tp2-pp2-dp_shard2": (8, ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2", "parallel.dp_shard=2"]),
+    # The embedding and the loss counted as a layer each (Megatron-Core's account_for_*_in_pipeline_split):
+    # 4 layers + 2 = 6 chunks of one unit, so chunk 0 (rank 0) holds only the embedding and chunk 5 (rank 1)
+    # only the final norm, head and loss. Without the flags pp x vpp = 6 > 4 layers is refused.
+    "pp2-vpp3-ends": (2, ["parallel.pp=2", "parallel.vpp=3", "parallel.schedule=interleaved",
+                          "parallel.embedding_in_split=true", "parallel.loss_in_split=true"]),
 }
 
 
@@ -295,6 +300,8 @@ def test_two_nodes_on_localhost_match_four_local_processes(tmp_path):
         (PIPE, 2, ["parallel.pp=2", "train.loss_chunk=64"], ["train.loss_chunk=64", "parallel.pp=2"]),
         (PIPE, 4, ["parallel.pp=4", "parallel.vpp=2"], ["= 8 pipeline stages", "model.layers=4"]),
         (PIPE, 2, ["parallel.pp=2", "model.layers=5"], ["does not split evenly", "first_stage_layers"]),
+        (PIPE, 2, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved", "parallel.embedding_in_split=true"],
+         ["+ the embedding = 5 units", "valid pp x vpp: 5"]),
         (PIPE, 2, ["parallel.pp=2", "train.global_batch=2"], ["micro-batch count", "= 1"]),
         (PIPE, 2, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved", "train.global_batch=6"],
          ["multiple of pp=2"]),
@@ -351,3 +358,27 @@ def test_resume_across_layouts(tmp_path, pipe_reference):
     (ckpts / "latest").write_text("step-3\n")
     launch(tmp_path / "run", 4, "parallel.cp=2", "parallel.dp_shard=2", "checkpoint.resume=true", base=PIPE)
     assert_same_run(tmp_path / "run", pipe_reference, rtol=1e-4)
+
+
+# Six layers + the embedding + the loss = 8 units: pp=4 1F1B splits them [1, 2, 2, 1] (the first and last stage one
+# transformer layer short), and pp=4 x vpp=2 interleaved [0, 1, 1, 1, 1, 1, 1, 0] (rank 0's first chunk only the
+# embedding, rank 3's second only the head and loss).
+ENDS_PP4 = {
+    "pp4-1f1b": ["parallel.pp=4"],
+    "pp4-vpp2-interleaved": ["parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved"],
+}
+
+
+@pytest.mark.slow  # 2 x 4 processes (~40 s); make test keeps pp2-vpp3-ends (and its tied twin in test_tied_pipeline)
+def test_pipeline_counting_embedding_and_loss_pp4_matches_single_process(tmp_path):
+    from loom.rules import chunk_layer_counts
+
+    base = PIPE + ["model.layers=6"]
+    single = tmp_path / "single"
+    assert main(["train", "--config", "tiny", "--run-dir", str(single), *[f"--{o}" for o in base]]) == 0
+    ends = ["parallel.embedding_in_split=true", "parallel.loss_in_split=true"]
+    want = {"pp4-1f1b": [1, 2, 2, 1], "pp4-vpp2-interleaved": [0, 1, 1, 1, 1, 1, 1, 0]}
+    for name, layout in ENDS_PP4.items():
+        assert chunk_layer_counts(load_config("tiny", base + layout + ends)) == want[name]
+        launch(tmp_path / name, 4, *layout, *ends, base=base)
+        assert_same_run(tmp_path / name, single)

@@ -33,6 +33,10 @@ LAYOUTS = {
     "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
     "tp2-sp-pp2": (4, ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2"]),
     "tp2-pp2-cp2": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2"]),
+    # The embedding and the loss counted as a layer each: chunk 0 (rank 0) holds only the embedding, chunk 5
+    # (rank 1) only the tied head and the loss; the pair exchanges gradients across the two ranks.
+    "pp2-vpp3-ends": (2, ["parallel.pp=2", "parallel.vpp=3", "parallel.schedule=interleaved",
+                          "parallel.embedding_in_split=true", "parallel.loss_in_split=true"]),
 }
 
 

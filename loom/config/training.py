@@ -23,6 +23,10 @@ class ParallelConfig(Section):
     schedule: Literal["1f1b", "interleaved", "zero_bubble"] = "1f1b"
     first_stage_layers: int = 0  # uneven split: layers on the first / last stage (0: even split)
     last_stage_layers: int = 0
+    # Count the embedding / the final norm + LM head + loss as one layer each in an even split (Megatron-Core's
+    # --account-for-embedding/loss-in-pipeline-split): pp x vpp may reach layers + 2, a stage holding only them.
+    embedding_in_split: bool = False
+    loss_in_split: bool = False
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
