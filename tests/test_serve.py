@@ -512,6 +512,74 @@ def test_tensor_parallel_serving_builds_each_shard_on_meta(tiny):
         assert tokens == want
 
 
+def peft_dir(base, path):
+    """A PEFT LoRA adapter directory on `base` (rank 4, alpha 16): random lora_A and lora_B on the
+    column-parallel q_proj and up_proj and the row-parallel o_proj and down_proj of every layer."""
+    from safetensors.torch import save_file
+
+    from loom.interop.hf_names import loom_to_hf_name
+
+    path.mkdir()
+    g = torch.Generator().manual_seed(1)
+    tensors = {}
+    for layer in range(2):
+        for name, (out, inp) in {"attention.wq": (64, 64), "attention.wo": (64, 64),
+                                 "feed_forward.w3": (128, 64), "feed_forward.w2": (64, 128)}.items():
+            hf = loom_to_hf_name(f"layers.{layer}.{name}.weight").removesuffix(".weight")
+            tensors[f"base_model.model.{hf}.lora_A.weight"] = torch.randn(4, inp, generator=g) * 0.3
+            tensors[f"base_model.model.{hf}.lora_B.weight"] = torch.randn(out, 4, generator=g) * 0.3
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 4, "lora_alpha": 16, "base_model_name_or_path": str(base),
+        "target_modules": ["q_proj", "o_proj", "up_proj", "down_proj"]}))
+    return path
+
+
+def _sharded_peft_rank(model: str, ids: torch.Tensor):
+    """A `loom serve --nproc` rank's model for a PEFT adapter directory, with loading (or merging) the whole model
+    made an error: this rank's q_proj rows and the logits of `ids`."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import loom
+    from loom.interop import peft
+    from loom.parallel.distributed import full_tensor
+    from loom.serve import sharded_model
+
+    def whole(*args, **kwargs):
+        raise AssertionError("a serving rank loaded the whole model")
+
+    real = loom.load_model, peft.load_peft_dir
+    loom.load_model = peft.load_peft_dir = whole
+    try:  # a kept rank runs later tests' tasks too: they get both back
+        net = sharded_model(model, init_device_mesh("cpu", (dist.get_world_size(),)), "cpu")
+        with torch.no_grad():
+            logits = full_tensor(net(ids))
+        wq = dict(net.named_parameters())["layers.0.attention.wq.weight"]
+    finally:
+        loom.load_model, peft.load_peft_dir = real
+    return tuple(wq.to_local().shape), logits
+
+
+def test_tensor_parallel_serving_merges_only_its_shard_of_a_peft_adapter(tiny, tmp_path):
+    """`loom serve --nproc 2 --model PEFT_DIR`: each rank builds its shard of the base on meta and adds only its
+    slices of the adapters' products (issue 58); the logits equal one process's merged model (fp32), and differ
+    from the base's (the adapters are in)."""
+    from distributed import shared_pool
+
+    from loom import load_model
+
+    adapter = peft_dir(tiny, tmp_path / "peft")
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(2))
+    results = shared_pool(2).run(_sharded_peft_rank, str(adapter), ids)
+    with torch.no_grad():
+        want, base = load_model(str(adapter))(ids), load_model(str(tiny))(ids)
+    assert (want - base).abs().max() > 0.1  # the adapters change the logits
+    for shape, logits in results:
+        assert shape == (32, 64)  # half of q_proj's 64 rows
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
 def test_paged_keys_and_values_serve_the_same_tokens(tiny, generated):
     """--kv paged: the engine keeps keys and values in blocks (a request's n choices share their prompt's);
     greedy completions equal loom generate's and n=3 seeded choices equal the slab server's."""

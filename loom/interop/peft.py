@@ -130,15 +130,14 @@ def peft_base(path: str | Path) -> Path:
     return Path(base)
 
 
-def load_peft_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """A PEFT LoRA adapter directory on its base (`peft_base`), merged: W + scale x B A for every adapted
-    projection (scale lora_alpha / r, or / sqrt(r) with use_rslora), in float32, then `dtype`. Refuses what
-    plain LoRA merging does not cover (DoRA, layer or module subsets, trained modules beside the adapters)."""
+def read_peft_dir(path: str | Path) -> tuple[float, list[tuple[str, torch.Tensor, torch.Tensor]]]:
+    """(scale, [(loom weight name, lora_A [r, in], lora_B [out, r]), ...]) of a PEFT LoRA adapter directory: scale
+    lora_alpha / r, or / sqrt(r) with use_rslora. Refuses what plain LoRA merging does not cover (DoRA, layer or
+    module subsets, trained modules beside the adapters). The adapters are small: read whole."""
     import math
 
     from safetensors.torch import load_file
 
-    import loom
     from loom.interop.hf_names import hf_to_loom_name
 
     path = Path(path)
@@ -155,23 +154,46 @@ def load_peft_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: 
     if not weights.is_file():
         raise UserError(f"{path} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
     tensors = load_file(str(weights))
-    model = loom.load_model(peft_base(path), dtype=torch.float32)
-    params = dict(model.named_parameters())
-    merged = 0
+    pairs = []
     for key, a in tensors.items():
         if not key.endswith(".lora_A.weight"):
             continue
         hf = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight"
-        name = hf_to_loom_name(hf)
         b = tensors.get(key.replace(".lora_A.weight", ".lora_B.weight"))
-        if name not in params or b is None:
-            raise UserError(f"{weights}: {key} adapts {hf}, which the base model {peft_base(path)} does not have as "
-                            "one weight (or its lora_B is missing)")
-        with torch.no_grad():
-            params[name].add_(scale * (b.float() @ a.float()))
-        merged += 1
-    if not merged:
+        if b is None:
+            raise UserError(f"{weights}: {key} has no lora_B beside it")
+        pairs.append((hf_to_loom_name(hf), a, b))
+    if not pairs:
         raise UserError(f"{weights} holds no lora_A/lora_B pairs")
+    return scale, pairs
+
+
+@torch.no_grad()
+def merge_peft_adapters(model: torch.nn.Module, path: str | Path) -> int:
+    """Add the PEFT adapters at `path` to `model`'s weights in place: W + scale x B A, each rank only its own
+    slice of every adapted weight (plain tensors whole; tensor-parallel DTensors their local rows or columns:
+    B's rows times A's columns of the slice), computed in float32. Returns how many weights it changed."""
+    from loom.interop.pretrained import local_slice
+
+    scale, pairs = read_peft_dir(path)
+    params = dict(model.named_parameters())
+    for name, a, b in pairs:
+        if name not in params:
+            raise UserError(f"{Path(path) / ADAPTER_WEIGHTS}: an adapter for {name}, which the base model "
+                            f"{peft_base(path)} does not have as one weight")
+        local, where = local_slice(params[name])
+        delta = scale * (b.float()[where[0]] @ a.float()[:, where[1]])
+        local.copy_((local.float() + delta).to(local.dtype))
+    return len(pairs)
+
+
+def load_peft_dir(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """A PEFT LoRA adapter directory on its base (`peft_base`), merged (`merge_peft_adapters`) in float32, then
+    `dtype`."""
+    import loom
+
+    model = loom.load_model(peft_base(path), dtype=torch.float32)
+    merge_peft_adapters(model, path)
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -91,12 +91,12 @@ def load(model: str, name: str | None = None, device: str = "cpu", max_batch: in
 def sharded_model(model: str, mesh, device):
     """This rank's tensor-parallel shard of the model at `model` (`loom serve --nproc`), built as RL builds its
     engine's copy: on meta, sharded over `mesh`, then only this rank's slices allocated and read
-    (`loom.build.build_in_layout`, `loom.interop.pretrained.load_pretrained`; a LoRA run: its base's slices with
-    the adapters' products added). No rank holds the whole model. A PEFT adapter directory is the exception: it
-    is merged whole (`loom.interop.peft.load_peft_dir`), then sharded."""
+    (`loom.build.build_in_layout`, `loom.interop.pretrained.load_pretrained`; a LoRA run, or a PEFT adapter
+    directory: its base's slices with this rank's slices of the adapters' products added,
+    `loom.interop.peft.merge_peft_adapters`). No rank holds the whole model."""
     from loom.build import build_in_layout, whole
     from loom.config import Config
-    from loom.interop.peft import is_peft_dir
+    from loom.interop.peft import is_peft_dir, merge_peft_adapters, peft_base
     from loom.parallel.tensor import apply_tensor_parallel
     from loom.rules import tp_problems
 
@@ -108,24 +108,21 @@ def sharded_model(model: str, mesh, device):
         if problems := tp_problems(mesh.size(), cfg, cfg.max_seq_len, sp=False):
             raise UserError(f"--nproc={mesh.size()} cannot shard {model}: {'; '.join(problems)}")
 
-    if is_peft_dir(model):
-        from loom import load_model
-
-        net = load_model(model, device=device)
-        check(net.cfg)
-        apply_tensor_parallel(net, mesh, sp=False)
-        return net
     from loom.interop.pretrained import describe_source
 
-    cfg = Config(model=describe_source(model).model)
-    cfg.train.init_from = str(Path(model).absolute())
+    base = peft_base(model) if is_peft_dir(model) else Path(model)
+    cfg = Config(model=describe_source(base).model)
+    cfg.train.init_from = str(base.absolute())
     check(cfg.model)
 
     def place(net):
         apply_tensor_parallel(net, mesh, sp=False)
         return whole(net)
 
-    return build_in_layout(cfg, device, place, init_from=cfg.train.init_from).model.eval()
+    net = build_in_layout(cfg, device, place, init_from=cfg.train.init_from).model
+    if is_peft_dir(model):
+        merge_peft_adapters(net, model)
+    return net.eval()
 
 
 def _loopback(host: str) -> bool:
