@@ -67,7 +67,12 @@ def cmd_train(args, extra) -> int:
     choice = None
     if cfg.parallel.layout == "auto":
         cfg, choice = _auto_layout(cfg, args, recipe.command)
-    if (args.nproc > 1 or args.nnodes > 1) and not in_worker():
+    nproc = args.nproc
+    if recipe.command == "rl":  # rl.mode=async: the generation ranks are started by training rank 0
+        from loom.post.rl.async_loop import training_processes
+
+        nproc = training_processes(cfg, args.nproc, args.nnodes)
+    if (nproc > 1 or args.nnodes > 1) and not in_worker():
         if args.nnodes > 1 and not args.run_dir:
             raise UserError("--nnodes > 1 needs an explicit --run-dir on storage every node shares")
         run_dir = args.run_dir or cfg.default_run_dir()
@@ -77,7 +82,7 @@ def cmd_train(args, extra) -> int:
 
             recipe.prepare_data(cfg, load_tokenizer(cfg))
 
-        code = launch(cfg, [args.command, "--config", args.config, "--run-dir", str(run_dir)], overrides, args.nproc,
+        code = launch(cfg, [args.command, "--config", args.config, "--run-dir", str(run_dir)], overrides, nproc,
                       args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts, prepare_data=prepare_data,
                       recipe=recipe.command)
         if code == 0 and args.export_hf and args.node_rank == 0:  # the workers' final checkpoint, exported here

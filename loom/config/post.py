@@ -140,6 +140,13 @@ class RLConfig(Section):
     # Paged keys and values (loom/infer/paged.py): a group's prompt is prefilled once and its blocks shared by the
     # group_size completions; memory held by tokens in use, not engine_batch x the longest sequence.
     engine_paged: bool = False
+    # Asynchronous RL (loom/post/rl/async_loop.py): "async" runs the engine on rl.generation_ranks ranks of
+    # --nproc (the rest train), generation ahead of training by at most rl.max_staleness policy versions (older
+    # rollouts are dropped); rl.tis_cap weights the loss by min(p_trainer / p_generator, cap). "sync": the
+    # engine in the trainer's processes, generation then training (max_staleness 0 computes the same).
+    mode: Literal["sync", "async"] = "sync"
+    generation_ranks: int = 1
+    max_staleness: int = 1
 
     def validate(self) -> None:
         check_data_lists("rl", self, "prompts", "valid_prompts", ".jsonl or .parquet files (or globs) of "
@@ -149,7 +156,10 @@ class RLConfig(Section):
             raise UserError("an RL run needs a reward: rl.reward=package.module:function (e.g. "
                             "loom.post.tasks:exact_match) and/or rl.reward_model=RUN_OR_CHECKPOINT")
         positive("rl", self, "group_size", "epochs", "minibatches", "max_new_tokens", "engine_batch",
-                 "engine_sync_every")
+                 "engine_sync_every", "generation_ranks")
+        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise UserError(f"rl.max_staleness={self.max_staleness!r} must be an integer >= 0 (policy versions a "
+                            "rollout may lag the trainer by; 0: on-policy, as rl.mode=sync)")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise UserError(f"rl.stop={self.stop!r} must be a list of non-empty strings: comma-separated on the "
                             "command line (--rl.stop=END,DONE), a TOML list in a config file (stop = [\"\\n\\n\"])")

@@ -59,6 +59,8 @@ class PolicyLoss(Loss):
                                              rl.clip_high, rl.ratio)
         stats = {"policy_loss": total.detach(), "clip_fraction": self._agg(clipped, mask),
                  "ratio": self._agg(torch.exp(logp.detach() - old), mask)}
+        if is_weights is not None:  # the truncated importance weights' mean, as the loss aggregates
+            stats["is_weight_mean"] = self._agg(is_weights, mask)
         if "ref_logp" in batch:
             stats["kl"] = self._agg(L.kl_estimate(logp.detach(), batch["ref_logp"], rl.kl_estimator), mask)
         if values is not None:

@@ -95,6 +95,10 @@ class RL(Recipe):
                             "--rl.reward=mypkg.rewards:score")
         if cfg.rl.reward:
             reward_function(cfg)
+        if cfg.rl.mode == "async":  # loom/post/rl/async_loop.py
+            from loom.post.rl.async_loop import check_async
+
+            check_async(cfg)
 
     def prepare_data(self, cfg: Config, tokenizer: Tokenizer) -> None:
         """Write task prompts into the cache and check the prompt files once, before the workers start."""
@@ -133,6 +137,12 @@ class RL(Recipe):
                                        seed=0).model
         self.engine = rollout_engine(cfg, engine_model, trainer.tokenizer.decode)
         self.engine.refit(policy_weights(trainer.model))
+        # rl.mode=async: rollouts from the generation ranks; the engine here evaluates only (refitted for it).
+        self.generation = None
+        if rl.mode == "async":
+            from loom.post.rl.async_loop import AsyncRollouts
+
+            self.generation = AsyncRollouts(trainer, torch_dtype(cfg))
         # LoRA: the reference is the policy with its adapters switched off (the base), not a second model.
         self.reference = self._build_reference() if rl.kl_coef and not cfg.lora.enabled else None
         self.rewards = Rewards(cfg, trainer.tokenizer, trainer.device)
@@ -245,7 +255,11 @@ class RL(Recipe):
         times = {}
 
         t0 = time.perf_counter()
-        prompts, done, texts = self.rollouts(trainer.train_data, indices, rl.group_size, seeds, greedy=False)
+        if self.generation is None:
+            prompts, done, texts = self.rollouts(trainer.train_data, indices, rl.group_size, seeds, greedy=False)
+        else:  # made ahead by the generation ranks; the wait for them is generation_s
+            prompts, done, versions = self.generation.take(step)
+            texts = [c.text(trainer.tokenizer.decode) for c in done]
         times["generation_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -253,6 +267,7 @@ class RL(Recipe):
         times["reward_s"] = time.perf_counter() - t0
 
         batch = rows_of(prompts, done, t.seq_len, trainer.tokenizer.eod_id or 0)
+        staleness = {} if self.generation is None else self.generation.staleness(self, batch, step, versions)
         t0 = time.perf_counter()
         ppo = rl.algorithm == "ppo"
         reuse = self.reuses_policy_logp()
@@ -299,14 +314,19 @@ class RL(Recipe):
             outs = [{"loss": 0.0, "grad_norm": 0.0, "lr": lr_at(step, cfg.optim, t.steps),
                      "skipped_steps": trainer.control.skipped_steps}]
 
-        times["refit_s"] = self.engine.refit(policy_weights(trainer.model))
+        if self.generation is None:
+            times["refit_s"] = self.engine.refit(policy_weights(trainer.model))
+        else:  # the generation ranks' engines, by broadcast
+            times["refit_s"] = self.generation.publish(step + 1)
         trainer.state.step += 1
         trainer.state.consumed_samples += t.global_batch
         last = outs[-1]
         out = {k: float(np.mean([o[k] for o in outs])) for k in outs[0] if isinstance(outs[0][k], (int, float))
                and k not in ("lr", "skipped_steps")}
         out.update(lr=last["lr"], skipped_steps=last["skipped_steps"], optimizer_steps=updates)
-        return {**out, **metrics, **mismatch, **times}
+        if rl.tis_cap:  # the largest truncated importance weight: min(max p_trainer / p_engine, cap)
+            out["is_weight_max"] = min(mismatch["prob_ratio_max"], rl.tis_cap)
+        return {**out, **metrics, **mismatch, **staleness, **times}
 
     def _advantages(self, batch: dict, score: torch.Tensor, old_values) -> dict:
         """Fill batch["advantages"] (and PPO's "old_values", "returns"); leave out uniform groups if asked."""
@@ -361,6 +381,8 @@ class RL(Recipe):
         an exact-match reward, the held-out accuracy) and once sampled as in training (`val_reward_sampled`,
         seeds fixed per prompt, so evaluations differ only by the weights), scored by the run's reward."""
         data, layout = trainer.val_data, trainer.layout
+        if self.generation is not None:  # the engine here is refitted for evaluations only
+            self.engine.refit(policy_weights(trainer.model))
         mine = list(range(layout.dp_rank, len(data), layout.dp_size))
         sums = [(0.0, 0)] * 3
         if mine:

@@ -1,0 +1,346 @@
+"""Asynchronous RL (`rl.mode=async`): generation on its own ranks, running ahead of training by at most
+`rl.max_staleness` (K) policy versions.
+
+Processes. `loom rl --nproc N` with `rl.generation_ranks=G` starts N - G training ranks (the layout loom
+accepts for N - G ranks; they are the run's process group) and training rank 0 starts the G generation ranks
+as child processes. They meet through a TCP store that rank 0 opens: rollouts travel through it (token ids and
+log-probs: small), weights through gloo process groups, one per training rank r, {r, every generation rank}.
+
+Versions. The policy's version is the number of optimizer steps applied to it. Generation rank g produces
+the rollouts of step s for the data-parallel ranks d with d % G == g (the prompts and seeds the synchronous
+loop draws for (s, d): the same completions whatever the layout) with the newest weights it holds, after
+waiting until that version is at least s - K: a deterministic schedule (version max(s - K, start)), so a run
+is reproducible and K = 0 is the synchronous loop. Each rollout carries the version that produced it; the
+trainer drops (masks out of the loss, `stale_dropped`) any older than K versions, and logs `staleness_mean`,
+`staleness_max` and the time it waited (`rollout_wait_s`). The loss's truncated importance weights
+(`rl.tis_cap`: min(pi_train / pi_gen, cap) per token, pi_train the policy before this step's update) correct
+for the staleness; their mean and max are logged (`is_weight_mean`, `is_weight_max`).
+
+Weights. After each optimizer step every training rank broadcasts, in its own group, the parameter chunks it
+is the first holder of (its local shard of a DTensor whose coordinates on the replicated mesh dimensions are
+0; a plain tensor from training rank 0), cast to the engine's dtype and packed into buckets; a generation
+rank places each chunk at its global offset and refits its engine from the assembled tensors
+(`Engine.refit`, so the engine's buffers stay where they are). No rank gathers the whole model: the
+generation ranks hold whole copies, as the engine does in the synchronous loop. The trainer blocks in the
+broadcast until the generation ranks finish the batch they are making, so a step takes about
+max(generation, training) + the broadcast.
+
+Preemption and resume. In-flight rollouts are not saved: a resumed run's generation ranks start from the
+checkpoint's weights (version = the resumed step) and regenerate the steps that follow, so a resumed async run
+with K > 0 trains on fresher rollouts than the uninterrupted one would have (K = 0 resumes exactly).
+
+Not yet: tensor-parallel generation ranks, generation ranks on other nodes than training rank 0, PPO and LoRA
+(refused before launch, loom.post.rl.recipe.RL.check_settings).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import socket
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from loom.models.init import canonical_name
+
+BUCKET_BYTES = 256 << 20  # weights broadcast in buckets of at most this many bytes (one tensor may exceed it)
+ERROR_KEY = "generation-error"
+
+
+def staleness_keep(step: int, versions: list[int], max_staleness: int) -> torch.Tensor:
+    """1 for the rollouts of `step` made by a policy at most `max_staleness` versions old, else 0 (dropped)."""
+    return torch.tensor([float(step - v <= max_staleness) for v in versions])
+
+
+def check_async(cfg) -> None:
+    """What rl.mode=async does not do yet, refused before launch."""
+    from loom.errors import UserError
+
+    rl = cfg.rl
+    if rl.algorithm != "grpo":
+        raise UserError(f"rl.mode=async trains rl.algorithm=grpo only (got {rl.algorithm!r}); use rl.mode=sync for ppo")
+    if cfg.lora.enabled:
+        raise UserError(f"rl.mode=async does not broadcast LoRA adapters yet (lora.rank={cfg.lora.rank}); use "
+                        "rl.mode=sync or lora.rank=0")
+
+
+def training_processes(cfg, nproc: int, nnodes: int) -> int:
+    """The training ranks of `loom rl --nproc nproc`: all of them, or with rl.mode=async nproc minus the
+    generation ranks (which training rank 0 starts)."""
+    from loom.errors import UserError
+
+    rl = cfg.rl
+    if rl.mode != "async":
+        return nproc
+    if nnodes > 1:
+        raise UserError(f"rl.mode=async runs on one node for now (got --nnodes={nnodes}); use rl.mode=sync")
+    if nproc <= rl.generation_ranks:
+        raise UserError(f"rl.mode=async with rl.generation_ranks={rl.generation_ranks} needs --nproc > "
+                        f"{rl.generation_ranks} (the rest train); got --nproc={nproc}")
+    return nproc - rl.generation_ranks
+
+
+def _pair_group(store, trainer: int, member: int, generation_ranks: int, timeout_s: float):
+    """The gloo group {training rank `trainer`, generation ranks 0..G-1}: the trainer is member 0."""
+    prefixed = dist.PrefixStore(f"pair{trainer}/", store)
+    return dist.ProcessGroupGloo(prefixed, member, 1 + generation_ranks, timedelta(seconds=timeout_s))
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+
+
+def _buckets(sizes: list[int], itemsize: int) -> list[list[int]]:
+    """Chunk indices packed in order into buckets of at most BUCKET_BYTES (a larger chunk alone)."""
+    out, current, used = [], [], 0
+    for i, n in enumerate(sizes):
+        if current and used + n * itemsize > BUCKET_BYTES:
+            out.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n * itemsize
+    return out + ([current] if current else [])
+
+
+def _chunks(model: nn.Module, trainer_rank: int) -> list[tuple[str, torch.Tensor, tuple, tuple, tuple]]:
+    """(name, local tensor, global offset, local shape, global shape) of the parameters this training rank sends."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out = []
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            coord = p.device_mesh.get_coordinate()
+            first = all(coord[i] == 0 for i, pl in enumerate(p.placements) if not pl.is_shard())
+            local = p.to_local()
+        else:
+            shape, offset, first, local = tuple(p.shape), (0,) * p.dim(), trainer_rank == 0, p
+        if first and local.numel():
+            assert tuple(local.shape) == tuple(shape), (name, tuple(local.shape), shape)
+            out.append((canonical_name(name), local, tuple(offset), tuple(shape), tuple(p.shape)))
+    return out
+
+
+class AsyncRollouts:
+    """The training ranks' side: starts the generation ranks (rank 0), takes each step's rollouts, publishes the
+    weights after every update."""
+
+    def __init__(self, trainer, engine_dtype: torch.dtype):
+        cfg, layout = trainer.cfg, trainer.layout
+        self.rl = cfg.rl
+        self.dp_rank = layout.dp_rank
+        self.rank, world = layout.rank, layout.world_size
+        self.dtype = engine_dtype
+        timeout = cfg.train.collective_timeout_s
+        self.procs = []
+        address = None
+        if self.rank == 0:
+            self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=timeout))
+            host = "127.0.0.1" if int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world else socket.gethostname()
+            address = [host, self.store.port]
+        if layout.distributed:
+            box = [address]
+            dist.broadcast_object_list(box, src=0)
+            address = box[0]
+        if self.rank != 0:
+            self.store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timedelta(seconds=timeout))
+        if self.rank == 0:
+            ctx = multiprocessing.get_context("spawn")
+            start = trainer.state.step
+            for g in range(self.rl.generation_ranks):
+                proc = ctx.Process(target=generation_rank, daemon=True, name=f"loom-rl-generation-{g}",
+                                   args=(type(trainer.recipe), cfg, "127.0.0.1", address[1], g, world, start,
+                                         torch.get_num_threads(), os.getpid()))
+                proc.start()
+                self.procs.append(proc)
+        self.chunks = _chunks(trainer.model, self.rank)
+        # Every rank's dp rank and chunk list, for the generation ranks; then the pair group.
+        self.store.set(f"trainer/{self.rank}", pickle.dumps(
+            (self.dp_rank, [(n, off, shape, full) for n, _, off, shape, full in self.chunks])))
+        self.group = self._guarded(lambda: _pair_group(self.store, self.rank, 0, self.rl.generation_ranks, timeout))
+        self.buckets = _buckets([c[1].numel() for c in self.chunks], torch.empty((), dtype=self.dtype).element_size())
+        self.model = trainer.model
+        self.publish(trainer.state.step)
+
+    def _guarded(self, fn):
+        """`fn()`, with a generation rank's own error (left in the store) raised instead of a broken pipe."""
+        try:
+            return fn()
+        except Exception as exc:
+            if self.store.check([ERROR_KEY]):
+                raise RuntimeError(self.store.get(ERROR_KEY).decode()) from exc
+            raise
+
+    def take(self, step: int):
+        """This data-parallel rank's rollouts of `step`: (prompts, completions, the version of each)."""
+        key = f"rollouts/{step}/{self.dp_rank}"
+        t0 = time.perf_counter()
+        while not self.store.check([key]):  # wait, failing at once with a generation rank's error
+            if self.store.check([ERROR_KEY]):
+                raise RuntimeError(self.store.get(ERROR_KEY).decode())
+            if self.procs and not all(p.is_alive() for p in self.procs):
+                raise RuntimeError(f"a generation rank exited (codes {[p.exitcode for p in self.procs]}) before "
+                                   f"the rollouts of step {step + 1}")
+            time.sleep(0.002)
+        version, prompts, done = pickle.loads(self.store.get(key))
+        self.store.set(f"read/{step}/{self.dp_rank}/{self.rank}", b"1")
+        self.waited_s = time.perf_counter() - t0
+        return prompts, done, [version] * len(done)
+
+    def staleness(self, recipe, batch: dict, step: int, versions: list[int]) -> dict:
+        """Drop (mask out of the loss) the rows made by a policy more than rl.max_staleness versions before
+        `step`'s; the step's staleness metrics over the global batch."""
+        keep = staleness_keep(step, versions, self.rl.max_staleness)
+        if (keep == 0).any():
+            batch["mask"] = batch["mask"] * keep[:, None]
+        lag = [step - v for v in versions]
+        mean, = recipe._global_mean([(sum(lag), len(lag))])
+        return {"staleness_mean": mean, "staleness_max": recipe._global_max(float(max(lag))),
+                "stale_dropped": int(recipe._global_sum(float((keep == 0).sum()))),
+                "rollout_wait_s": self.waited_s}
+
+    def publish(self, version: int) -> float:
+        """Broadcast this rank's chunks of the policy (its `version`-th update) to the generation ranks; the
+        seconds it took."""
+        t0 = time.perf_counter()
+        self.chunks = _chunks(self.model, self.rank)  # the same chunks, their current tensors
+        with torch.no_grad():
+            for bucket in self.buckets:
+                flat = torch.cat([self.chunks[i][1].detach().reshape(-1).to(self.dtype) for i in bucket]).cpu()
+                self._guarded(lambda: _broadcast(self.group, flat))
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.terminate()
+
+
+class WeightReceiver:
+    """A generation rank's side of the weight broadcast: assembles every training rank's chunks into whole
+    tensors and refits the engine from them."""
+
+    def __init__(self, store, index: int, trainers: int, generation_ranks: int, engine, timeout_s: float):
+        self.engine = engine
+        self.groups, self.plans = [], []
+        params = dict(engine.model.named_parameters())
+        self.full = {name: torch.empty(p.shape, dtype=p.dtype, device="cpu") for name, p in params.items()}
+        itemsize = next(iter(params.values())).element_size()
+        covered = dict.fromkeys(params, 0)
+        self.dp_ranks = []
+        for r in range(trainers):
+            dp_rank, chunks = pickle.loads(store.get(f"trainer/{r}"))
+            self.dp_ranks.append(dp_rank)
+            for name, offset, shape, full in chunks:
+                if name not in params or tuple(params[name].shape) != tuple(full):
+                    raise RuntimeError(f"weight broadcast: training rank {r} sends {name} {tuple(full)}, which the "
+                                       "engine's model does not have")
+                covered[name] += torch.Size(shape).numel()
+            self.plans.append((chunks, _buckets([torch.Size(c[2]).numel() for c in chunks], itemsize)))
+        missing = [n for n, p in params.items() if covered[n] != p.numel()]
+        if missing:
+            raise RuntimeError(f"weight broadcast: the training ranks' chunks do not cover {missing[:3]}")
+        for r in range(trainers):
+            self.groups.append(_pair_group(store, r, 1 + index, generation_ranks, timeout_s))
+
+    def receive(self) -> float:
+        """One version of the weights from every training rank, into the engine; the seconds."""
+        t0 = time.perf_counter()
+        for group, (chunks, buckets) in zip(self.groups, self.plans):
+            for bucket in buckets:
+                sizes = [torch.Size(chunks[i][2]).numel() for i in bucket]
+                flat = torch.empty(sum(sizes), dtype=next(iter(self.full.values())).dtype)
+                _broadcast(group, flat)
+                for i, part in zip(bucket, flat.split(sizes)):
+                    name, offset, shape, _ = chunks[i]
+                    view = self.full[name]
+                    for dim, (o, n) in enumerate(zip(offset, shape)):
+                        view = view.narrow(dim, o, n)
+                    view.copy_(part.view(shape))
+        self.engine.refit(self.full)
+        return time.perf_counter() - t0
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the training rank that started this process is gone (killed without running its exit hooks)."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def generation_rank(recipe_class, cfg, host: str, port: int, index: int, trainers: int, start: int, threads: int,
+                    parent_pid: int) -> None:
+    """A generation rank (sampling with `recipe_class`'s `rollouts`, the synchronous loop's): the rollouts of steps start..train.steps-1 for its data-parallel ranks, each with the
+    newest weights it holds once their version is at least step - rl.max_staleness."""
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    timeout = cfg.train.collective_timeout_s
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+    try:
+        _generate(recipe_class, cfg, store, index, trainers, start, threads)
+    except BaseException as exc:  # the trainers raise this instead of waiting for a collective to time out
+        store.set(ERROR_KEY, f"generation rank {index} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        os._exit(1)
+
+
+def _generate(recipe_class, cfg, store, index: int, trainers: int, start: int, threads: int) -> None:
+    from types import SimpleNamespace
+
+    from loom.build import build_in_layout, tensor_parallel, torch_dtype
+    from loom.data.tokenizer import load_tokenizer
+    from loom.parallel.dims import MeshPlace
+    from loom.parallel.distributed import pick_device
+    from loom.post.rl.prompts import build_datasets
+    from loom.post.rl.rollouts import rollout_engine, rollout_seed, stops
+
+    torch.set_num_threads(threads)
+    rl, t = cfg.rl, cfg.train
+    device = pick_device(t.device)
+    if device.type == "cuda":  # the devices after the training ranks'
+        device = torch.device("cuda", (trainers + index) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    tokenizer = load_tokenizer(cfg)
+    train_data, _ = build_datasets(cfg, tokenizer)
+    model = build_in_layout(cfg, device, tensor_parallel(MeshPlace(mesh=None)), dtype=torch_dtype(cfg), seed=0).model
+    # The synchronous loop's own sampling code (RL.rollouts), on this rank's engine.
+    side = recipe_class()
+    side.trainer = SimpleNamespace(cfg=cfg, tokenizer=tokenizer)
+    side.engine = rollout_engine(cfg, model, tokenizer.decode)
+    side.stop_ids, side.stop_texts = stops(cfg, tokenizer)
+    receiver = WeightReceiver(store, index, trainers, rl.generation_ranks, side.engine, t.collective_timeout_s)
+    receiver.receive()
+    version = start
+    dp_size = max(receiver.dp_ranks) + 1
+    mine = sorted({d for d in receiver.dp_ranks if d % rl.generation_ranks == index})
+    prompts_per_step = t.global_batch // rl.group_size
+    per_rank = prompts_per_step // dp_size
+    for step in range(start, t.steps):
+        while version < step - rl.max_staleness:
+            receiver.receive()
+            version += 1
+        for d in mine:
+            first = step * prompts_per_step + d * per_rank
+            indices = train_data.take(first, per_rank, t.seed)
+            seeds = [rollout_seed(t.seed, step, first * rl.group_size + k) for k in range(per_rank * rl.group_size)]
+            prompts, done, _ = side.rollouts(train_data, indices, rl.group_size, seeds, greedy=False)
+            store.set(f"rollouts/{step}/{d}", pickle.dumps((version, prompts, done)))
+        if step >= 1:  # what every trainer has read is dropped from the store
+            for d in mine:
+                readers = [r for r in range(trainers) if receiver.dp_ranks[r] == d]
+                if all(store.check([f"read/{step - 1}/{d}/{r}"]) for r in readers):
+                    store.delete_key(f"rollouts/{step - 1}/{d}")
+    while version < t.steps:  # the trainers publish after every step, the last one too
+        receiver.receive()
+        version += 1
