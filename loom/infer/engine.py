@@ -202,7 +202,18 @@ class Engine:
     def check(self, prompt: list[int], p: SamplingParams, i: int | str = "") -> None:
         """Refuse (UserError) a request the engine cannot run: its sampling parameters, a prompt empty or too
         long for max_len, ids outside the vocabulary, stop strings without `decode`, more positions than the
-        key/value pool holds. `i` names it in the message."""
+        key/value pool holds. `i` names it in the message. A request that only scores its prompt (max_new_tokens
+        0, `prompt_logprobs`) takes no slot: its prompt may fill max_len."""
+        outside = [t for t in (*p.stop_token_ids, *(t for t, _ in p.logit_bias)) if not 0 <= t < self.vocab]
+        if outside:
+            raise UserError(f"request {i} names token ids {outside[:5]} (stop_token_ids / logit_bias) outside the "
+                            f"vocabulary [0, {self.vocab})")
+        if p.max_new_tokens == 0:
+            p.check()
+            if not 1 <= len(prompt) <= self.max_len or min(prompt) < 0 or max(prompt) >= self.vocab:
+                raise UserError(f"prompt {i} has {len(prompt)} tokens (1 to {self.max_len} can be scored) or ids "
+                                f"outside the vocabulary [0, {self.vocab})")
+            return
         self.scheduler.check(prompt, p, i)
 
     def submit(self, prompt: list[int], params: SamplingParams | None = None, index: int | None = None) -> Request:
@@ -235,6 +246,9 @@ class Engine:
                 marks.setdefault(id(seq), (seq, len(seq.out.tokens)))
             return seqs
 
+        for seq in seen(self._score()):  # prompts to score (loom/infer/score.py), before any takes a slot; those
+            self.scheduler.cancel(seq)  # that only score (max_new_tokens 0) are done without one
+            seq.state, seq.out.finish_reason = "done", "length"
         admitted = self.scheduler.admit()  # schedule: free slots first
         if admitted:
             seqs = seen(self.scheduler.holding(admitted))
@@ -245,6 +259,21 @@ class Engine:
             self._postprocess(seqs, self.runner.decode(active, seqs))  # run a window, postprocess
         return [Update(seq, seq.out.tokens[n:], seq.out.logprobs[n:], seq.state == "done", seq.out.top_logprobs[n:])
                 for seq, n in marks.values()]
+
+    def _score(self) -> list[Request]:
+        """The waiting requests that asked for their prompt's log-probs get them, in one batched forward; those
+        that only score (max_new_tokens 0) are returned for the step to finish."""
+        todo = [r for r in self.scheduler.waiting
+                if r.params.prompt_logprobs is not None and r.out.prompt_logprobs is None]
+        if todo:
+            from loom.infer.score import score_prompts
+
+            scores = score_prompts(self.model, [r.out.prompt for r in todo],
+                                   [min(r.params.prompt_logprobs, self.vocab) for r in todo], self.device)
+            for r, (lps, top) in zip(todo, scores):
+                r.out.prompt_logprobs, r.out.prompt_top_logprobs = lps, top
+            self.stats["scored_tokens"] = self.stats.get("scored_tokens", 0) + sum(len(r.out.prompt) for r in todo)
+        return [r for r in todo if r.params.max_new_tokens == 0]
 
     def _postprocess(self, seqs: list[Request], window: Window) -> None:
         """A run's tokens onto the requests' completions (one read-back: `emit`); finished requests leave."""

@@ -25,6 +25,10 @@ class Completion:
     stop_string: str = ""  # the stop string (SamplingParams.stop) that ended it, if one did
     # with SamplingParams.logprobs = N > 0: per token, the N most likely (id, log-prob at temperature 1), best first
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs set: log p(prompt token i | those before), None for the first, and per
+    # position the N most likely (id, log-prob) (None for the first; [] when N = 0): loom/infer/score.py
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
     def text(self, decode) -> str:
         """The completion's text (`decode`: ids -> str): without the stop token that ended it, cut before the
@@ -47,6 +51,7 @@ class Request:
         self.generator = torch.Generator().manual_seed(seed)
         self.length = len(prompt)  # tokens whose keys and values are in the slot
         self.shared = False  # paged: its prompt's blocks and first-token logits come from an earlier request
+        self.constraint = None  # a grammar's state (loom/infer/grammar.py): the tokens it may take next
         self.state = "waiting"
 
     @property

@@ -210,7 +210,8 @@ class Runner:
         return x if in_step else reduce_logits(self._head_logits(x))
 
     def _sampler(self, seqs: list[Request], steps: int) -> Sampler:
-        return Sampler([s.params for s in seqs], [s.generator for s in seqs], steps, self.vocab, self.device)
+        return Sampler([s.params for s in seqs], [s.generator for s in seqs], steps, self.vocab, self.device,
+                       [(s.out.prompt, s.out.tokens) for s in seqs])  # the histories penalties read
 
     def _stop_table(self, seqs: list[Request]) -> torch.Tensor | None:
         """[requests, most stop tokens] on the device, padded with -1 (never a token); None if none stop."""

@@ -35,6 +35,25 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int = 0
+    # logits processing before sampling (loom/infer/logits.py; as vLLM): `logit_bias` ((id, bias), ...) added to
+    # the logits; `min_tokens`: stop_token_ids masked out before that many tokens (stop strings matched after);
+    # `repetition_penalty` (HF's, over prompt and completion: positive logits divided by it, negative ones
+    # multiplied); `presence_penalty` / `frequency_penalty` (OpenAI's, over the completion: minus the penalty
+    # once per token seen / per occurrence). Reported log-probs stay those of the raw logits.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    # not None: score the prompt too (`Completion.prompt_logprobs`, and with N > 0 the N most likely tokens at
+    # each prompt position, `Completion.prompt_top_logprobs`); max_new_tokens=0 then only scores it
+    prompt_logprobs: int | None = None
+
+    @property
+    def processes(self) -> bool:
+        """Whether the logits are changed before this request samples (loom/infer/logits.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
+                    or (self.min_tokens and self.stop_token_ids))
 
     def check(self) -> None:
         bad = []
@@ -44,8 +63,20 @@ class SamplingParams:
             bad.append(f"top_k={self.top_k} (must be >= 0; 0 keeps every token)")
         if not 0 < self.top_p <= 1:
             bad.append(f"top_p={self.top_p} (must be in (0, 1])")
-        if self.max_new_tokens < 1:
-            bad.append(f"max_new_tokens={self.max_new_tokens} (must be >= 1)")
+        if self.max_new_tokens < (0 if self.prompt_logprobs is not None else 1):
+            bad.append(f"max_new_tokens={self.max_new_tokens} (must be >= 1, or 0 when scoring the prompt: "
+                       "prompt_logprobs)")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad.append(f"prompt_logprobs={self.prompt_logprobs} (must be >= 0, or None: the prompt not scored)")
+        for name, value, low, high in (("presence_penalty", self.presence_penalty, -2, 2),
+                                       ("frequency_penalty", self.frequency_penalty, -2, 2),
+                                       ("repetition_penalty", self.repetition_penalty, 0, float("inf"))):
+            if not (low < value <= high if name == "repetition_penalty" else low <= value <= high):
+                bad.append(f"{name}={value} (must be in {'(' if low == 0 else '['}{low}, {high}])")
+        if not 0 <= self.min_tokens <= max(self.max_new_tokens, 0):
+            bad.append(f"min_tokens={self.min_tokens} (must be in [0, max_new_tokens={self.max_new_tokens}])")
+        if any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            bad.append("logit_bias values must be in [-100, 100]")
         if self.logprobs < 0:
             bad.append(f"logprobs={self.logprobs} (must be >= 0: the most likely tokens returned with each token)")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -63,9 +94,18 @@ class Sampler:
     (the smallest set of most likely tokens holding top_p of the mass), and invert the CDF at their uniform."""
 
     def __init__(self, params: list[SamplingParams], generators: list[torch.Generator], steps: int, vocab: int,
-                 device):
+                 device, histories: list[tuple[list[int], list[int]]] | None = None):
         self.hot = [i for i, p in enumerate(params) if p.temperature > 0]
         self.sorts = False
+        # requests whose logits are processed first (penalties, bias, min_tokens: loom/infer/logits.py);
+        # `histories` (per request: prompt, completion so far) is needed when any is
+        self.processor = None
+        if any(p.processes for p in params):
+            from loom.infer.logits import LogitsProcessor
+
+            if histories is None:
+                raise ValueError("Sampler: requests with penalties, logit_bias or min_tokens need their histories")
+            self.processor = LogitsProcessor(params, histories, vocab, device)
         if not self.hot:
             return
         hot = [params[i] for i in self.hot]
@@ -88,7 +128,15 @@ class Sampler:
         log-probability under the distribution it was drawn from)."""
         tokens = greedy.clone()  # a CUDA-graph step's own output, overwritten by its next replay
         chosen = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+        proc = self.processor
+        if proc is not None:  # processed logits: greedy rows among them take their argmax
+            logits = proc(logits, step)
+            if proc.any_greedy:
+                rows = proc.rows[proc.greedy]
+                tokens[rows] = logits[rows].argmax(-1)
         if not self.hot:
+            if proc is not None:
+                proc.observe(tokens)
             return tokens, chosen
         x = logits[self.idx] / self.temperature
         order = None
@@ -104,14 +152,16 @@ class Sampler:
         pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=self.vocab - 1)
         chosen[self.idx] = logp.gather(1, pick)[:, 0]
         tokens[self.idx] = pick[:, 0] if order is None else order.gather(1, pick)[:, 0]
+        if proc is not None:
+            proc.observe(tokens)
         return tokens, chosen
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+           histories: list[tuple[list[int], list[int]]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of `Sampler`: logits [rows, vocab] (fp32) -> (token [rows], its log-probability under the
     distribution it was drawn from); each hot row draws one uniform from its generator."""
-    return Sampler(params, generators, 1, logits.shape[-1], logits.device)(logits, logits.argmax(-1), 0)
+    return Sampler(params, generators, 1, logits.shape[-1], logits.device, histories)(logits, logits.argmax(-1), 0)
 
 
 def reduce_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
