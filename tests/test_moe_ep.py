@@ -54,7 +54,7 @@ def _starving_layer_and_data():
     return cfg, layer, x, grad_out
 
 
-def _exchange_worker():
+def _exchange_worker(chunks: int = 1):
     import torch.distributed as dist
 
     from loom.models.llama import build_model
@@ -63,35 +63,48 @@ def _exchange_worker():
     from loom.parallel.expert import apply_expert_parallel
 
     cfg, layer, x, grad_out = _starving_layer_and_data()
+    cfg.parallel.ep_overlap_chunks = chunks
     layout = place_in_mesh(cfg, "cpu")
     rank = dist.get_rank()
     rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
-    apply_expert_parallel(layer, layout.submesh("ep"))
+    apply_expert_parallel(layer, layout.submesh("ep"), chunks=chunks)
     xr = x[rows].clone().requires_grad_()
-    out = layer(xr)
+    import loom.parallel.expert as expert
+
+    exchanges, plain = [], expert.all_to_all_single_autograd
+    expert.all_to_all_single_autograd = lambda *a: (exchanges.append(a[1]), plain(*a))[1]
+    try:
+        out = layer(xr)
+    finally:
+        expert.all_to_all_single_autograd = plain
     out.backward(grad_out[rows])
     routed = torch.bincount(layer.router(x[rows])[0].reshape(-1), minlength=8)
     result = {"out": out.detach(), "x_grad": xr.grad, "router_grad": layer.router.weight.grad,
               "expert_grads": {n: p.grad.to_local() for n, p in layer.experts.named_parameters()},
-              "local_shape": tuple(layer.experts.w1.to_local().shape), "routed": routed}
+              "local_shape": tuple(layer.experts.w1.to_local().shape), "routed": routed,
+              "exchanges": len(exchanges)}
     # What `loom train` builds: a model on meta, parallelised (EP, then FSDP over edp).
     model = parallelize(build_model(cfg.model, device="meta"), layout, cfg, None)
     result["placements"] = [(tuple(m.experts.w1.device_mesh.mesh_dim_names), tuple(m.experts.w1.to_local().shape),
-                             m.expert_parallel is not None) for m in moe_layers(model)]
+                             m.expert_parallel.chunks) for m in moe_layers(model)]
     # numpy arrays: sent by value (a tensor travels as shared memory the exiting worker takes with it)
     return {k: v.numpy() if torch.is_tensor(v) else {n: g.numpy() for n, g in v.items()} if isinstance(v, dict)
             else v for k, v in result.items()}
 
 
-def test_exchange_matches_one_process_when_a_rank_gets_no_tokens():
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_exchange_matches_one_process_when_a_rank_gets_no_tokens(chunks):
+    """chunks=3 (parallel.ep_overlap_chunks): the exchange pipelined in three parts, some of them empty for an
+    expert with one or two rows, equal to one process all the same."""
     from distributed import shared_pool
 
     ranks = [{k: torch.from_numpy(v) if hasattr(v, "dtype") else {n: torch.from_numpy(g) for n, g in v.items()}
-              if isinstance(v, dict) else v for k, v in r.items()} for r in shared_pool(2).run(_exchange_worker)]
+              if isinstance(v, dict) else v for k, v in r.items()} for r in shared_pool(2).run(_exchange_worker, chunks)]
     _, layer, x, grad_out = _starving_layer_and_data()
     xr = x.clone().requires_grad_()
     out = layer(xr)
     out.backward(grad_out)
+    assert ranks[0]["exchanges"] == 2 * chunks  # a dispatch and a combine per chunk: the chunked path ran
     # Routing was forced: everything to experts 0-2, so EP rank 1 (experts 4-7) and expert 3 got no rows.
     routed = ranks[0]["routed"] + ranks[1]["routed"]
     assert routed[:3].sum() == 2 * 2 * TOKENS and routed[3:].sum() == 0, routed
@@ -107,7 +120,7 @@ def test_exchange_matches_one_process_when_a_rank_gets_no_tokens():
         assert p.grad[:3].abs().sum() > 0 and p.grad[3:].abs().sum() == 0  # the starved experts: exactly 0
     # parallelize: every MoE layer's experts are a (edp, ep) DTensor, 4 of the 8 experts per rank
     # (FSDP over edp = 1 keeps them whole), with the exchange installed.
-    assert ranks[0]["placements"] and set(ranks[0]["placements"]) == {(("edp", "ep"), (4, 16, 8), True)}
+    assert ranks[0]["placements"] and set(ranks[0]["placements"]) == {(("edp", "ep"), (4, 16, 8), chunks)}
 
 
 # --- loom train against one process ---------------------------------------------------------------

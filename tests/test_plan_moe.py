@@ -92,6 +92,29 @@ def test_all_to_all_and_expert_gemms_follow_the_token_arithmetic():
         mlp_flops / (gpu.peak("bf16") * 1e12 * gpu.matmul_efficiency["bf16"] * gpu.sustained_clock), rel=0.1)
 
 
+def test_pipelined_exchange_prices_only_what_the_experts_cannot_cover():
+    """parallel.ep_overlap_chunks = C (loom/parallel/expert.py): C exchanges each way, each with its latency; the
+    first dispatch and the last combine (1/C of the volume) stay exposed, the rest only beyond the routed experts'
+    products (the chunks' products run while the other chunks' exchanges are in flight)."""
+    from loom.planner.kernels import gemm_time
+
+    w = _w()
+    cfg, gpu = w.model, w.gpu
+    tokens, k, h, local = 4096, cfg.moe.top_k, cfg.hidden, cfg.moe.experts // 8
+    fe = cfg.moe.ffn_hidden or cfg.ffn_hidden
+    seconds = tokens * k * h * 2 * 7 / 8 / (gpu.nvlink_gbps * 1e9 * gpu.collective_efficiency)
+    rows = tokens * k // local
+    experts = gemm_time(gpu, "bf16", rows, 2 * fe, h, local) + gemm_time(gpu, "bf16", rows, h, fe, local)
+    for chunks in (2, 4):
+        full = 2 * (chunks * gpu.collective_latency_us * 1e-6 + seconds)
+        expected = full / chunks + (chunks - 1) / chunks * max(0.0, full - experts)
+        got = layer_times(_w(ep_overlap_chunks=chunks), 1, 1, 1, False, "none", 8)
+        assert got.fwd["ep_comm"] == pytest.approx(expected, rel=1e-9) and got.bwd["ep_comm"] == got.fwd["ep_comm"]
+        assert got.fwd["gemm"] == layer_times(w, 1, 1, 1, False, "none", 8).fwd["gemm"]  # the work is unchanged
+    assert layer_times(_w(ep_overlap_chunks=4), 1, 1, 1, False, "none", 8).fwd["ep_comm"] < \
+        0.6 * layer_times(w, 1, 1, 1, False, "none", 8).fwd["ep_comm"]
+
+
 def test_imbalance_slows_the_busiest_rank_and_grows_its_activations():
     balanced, skewed = _w(), _w(moe_imbalance=1.5)
     # (distopt: with FSDP over 64 GPUs this step is bound by the weight gathers, which hide the experts' time)

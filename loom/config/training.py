@@ -42,6 +42,9 @@ class ParallelConfig(Section):
     auto_fix: str = ""  # with layout=auto: knobs fixed, in `loom plan --layout` syntax ("tp=2,recompute=none")
     auto_hardware: str = ""  # with layout=auto: a planner preset or profile JSON ("": this device, found)
     auto_memory_margin_gib: float | Literal["auto"] = "auto"  # GiB per process kept free (auto: 5% of its memory)
+    # Expert parallelism: the token exchange pipelined in this many chunks, so that one chunk's all-to-all runs
+    # while another's experts compute (loom/parallel/expert.py; 1: one exchange each way)
+    ep_overlap_chunks: int = 1
 
     @property
     def world_size(self) -> int:
@@ -53,6 +56,8 @@ class ParallelConfig(Section):
 
     def validate(self) -> None:
         check_sizes(self)  # the rest of the layout rules run in Config.validate (loom/rules.py)
+        if self.ep_overlap_chunks < 1:
+            raise UserError(f"parallel.ep_overlap_chunks={self.ep_overlap_chunks} must be >= 1 (1: no pipelining)")
         margin = self.auto_memory_margin_gib
         if margin != "auto" and not margin >= 0:
             raise UserError(f"parallel.auto_memory_margin_gib={margin} must be >= 0 (GiB kept free per process) or auto")

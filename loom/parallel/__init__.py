@@ -40,7 +40,7 @@ def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype:
 
         # Experts over tp ranks too: the balance loss and Sinkhorn then cover the cp x tp ranks' tokens.
         shards = (layout.submesh("cp_tp" if layout.cp > 1 else "tp") if layout.experts_span_tp else None)
-        apply_expert_parallel(model, layout.submesh("ep"), shards)
+        apply_expert_parallel(model, layout.submesh("ep"), shards, cfg.parallel.ep_overlap_chunks)
     if layout.tp * layout.cp > 1:  # dropout on shards draws from this rank's stream
         from loom.parallel.rng import install
 

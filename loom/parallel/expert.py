@@ -45,17 +45,21 @@ from torch.distributed.tensor import DTensor, Shard
 
 
 class ExpertParallel:
-    """The token exchange over one EP group; installed on every MoE module as `moe.expert_parallel`."""
+    """The token exchange over one EP group; installed on every MoE module as `moe.expert_parallel`.
+    `chunks` > 1 (`parallel.ep_overlap_chunks`): the exchange is pipelined with the experts (`_chunked`)."""
 
-    def __init__(self, ep_mesh):
+    def __init__(self, ep_mesh, chunks: int = 1):
         self.mesh = ep_mesh
         self.group = ep_mesh.get_group()
         self.size = ep_mesh.size()
+        self.chunks = chunks
 
     @torch.compiler.disable  # split sizes read on the host: eager in a compiled block (one graph break)
     def __call__(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`x` [N, hidden]: this rank's rows sorted expert-major, `counts[e]` rows for global expert e.
         Returns the rows through their experts, in the same order."""
+        if self.chunks > 1:
+            return self._chunked(experts, x, counts)
         ep = self.size
         local = counts.numel() // ep
         send_counts = counts.view(ep, local).contiguous()  # row j: rows for EP rank j's experts
@@ -74,7 +78,49 @@ class ExpertParallel:
         return all_to_all_single_autograd(y, send_splits, recv_splits, self.group)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh, token_mesh=None) -> None:
+    def _chunked(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The exchange in `chunks` pipelined parts, so that communication hides behind the experts' products.
+
+        Each expert's rows are cut into `chunks` consecutive parts (sizes differing by at most one row), part c
+        of every expert forming chunk c. One all-to-all exchanges every chunk's per-expert counts (one host
+        synchronisation, as unchunked); then every chunk's dispatch is issued before any expert runs. The
+        functional collectives return tensors that wait only when first read, so on a GPU (NCCL on its own
+        stream) chunk c + 1's dispatch is in flight while chunk c's experts compute, and chunk c's combine
+        while chunk c + 1's compute; backward runs the same exchanges reversed. Each row meets the same expert
+        weights as unchunked: equal to it up to the products' summation order over fewer rows."""
+        ep, c = self.size, self.chunks
+        local = counts.numel() // ep
+        # Part p of expert e: rows [start_e + bound(p), start_e + bound(p + 1)), bound(p) = floor(p * n_e / c).
+        part = torch.arange(c + 1, device=counts.device)
+        bounds = torch.div(counts.unsqueeze(0) * part.unsqueeze(1), c, rounding_mode="floor")  # [c + 1, E]
+        chunk_counts = (bounds[1:] - bounds[:-1])  # [c, E]
+        n = x.shape[0]
+        expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=n)
+        within = torch.arange(n, device=x.device) - (torch.cumsum(counts, 0) - counts)[expert_of_row]
+        # the part of each row: how many upper bounds it reaches (within >= bound(p) for p = 1..c-1)
+        chunk_of_row = (within.unsqueeze(0) >= bounds[1:c, expert_of_row]).sum(0)
+        order = torch.argsort(chunk_of_row * counts.numel() + expert_of_row, stable=True)  # chunk, then expert
+        send_counts = chunk_counts.view(c, ep, local).transpose(0, 1).contiguous()  # [ep dest, c, local]
+        recv_counts = torch.empty_like(send_counts)  # [ep source, c, my local experts]
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        sizes = torch.cat([send_counts.sum(2).t().reshape(-1), recv_counts.sum(2).t().reshape(-1)]).tolist()
+        send, recv = sizes[: c * ep], sizes[c * ep:]  # [chunk][rank]
+        pieces = torch.split(x[order], [sum(send[i * ep:(i + 1) * ep]) for i in range(c)])
+        received = [all_to_all_single_autograd(pieces[i], recv[i * ep:(i + 1) * ep], send[i * ep:(i + 1) * ep],
+                                               self.group) for i in range(c)]  # every dispatch in flight
+        outs = []
+        for i in range(c):
+            got = recv_counts[:, i]  # [source, local expert]
+            expert_of = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(
+                got.reshape(-1), output_size=received[i].shape[0])
+            regroup = torch.argsort(expert_of, stable=True)
+            y = experts(received[i][regroup], got.sum(0))[torch.argsort(regroup)]
+            outs.append(all_to_all_single_autograd(y, send[i * ep:(i + 1) * ep], recv[i * ep:(i + 1) * ep],
+                                                   self.group))
+        return torch.cat(outs)[torch.argsort(order)]
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh, token_mesh=None, chunks: int = 1) -> None:
     """Shard the routed experts of every MoE layer of `model` over `ep_mesh` (on meta or real tensors: the
     rank keeps its slice as the local part of a `Shard(0)` DTensor) and install the token exchange.
     `token_mesh` (experts spread over tp ranks, `loom.rules.experts_span_tp`): the tp or flattened (cp, tp)
@@ -84,7 +130,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, token_mesh=None) -> None:
     from loom.parallel.context import TokenShards
 
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    exchange = ExpertParallel(ep_mesh)
+    exchange = ExpertParallel(ep_mesh, chunks)
     for moe in moe_layers(model):
         experts = moe.experts
         for name, p in list(experts.named_parameters(recurse=False)):

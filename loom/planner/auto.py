@@ -160,6 +160,7 @@ def workload_for(cfg, world: int, gpu, recipe: str):
                     precision=precision, state_dtype=cfg.optim.state_dtype, grad_accum=cfg.parallel.grad_accum,
                     memory_margin_gib=margin, framework="loom", loss_chunk=cfg.train.loss_chunk, recipe=recipe,
                     lora_rank=lora.rank, compile="on" if cfg.train.compile else "off",
+                    ep_overlap_chunks=cfg.parallel.ep_overlap_chunks,
                     lora_targets=tuple(loom_targets(lora.targets)) if lora.enabled else ())
 
 

@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="mixture of experts: how tokens reach their experts' ranks: alltoall (default; loom's, "
                         "Megatron's alltoall dispatcher: every routed row sent) or deepep (Megatron's flex dispatcher "
                         "with DeepEP: a token crosses the network once per node it goes to)")
+    c.add_argument("--ep-overlap-chunks", type=int, default=1, metavar="N",
+                   help="mixture of experts: loom's expert exchange pipelined in N chunks with the experts' products "
+                        "(parallel.ep_overlap_chunks; default 1, unpipelined)")
     c.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="gradients reduced after backward, not during it (Megatron-LM before 2023)")
     s = p.add_argument_group("search")
@@ -139,6 +142,8 @@ def build_workload(args):
             raise UserError(f"--loss-chunk={args.loss_chunk} must be an integer >= 0 (0: the whole micro-batch's "
                             "logits) or auto")
         args.loss_chunk = int(args.loss_chunk)
+    if args.ep_overlap_chunks < 1:
+        raise UserError(f"--ep-overlap-chunks={args.ep_overlap_chunks} must be >= 1 (1: the exchange unpipelined)")
     if not args.moe_imbalance >= 1.0:
         raise UserError(f"--moe-imbalance={args.moe_imbalance} must be >= 1 (the busiest rank's tokens over the mean; "
                         "1 is balanced)")
@@ -166,7 +171,7 @@ def build_workload(args):
                     state_dtype=args.state_dtype, overlap_grad_reduce=not args.no_overlap_grad_reduce,
                     grad_accum=args.grad_accum, memory_margin_gib=margin, framework=args.framework,
                     grad_dtype=args.grad_dtype, moe_imbalance=args.moe_imbalance,
-                    moe_dispatcher=args.moe_dispatcher,
+                    moe_dispatcher=args.moe_dispatcher, ep_overlap_chunks=args.ep_overlap_chunks,
                     loss_chunk=args.loss_chunk, recipe=args.recipe, lora_rank=lora.rank, compile=args.compile,
                     lora_targets=tuple(loom_targets(lora.targets)) if lora.enabled else ()), args.model
 

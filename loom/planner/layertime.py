@@ -211,7 +211,14 @@ def _moe_forward(w: Workload, tokens: int, tp: int, sp: bool, ep: int) -> dict:
             leaving = routed_tokens * w.moe_imbalance * (nodes - 1) * (1 - missed) * row
         seconds = max(inside / (gpu.nvlink_gbps * 1e9 * gpu.collective_efficiency),
                       leaving / (gpu.internode_gbps * 1e9 * gpu.collective_efficiency))
-        ep_comm = 2 * (gpu.collective_latency_us * 1e-6 + seconds)
+        chunks = w.ep_overlap_chunks
+        ep_comm = 2 * (chunks * gpu.collective_latency_us * 1e-6 + seconds)
+        if chunks > 1:  # loom's pipelined exchange (parallel.ep_overlap_chunks, loom/parallel/expert.py): the
+            # first chunk's dispatch and the last one's combine stay exposed; the other exchanges run while
+            # other chunks' experts compute, and only what the experts' products cannot cover shows
+            experts = gemm_time(gpu, prec, per_expert, (2 if gated else 1) * fe, h, local) + gemm_time(
+                gpu, prec, per_expert, h, fe, local)
+            ep_comm = ep_comm / chunks + (chunks - 1) / chunks * max(0.0, ep_comm - experts)
     return {"gemm": gemm, "elementwise": hbm_time(gpu, traffic), "ep_comm": ep_comm, "kernels": 12,
             "wgrad_extra": _expert_wgrad_extra(w, per_expert, local)}
 

@@ -112,6 +112,7 @@ def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
     cfg.optim.state_dtype = w.state_dtype
     cfg.lora.rank, cfg.lora.targets = w.lora_rank, list(w.lora_targets) or cfg.lora.targets
     cfg.parallel.grad_accum = w.grad_accum
+    cfg.parallel.ep_overlap_chunks = w.ep_overlap_chunks
     r = cfg.recompute
     r.mode = lay.recompute
     if lay.recompute == "full" and lay.recompute_layers:

@@ -45,6 +45,9 @@ class Workload:
     # expert's rank (loom's all-to-all, Megatron's alltoall dispatcher); "deepep": DeepEP's kernels (Megatron's
     # flex dispatcher) send a token across the network once per node it goes to, forwarding it over NVLink there.
     moe_dispatcher: str = "alltoall"
+    # Expert parallelism's exchange pipelined in this many chunks (loom's parallel.ep_overlap_chunks): all but
+    # the first dispatch and the last combine can hide behind the routed experts' products (`_moe_forward`).
+    ep_overlap_chunks: int = 1
     # LM head + cross-entropy this many tokens at a time, the head's gradients computed in forward (loom's
     # train.loss_chunk; fused linear cross-entropy elsewhere): one chunk's logits alive instead of the
     # micro-batch's, plus the kept gradients (hidden states', fp32 head weight's); no extra head forward.
