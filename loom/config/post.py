@@ -105,6 +105,10 @@ class RLConfig(Section):
     std_estimator: Literal["sample", "population"] = "sample"  # n - 1 (torch.std, TRL) or n
     std_eps: float = 1e-4
     drop_uniform_groups: bool = False  # leave out groups whose rewards are all equal (DAPO dynamic sampling)
+    # DAPO's dynamic sampling: groups whose rewards are all equal are replaced by informative groups of freshly
+    # drawn prompts, for at most dynamic_sampling_max_rounds rounds per step (loom/post/rl/dynamic.py).
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 4
     # Loss aggregation: "token" (every response token of the batch weighs the same, DAPO), "sequence" (mean
     # over each sequence's tokens, then over sequences, GRPO), "constant" (each sequence's sum / max_new_tokens,
     # Dr. GRPO).
@@ -155,6 +159,7 @@ class RLConfig(Section):
         if self.prompts and not (self.reward or self.reward_model):
             raise UserError("an RL run needs a reward: rl.reward=package.module:function (e.g. "
                             "loom.post.tasks:exact_match) and/or rl.reward_model=RUN_OR_CHECKPOINT")
+        positive("rl", self, "dynamic_sampling_max_rounds")
         positive("rl", self, "group_size", "epochs", "minibatches", "max_new_tokens", "engine_batch",
                  "engine_sync_every", "generation_ranks")
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:

@@ -6,8 +6,10 @@ One step (`RL.train_step`, the recipe's step in the one training loop), every ph
    each, sampled by the engine (loom/infer/engine.py) with the rollout log-probabilities of every token.
    Every completion's seed is a function of (train.seed, step, its index in the global batch): the rollouts
    do not depend on the layout, and a resumed run draws what the uninterrupted one would have.
-2. rewards (`reward_s`): `rl.reward` (a Python callable f(prompt, completion, **fields)) and/or a reward
-   model (`rl.reward_model`, a `loom rm` run scoring prompt + completion), their sum.
+2. rewards (`reward_s`): `rl.reward` (a Python callable f(prompt, completion, **fields), or loom.rewards'
+   built-in rewards with weights) and/or a reward model (`rl.reward_model`, a `loom rm` run scoring prompt +
+   completion), their sum. With `rl.dynamic_sampling` (DAPO), groups whose rewards are all equal are replaced
+   by informative groups of more prompts (`dynamic_sampling_s`, `refilled_groups`; loom/post/rl/dynamic.py).
 3. log-probs (`logprobs_s`): a forward pass without gradients of the policy at the rollout weights (the
    "old" log-probs of the ratio; PPO's old values), and of the frozen reference policy when `rl.kl_coef`
    > 0. The trainer/engine mismatch is measured here: mean |log p_trainer - log p_engine| and the token
@@ -63,6 +65,7 @@ from loom.post import losses as L
 from loom.post.rl.policy import PolicyLoss, add_value_head, value_of
 from loom.post.rl.prompts import PromptSet, build_datasets
 from loom.post.rl.rewards import Rewards, is_user_code, reward_function
+from loom.post.rl.dynamic import Groups, refill
 from loom.post.rl.rollouts import rollout_engine, rollout_seed, rows_of, stops
 from loom.train.recipe import Recipe
 from loom.train.schedule import lr_at
@@ -265,6 +268,12 @@ class RL(Recipe):
         t0 = time.perf_counter()
         rewards = self.score(trainer.train_data, indices, rl.group_size, prompts, done, texts)
         times["reward_s"] = time.perf_counter() - t0
+        if rl.dynamic_sampling:  # uniform groups replaced by informative ones of more prompts (dynamic.py)
+            t0 = time.perf_counter()
+            groups, refilled = self._dynamic_sampling(step, first, Groups(indices, prompts, done, texts, rewards))
+            indices, prompts, done, texts, rewards = (groups.indices, groups.prompts, groups.done, groups.texts,
+                                                      groups.rewards)
+            times.update(refilled, dynamic_sampling_s=time.perf_counter() - t0)
 
         batch = rows_of(prompts, done, t.seq_len, trainer.tokenizer.eod_id or 0)
         staleness = {} if self.generation is None else self.generation.staleness(self, batch, step, versions)
@@ -327,6 +336,22 @@ class RL(Recipe):
         if rl.tis_cap:  # the largest truncated importance weight: min(max p_trainer / p_engine, cap)
             out["is_weight_max"] = min(mismatch["prob_ratio_max"], rl.tis_cap)
         return {**out, **metrics, **mismatch, **staleness, **times}
+
+    def _dynamic_sampling(self, step: int, first: int, groups: Groups) -> tuple[Groups, dict]:
+        """`dynamic.refill` with draws of this rank's share of prompts, round r's prompts and seeds a function of
+        (train.seed, step, r, the rank's place in the global batch); the number of groups refilled (summed over
+        ranks) and the most rounds a rank drew, for metrics.jsonl."""
+        rl, seed, data = self.trainer.cfg.rl, self.trainer.cfg.train.seed, self.trainer.train_data
+        count = len(groups.indices)
+
+        def draw(r: int) -> Groups:
+            indices = data.take(first, count, rollout_seed(seed, step, f"refill{r}"))
+            seeds = [rollout_seed(seed, step, f"refill{r}/{first * rl.group_size + k}") for k in range(count * rl.group_size)]
+            prompts, done, texts = self.rollouts(data, indices, rl.group_size, seeds, greedy=False)
+            return Groups(indices, prompts, done, texts, self.score(data, indices, rl.group_size, prompts, done, texts))
+
+        groups, refilled, rounds = refill(groups, draw, rl.dynamic_sampling_max_rounds)
+        return groups, {"refilled_groups": self._global_sum(refilled), "dynamic_sampling_rounds": self._global_max(rounds)}
 
     def _advantages(self, batch: dict, score: torch.Tensor, old_values) -> dict:
         """Fill batch["advantages"] (and PPO's "old_values", "returns"); leave out uniform groups if asked."""

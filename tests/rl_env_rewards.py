@@ -1,0 +1,9 @@
+"""Reward functions of tests/test_rl_dynamic.py and tests/test_rl_environments.py (importable by spawned ranks)."""
+
+
+def mostly_constant(prompt: str, completion: str, **_) -> float:
+    """0 for every completion of a prompt whose first operand is not a multiple of 4 (a group that carries no gradient),
+    else a number read off the completion's characters (different completions nearly always differ)."""
+    if int(prompt.split("+")[0]) % 4:
+        return 0.0
+    return sum(map(ord, completion)) % 97 / 97
