@@ -181,7 +181,7 @@ def create_app(served: Served) -> FastAPI:
     def _check(parsed: Parsed) -> tuple[list[int], list]:
         """The prompt ids and each choice's SamplingParams, checked by the engine as it would at submit."""
         ids = _prompt(parsed)
-        limit = min(served.context - 1, served.limits.max_prompt_tokens)
+        limit = min(served.context - (parsed.max_tokens != 0), served.limits.max_prompt_tokens)  # 0: scored only
         if not ids:
             raise ApiError("the prompt is empty after tokenization", param="prompt", code="invalid_value")
         if len(ids) > limit:
@@ -276,7 +276,24 @@ def create_app(served: Served) -> FastAPI:
                 "top_logprobs": [{**{tok.decode([i]): v for i, v in best}, s: lp}
                                  for s, lp, best in zip(strings, logprobs, top)]}
 
+    def _echoed(c: _Choice, parsed: Parsed) -> dict:
+        """A completions choice with echo: the prompt's text before the completion's; with logprobs, the prompt's
+        tokens (the first without a log-prob, None) before the completion's, offsets into the whole text."""
+        out = c.out
+        prompt = parsed.prompt if isinstance(parsed.prompt, str) else tok.decode(out.prompt)
+        row = {"index": c.index, "text": prompt + c.text(), "logprobs": None, "finish_reason": c.reason,
+               "token_ids": c.tokens}
+        if parsed.logprobs is not None:
+            top = out.prompt_top_logprobs or [None] * len(out.prompt)
+            head = _logprobs(False, out.prompt, out.prompt_logprobs, [t or [] for t in top], 0)
+            head["top_logprobs"][0] = None  # the first token has no log-prob, nor most likely tokens
+            tail = _logprobs(False, c.tokens, c.logprobs, c.top, len(prompt))
+            row["logprobs"] = {k: head[k] + tail[k] for k in head}
+        return row
+
     def _full_choice(c: _Choice, parsed: Parsed, chat: bool) -> dict:
+        if parsed.echo:
+            return _echoed(c, parsed)
         text = c.text()
         lp = None if parsed.logprobs is None else _logprobs(chat, c.tokens, c.logprobs, c.top, 0)
         if chat:
