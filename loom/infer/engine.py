@@ -109,6 +109,10 @@ class Engine:
     (default max_batch x max_len) instead of a slab (loom/infer/paged.py): requests are admitted while the pool can
     hold their prompt + max_new_tokens, requests with the same prompt prefill it once and share its blocks, and
     decode attention reads each request's own blocks (`paged_read="split"`) or gathers them densely ("gather").
+    With `prefix_cache` (paged only; on by default) whole blocks stay after their request ends, found again by
+    their tokens' hash chain: a later prompt that starts with them prefills only the rest (loom/infer/
+    prefix_cache.py). `stats["prefix_cache_hit_tokens"]` / `["prefix_cache_queried_tokens"]` count prompt tokens
+    found cached / looked up; `stats["prefilled_tokens"]` the tokens prefills ran. A refit empties the cache.
 
     Its parts: `slab` (the key/value memory), `scheduler` (the requests and the slots they hold: `Scheduler`),
     `runner` (the model's run: `Runner`, with the `decoder` decode steps run on and the `compiled` step)."""
@@ -116,7 +120,7 @@ class Engine:
     def __init__(self, model: nn.Module, max_batch: int = 16, max_len: int | None = None, seed: int = 0,
                  compile: bool | str = False, sync_every: int = 8, cpu_kernel: bool = True, decode=None,
                  paged: bool = False, block_size: int = 16, kv_tokens: int | None = None, paged_read: str = "split",
-                 fuse_qkv: bool | None = None):
+                 fuse_qkv: bool | None = None, prefix_cache: bool = True):
         cfg = model.cfg
         self.decode = decode  # token ids -> text (a tokenizer's decode): needed by requests with stop strings
         max_len = cfg.max_seq_len if max_len is None else max_len
@@ -148,7 +152,7 @@ class Engine:
         if paged:  # blocks from a pool (loom/infer/paged.py); by default as many tokens as a slab holds
             blocks = -(-(max_batch * max_len if kv_tokens is None else kv_tokens) // block_size) + 1  # + scratch
             self.slab = PagedKV(model.layers.keys(), max_batch, kv_heads, blocks, block_size, attention.head_dim,
-                                max_len, weight.dtype, weight.device, read=paged_read)
+                                max_len, weight.dtype, weight.device, read=paged_read, prefix_cache=prefix_cache)
         else:
             self.slab = KVSlab(model.layers.keys(), max_batch, kv_heads, max_len + 1, attention.head_dim,
                                weight.dtype, weight.device)
@@ -160,7 +164,10 @@ class Engine:
         packed = 0 if cpu is None else len(cpu.packed)
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "windows": 0, "refills": 0, "decoded_tokens": 0,
                       "discarded_tokens": 0, "compiled_steps": 0, "moves": 0, "packed_linears": packed,
-                      "fused_qkv_layers": fused}
+                      "fused_qkv_layers": fused, "prefilled_tokens": 0, "prefix_cache_queried_tokens": 0,
+                      "prefix_cache_hit_tokens": 0, "prefix_cache_evicted_blocks": 0}
+        if paged and self.slab.cache is not None:  # the prefix cache counts into the engine's stats
+            self.slab.cache.stats = self.stats
         self.last_refit_s: float | None = None
         self.scheduler = Scheduler(self.slab, max_batch, max_len, self.vocab, decode, seed, self.stats)
         self.compile_mode = resolve_compile(compile, self.device)
@@ -308,6 +315,8 @@ class Engine:
         start = time.perf_counter()
         check_fused(self.model)  # the fused q/k/v tensor must still be what the parameters view
         tensors = copy_weights(self.model, source)
+        if self.paged and self.slab.cache is not None:  # keys and values of the old weights: found no more
+            self.slab.cache.clear()
         if self.runner.cpu is not None:  # the twin's packed copies of the new weights, in place
             self.runner.cpu.repack()
         if self.device.type == "cuda":  # the copies run asynchronously: time them, not their launches

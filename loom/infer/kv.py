@@ -38,6 +38,7 @@ class KVSlab:
         self.prefix = 0  # > 0: the rows are slots 0..prefix-1 in order (read the slab without copying)
         self.keys = 0  # key positions a query can see: 0..keys-1
         self.packed = None  # a packed prefill: (slot, row and position of each token), see bind_packed
+        self.offset = None  # a packed prefill whose rows start past position 0: `offset_mask`
         self._folded = None  # (rep, dtype, the step's mask as attention takes it for rep query heads per kv head)
         self._rows = None  # the list `rows` was made from (bind)
         self._write = None  # bind with prefix rows: each row's positions, expanded over heads and head_dim
@@ -71,19 +72,25 @@ class KVSlab:
         self._folded = (mask.shape[2], None, mask) if mask.shape[2] > 1 else None
         self.prefix = self.keys = -1  # sizes are taken from q and the mask
 
-    def bind_packed(self, rows: list[int], lengths: list[int]) -> torch.Tensor:
+    def bind_packed(self, rows: list[int], lengths: list[int], starts: list[int] | None = None) -> torch.Tensor:
         """The next forward is one packed row: the prompts of slots `rows` (lengths[b] tokens each, from
-        position 0) laid end to end, no padding. Returns the tokens' positions [1, total] for the model's
-        rotary tables. The linear layers see only real tokens; `attend` spreads queries, keys and values
-        out per slot for the attention itself and packs the output back. Each token's slot, row and position
-        are worked out on the host and go to the device in one copy (nothing is read back)."""
+        position 0, or from position starts[b] when the slot already holds the keys and values before it: a
+        prefix cache's hit, a speculative step's verification) laid end to end, no padding. Returns the tokens'
+        positions [1, total] for the model's rotary tables. The linear layers see only real tokens; `attend`
+        spreads queries, keys and values out per slot for the attention itself and packs the output back. Each
+        token's slot, row and position are worked out on the host and go to the device in one copy (nothing is
+        read back)."""
         self.rows, self._rows, self.static = upload(torch.tensor(rows), self.device), None, False
         self.prefix = len(rows) if rows == list(range(len(rows))) else 0
-        self.keys = max(lengths)
+        starts = [0] * len(rows) if starts is None else list(starts)
+        self.keys = max(s + n for s, n in zip(starts, lengths))
         row_of = [b for b, n in enumerate(lengths) for _ in range(n)]
-        table = upload(torch.tensor([[rows[b] for b in row_of], row_of,
-                                     [p for n in lengths for p in range(n)]]), self.device)
+        pos_of = [s + i for s, n in zip(starts, lengths) for i in range(n)]
+        table = upload(torch.tensor([[rows[b] for b in row_of], row_of, pos_of,
+                                     [i for n in lengths for i in range(n)]]), self.device)
         self.packed = (table[0], table[1], table[2])  # slot, row and position of each token
+        self.offset = offset_mask(table[1], table[2], table[3], len(rows), max(lengths), self.keys) \
+            if any(starts) else None
         self.positions = table[2][None]
         self.mask = self._folded = None
         return self.positions
@@ -164,6 +171,8 @@ class KVSlab:
         K[slots, :, pos_of] = k[0].transpose(0, 1).to(K.dtype)  # [total, kv_heads, d]
         V[slots, :, pos_of] = v[0].transpose(0, 1).to(V.dtype)
         keys, values = self._bound(K), self._bound(V)
+        if self.offset is not None:  # rows that start past position 0 read their slots' earlier keys too
+            return attend_offset(q, keys, values, self.offset)
         heads, d = q.shape[1], q.shape[3]
         spread = q.new_zeros(len(self.rows), self.keys, heads, d)
         spread[row_of, pos_of] = q[0].transpose(0, 1)
@@ -218,8 +227,38 @@ class KVSlab:
     def release(self, slot: int) -> None:
         pass
 
+    def keep(self, slot: int, tokens) -> None:
+        pass
+
+    def reused(self, slot: int) -> int:
+        """Prompt positions of the request just admitted into `slot` whose keys and values it found cached."""
+        return 0
+
     def prepare(self, slots, starts, ends, size) -> None:
         pass
+
+
+def offset_mask(row_of: torch.Tensor, pos_of: torch.Tensor, index_of: torch.Tensor, rows: int, longest: int,
+                keys: int) -> tuple:
+    """A packed forward whose rows start at positions past 0 (`bind_packed` with `starts`): each token's row,
+    position and index within its row's tokens [total] -> (row_of, index_of, the attention mask [rows, 1,
+    longest, keys]: a query at position p sees its row's keys 0..p; a padding query sees key 0 and is dropped)."""
+    query_pos = torch.zeros(rows, longest, dtype=torch.long, device=pos_of.device)
+    query_pos[row_of, index_of] = pos_of
+    mask = torch.arange(keys, device=pos_of.device) <= query_pos[..., None]
+    return row_of, index_of, mask[:, None]
+
+
+def attend_offset(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, offset: tuple) -> torch.Tensor:
+    """q [1, heads, total, d] of a packed forward (`offset_mask`'s tokens) against each row's keys and values
+    [rows, kv_heads, keys, d] -> the output [1, heads, total, d], packed back."""
+    row_of, index_of, mask = offset
+    heads, d = q.shape[1], q.shape[3]
+    spread = q.new_zeros(mask.shape[0], mask.shape[2], heads, d)
+    spread[row_of, index_of] = q[0].transpose(0, 1)
+    out = F.scaled_dot_product_attention(spread.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+                                         attn_mask=mask, enable_gqa=heads != keys.shape[1])
+    return out.transpose(1, 2)[row_of, index_of].transpose(0, 1)[None]
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -10,6 +10,10 @@ per request.
   and take the first token's distribution from the same logits. The last, partial block is copied before a
   request writes into it (copy on write). The prompt's blocks and logits stay held while requests with that
   prompt still wait (`pending`), then go back.
+- Prefix cache (`prefix_cache=True`, loom/infer/prefix_cache.py): whole blocks stay after their request ends,
+  found by the hash chain of their tokens; a request whose prompt starts with cached blocks lists them and
+  prefills only the rest (`reused`), its packed prefill reading the cached keys from the pool. Cached blocks
+  only the cache holds are evicted least recently used when a request needs blocks.
 - Decode attention (`read="split"`) reads each request's visible keys only: on a CPU with fp32 through the
   kernel `decode_attention_paged` (loom/infer/cpu, eager and compiled), on a GPU through the Triton kernels
   `triton_decode.paged_decode` (eager and compiled: it reads the step's table and positions on the device),
@@ -28,8 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from loom.infer.blocks import BlockPool
-from loom.infer.kv import KVSlab, upload
+from loom.infer.kv import KVSlab, attend_offset, offset_mask, upload
 from loom.infer.paged_attention import split_kv_decode
+from loom.infer.prefix_cache import PrefixCache
 
 
 class _Prefix:
@@ -49,7 +54,7 @@ class PagedKV(KVSlab):
     "gather" (the table's blocks as a dense masked view, through SDPA or the CPU decode kernel)."""
 
     def __init__(self, layer_ids, slots: int, kv_heads: int, blocks: int, block_size: int, head_dim: int,
-                 max_len: int, dtype, device, read: str = "split"):
+                 max_len: int, dtype, device, read: str = "split", prefix_cache: bool = False):
         shape = (blocks, kv_heads, block_size, head_dim)
         self.k = {int(i): torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.v = {int(i): torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
@@ -57,6 +62,7 @@ class PagedKV(KVSlab):
         self.device = next(iter(self.k.values())).device
         self.read = read
         self.pool = BlockPool(blocks)
+        self.cache = PrefixCache(self.pool, block_size) if prefix_cache else None
         # one block column past max_len: a step's table never spans the whole window table (one graph fewer)
         self.max_blocks = -(-max_len // block_size) + 1
         # GPU split reads: (`triton_decode.paged_decode`, splits, programs); None without CUDA or Triton
@@ -68,9 +74,10 @@ class PagedKV(KVSlab):
                                       *triton_decode.splits_for(self.max_blocks, self.device))
         self.tables: list[list[int]] = [[] for _ in range(slots)]
         self.owed = [0] * slots  # blocks promised to a slot's request and not yet taken
+        self.hits = [0] * slots  # prompt positions the request admitted into a slot found cached
         self.prefixes: dict[tuple, _Prefix] = {}
         self.pending: Counter = Counter()  # prompt -> requests with it not yet admitted
-        self.rows = self.positions = self.mask = self.packed = self._folded = None
+        self.rows = self.positions = self.mask = self.packed = self._folded = self.offset = None
         self.static, self.prefix, self.keys, self.decode_kernel = False, 0, 0, None
         self.paged_kernel = None  # CPU, fp32: split reads through loom/infer/cpu's decode_attention_paged
         self.window_table = None  # [rows of the window, max_blocks] on the device (`prepare`)
@@ -102,6 +109,8 @@ class PagedKV(KVSlab):
         for slot in range(len(self.tables)):
             self.release(slot)
         self.pending = Counter()
+        if self.cache is not None:
+            self.cache.clear()
 
     def admit(self, slot: int, prompt: list[int], most: int) -> str | None:
         """Slot `slot` takes a request with `prompt` that holds at most `most` positions: "fresh" (its prompt
@@ -109,24 +118,50 @@ class PagedKV(KVSlab):
         or None (the pool cannot promise its worst case now; nothing changed)."""
         key = tuple(prompt)
         entry = self.prefixes.get(key)
-        full = len(prompt) // self.block_size if entry is not None else 0  # blocks it never writes
+        hits = self.cache.match(prompt) if entry is None and self.cache is not None else []
+        full = len(prompt) // self.block_size if entry is not None else len(hits)  # blocks it never writes
         need = self.blocks_for(most) - full
         if entry is None and self.pending[key] > 1 and len(prompt) % self.block_size:
             need += 1  # it will hold the prompt for others: its own first write copies the shared partial block
-        if not self.pool.promise(need):
+        hits = [self.pool.share(b) for b in hits]  # not evicted to make room for the request that lists them
+        if not self._promise(need):
+            for b in hits:
+                self.pool.drop(b)
             return None
         self.pending[key] -= 1
         if entry is not None:
             self.tables[slot] = [self.pool.share(b) for b in entry.blocks]
-            self.owed[slot] = need
+            self.owed[slot], self.hits[slot] = need, 0
             self.stats["shared"] += 1
             return "shared"
-        table = [self.pool.take(promised=True) for _ in range(self.blocks_for(len(prompt)))]
-        self.tables[slot], self.owed[slot] = table, need - len(table)
+        table = hits + [self.pool.take(promised=True) for _ in range(self.blocks_for(len(prompt)) - len(hits))]
+        self.tables[slot], self.owed[slot] = table, need - (len(table) - len(hits))
+        self.hits[slot] = len(hits) * self.block_size
+        if self.cache is not None:  # its whole blocks, written by this round's prefill, for later prompts
+            self.cache.count(len(prompt), len(hits))
+            self.cache.insert(prompt, table)
         if self.pending[key] > 0:  # requests with this prompt still to come: hold its blocks for them
             self.prefixes[key] = _Prefix([self.pool.share(b) for b in table])
         self.stats["prefilled"] += 1
         return "fresh"
+
+    def _promise(self, need: int) -> bool:
+        """Set `need` blocks aside, evicting cached blocks nobody lists if the free ones are too few."""
+        if self.pool.promise(need):
+            return True
+        if self.cache is not None and self.cache.evict(need - self.pool.available):
+            return self.pool.promise(need)
+        return False
+
+    def reused(self, slot: int) -> int:
+        """Prompt positions of the request just admitted into `slot` found in the prefix cache (not prefilled)."""
+        return self.hits[slot]
+
+    def keep(self, slot: int, tokens: list[int]) -> None:
+        """The request in `slot` ends; `tokens` (its prompt and completion up to the last position it wrote) go
+        to the prefix cache with the whole blocks that hold them."""
+        if self.cache is not None:
+            self.cache.insert(tokens, self.tables[slot])
 
     def remember(self, prompt: list[int], head: tuple) -> None:
         """The head's outputs at the last position of a prompt just prefilled, for requests that share it."""
@@ -234,14 +269,28 @@ class PagedKV(KVSlab):
         self.static = True
         self._folded = (mask.shape[2], None, mask) if mask.shape[2] > 1 else None
 
-    def bind_packed(self, rows: list[int], lengths: list[int]) -> torch.Tensor:
-        """A packed prefill of the prompts of slots `rows` (see `KVSlab.bind_packed`); each token's block and
-        offset come from its slot's table."""
+    def bind_packed(self, rows: list[int], lengths: list[int], starts: list[int] | None = None) -> torch.Tensor:
+        """A packed prefill of the prompts of slots `rows` (see `KVSlab.bind_packed`; `starts`: the positions
+        they start at, their slots' blocks holding the keys and values before); each token's block and offset
+        come from its slot's table."""
         size = self.block_size
+        starts = [0] * len(rows) if starts is None else list(starts)
         row_of = [b for b, n in enumerate(lengths) for _ in range(n)]
-        pos_of = [p for n in lengths for p in range(n)]
+        pos_of = [s + i for s, n in zip(starts, lengths) for i in range(n)]
         blocks = [self.tables[rows[b]][p // size] for b, p in zip(row_of, pos_of)]
-        table = upload(torch.tensor([blocks, [p % size for p in pos_of], row_of, pos_of]), self.device)
+        index_of = [i for n in lengths for i in range(n)]
+        self.offset = None
+        if any(starts):  # rows read their earlier keys from their blocks: each row's table, padded with scratch
+            width = self.blocks_for(max(s + n for s, n in zip(starts, lengths)))
+            read = [(self.tables[r] + [0] * width)[:width] for r in rows]
+            host = torch.tensor(blocks + [p % size for p in pos_of] + row_of + pos_of + index_of + sum(read, []))
+            dev = upload(host, self.device)
+            n = len(pos_of)
+            table = dev[:5 * n].view(5, n)
+            self.offset = (dev[5 * n:].view(len(rows), width),
+                           offset_mask(table[2], table[3], table[4], len(rows), max(lengths), width * size))
+        else:
+            table = upload(torch.tensor([blocks, [p % size for p in pos_of], row_of, pos_of]), self.device)
         self.packed = (table[0], table[1], table[2], table[3], len(rows), max(lengths))
         self.positions = table[3][None]
         self.mask = self._folded = None
@@ -288,6 +337,10 @@ class PagedKV(KVSlab):
         blocks, offsets, row_of, pos_of, rows, longest = self.packed
         K[blocks, :, offsets] = k[0].transpose(0, 1).to(K.dtype)  # [total, kv_heads, d]
         V[blocks, :, offsets] = v[0].transpose(0, 1).to(V.dtype)
+        if self.offset is not None:  # rows past position 0: every row's keys from its blocks (this forward's too)
+            read, offset = self.offset
+            keys, values = (t[read].transpose(1, 2).flatten(2, 3) for t in (K, V))  # [rows, kv_heads, keys, d]
+            return attend_offset(q, keys, values, offset)
 
         def spread(t):
             out = t.new_zeros(rows, longest, t.shape[1], t.shape[3])

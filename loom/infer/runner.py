@@ -120,13 +120,16 @@ class Runner:
 
     def _prefill_head(self, rows: list[int], seqs: list[Request]) -> tuple:
         """The packed prefill of the prompts of `seqs` into `rows` -> the head's outputs at their last positions."""
-        lengths = [len(seq.out.prompt) for seq in seqs]
+        starts = [self.slab.reused(r) for r in rows]  # paged: prompt positions found in the prefix cache
+        lengths = [len(seq.out.prompt) - s for seq, s in zip(seqs, starts)]
         total = sum(lengths)
         ends = [end - 1 for end in itertools.accumulate(lengths)]  # each prompt's last token in the row
         # the tokens and the prompts' last positions in one copy
-        host = upload(torch.tensor([t for seq in seqs for t in seq.out.prompt] + ends), self.device)
+        host = upload(torch.tensor([t for seq, s in zip(seqs, starts) for t in seq.out.prompt[s:]] + ends),
+                      self.device)
         tokens, last = host[:total][None], host[total:]
-        positions = self.slab.bind_packed(rows, lengths)
+        positions = self.slab.bind_packed(rows, lengths, starts if any(starts) else None)
+        self.stats["prefilled_tokens"] += total
         self.stats["prefill_steps"] += 1
         hidden = full_tensor(self.model(tokens, cache=self.slab, positions=positions, return_hidden=True))
         head = reduce_logits(self._head_logits(hidden[0, last]))

@@ -125,6 +125,8 @@ class Scheduler:
         for seq in seqs:
             if seq.out.finish_reason:
                 slot = self.slots.index(seq)
+                # paged with a prefix cache: its whole blocks stay for later prompts (its last token was never fed)
+                self.slab.keep(slot, seq.out.prompt + seq.out.tokens[:-1])
                 self.slab.release(slot)
                 self.slots[slot] = None
                 seq.state = "done"
