@@ -117,6 +117,8 @@ class Engine:
     Its parts: `slab` (the key/value memory), `scheduler` (the requests and the slots they hold: `Scheduler`),
     `runner` (the model's run: `Runner`, with the `decoder` decode steps run on and the `compiled` step)."""
 
+    constrains = True  # takes grammar-constrained requests (`submit(..., constraint=...)`)
+
     def __init__(self, model: nn.Module, max_batch: int = 16, max_len: int | None = None, seed: int = 0,
                  compile: bool | str = False, sync_every: int = 8, cpu_kernel: bool = True, decode=None,
                  paged: bool = False, block_size: int = 16, kv_tokens: int | None = None, paged_read: str = "split",
@@ -223,13 +225,17 @@ class Engine:
             return
         self.scheduler.check(prompt, p, i)
 
-    def submit(self, prompt: list[int], params: SamplingParams | None = None, index: int | None = None) -> Request:
+    def submit(self, prompt: list[int], params: SamplingParams | None = None, index: int | None = None,
+               constraint=None) -> Request:
         """Queue one request (checked first: `check`); it is admitted by a later `step`. Requests submitted
-        before the same step and sharing a prompt prefill it once (paged memory)."""
+        before the same step and sharing a prompt prefill it once (paged memory). `constraint`: a grammar's
+        matcher (`loom.infer.grammar.Grammars.matcher`) that every token of the request must satisfy."""
         params = params or SamplingParams()
         index = self.scheduler.submitted if index is None else index
         self.check(prompt, params, index)
-        return self.scheduler.enqueue(prompt, params, index)
+        request = self.scheduler.enqueue(prompt, params, index)
+        request.constraint = constraint
+        return request
 
     @property
     def waiting(self) -> int:

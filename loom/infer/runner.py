@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from loom.infer.grammar import advance as feed_grammars
+from loom.infer.grammar import constrain
 from loom.infer.kv import upload
 from loom.infer.request import Request
 from loom.infer.sampling import Sampler, reduce_logits
@@ -115,7 +117,8 @@ class Runner:
                 parts.append(tuple(t[j:j + 1] for t in head) if j is not None else self.slab.head_of(seq.out.prompt))
             head = tuple(torch.cat(t) for t in zip(*parts))
         self.slab.settle()
-        picks = [pick(head, self._sampler(seqs, 1), 0, self._top(seqs))]
+        picks = [pick(constrain(head, seqs), self._sampler(seqs, 1), 0, self._top(seqs))]
+        feed_grammars(picks[0][0], seqs)  # constrained requests: their grammars take the token
         return Window(picks, self._stop_table(seqs), 1, fed=0)
 
     def _prefill_head(self, rows: list[int], seqs: list[Request]) -> tuple:
@@ -182,8 +185,10 @@ class Runner:
         for step in range(steps):
             keys = first + step + 1  # key positions the furthest request reads
             # no reference to the step's outputs outlives the pick: a CUDA-graph step overwrites them next replay
-            picked = pick(self._step(rows, tokens, positions, keys, None if size == n else where), sampler, step, top)
+            head = constrain(self._step(rows, tokens, positions, keys, None if size == n else where), seqs)
+            picked = pick(head, sampler, step, top)
             token = picked[0]
+            feed_grammars(token, seqs)  # constrained requests: read back and fed to their grammars, step by step
             picks.append(picked)
             if step + 1 < steps:
                 if eager:  # every row is busy: the sampled tokens are the next input as they are

@@ -105,8 +105,10 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise UserError(f"chat template {self.name} is not valid Jinja: {e} (line {e.lineno})") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, **context) -> str:
+        """`context`: more template variables (`tools`, as transformers' apply_chat_template passes them)."""
+        return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                    **{**self.special, **context})
 
     @functools.cached_property
     def space_after_turn(self) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from loom.errors import UserError
 from loom.serve.metrics import Metrics
 from loom.serve.protocol import ApiError, Limits, Parsed, chat_request, completion_request, read_json
 from loom.serve.scheduler import QueueFull, Scheduler
+from loom.serve.structured import Structured, parse_tool_calls, protocol_body, tool_format
+from loom.serve.structured import read as read_structured
 
 
 @dataclass
@@ -48,10 +51,27 @@ class Served:
     timeout_s: float = 600.0  # per request, from arrival to its last token
     max_body: int = 1 << 20  # bytes
     created: int = field(default_factory=lambda: int(time.time()))
+    grammars: object = None  # loom.infer.grammar.Grammars, built at the first structured request
 
     @property
     def metrics(self) -> Metrics:
         return self.scheduler.metrics
+
+    def grammar_tables(self):
+        """llguidance's table of this model's tokens (`Grammars`), built once (called off the event loop)."""
+        with _GRAMMAR_LOCK:
+            if self.grammars is None:
+                from loom.infer.grammar import Grammars
+
+                try:
+                    self.grammars = Grammars(self.tokenizer, self.scheduler.engine.vocab, self.stop_ids)
+                except UserError as e:
+                    raise ApiError(str(e), status=501, code="unsupported_parameter",
+                                   param="response_format") from None
+        return self.grammars
+
+
+_GRAMMAR_LOCK = threading.Lock()
 
 
 class _Choice:
@@ -67,6 +87,11 @@ class _Choice:
         self.sent = ""  # the text sent
         self.sent_tokens = 0
         self.ended = False  # the finish sent
+        self.tools: tuple[str, set[str]] | None = None  # (format, tool names): the reply is parsed for tool calls
+
+    def calls(self) -> tuple[str | None, list[dict]]:
+        """A finished reply parsed for tool calls (`self.tools`): its content and OpenAI tool_calls."""
+        return parse_tool_calls(self.text(), *self.tools)
 
     def text(self) -> str:
         """The text so far: all of it once finished, else without an end that may still change."""
@@ -161,14 +186,18 @@ def create_app(served: Served) -> FastAPI:
                 raise ApiError(f"the request body is over {served.max_body} bytes", status=413, code="body_too_large")
         return bytes(raw)
 
-    def _prompt(parsed: Parsed) -> list[int]:
+    def _prompt(parsed: Parsed, structured: Structured) -> list[int]:
         if parsed.messages is not None:
             from loom.post.chat import generation_prompts
+            from loom.serve.structured import check_template, render
 
             if served.template is None:
                 raise ApiError(f"the model {served.name!r} has no chat template (chat_template.jinja or "
                                "tokenizer_config.json's chat_template beside its tokenizer); send a prompt to "
                                "/v1/completions instead", param="messages", code="no_chat_template")
+            if structured.tools or structured.messages is not None:  # tools, or earlier calls and their results
+                check_template(served.template, structured)
+                return tok.encode(render(served.template, structured, parsed.messages))
             try:
                 text = generation_prompts([("messages", {"messages": parsed.messages})], tok.path, served.template)[0]
             except UserError as e:
@@ -178,9 +207,10 @@ def create_app(served: Served) -> FastAPI:
             return tok.encode(parsed.prompt)
         return list(parsed.prompt)
 
-    def _check(parsed: Parsed) -> tuple[list[int], list]:
-        """The prompt ids and each choice's SamplingParams, checked by the engine as it would at submit."""
-        ids = _prompt(parsed)
+    def _check(parsed: Parsed, structured: Structured) -> tuple[list[int], list, list]:
+        """The prompt ids, each choice's SamplingParams, checked by the engine as it would at submit, and each
+        choice's grammar matcher (None: unconstrained)."""
+        ids = _prompt(parsed, structured)
         limit = min(served.context - (parsed.max_tokens != 0), served.limits.max_prompt_tokens)  # 0: scored only
         if not ids:
             raise ApiError("the prompt is empty after tokenization", param="prompt", code="invalid_value")
@@ -201,14 +231,37 @@ def create_app(served: Served) -> FastAPI:
                 served.scheduler.engine.check(ids, p)
         except UserError as e:
             raise ApiError(str(e), code="invalid_value") from None
-        return ids, params
+        return ids, params, _constraints(structured, parsed.n)
+
+    def _constraints(structured: Structured, n: int) -> list:
+        if not structured.constrained:
+            return [None] * n
+        from loom.infer.grammar import GrammarError
+        from loom.serve.structured import grammar
+
+        if not served.scheduler.engine.constrains:
+            raise ApiError("response_format and forced tool calls are not supported with tensor-parallel serving "
+                           "(--nproc > 1)", param="response_format" if structured.schema is not None else
+                           "tool_choice", code="unsupported_parameter")
+        grammars = served.grammar_tables()
+        try:
+            compiled = grammar(grammars, structured, served.template)
+        except GrammarError as e:
+            param = "response_format.json_schema.schema" if structured.schema is not None else "tools"
+            raise ApiError(f"{param} is not a JSON schema this server can follow: {e}", param=param,
+                           code="invalid_value") from None
+        return [grammars.matcher(compiled) for _ in range(n)]
 
     async def _answer(request: Request, chat: bool):
         try:
             body = read_json(await _body(request))
-            parsed = (chat_request if chat else completion_request)(body, served.name, served.limits)
-            ids, params = await run_in_threadpool(_check, parsed)  # templates and tokenizers off the event loop
-            ticket = served.scheduler.submit([(ids, p) for p in params], asyncio.get_running_loop())
+            structured = read_structured(body, chat)
+            parsed = (chat_request if chat else completion_request)(protocol_body(body, structured), served.name,
+                                                                     served.limits)
+            # templates, tokenizers and grammars off the event loop
+            ids, params, constraints = await run_in_threadpool(_check, parsed, structured)
+            ticket = served.scheduler.submit([(ids, p, c) for p, c in zip(params, constraints)],
+                                             asyncio.get_running_loop())
         except ApiError as e:
             return _error(e)
         except QueueFull as e:
@@ -216,6 +269,9 @@ def create_app(served: Served) -> FastAPI:
         metrics.add(prompt_tokens=len(ids))
         stops = params[0].stop
         choices = [_Choice(k, stops, tok.decode) for k in range(parsed.n)]
+        if chat and structured.parses_tools:
+            for c in choices:
+                c.tools = (tool_format(served.template), {t["function"]["name"] for t in structured.tools})
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if parsed.stream:
             return StreamingResponse(_stream(request, ticket, parsed, ids, choices, rid, chat),
@@ -297,8 +353,13 @@ def create_app(served: Served) -> FastAPI:
         text = c.text()
         lp = None if parsed.logprobs is None else _logprobs(chat, c.tokens, c.logprobs, c.top, 0)
         if chat:
-            return {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                    "finish_reason": c.reason, "token_ids": c.tokens}
+            message, reason = {"role": "assistant", "content": text}, c.reason
+            if c.tools is not None:
+                content, calls = c.calls()
+                if calls:
+                    message, reason = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+            return {"index": c.index, "message": message, "logprobs": lp, "finish_reason": reason,
+                    "token_ids": c.tokens}
         return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.reason, "token_ids": c.tokens}
 
     def _usage(ids: list[int], choices: list[_Choice]) -> dict:
@@ -328,12 +389,18 @@ def create_app(served: Served) -> FastAPI:
                     return
                 rows = []
                 for c in (c for c in choices if c.pending):
+                    if c.tools is not None and c.finish is None:  # tool calls are parsed from the whole reply
+                        continue
                     offset = len(c.sent)
                     text, tokens, logprobs, top = c.delta()
                     lp = None if parsed.logprobs is None else _logprobs(chat, tokens, logprobs, top, offset)
                     row = {"index": c.index, "logprobs": lp, "finish_reason": c.reason, "token_ids": tokens}
                     if chat:
                         row["delta"] = {"content": text}
+                        if c.tools is not None and (called := c.calls())[1]:
+                            row["delta"] = {"content": called[0], "tool_calls": [{"index": i, **call} for i, call
+                                                                                 in enumerate(called[1])]}
+                            row["finish_reason"] = "tool_calls"
                     else:
                         row["text"] = text
                     rows.append(row)

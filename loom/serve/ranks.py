@@ -30,6 +30,8 @@ class Leader:
     """Rank 0's engine as the scheduler sees it: the engine's own `submit`, `cancel`, `step`, `abort`, `check`,
     `waiting`, `running` and `stats`, with every state change mirrored to the followers."""
 
+    constrains = False  # no grammar-constrained requests: the followers would sample without the mask
+
     def __init__(self, engine, group):
         self.engine, self.group = engine, group
         self._ops: list[tuple] = []

@@ -17,7 +17,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from loom.infer.engine import Engine
-from loom.infer.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +31,7 @@ class Ticket:
     the handler's loop): (choice, new token ids, their log-probs, their most likely tokens [(id, log-prob)],
     finish_reason or None), or an Exception when the engine failed."""
 
-    jobs: list[tuple[list[int], SamplingParams]]
+    jobs: list[tuple]  # (prompt ids, SamplingParams) or (prompt ids, SamplingParams, grammar matcher or None)
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     arrived: float = field(default_factory=time.perf_counter)
@@ -75,7 +74,7 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    def submit(self, jobs: list[tuple[list[int], SamplingParams]], loop: asyncio.AbstractEventLoop) -> Ticket:
+    def submit(self, jobs: list[tuple], loop: asyncio.AbstractEventLoop) -> Ticket:
         ticket = Ticket(jobs, loop, asyncio.Queue(), last=[None] * len(jobs))
         with self._cond:
             if self._queued + len(jobs) > self.max_queue:
@@ -117,8 +116,9 @@ class Scheduler:
                     continue
                 requests = []
                 try:
-                    for prompt, params in ticket.jobs:
-                        requests.append(engine.submit(prompt, params))  # the handler checked them (Engine.check)
+                    for prompt, params, *constraint in ticket.jobs:  # the handler checked them (Engine.check)
+                        extra = {"constraint": constraint[0]} if constraint and constraint[0] is not None else {}
+                        requests.append(engine.submit(prompt, params, **extra))
                 except Exception as exc:  # noqa: BLE001 (not expected: the server keeps serving)
                     for request in requests:
                         engine.cancel(request)
@@ -169,6 +169,8 @@ class Scheduler:
             m = self.metrics
             m.decode_steps += steps
             m.decode_rows += rows
+            for name in ("prefix_cache_hit_tokens", "prefix_cache_queried_tokens"):  # paged engines' prefix cache
+                setattr(m, name, getattr(m, name) + engine.stats[name] - stats[name])
             if steps:
                 m.max_batch = max(m.max_batch, rows // steps)
             for update in updates:
