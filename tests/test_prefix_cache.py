@@ -153,3 +153,31 @@ def test_refit_empties_the_cache(model):
     assert engine.stats["prefix_cache_hit_tokens"] == hits
     same(got, Engine(other, max_batch=2, max_len=64).generate([prompt], SamplingParams(max_new_tokens=4)))
     engine.refit(model)  # the module's model keeps its weights for the other tests
+
+
+def test_serve_reports_prefix_cache_hits(tmp_path):
+    """`loom serve --kv paged`: a second chat request with the same long system message finds its blocks, counted
+    by /metrics (`loom_prefix_cache_hit_tokens_total`), and answers what a server with --no-prefix-cache answers."""
+    from test_serve import Server, model_dir
+
+    from loom.cli import build_parser
+    from loom.serve import load
+    from loom.serve.protocol import Limits
+
+    tiny = model_dir(tmp_path / "tiny")
+    system = {"role": "system", "content": "you are a terse helper who answers in one word"}
+    asks = [[system, {"role": "user", "content": q}] for q in ("hi", "name a colour")]
+    answers = {}
+    for cache in (True, False):
+        server = Server(load(str(tiny), max_batch=2, paged=True, prefix_cache=cache, limits=Limits(max_tokens=8)))
+        try:
+            answers[cache] = [server.client.chat.completions.create(model="tiny", messages=m, max_tokens=6,
+                                                                    temperature=0).choices[0].message.content
+                              for m in asks]
+            metrics = server.metrics()
+        finally:
+            server.close()
+        hits, queried = metrics["loom_prefix_cache_hit_tokens_total"], metrics["loom_prefix_cache_queried_tokens_total"]
+        assert (hits >= 16 and queried > hits) if cache else (hits == 0 and queried == 0)
+    assert answers[True] == answers[False]
+    assert build_parser().parse_args(["serve", "--model", "m", "--kv", "paged", "--no-prefix-cache"]).prefix_cache is False

@@ -56,14 +56,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="as in loom generate")
     p.add_argument("--kv", choices=["slab", "paged"], default="slab",
                    help="keys and values: a slab of max-batch x context positions (default), or paged blocks "
-                        "from a pool, shared by requests with the same prompt (a request's n choices)")
+                        "from a pool, shared by requests with the same prompt (a request's n choices) and, through "
+                        "the prefix cache, by requests whose prompts start alike")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="with --kv paged: do not keep whole blocks of keys and values for later requests whose "
+                        "prompts start with the same tokens (the prefix cache is on by default)")
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="as in loom generate: compiled decode steps (auto: on a GPU)")
 
 
 def load(model: str, name: str | None = None, device: str = "cpu", max_batch: int = 16, sync_every: int = 4,
          compile: str = "off", max_queue: int = 256, limits=None, api_key: str | None = None,
-         timeout_s: float = 600.0, max_body: int = 1 << 20, mesh=None, paged: bool = False):
+         timeout_s: float = 600.0, max_body: int = 1 << 20, mesh=None, paged: bool = False,
+         prefix_cache: bool = True):
     """The model, its tokenizer and stops, an engine and its scheduler (not started) -> `app.Served`. `mesh`: a
     one-dimensional device mesh to shard the model over by tensor parallelism (`loom serve --nproc`)."""
     from loom import load_model
@@ -80,7 +85,7 @@ def load(model: str, name: str | None = None, device: str = "cpu", max_batch: in
     tok = Tokenizer.from_file(find_tokenizer(model))
     context = net.cfg.max_seq_len
     engine = Engine(net, max_batch=max_batch, max_len=context, compile=compile, sync_every=sync_every,
-                    decode=tok.decode, paged=paged)
+                    decode=tok.decode, paged=paged, prefix_cache=prefix_cache)
     scheduler = Scheduler(engine, Metrics(), max_queue=max_queue)
     return Served(name=name or Path(model).resolve().name, scheduler=scheduler, tokenizer=tok, context=context,
                   stop_ids=stop_token_ids(tok), stop_texts=stop_texts(tok), template=find_template(tok.path),
@@ -201,7 +206,7 @@ def serve(args, extra) -> int:
     served = load(args.model, args.served_model_name, device=device, max_batch=args.max_batch,
                   sync_every=args.sync_every, compile=args.compile, max_queue=args.max_queue, limits=limits,
                   api_key=key, timeout_s=args.request_timeout, max_body=args.max_body_bytes, mesh=mesh,
-                  paged=args.kv == "paged")
+                  paged=args.kv == "paged", prefix_cache=args.prefix_cache)
     if worker:
         from loom.serve.ranks import Leader, follow
 

@@ -2,7 +2,8 @@
 
 Counters: requests by endpoint and status code, prompt and generated tokens, decode steps, and the rows those
 steps decoded (`loom_decode_rows_total`: the sum of the batch size over decode steps, so rows / steps is the
-mean batch; a value above the steps means requests were decoded together). Gauges: waiting and running
+mean batch; a value above the steps means requests were decoded together), prompt tokens looked up in and found in
+the prefix cache (`loom_prefix_cache_queried_tokens_total`, `loom_prefix_cache_hit_tokens_total`). Gauges: waiting and running
 requests, the largest decode batch seen. Histograms: time to first token and inter-token latency.
 """
 
@@ -48,6 +49,8 @@ class Metrics:
         self.decode_steps = 0
         self.decode_rows = 0
         self.max_batch = 0
+        self.prefix_cache_hit_tokens = 0
+        self.prefix_cache_queried_tokens = 0
         self.waiting = 0
         self.running = 0
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -74,6 +77,10 @@ class Metrics:
                 ("loom_decode_steps_total", "counter", "Decode steps the engine ran.", self.decode_steps),
                 ("loom_decode_rows_total", "counter", "Sum over decode steps of the requests each decoded (the "
                  "batch size); rows / steps is the mean batch.", self.decode_rows),
+                ("loom_prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up in the prefix cache "
+                 "(paged keys and values).", self.prefix_cache_queried_tokens),
+                ("loom_prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache: their keys "
+                 "and values were reused, not prefilled; hits / queried is the hit rate.", self.prefix_cache_hit_tokens),
                 ("loom_decode_batch_max", "gauge", "The most requests one decode step has decoded.", self.max_batch),
                 ("loom_queue_length", "gauge", "Requests waiting for a slot.", self.waiting),
                 ("loom_running_requests", "gauge", "Requests holding a slot.", self.running),
