@@ -68,7 +68,7 @@ def cmd_train(args, extra) -> int:
     if cfg.parallel.layout == "auto":
         cfg, choice = _auto_layout(cfg, args, recipe.command)
     nproc = args.nproc
-    if recipe.command == "rl":  # rl.mode=async: the generation ranks are started by training rank 0
+    if recipe.command == "rl" and not in_worker():  # rl.mode=async: training rank 0 starts the generation ranks
         from loom.post.rl.async_loop import training_processes
 
         nproc = training_processes(cfg, args.nproc, args.nnodes)
