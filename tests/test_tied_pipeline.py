@@ -76,3 +76,16 @@ def test_tied_moe_pipeline_matches_single_process(name, tmp_path):
     assert_same_routing(tmp_path / "run", single, "top2of8", moe_layers=4)
     weights = final_weights(tmp_path / "run")
     assert torch.equal(weights["output.weight"], weights["tok_embeddings.weight"])
+
+
+@pytest.mark.slow  # 2 x (one process + 2 ranks), ~30 s; make test keeps pp2-vpp3-ends (interleaved) above
+@pytest.mark.parametrize("tied", ["true", "false"])
+def test_zbv_with_embedding_and_loss_chunks_matches_single_process(tied, tmp_path):
+    """ZB-V on 2 layers with the embedding and the loss counted: chunks [0, 1, 1, 0], and the V puts chunks 0 and 3
+    on rank 0, which then runs only the embedding and only the head and loss (the tied pair on one rank)."""
+    base = MODEL + ["model.layers=2", f"model.tie_embeddings={tied}"]
+    single = tmp_path / "single"
+    assert main(["train", "--config", "tiny", "--run-dir", str(single), *[f"--{o}" for o in base]]) == 0
+    launch(tmp_path / "run", 2, "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zero_bubble",
+           "parallel.embedding_in_split=true", "parallel.loss_in_split=true", base=base)
+    assert_same_run(tmp_path / "run", single)
