@@ -96,6 +96,11 @@ class RLConfig(Section):
     length_buffer: int = 4  # the length reward: tokens before rl.max_new_tokens where its penalty starts
     reward_model: str = ""
     reward_model_coef: float = 1.0
+    # Multi-turn episodes (loom/post/rl/environments.py): a class "package.module:Class" with reset(record) and
+    # step(completion) -> (text, reward, done), e.g. loom.post.rl.tools:Calculator or :PythonTool; its rewards
+    # (plus rl.reward's, if set) are the episode's; at most max_turns model turns; only model tokens carry loss.
+    environment: str = ""
+    max_turns: int = 4
     algorithm: Literal["grpo", "ppo"] = "grpo"  # grpo: group baselines, no critic; ppo: value head + GAE
     group_size: int = 8  # completions per prompt; train.global_batch = prompts per step x group_size
     # Advantage (grpo): reward minus a baseline: "mean" (the group's mean, GRPO) or "rloo" (the mean of the
@@ -156,10 +161,10 @@ class RLConfig(Section):
         check_data_lists("rl", self, "prompts", "valid_prompts", ".jsonl or .parquet files (or globs) of "
                          "{\"prompt\": ...} records or addition:N", "prompts")
         check_columns("rl", self, "prompt_column")
-        if self.prompts and not (self.reward or self.reward_model):
+        if self.prompts and not (self.reward or self.reward_model or self.environment):
             raise UserError("an RL run needs a reward: rl.reward=package.module:function (e.g. "
                             "loom.post.tasks:exact_match) and/or rl.reward_model=RUN_OR_CHECKPOINT")
-        positive("rl", self, "dynamic_sampling_max_rounds")
+        positive("rl", self, "dynamic_sampling_max_rounds", "max_turns")
         positive("rl", self, "group_size", "epochs", "minibatches", "max_new_tokens", "engine_batch",
                  "engine_sync_every", "generation_ranks")
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:

@@ -66,6 +66,7 @@ from loom.post.rl.policy import PolicyLoss, add_value_head, value_of
 from loom.post.rl.prompts import PromptSet, build_datasets
 from loom.post.rl.rewards import Rewards, is_user_code, reward_function
 from loom.post.rl.dynamic import Groups, refill
+from loom.post.rl.environments import Turns, load_environment, run_episodes
 from loom.post.rl.rollouts import rollout_engine, rollout_seed, rows_of, stops
 from loom.train.recipe import Recipe
 from loom.train.schedule import lr_at
@@ -98,6 +99,8 @@ class RL(Recipe):
                             "--rl.reward=mypkg.rewards:score")
         if cfg.rl.reward:
             reward_function(cfg)
+        if cfg.rl.environment:
+            load_environment(cfg.rl.environment)
         if cfg.rl.mode == "async":  # loom/post/rl/async_loop.py
             from loom.post.rl.async_loop import check_async
 
@@ -149,6 +152,9 @@ class RL(Recipe):
         # LoRA: the reference is the policy with its adapters switched off (the base), not a second model.
         self.reference = self._build_reference() if rl.kl_coef and not cfg.lora.enabled else None
         self.rewards = Rewards(cfg, trainer.tokenizer, trainer.device)
+        # rl.environment: multi-turn episodes (environments.py) in place of single completions
+        self.environment = load_environment(rl.environment) if rl.environment else None
+        self.turns = Turns(trainer.tokenizer, self.chat_template(cfg))
         # Completions end at the end-of-turn / end-of-sequence (and rl.stop text): what follows is never trained on.
         self.stop_ids, self.stop_texts = stops(cfg, trainer.tokenizer)
 
@@ -189,6 +195,13 @@ class RL(Recipe):
         base = self._sampling(greedy)
         prompts = [data.ids[i] for i in indices for _ in range(repeat)]
         params = [dataclasses.replace(base, seed=s) for s in seeds] if seeds else base
+        if self.environment is not None:  # multi-turn: episodes, whose first input is the environment's
+            records = [{"prompt": data.texts[i], **data.fields[i]} for i in indices for _ in range(repeat)]
+            wheres = [f"prompt record {i} of {data.source}" for i in indices for _ in range(repeat)]
+            done = run_episodes(self.engine, self.environment, records, wheres,
+                                params if seeds else [base] * len(records), self.turns, self.trainer.cfg.rl.max_turns,
+                                self.trainer.tokenizer.decode)
+            return [e.prompt for e in done], done, [e.text(self.trainer.tokenizer.decode) for e in done]
         done = self.engine.generate(prompts, params)
         texts = [c.text(self.trainer.tokenizer.decode) for c in done]  # without the stop token or string
         return prompts, done, texts
@@ -198,7 +211,16 @@ class RL(Recipe):
         prompt_texts = [data.texts[i] for i in indices for _ in range(repeat)]
         fields = [data.fields[i] for i in indices for _ in range(repeat)]
         records = [f"prompt record {i} of {data.source}" for i in indices for _ in range(repeat)]
-        return self.rewards(prompt_texts, texts, fields, [p + c.tokens for p, c in zip(prompts, done)], records)
+        if self.environment is None:
+            return self.rewards(prompt_texts, texts, fields, [p + c.tokens for p, c in zip(prompts, done)], records)
+        # episodes: the environment's rewards, plus rl.reward's / the reward model's of the transcript if set
+        out = {"reward": torch.zeros(len(done), dtype=torch.float64)}
+        if self.rewards.fn is not None or self.rewards.model is not None:
+            out = self.rewards(prompt_texts, texts, fields, [p + c.tokens for p, c in zip(prompts, done)], records)
+        out["reward_env"] = torch.tensor([e.reward for e in done], dtype=torch.float64)
+        out["turns"] = torch.tensor([float(e.turns) for e in done], dtype=torch.float64)
+        out["reward"] = out["reward"] + out["reward_env"]
+        return out
 
     def reuses_policy_logp(self) -> bool:
         """Whether the old log-probs are the training forward's own (see the module docstring, phase 3)."""
@@ -275,7 +297,8 @@ class RL(Recipe):
                                                       groups.rewards)
             times.update(refilled, dynamic_sampling_s=time.perf_counter() - t0)
 
-        batch = rows_of(prompts, done, t.seq_len, trainer.tokenizer.eod_id or 0)
+        batch = rows_of(prompts, done, t.seq_len, trainer.tokenizer.eod_id or 0,
+                        None if self.environment is None else [e.model_mask for e in done])
         staleness = {} if self.generation is None else self.generation.staleness(self, batch, step, versions)
         t0 = time.perf_counter()
         ppo = rl.algorithm == "ppo"
@@ -301,6 +324,9 @@ class RL(Recipe):
         self.policy_loss.take_mismatch()  # from zero
         stats = self._advantages(batch, score, old_values)
         metrics = self._rollout_metrics(rewards, done, mask, stats)
+        if self.environment is not None:  # episodes: model turns, and the environment's part of the reward
+            metrics.update(zip(("turns", "reward_env"), self._global_mean(
+                [(rewards["turns"].sum(), len(done)), (rewards["reward_env"].sum(), len(done))])))
         # Minibatch m holds the groups whose index in the global batch is m modulo rl.minibatches: the same
         # sequences in every layout (a rank's contiguous share would mix others' under data parallelism).
         group_of_row = (first + torch.arange(per_rank)).repeat_interleave(rl.group_size)

@@ -44,9 +44,12 @@ def rollout_seed(seed: int, step: int, index: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 2
 
 
-def rows_of(prompts: list[list[int]], completions, seq_len: int, pad: int) -> dict[str, torch.Tensor]:
+def rows_of(prompts: list[list[int]], completions, seq_len: int, pad: int,
+            model_masks: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
     """Training rows of prompt + completion: `input_ids`, `labels` (IGNORE outside the completion),
-    `mask` (1 on completion tokens) and `rollout_logp` (the engine's log-prob of each label), [rows, seq_len]."""
+    `mask` (1 on completion tokens) and `rollout_logp` (the engine's log-prob of each label), [rows, seq_len].
+    `model_masks` (multi-turn episodes, loom/post/rl/environments.py): per completion token 1 where the model
+    wrote it, 0 where the environment did; those are IGNORE labels too, so they carry no loss."""
     n = len(prompts)
     ids = torch.full((n, seq_len + 1), pad, dtype=torch.long)
     labels = torch.full((n, seq_len), IGNORE, dtype=torch.long)
@@ -57,5 +60,9 @@ def rows_of(prompts: list[list[int]], completions, seq_len: int, pad: int) -> di
         start = len(p) - 1  # label position of the first completion token
         labels[b, start:start + len(c.tokens)] = torch.tensor(c.tokens)
         rollout[b, start:start + len(c.tokens)] = torch.tensor(c.logprobs, dtype=torch.float32)
+        if model_masks is not None:
+            env = torch.tensor(model_masks[b], dtype=torch.bool).logical_not()
+            labels[b, start:start + len(c.tokens)][env] = IGNORE
+            rollout[b, start:start + len(c.tokens)][env] = 0.0
     return {"input_ids": ids[:, :-1].contiguous(), "labels": labels, "mask": (labels != IGNORE).float(),
             "rollout_logp": rollout}
