@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from loom.infer.grammar import advance as feed_grammars
 from loom.infer.grammar import constrain
 from loom.infer.kv import upload
+from loom.infer.logits import LogitsProcessor
 from loom.infer.request import Request
 from loom.infer.sampling import Sampler, reduce_logits
 from loom.infer.step import CompiledDecode
@@ -218,8 +219,11 @@ class Runner:
         return x if in_step else reduce_logits(self._head_logits(x))
 
     def _sampler(self, seqs: list[Request], steps: int) -> Sampler:
-        return Sampler([s.params for s in seqs], [s.generator for s in seqs], steps, self.vocab, self.device,
-                       [(s.out.prompt, s.out.tokens) for s in seqs])  # the histories penalties read
+        params = [s.params for s in seqs]
+        processor = None  # penalties, logit_bias, min_tokens (loom/infer/logits.py): they read the histories
+        if any(p.processes for p in params):
+            processor = LogitsProcessor(params, [(s.out.prompt, s.out.tokens) for s in seqs], self.vocab, self.device)
+        return Sampler(params, [s.generator for s in seqs], steps, self.vocab, self.device, processor)
 
     def _stop_table(self, seqs: list[Request]) -> torch.Tensor | None:
         """[requests, most stop tokens] on the device, padded with -1 (never a token); None if none stop."""

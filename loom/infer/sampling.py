@@ -94,18 +94,12 @@ class Sampler:
     (the smallest set of most likely tokens holding top_p of the mass), and invert the CDF at their uniform."""
 
     def __init__(self, params: list[SamplingParams], generators: list[torch.Generator], steps: int, vocab: int,
-                 device, histories: list[tuple[list[int], list[int]]] | None = None):
+                 device, processor=None):
         self.hot = [i for i, p in enumerate(params) if p.temperature > 0]
         self.sorts = False
-        # requests whose logits are processed first (penalties, bias, min_tokens: loom/infer/logits.py);
-        # `histories` (per request: prompt, completion so far) is needed when any is
-        self.processor = None
-        if any(p.processes for p in params):
-            from loom.infer.logits import LogitsProcessor
-
-            if histories is None:
-                raise ValueError("Sampler: requests with penalties, logit_bias or min_tokens need their histories")
-            self.processor = LogitsProcessor(params, histories, vocab, device)
+        # the logits of requests with penalties, logit_bias or min_tokens are processed first
+        # (`loom.infer.logits.LogitsProcessor`, built by the caller for these params; None: none)
+        self.processor = processor
         if not self.hot:
             return
         hot = [params[i] for i in self.hot]
@@ -157,11 +151,11 @@ class Sampler:
         return tokens, chosen
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-           histories: list[tuple[list[int], list[int]]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of `Sampler`: logits [rows, vocab] (fp32) -> (token [rows], its log-probability under the
     distribution it was drawn from); each hot row draws one uniform from its generator."""
-    return Sampler(params, generators, 1, logits.shape[-1], logits.device, histories)(logits, logits.argmax(-1), 0)
+    return Sampler(params, generators, 1, logits.shape[-1], logits.device)(logits, logits.argmax(-1), 0)
 
 
 def reduce_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
