@@ -54,3 +54,15 @@ def test_constant_groups_are_replaced_and_counted(tmp_path):
     assert constant >= 2
     assert on["refilled_groups"] >= 1 and on["refilled_groups"] + round(on["uniform_groups"] * 8) == constant
     assert 1 <= on["dynamic_sampling_rounds"] <= 4 and on["dynamic_sampling_s"] > 0
+
+
+def test_async_mode_refuses_dynamic_sampling_and_environments():
+    import pytest
+
+    from loom.config import load_config
+    from loom.errors import UserError
+
+    for extra in ("rl.dynamic_sampling=true", "rl.environment=loom.post.rl.tools:Calculator"):
+        with pytest.raises(UserError, match="rl.mode=async with rl.dynamic_sampling"):
+            load_config("tiny-grpo", ["rl.mode=async", extra])
+    assert load_config("tiny-grpo", ["rl.dynamic_sampling=true"]).rl.dynamic_sampling

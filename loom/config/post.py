@@ -165,6 +165,10 @@ class RLConfig(Section):
             raise UserError("an RL run needs a reward: rl.reward=package.module:function (e.g. "
                             "loom.post.tasks:exact_match) and/or rl.reward_model=RUN_OR_CHECKPOINT")
         positive("rl", self, "dynamic_sampling_max_rounds", "max_turns")
+        if self.mode == "async" and (self.dynamic_sampling or self.environment):
+            raise UserError(f"rl.mode=async with rl.dynamic_sampling={self.dynamic_sampling} / rl.environment="
+                            f"{self.environment!r}: the generation ranks make single-turn rollouts only, and refills "
+                            "would need them too; use rl.mode=sync with these, or leave them off (false / empty)")
         positive("rl", self, "group_size", "epochs", "minibatches", "max_new_tokens", "engine_batch",
                  "engine_sync_every", "generation_ranks")
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
