@@ -45,13 +45,18 @@ class Scripted:
 
 
 @pytest.fixture(scope="module")
-def engine():
+def model():
     from loom.build import build_in_layout, tensor_parallel
-    from loom.infer.engine import Engine
     from loom.parallel.dims import MeshPlace
 
     cfg = load_config("tiny-grpo", MODEL)
-    model = build_in_layout(cfg, "cpu", tensor_parallel(MeshPlace(mesh=None)), seed=1).model
+    return build_in_layout(cfg, "cpu", tensor_parallel(MeshPlace(mesh=None)), seed=1).model
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    from loom.infer.engine import Engine
+
     return Engine(model, max_batch=8, max_len=64)
 
 
@@ -86,6 +91,20 @@ def test_multi_turn_rollout_matches_the_hand_run_transcript_and_masks_environmen
     (L.token_logprobs(logits, rows["labels"]) * rows["mask"]).sum().backward()
     said_at = [len(episodes[0].prompt) - 1 + k for k, m in enumerate(episodes[0].model_mask) if not m]
     assert logits.grad[0, said_at].abs().sum() == 0 and logits.grad[0].abs().sum() > 0
+
+
+def test_paged_engine_reuses_the_earlier_turns_blocks(model, engine):
+    """With paged memory (rl.engine_paged) a later turn's prompt, the transcript so far, finds the blocks of the
+    earlier turns in the engine's prefix cache; the episodes are the slab engine's."""
+    from loom.infer.engine import Engine
+
+    tok, params = Bytes(), SamplingParams(temperature=1.0, max_new_tokens=5, seed=3)
+    records = [{"prompt": "12+30=" * 3}, {"prompt": "7+5=" * 4}]  # 18 and 16 tokens: a whole 16-token block
+    paged = Engine(model, max_batch=8, max_len=64, paged=True)
+    got = run_episodes(paged, Scripted, records, ["r0", "r1"], [params] * 2, Turns(tok), 3, tok.decode)
+    want = run_episodes(engine, Scripted, records, ["r0", "r1"], [params] * 2, Turns(tok), 3, tok.decode)
+    assert [e.tokens for e in got] == [e.tokens for e in want] and all(e.turns == 2 for e in got)
+    assert paged.stats["prefix_cache_hit_tokens"] >= 32  # turn 2 of both episodes: the first block each
 
 
 def test_chat_turns_close_the_models_turn_once():

@@ -16,8 +16,8 @@ the sum of the rewards `step` returned (plus `rl.reward` of the whole transcript
 
 Every turn of every episode runs in one `Engine.generate` call per turn (continuous batching across episodes);
 a group's first turn shares its prompt's prefill and blocks (rl.engine_paged), as single-turn rollouts do.
-Later turns are new requests whose prompt is the transcript so far: the paged engine's prefix cache, where
-the engine has one, is what reuses their blocks.
+Later turns are new requests whose prompt is the transcript so far: with rl.engine_paged the engine's prefix
+cache (loom/infer/prefix_cache.py) finds the earlier turns' whole blocks, and only the rest is prefilled.
 
 Training sees prompt + transcript as one row; only the model's own tokens carry loss (`Episode.model_mask`,
 `rollouts.rows_of`): the environment's tokens are labels left out, with no log-prob. Tools: loom/post/rl/tools.py.
