@@ -38,3 +38,32 @@ def test_heldout_rows_carry_their_sources_and_published_step_times(heldout):
     w, fixed, seconds, *_ = heldout["zoo-qwen3-235b-128k-cp8"]
     assert (w.seq_len, w.global_batch, fixed["cp"], fixed["dp"]) == (131072, 256, 8, 1)
     assert seconds == pytest.approx(megatron_moe_seconds(w.model, 256, 131072, 389, 256), rel=1e-12)
+
+
+def test_megatron_moe_layer_keeps_the_gate_weight_not_the_expert_output():
+    # Megatron-Core's grouped experts fold each routed row's gate weight into the fused SwiGLU
+    # (experts.py bias_act_func -> weighted_bias_swiglu_impl), which keeps that fp32 weight; the combine keeps
+    # nothing. loom's combine multiplies the expert output by the weight and keeps the output (e*h per row).
+    from dataclasses import replace
+
+    from loom.planner.memory import moe_activation_delta
+    from loom.planner.workload import Layout
+
+    w = published_moe_heldout_runs()["bridge-qwen3-30b-ep16-fp8"][0]
+    cfg = w.model
+    h, f, fe, k, E = cfg.hidden, cfg.ffn_hidden, cfg.moe.ffn_hidden, cfg.moe.top_k, cfg.moe.experts
+    s, b, e = 4096, 1, 2
+    lay = Layout(dp=16, ep=16, micro_batch=b, dp_style="distopt")
+    rows = s * b * k
+    for precision, lin in (("bf16", 2), ("fp8", 1)):
+        mw = replace(w, precision=precision)
+        # Megatron + TE: per row the dispatched input (its fp8 cast under fp8), fc1's output (2 fe, 16-bit), fc2's
+        # input (fe; fp8 cast under fp8) and the fp32 gate weight; per token the router's fp32 logits and
+        # probabilities; less the dense MLP's (2e f + lin f per token) the layer does not have.
+        mega = rows * (lin * h + (2 * e + lin) * fe + 4) + s * b * 2 * 4 * E - s * b * (2 * e + lin) * f
+        assert moe_activation_delta(mw, s, lay, "none", e, True) == pytest.approx(mega, rel=1e-12), precision
+    # loom's own layer (bf16): the dispatched input, the SwiGLU MLP's 4 e fe, the expert output e h per row;
+    # the router's fp32 input copy too.
+    loom = rows * (e * h + 4 * e * fe + e * h) + s * b * (4 * h + 2 * 4 * E) - s * b * 4 * e * f
+    assert moe_activation_delta(replace(w, precision="bf16", framework="loom"), s, lay, "none", e, False) == (
+        pytest.approx(loom, rel=1e-12))

@@ -69,7 +69,8 @@ def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: in
     """Bytes an MoE layer keeps for backward beyond a dense layer of the same model, on one rank. The dense
     MLP's activations go; per routed row (tokens x top_k x the busiest rank's load over the mean) come the
     dispatched input the experts' first GEMMs keep, the experts' MLP activations at moe.ffn_hidden (as a dense
-    MLP's, loom's or Transformer Engine's) and the expert output the gate multiplies in the combine; per token
+    MLP's, loom's or Transformer Engine's) and the expert output the gate multiplies in the combine (loom; Megatron
+    folds the gate into the fused SwiGLU and keeps its fp32 weight instead); per token
     the router's fp32 input copy, logits and probabilities (loom routes in fp32), and the shared experts' MLP.
     With experts spread over tensor-parallel ranks (`Workload.experts_over_tp`) all of these are for the
     rank's own sequence shard (s x b / tp tokens) and nothing is gathered; otherwise MoE layers are not split
@@ -91,7 +92,14 @@ def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: in
     span = w.experts_over_tp(lay.tp, lay.sp, lay.ep)
     tokens = s * b // lay.tp if span else s * b  # the tokens this rank routes
     rows = tokens * k * w.moe_imbalance
-    routed = rows * (lin * h + mlp(fe) + e * h)
+    # After the experts' second GEMM: loom multiplies each row's output by its gate weight in the combine and
+    # keeps that output for the weight's gradient (e*h). Megatron-Core's grouped experts (TEGroupedMLP, with
+    # --moe-permute-fusion and the alltoall or flex dispatcher; megatron/core/transformer/moe/experts.py,
+    # bias_act_func -> fusions/fused_bias_swiglu.py weighted_bias_swiglu_impl) fold the gate weight into the
+    # fused SwiGLU, which keeps each row's fp32 weight (4 bytes); the unpermute runs without probs and keeps
+    # nothing, so the expert output is not kept.
+    after = 4 if mega else e * h
+    routed = rows * (lin * h + mlp(fe) + after)
     router = tokens * ((0 if mega else 4 * h) + 2 * 4 * E)
     shared = tokens * mlp(fs)
     if lay.tp > 1 and lay.sp and not span:
