@@ -527,3 +527,26 @@ def test_rl_lora_fsdp_equals_one_process(rl_lora_run, tmp_path):
         assert g["logp_abs_diff"] < 1e-4
         for key in ("loss", "grad_norm", "kl", "reward"):
             assert math.isclose(g[key], w[key], rel_tol=1e-5, abs_tol=1e-9), (g["step"], key, g[key], w[key])
+
+
+def test_a_lora_run_served_per_request_equals_its_merged_model(sft_run, hf_base):
+    """`loom serve --lora NAME=RUN` (loom/infer/adapters.py): the run's adapters on the base, chosen per request
+    and batched with base requests, give the logits of the merged run (`loom.load_model(RUN)`) and leave the
+    base rows the base's."""
+    import loom
+    from loom.infer.adapters import AdapterRows, attach_adapters
+
+    run_dir, _ = sft_run
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    model = loom.load_model(hf_base)
+    with torch.no_grad():
+        base = model(ids)
+        rows = attach_adapters(model, {"run": str(run_dir)})
+        assert isinstance(rows, AdapterRows)
+        rows.bind([0] * 24 + [None] * 24, ids.device)  # row 0 with the run's adapters, row 1 the base
+        mixed = model(ids)
+        rows.clear()
+        merged = loom.load_model(run_dir)(ids)
+    assert (merged[0] - base[0]).abs().max() > 1e-3  # the adapters change the function
+    assert (mixed[0] - merged[0]).abs().max() < 1e-4
+    assert (mixed[1] - base[1]).abs().max() < 1e-5

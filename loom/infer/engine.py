@@ -122,8 +122,16 @@ class Engine:
     def __init__(self, model: nn.Module, max_batch: int = 16, max_len: int | None = None, seed: int = 0,
                  compile: bool | str = False, sync_every: int = 8, cpu_kernel: bool = True, decode=None,
                  paged: bool = False, block_size: int = 16, kv_tokens: int | None = None, paged_read: str = "split",
-                 fuse_qkv: bool | None = None, prefix_cache: bool = True):
+                 fuse_qkv: bool | None = None, prefix_cache: bool = True, adapters=None):
         cfg = model.cfg
+        # LoRA adapters chosen per request (loom/infer/adapters.py, `attach_adapters` on the model first): eager
+        # steps, unfused projections and a slab (paged memory shares prompts and prefixes across adapters)
+        self.adapters = adapters
+        if adapters is not None:
+            if paged or resolve_compile(compile, next(model.parameters()).device):
+                raise UserError("adapters per request (loom serve --lora) run on a slab, eagerly: give paged=False "
+                                "(--kv slab) and compile off")
+            fuse_qkv = False
         self.decode = decode  # token ids -> text (a tokenizer's decode): needed by requests with stop strings
         max_len = cfg.max_seq_len if max_len is None else max_len
         if paged and (block_size < 1 or (kv_tokens is not None and kv_tokens < block_size)
@@ -174,6 +182,7 @@ class Engine:
         self.scheduler = Scheduler(self.slab, max_batch, max_len, self.vocab, decode, seed, self.stats)
         self.compile_mode = resolve_compile(compile, self.device)
         self.runner = Runner(model, cpu, self.slab, max_batch, max_len, sync_every, self.compile_mode, self.stats)
+        self.runner.adapters = adapters
 
     # --- generation -----------------------------------------------------------------------------------------
 
@@ -226,15 +235,22 @@ class Engine:
         self.scheduler.check(prompt, p, i)
 
     def submit(self, prompt: list[int], params: SamplingParams | None = None, index: int | None = None,
-               constraint=None) -> Request:
+               constraint=None, adapter: str | None = None) -> Request:
         """Queue one request (checked first: `check`); it is admitted by a later `step`. Requests submitted
         before the same step and sharing a prompt prefill it once (paged memory). `constraint`: a grammar's
-        matcher (`loom.infer.grammar.Grammars.matcher`) that every token of the request must satisfy."""
+        matcher (`loom.infer.grammar.Grammars.matcher`) that every token of the request must satisfy. `adapter`:
+        the name of the LoRA adapter it runs with (`adapters`), None for the base."""
         params = params or SamplingParams()
+        if adapter is not None and self.adapters is None:
+            raise UserError(f"adapter={adapter!r}, but this engine has no adapters")
+        slot = None if adapter is None else self.adapters.index(adapter)
+        if slot is not None and params.prompt_logprobs is not None:
+            raise UserError(f"scoring the prompt (prompt_logprobs, echo) runs on the base model; adapter={adapter!r} "
+                            "cannot be scored yet")
         index = self.scheduler.submitted if index is None else index
         self.check(prompt, params, index)
         request = self.scheduler.enqueue(prompt, params, index)
-        request.constraint = constraint
+        request.constraint, request.adapter = constraint, slot
         return request
 
     @property

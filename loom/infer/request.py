@@ -52,6 +52,7 @@ class Request:
         self.length = len(prompt)  # tokens whose keys and values are in the slot
         self.shared = False  # paged: its prompt's blocks and first-token logits come from an earlier request
         self.constraint = None  # a grammar's state (loom/infer/grammar.py): the tokens it may take next
+        self.adapter: int | None = None  # the LoRA adapter it runs with (loom/infer/adapters.py), None: the base
         self.state = "waiting"
 
     @property

@@ -63,7 +63,9 @@ class Runner:
     """Runs the model for one engine. `decoder`: the module decode steps (and the prefill's head) run on, the
     model or its CPU twin (`cpu`, loom/infer/cpu, None off a CPU); `compiled`: the compiled decode step, or None
     (eager). `stats`: the engine's counters (prefill and decode steps, windows and compiled steps are kept
-    here)."""
+    here). `adapters`: LoRA adapters per request (`loom.infer.adapters.AdapterRows`), bound around each forward."""
+
+    adapters = None
 
     def __init__(self, model: nn.Module, cpu, slab, max_batch: int, max_len: int, sync_every: int,
                  compile: bool, stats: dict):
@@ -135,7 +137,13 @@ class Runner:
         positions = self.slab.bind_packed(rows, lengths, starts if any(starts) else None)
         self.stats["prefilled_tokens"] += total
         self.stats["prefill_steps"] += 1
-        hidden = full_tensor(self.model(tokens, cache=self.slab, positions=positions, return_hidden=True))
+        if self.adapters is not None:  # per request adapters: each prompt's tokens take its own
+            self.adapters.bind([seq.adapter for seq, n in zip(seqs, lengths) for _ in range(n)], self.device)
+        try:
+            hidden = full_tensor(self.model(tokens, cache=self.slab, positions=positions, return_hidden=True))
+        finally:
+            if self.adapters is not None:
+                self.adapters.clear()
         head = reduce_logits(self._head_logits(hidden[0, last]))
         for j, seq in enumerate(seqs):  # paged: kept for requests with the same prompt admitted later
             self.slab.remember(seq.out.prompt, tuple(t[j:j + 1].clone() for t in head))  # the sampler writes into head
@@ -183,6 +191,8 @@ class Runner:
         first = max(s.length for s in seqs)
         top = self._top(seqs)
         picks = []
+        if self.adapters is not None:  # per request adapters (eager: row b is seqs[b])
+            self.adapters.bind([s.adapter for s in seqs], self.device)
         for step in range(steps):
             keys = first + step + 1  # key positions the furthest request reads
             # no reference to the step's outputs outlives the pick: a CUDA-graph step overwrites them next replay
@@ -198,6 +208,8 @@ class Runner:
                 else:
                     tokens[where, 0] = token
                     positions += advance
+        if self.adapters is not None:
+            self.adapters.clear()
         self.stats["decode_steps"] += steps
         self.stats["windows"] += 1
         return Window(picks, stops, steps, fed=steps)

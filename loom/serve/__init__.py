@@ -63,14 +63,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "prompts start with the same tokens (the prefix cache is on by default)")
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="as in loom generate: compiled decode steps (auto: on a GPU)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve a LoRA adapter of the model as NAME (repeatable): a PEFT adapter directory or a loom "
+                        "LoRA run or checkpoint. A request whose \"model\" is NAME runs with it; requests of "
+                        "different adapters and of the base are decoded together (one slab, eager steps)")
 
 
 def load(model: str, name: str | None = None, device: str = "cpu", max_batch: int = 16, sync_every: int = 4,
          compile: str = "off", max_queue: int = 256, limits=None, api_key: str | None = None,
          timeout_s: float = 600.0, max_body: int = 1 << 20, mesh=None, paged: bool = False,
-         prefix_cache: bool = True):
+         prefix_cache: bool = True, loras: dict[str, str] | None = None):
     """The model, its tokenizer and stops, an engine and its scheduler (not started) -> `app.Served`. `mesh`: a
-    one-dimensional device mesh to shard the model over by tensor parallelism (`loom serve --nproc`)."""
+    one-dimensional device mesh to shard the model over by tensor parallelism (`loom serve --nproc`). `loras`:
+    adapter name -> path, chosen per request by its "model" (loom/infer/adapters.py)."""
     from loom import load_model
     from loom.data.tokenizer import Tokenizer
     from loom.generate import find_tokenizer
@@ -84,10 +89,17 @@ def load(model: str, name: str | None = None, device: str = "cpu", max_batch: in
     net = load_model(model, device=device) if mesh is None else sharded_model(model, mesh, device)
     tok = Tokenizer.from_file(find_tokenizer(model))
     context = net.cfg.max_seq_len
+    adapters = None
+    if loras:
+        from loom.infer.adapters import attach_adapters
+
+        adapters = attach_adapters(net, loras)
+        compile = "off" if compile == "auto" else compile
     engine = Engine(net, max_batch=max_batch, max_len=context, compile=compile, sync_every=sync_every,
-                    decode=tok.decode, paged=paged, prefix_cache=prefix_cache)
+                    decode=tok.decode, paged=paged, prefix_cache=prefix_cache, adapters=adapters)
     scheduler = Scheduler(engine, Metrics(), max_queue=max_queue)
     return Served(name=name or Path(model).resolve().name, scheduler=scheduler, tokenizer=tok, context=context,
+                  adapters=dict(loras or {}),
                   stop_ids=stop_token_ids(tok), stop_texts=stop_texts(tok), template=find_template(tok.path),
                   limits=limits or Limits(),
                   api_key=api_key, timeout_s=timeout_s, max_body=max_body)
@@ -130,6 +142,29 @@ def sharded_model(model: str, mesh, device):
     return net.eval()
 
 
+def lora_arguments(args) -> dict[str, str]:
+    """--lora NAME=PATH values checked: name -> path."""
+    import re
+
+    loras: dict[str, str] = {}
+    base = args.served_model_name or Path(args.model).resolve().name
+    for value in args.lora:
+        name, sep, path = value.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", name) or not path:
+            raise UserError(f"--lora {value!r} must be NAME=PATH, NAME 1-64 letters, digits, '_', '.', ':' or '-'")
+        if name in loras or name == base:
+            raise UserError(f"--lora {value!r}: the name {name!r} is already taken (by "
+                            f"{'the base model' if name == base else 'another --lora'}); give each adapter its own")
+        if not Path(path).is_dir():
+            raise UserError(f"--lora {value!r}: {path} is not a directory; give a PEFT adapter directory or a loom "
+                            "LoRA run or checkpoint")
+        loras[name] = path
+    if loras and (args.nproc > 1 or args.kv == "paged" or args.compile == "on"):
+        raise UserError("--lora serves adapters per request on one process, with --kv slab and eager steps; leave "
+                        "out --nproc, --kv paged and --compile on")
+    return loras
+
+
 def _loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -162,6 +197,7 @@ def serve(args, extra) -> int:
         raise UserError(f"--max-prompt-tokens={args.max_prompt_tokens} must be >= 1")
     if not args.request_timeout > 0:
         raise UserError(f"--request-timeout={args.request_timeout} must be > 0 seconds")
+    loras = lora_arguments(args)
     key = args.api_key or os.environ.get("LOOM_API_KEY") or None
     if not _loopback(args.host) and key is None:
         print(f"loom serve: warning: binding {args.host} without an API key: anyone who can reach this address can "
@@ -206,7 +242,7 @@ def serve(args, extra) -> int:
     served = load(args.model, args.served_model_name, device=device, max_batch=args.max_batch,
                   sync_every=args.sync_every, compile=args.compile, max_queue=args.max_queue, limits=limits,
                   api_key=key, timeout_s=args.request_timeout, max_body=args.max_body_bytes, mesh=mesh,
-                  paged=args.kv == "paged", prefix_cache=args.prefix_cache)
+                  paged=args.kv == "paged", prefix_cache=args.prefix_cache, loras=loras)
     if worker:
         from loom.serve.ranks import Leader, follow
 

@@ -52,6 +52,19 @@ class Served:
     max_body: int = 1 << 20  # bytes
     created: int = field(default_factory=lambda: int(time.time()))
     grammars: object = None  # loom.infer.grammar.Grammars, built at the first structured request
+    adapters: dict = field(default_factory=dict)  # LoRA adapter name -> path (`--lora`), chosen by "model"
+
+    def pick_model(self, body: dict) -> tuple[dict, str | None]:
+        """The request's "model": the base (None) or one of the adapters; the body the protocol checks (the
+        base's name for an adapter's); 400 naming every served model for another name."""
+        model = body.get("model")
+        if not self.adapters or model is None or model == self.name:
+            return body, None
+        if model not in self.adapters:
+            served = ", ".join(repr(n) for n in (self.name, *self.adapters))
+            raise ApiError(f"the model {str(model)[:100]!r} is not served here; this server serves {served}",
+                           param="model", code="model_not_found")
+        return {**body, "model": self.name}, model
 
     @property
     def metrics(self) -> Metrics:
@@ -163,8 +176,12 @@ def create_app(served: Served) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": served.created,
-                                            "owned_by": "loom", "max_model_len": served.context}]}
+        adapters = [{"id": name, "object": "model", "created": served.created, "owned_by": "loom",
+                     "parent": served.name, "root": path, "max_model_len": served.context}
+                    for name, path in served.adapters.items()]
+        base = {"id": served.name, "object": "model", "created": served.created, "owned_by": "loom",
+                "max_model_len": served.context}
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -254,14 +271,18 @@ def create_app(served: Served) -> FastAPI:
 
     async def _answer(request: Request, chat: bool):
         try:
-            body = read_json(await _body(request))
+            body, adapter = served.pick_model(read_json(await _body(request)))
             structured = read_structured(body, chat)
             parsed = (chat_request if chat else completion_request)(protocol_body(body, structured), served.name,
                                                                      served.limits)
             # templates, tokenizers and grammars off the event loop
             ids, params, constraints = await run_in_threadpool(_check, parsed, structured)
-            ticket = served.scheduler.submit([(ids, p, c) for p, c in zip(params, constraints)],
+            if adapter is not None and any(p.prompt_logprobs is not None for p in params):
+                raise ApiError(f"echo with logprobs (scoring the prompt) runs on the base model, not the adapter "
+                               f"{adapter!r}", param="echo", code="unsupported_parameter")
+            ticket = served.scheduler.submit([(ids, p, c, adapter) for p, c in zip(params, constraints)],
                                              asyncio.get_running_loop())
+            ticket.model = adapter or served.name
         except ApiError as e:
             return _error(e)
         except QueueFull as e:
@@ -286,7 +307,7 @@ def create_app(served: Served) -> FastAPI:
             if any(c.finish is None for c in choices):
                 served.scheduler.cancel(ticket)
         out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-               "model": served.name, "choices": [_full_choice(c, parsed, chat) for c in choices],
+               "model": ticket.model, "choices": [_full_choice(c, parsed, chat) for c in choices],
                "usage": _usage(ids, choices)}
         return JSONResponse(out)
 
@@ -372,7 +393,7 @@ def create_app(served: Served) -> FastAPI:
         deadline = ticket.arrived + served.timeout_s
 
         def chunk(choice_rows: list[dict], usage=None) -> str:
-            out = {"id": rid, "object": kind, "created": created, "model": served.name, "choices": choice_rows}
+            out = {"id": rid, "object": kind, "created": created, "model": ticket.model, "choices": choice_rows}
             if usage is not None:
                 out["usage"] = usage
             return f"data: {json.dumps(out, ensure_ascii=False)}\n\n"

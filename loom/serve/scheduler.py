@@ -31,13 +31,15 @@ class Ticket:
     the handler's loop): (choice, new token ids, their log-probs, their most likely tokens [(id, log-prob)],
     finish_reason or None), or an Exception when the engine failed."""
 
-    jobs: list[tuple]  # (prompt ids, SamplingParams) or (prompt ids, SamplingParams, grammar matcher or None)
+    # (prompt ids, SamplingParams[, grammar matcher or None[, LoRA adapter name or None]])
+    jobs: list[tuple]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     arrived: float = field(default_factory=time.perf_counter)
     requests: list = field(default_factory=list)  # engine Requests, once submitted by the scheduler thread
     last: list = field(default_factory=list)  # per choice: when its latest tokens arrived (None: none yet)
     cancelled: bool = False
+    model: str = ""  # the model (or adapter) name the responses carry
 
     def put(self, item) -> None:
         try:
@@ -116,8 +118,8 @@ class Scheduler:
                     continue
                 requests = []
                 try:
-                    for prompt, params, *constraint in ticket.jobs:  # the handler checked them (Engine.check)
-                        extra = {"constraint": constraint[0]} if constraint and constraint[0] is not None else {}
+                    for prompt, params, *more in ticket.jobs:  # the handler checked them (Engine.check)
+                        extra = {k: v for k, v in zip(("constraint", "adapter"), more) if v is not None}
                         requests.append(engine.submit(prompt, params, **extra))
                 except Exception as exc:  # noqa: BLE001 (not expected: the server keeps serving)
                     for request in requests:
