@@ -66,3 +66,6 @@ def test_async_mode_refuses_dynamic_sampling_and_environments():
         with pytest.raises(UserError, match="rl.mode=async with rl.dynamic_sampling"):
             load_config("tiny-grpo", ["rl.mode=async", extra])
     assert load_config("tiny-grpo", ["rl.dynamic_sampling=true"]).rl.dynamic_sampling
+    for extra in (["rl.algorithm=ppo"], ["rl.group_size=1"]):
+        with pytest.raises(UserError, match="needs groups to compare"):
+            load_config("tiny-grpo", ["rl.dynamic_sampling=true", *extra])

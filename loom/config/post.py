@@ -165,6 +165,9 @@ class RLConfig(Section):
             raise UserError("an RL run needs a reward: rl.reward=package.module:function (e.g. "
                             "loom.post.tasks:exact_match) and/or rl.reward_model=RUN_OR_CHECKPOINT")
         positive("rl", self, "dynamic_sampling_max_rounds", "max_turns")
+        if self.dynamic_sampling and (self.algorithm != "grpo" or self.group_size < 2):
+            raise UserError(f"rl.dynamic_sampling=true needs groups to compare: rl.algorithm=grpo with rl.group_size "
+                            f">= 2 (here {self.algorithm}, {self.group_size}); a group of one is never informative")
         if self.mode == "async" and (self.dynamic_sampling or self.environment):
             raise UserError(f"rl.mode=async with rl.dynamic_sampling={self.dynamic_sampling} / rl.environment="
                             f"{self.environment!r}: the generation ranks make single-turn rollouts only, and refills "

@@ -31,12 +31,14 @@ import math
 import numbers
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from loom.errors import UserError
 
 MARK = "loom-turn-marker"
+STEP_THREADS = 8  # environments stepped at once (each episode's own instance)
 
 
 class Environment(Protocol):
@@ -135,8 +137,9 @@ def _checked(result, where: str) -> tuple[str, float, bool]:
 
 def run_episodes(engine, env_class, records: list[dict], wheres: list[str], params: list, turns: Turns,
                  max_turns: int, decode) -> list[Episode]:
-    """One episode per record, `params[i]` its sampling parameters (a turn t > 0 draws with seed + t), all
-    episodes' turn t in one `engine.generate` call. An environment that raises, or returns something other
+    """One episode per record, `params[i]` its sampling parameters (turn t draws with seed + t x 1000003), all
+    episodes' turn t in one `engine.generate` call, then their `step`s on up to STEP_THREADS threads (each
+    episode has its own instance). An environment that raises, or returns something other
     than (str, number, bool), is bad input naming the class and the record."""
     name = f"{env_class.__module__}:{env_class.__qualname__}"
     envs, episodes = [], []
@@ -165,13 +168,8 @@ def run_episodes(engine, env_class, records: list[dict], wheres: list[str], para
         if not chosen:
             break
         done = engine.generate(contexts, sampling)
-        active = []
-        for i, c in zip(chosen, done):
-            ep = episodes[i]
-            ep.tokens += c.tokens
-            ep.logprobs += c.logprobs
-            ep.model_mask += [1] * len(c.tokens)
-            ep.turns += 1
+
+        def step(i: int, c) -> tuple[str, float, bool]:
             try:
                 result = envs[i].step(c.text(decode))
             except UserError:
@@ -179,7 +177,18 @@ def run_episodes(engine, env_class, records: list[dict], wheres: list[str], para
             except Exception as e:
                 raise UserError(f"rl.environment={name}: step raised {type(e).__name__}: {e}, on {wheres[i]} (a tool's "
                                 "failures are the environment's to turn into a reward of 0 with a reason)") from None
-            text, reward, finished = _checked(result, f"rl.environment={name} on {wheres[i]}")
+            return _checked(result, f"rl.environment={name} on {wheres[i]}")
+
+        # the episodes' environments step side by side (a tool's subprocess waits, not this one)
+        with ThreadPoolExecutor(min(STEP_THREADS, len(chosen))) as pool:
+            results = list(pool.map(step, chosen, done))
+        active = []
+        for i, c, (text, reward, finished) in zip(chosen, done, results):
+            ep = episodes[i]
+            ep.tokens += c.tokens
+            ep.logprobs += c.logprobs
+            ep.model_mask += [1] * len(c.tokens)
+            ep.turns += 1
             ep.reward += reward
             ep.observations.append(text)
             if finished:
