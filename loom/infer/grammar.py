@@ -7,9 +7,10 @@ serve`'s `response_format` and forced tool calls), with llguidance (the `structu
 
 The engine (loom/infer/runner.py) asks `constrain(head, seqs)` for the logits a round samples from: each
 constrained request's disallowed tokens at -inf (its argmax recomputed), the others' untouched; and after the
-pick `advance(tokens, seqs)` feeds each constrained request its token. A constrained request therefore reads its
-token back to the host every decode step (the mask of the next step depends on it); unconstrained requests in
-the same window are not read back more often. The log-probabilities reported stay those of the raw logits.
+pick `advance(tokens, seqs)` feeds each constrained request its token. A decode window holding a constrained
+request therefore waits for the device every step (the next mask depends on the token just picked: its host
+time per token is the mask's, bench/structured_mask.py); the window's other requests keep their tokens. The
+log-probabilities reported stay those of the raw logits (the most likely tokens listed are the allowed ones).
 
 Once the grammar is complete the mask allows only the end tokens (`eos`: the model's stop ids), so a
 constrained completion ends with a stop token, or by length (max_tokens) with the document unfinished, as
@@ -30,12 +31,6 @@ class GrammarError(ValueError):
     """A schema or grammar that llguidance refuses; the message says why."""
 
 
-def available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("llguidance") is not None
-
-
 class Grammars:
     """llguidance's token table for one tokenizer (`loom.data.tokenizer.Tokenizer`): built once (it walks the
     whole vocabulary), shared by every matcher. `vocab`: the model's logits width (at least the tokenizer's);
@@ -51,7 +46,7 @@ class Grammars:
         if not eos:
             raise UserError("structured output needs an end token (the tokenizer has no stop token)")
         self.vocab = vocab
-        self.tokenizer = llguidance.LLTokenizer(tokenizer._json, n_vocab=vocab, eos_token=list(eos))
+        self.tokenizer = llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=vocab, eos_token=list(eos))
         self.words = (vocab + 31) // 32  # the mask: one bit per token in int32 words
         self._cache: dict[str, str] = {}
 
