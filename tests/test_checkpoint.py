@@ -106,7 +106,7 @@ def test_hung_rank_becomes_an_error_naming_it(tmp_path):
     elapsed = time.time() - t0
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert ("rank 0 waited more than train.collective_timeout_s=5s in a collective during 'step 3: train'; "
-            "rank 1 did not get there (rank 1 last reported 'step 2: stop check')") in proc.stderr
+            "rank 1 did not get there (rank 1 last reported 'step 2: train')") in proc.stderr
     assert "Traceback" not in proc.stderr
     assert elapsed < 90, elapsed
     assert len(losses(tmp_path / "r")) == 2

@@ -118,8 +118,9 @@ class WaitTimer:
 
     On CPU (gloo) the wait blocks the host, so a host clock measures it. On CUDA (NCCL) `work.wait()` only
     makes the compute stream wait and returns at once (a host clock reads ~0): the wait is bracketed by CUDA
-    events on the current stream instead, whose elapsed time is how long the stream stood still; `collect`
-    adds them up after the step (one synchronisation per step).
+    events on the current stream instead, whose elapsed time is how long the stream stood still; `take` hands
+    them over after the step and `event_seconds` adds them up once they are complete (the runner reads them a
+    step later, with no synchronisation of its own).
     """
 
     seconds = 0.0
@@ -158,13 +159,16 @@ class WaitTimer:
         cls.seconds, cls.pending = 0.0, []
 
     @classmethod
-    def collect(cls) -> float:
-        """This step's waiting seconds (synchronises with the device when CUDA events were recorded)."""
-        if cls.pending:
-            cls.pending[-1][1].synchronize()
-            cls.seconds += sum(a.elapsed_time(b) for a, b in cls.pending) / 1e3
-            cls.pending = []
-        return cls.seconds
+    def take(cls) -> tuple[float, list]:
+        """This step's host-clock waiting seconds and its CUDA (start, end) events; starts the next step from zero."""
+        out = cls.seconds, cls.pending
+        cls.reset()
+        return out
+
+    @staticmethod
+    def event_seconds(pending: list) -> float:
+        """The seconds between each (start, end) pair of CUDA events, added up (the events must be complete)."""
+        return sum(a.elapsed_time(b) for a, b in pending) / 1e3
 
 
 def _without_moe_statistics(stage) -> None:

@@ -84,6 +84,22 @@ class RunControl:
         self.stop_reason = ""  # why the run stops early, in words
         self.steps_taken = 0  # by this launch
         self.skipped_steps = self.skipped_in_a_row = 0
+        self.folded: tuple[bool, bool] | None = None  # (signal, late) on any rank, from the step's all-reduce
+
+    def _late(self) -> tuple[bool, float]:
+        t = self.cfg.train
+        minutes = (time.time() - self.started) / 60
+        return bool(t.exit_after_minutes) and minutes >= t.exit_after_minutes, minutes
+
+    def local_flags(self) -> list[float]:
+        """This rank's stop flags (a signal arrived; train.exit_after_minutes reached), for the trainer to sum over
+        the ranks in the step's one all-reduce, with the loss (`fold_flags`): the stop check costs no collective
+        and no host synchronisation of its own."""
+        return [float(self.stop_signal is not None), float(self._late()[0])]
+
+    def fold_flags(self, summed: list[float]) -> None:
+        """The flags of `local_flags` summed over every rank: (any rank got a signal, any rank is late)."""
+        self.folded = (summed[0] > 0, summed[1] > 0)
 
     @contextlib.contextmanager
     def signals(self):
@@ -106,26 +122,31 @@ class RunControl:
 
     def stop_requested(self, beacon, step: int) -> bool:
         """Whether to stop after `step`: a SIGTERM/SIGINT arrived, or this launch reached train.exit_after_minutes
-        (on any rank: the clocks are folded into the step's one stop check), or train.exit_after_steps (the same
-        count on every rank). Every rank stops after the same step; the last step of the run is no early exit."""
+        (on any rank), or train.exit_after_steps (the same count on every rank). Every rank stops after the same
+        step; the last step of the run is no early exit. Under several ranks the verdict is the flags the step's
+        all-reduce carried (`fold_flags`: a signal that arrives after it stops the run after the next step); a
+        step that made no optimizer step (an RL step with nothing to learn from) checks in a collective of its own."""
         t = self.cfg.train
         self.steps_taken += 1
-        minutes = (time.time() - self.started) / 60
-        late = bool(t.exit_after_minutes) and minutes >= t.exit_after_minutes
-        flag = torch.tensor(2.0 if self.stop_signal is not None else 1.0 if late else 0.0, device=self.device)
+        late, minutes = self._late()
+        signalled = self.stop_signal is not None
         if self.layout.distributed:
-            beacon.mark(f"step {step}: stop check")
-            import torch.distributed as dist
+            if self.folded is None:
+                beacon.mark(f"step {step}: stop check")
+                import torch.distributed as dist
 
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        verdict = int(flag.item())
-        if verdict == 2:
+                flags = torch.tensor(self.local_flags(), device=self.device)
+                dist.all_reduce(flags)
+                self.fold_flags(flags.tolist())
+            (signalled, late), self.folded = self.folded, None
+        if signalled:
             self.stop_reason = f"signal {self.stop_signal or 'on another rank'}"
         elif step >= t.steps:
             return False
-        elif verdict == 1:
+        elif late:
+            on_this = bool(t.exit_after_minutes) and minutes >= t.exit_after_minutes
             self.stop_reason = (f"train.exit_after_minutes={t.exit_after_minutes:g} ({minutes:.2f} minutes since the "
-                                f"launch{'' if late else ' on this rank; reached on another'})")
+                                f"launch{'' if on_this else ' on this rank; reached on another'})")
         elif t.exit_after_steps and self.steps_taken >= t.exit_after_steps:
             self.stop_reason = f"train.exit_after_steps={t.exit_after_steps} ({self.steps_taken} steps in this launch)"
         else:

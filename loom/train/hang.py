@@ -5,6 +5,12 @@ ranks that are waiting. To say *who* they were waiting for, every rank posts wha
 ("step 12: train", "step 12: checkpoint save", ...) to the process group's key-value store, with a
 sequence number; a rank that times out reads the others' posts and names those behind it.
 
+`mark` itself only notes the post: a background thread writes the latest one to the store at most once every
+`post_interval(timeout)` seconds (a fraction of the timeout, at most 10 s) and only when it changed, so a run
+of short steps costs the store one write per rank per interval, not one or more per step. A rank that stops
+(hung, or waiting in a collective) has its last post in the store within one interval: long before any other
+rank's collective times out.
+
 Test hook: `LOOM_TEST_HANG=RANK:WHAT` makes rank RANK stop (sleep) instead of starting WHAT, e.g.
 `1:step 3: train`; the sleeping process dies on SIGTERM, as a process stuck in Python would.
 """
@@ -14,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
+import weakref
 
 from loom.errors import CollectiveTimeout
 
@@ -34,6 +42,21 @@ def is_collective_failure(exc: BaseException) -> bool:
     return type(exc) is RuntimeError and "gloo" in str(exc).split("]", 1)[0]
 
 
+def post_interval(timeout_s: float) -> float:
+    """How often a rank's latest post reaches the store: a quarter of the collective timeout, at most 10 s."""
+    return min(10.0, timeout_s / 4)
+
+
+def _poster(beacon_ref, interval: float, stop: threading.Event) -> None:
+    """Write the beacon's latest post when it changed, every `interval` seconds, until the beacon is gone."""
+    while not stop.wait(interval):
+        beacon = beacon_ref()
+        if beacon is None:
+            return
+        beacon.post()
+        del beacon
+
+
 class Beacon:
     def __init__(self, timeout_s: float):
         import torch.distributed as dist
@@ -42,20 +65,35 @@ class Beacon:
         self.store = None
         self.rank, self.world = 0, 1
         self.seq, self.what = 0, "start"
+        self.posted = 0  # the seq last written to the store
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
         if dist.is_available() and dist.is_initialized():
             from torch.distributed.distributed_c10d import _get_default_store
 
             self.store = _get_default_store()
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
             self.mark("start-up")
+            self.post()
+            threading.Thread(target=_poster, args=(weakref.ref(self), post_interval(timeout_s), self.stop),
+                             name="loom-beacon", daemon=True).start()
+            weakref.finalize(self, self.stop.set)
 
     def mark(self, what: str) -> None:
+        """Note what this rank is about to do (the store gets it within `post_interval`)."""
         if os.environ.get("LOOM_TEST_HANG") == f"{self.rank}:{what}":
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(3600)
-        self.seq, self.what = self.seq + 1, what
-        if self.store is not None:
-            self.store.set(f"loom/beacon/{self.rank}", f"{self.seq}|{what}")
+        with self.lock:
+            self.seq, self.what = self.seq + 1, what
+
+    def post(self) -> None:
+        """Write the latest mark to the store if it changed since the last write."""
+        with self.lock:
+            seq, what = self.seq, self.what
+        if self.store is not None and seq != self.posted:
+            self.store.set(f"loom/beacon/{self.rank}", f"{seq}|{what}")
+            self.posted = seq
 
     def others(self) -> list[tuple[int, int, str]]:
         out = []

@@ -8,7 +8,8 @@ DPO and RL recipes) never asks which style it runs:
   gradients; returns the summed loss this rank observed (0 off the last pipeline stage);
 - `eval_loss_sum(batch)`: the summed loss of a held-out batch, without gradients (every rank gets it);
 - `grad_norm_group`: the group over which squared gradient norms add up (pipeline stages), or None;
-- `metrics()`: extra per-step numbers (the pipeline bubble);
+- `local_metrics()`: this rank's extra per-step numbers, averaged over ranks in the step's one all-reduce
+  (the pipeline bubble);
 - `norm_parameters()`: the parameters that make up the gradient norm, and shared copies clipped with them;
 - `first_non_finite(batch)`: the first module whose output is non-finite, for divergence reports.
 
@@ -88,6 +89,14 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without a host synchronisation: on CUDA through pinned memory (a copy from
+    pageable memory waits for the stream), elsewhere as is."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def attention_kernels(device: torch.device):
     """On CUDA, SDPA restricted to fused kernels in a fixed order of preference — cuDNN first on Hopper
     and newer (the fastest there), flash first before — with memory-efficient attention as the fallback
@@ -126,7 +135,9 @@ class _Runner:
         stack.enter_context(attention_kernels(self.device))
         return stack
 
-    def metrics(self) -> dict:
+    def local_metrics(self) -> dict[str, float]:
+        """This rank's per-step numbers whose mean over all ranks goes with the step's row (the trainer sums them in
+        the step's one all-reduce): host floats, known without a synchronisation."""
         return {}
 
     def norm_parameters(self) -> tuple[list, list]:
@@ -157,7 +168,7 @@ class SPMDRunner(_Runner):
             output = self.model(batch["input_ids"], **model_kwargs(batch))
         return self.loss(output, batch)
 
-    def forward_backward(self, batch: Batch, scale: float) -> torch.Tensor:
+    def forward_backward(self, batch: Batch, scale: float | torch.Tensor) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
         micro = micro_batches(self.cp_shard(batch), self.cfg.train.micro_batch)
         # Sharded accumulation: every micro-batch's gradients are reduce-scattered into this rank's shard.
@@ -224,6 +235,7 @@ class PipelineRunner(_Runner):
         self.grad_norm_group = layout.submesh("pp").get_group()
         self.scale = 1.0
         self.bubble = 0.0
+        self.timing = None  # CUDA: the last step's (start, end, waits) events, read at the next step
         self.schedule, self.stages = build_schedule(self.chunks, self.stage_ids, cfg, self.grad_norm_group, device,
                                                     n_micro, self._stage_loss)
         self.tied = TiedEmbedding(self.chunks, cfg, self.grad_norm_group) if cfg.model.tie_embeddings else None
@@ -236,7 +248,7 @@ class PipelineRunner(_Runner):
     def _stage_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss(output, {"labels": labels}) * self.scale
 
-    def forward_backward(self, batch: Batch, scale: float) -> torch.Tensor:
+    def forward_backward(self, batch: Batch, scale: float | torch.Tensor) -> torch.Tensor:
         from loom.parallel.pipeline import WaitTimer
 
         self.scale = scale
@@ -255,18 +267,16 @@ class PipelineRunner(_Runner):
         t0 = time.perf_counter()
         with loss_context(self.layout.tp), self.autocast():
             self.schedule.step(*args, **kwargs)
-        if cuda:
+        seconds, waits = WaitTimer.take()
+        if cuda:  # read at the next step, when the events are complete (its transfer waited for them): no sync
             end.record()
-            end.synchronize()
-            elapsed = start.elapsed_time(end) / 1e3
-        else:
-            elapsed = time.perf_counter() - t0
+            previous, self.timing = self.timing, (start, end, waits)
+            self.bubble = float("nan") if previous is None else self._bubble(
+                previous[0].elapsed_time(previous[1]) / 1e3, WaitTimer.event_seconds(previous[2]))
+        else:  # gloo blocks the host: host clocks, this step's
+            self.bubble = self._bubble(time.perf_counter() - t0, seconds)
         if self.tied is not None:
             self.tied.sum_gradients()
-        waited = WaitTimer.collect()
-        # Bubble: time blocked on pipeline transfers over time computing, averaged over ranks.
-        bubble = torch.tensor(waited / max(elapsed - waited, 1e-9), device=self.device)
-        self.bubble = (all_reduce_sum(bubble) / self.layout.world_size).item()
         if not losses:
             return torch.zeros((), device=self.device)
         return sum(full_tensor(loss).detach() for loss in losses) / self.scale
@@ -283,7 +293,14 @@ class PipelineRunner(_Runner):
                     else torch.zeros((), device=self.device))
         return self.cp_sum(all_reduce_sum(loss, self.grad_norm_group))  # only the last stage has it
 
-    def metrics(self) -> dict:
+    @staticmethod
+    def _bubble(elapsed: float, waited: float) -> float:
+        """Time blocked on pipeline transfers over time computing (the trainer averages it over ranks)."""
+        return waited / max(elapsed - waited, 1e-9)
+
+    def local_metrics(self) -> dict[str, float]:
+        """The pipeline bubble of this rank: this step's on CPU; on CUDA the step before's (the first step's NaN),
+        whose CUDA events are complete without a synchronisation."""
         return {"pipeline_bubble": self.bubble}
 
 

@@ -53,7 +53,7 @@ from loom.train.metrics import MetricsWriter, Progress, Reporter
 from loom.train.optim import build_optimizer
 from loom.train.recipe import Recipe
 from loom.train.schedule import lr_at
-from loom.train.steps import BatchPrefetcher, build_runner
+from loom.train.steps import BatchPrefetcher, build_runner, to_device_async
 
 
 def valid_source(cfg: Config, val_data: Dataset) -> str:
@@ -238,41 +238,62 @@ class Trainer:
         self.state.consumed_samples += t.global_batch
         return {**out, "data_wait_s": data_wait}
 
-    def optimizer_step(self, batch: dict) -> dict:
+    def optimizer_step(self, batch: dict, total: float | None = None) -> dict:
         """Forward and backward over this rank's `batch`, then one optimizer step at the learning rate of the
         current step: the loss is the mean over what the loss counts in the whole global batch (every rank's
-        batch). Returns the step's loss, gradient norm, lr and statistics."""
+        batch; `total`, when the caller has already summed it: RL, which decides on it whether to step).
+        Returns the step's loss, gradient norm, lr and statistics."""
         t, layout = self.cfg.train, self.layout
         lr = lr_at(self.state.step, self.cfg.optim, t.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        count = self.loss.count(batch)
-        if self.loss.count_varies:  # every rank of a tensor/pipeline/context group holds the same data
-            total = all_reduce_sum(torch.as_tensor(count, device=self.device)).item() / (layout.tp * layout.pp
-                                                                                          * layout.cp)
+        if total is not None:
+            scale = layout.grad_ranks / total
+        elif self.loss.count_varies:  # every rank of a tensor/pipeline/context group holds the same data
+            # Summed over the ranks on the device: the normaliser stays a device tensor (no host read before
+            # the forward); the count (host data) travels by a non-blocking copy from pinned memory.
+            count = torch.as_tensor(self.loss.count(batch), dtype=torch.float64)
+            total = all_reduce_sum(to_device_async(count, self.device))
+            total = total / (layout.tp * layout.pp * layout.cp)
+            scale = (layout.grad_ranks / total).float()  # what grad_ranks / total (a Python float) multiplied by
+            total = total.float()
         else:
-            total = count * layout.dp_size
+            total = self.loss.count(batch) * layout.dp_size
+            scale = layout.grad_ranks / total
         # Data-parallel reduction averages gradients over ranks (with cp > 1 over the dp x cp ranks, each
         # holding its chunks' part); scale so the result is the sum / total.
-        loss_sum = self.runner.forward_backward(batch, layout.grad_ranks / total)
+        loss_sum = self.runner.forward_backward(batch, scale)
         counted, shared = self.runner.norm_parameters()
         grad_norm = clip_grad_norm(counted, t.grad_clip, self.runner.grad_norm_group, shared)
-        # Every rank of a TP group holds the same loss (a cp rank its chunks'): sum over all ranks, divide by tp. Loss and gradient
-        # norm reach the host in one transfer: the step's only host synchronisation (skipping a non-finite
-        # step needs the verdict before the update).
-        loss_t = all_reduce_sum(loss_sum) / layout.tp / total
+        # The step's one all-reduce of numbers for the host, summed over all ranks: the loss (every rank of a TP
+        # group holds the same loss, a cp rank its chunks': divided by tp), a recipe's statistics (DPO rewards and
+        # accuracy: means over the global batch's counted units), the runner's per-rank numbers (the pipeline
+        # bubble: a mean over ranks) and the run-control flags (a stop asked for on any rank).
+        sums = self.loss.take_sums()
+        local = self.runner.local_metrics()
+        flags = self.control.local_flags()
+        parts = [loss_sum.float().reshape(1)]
+        if sums:
+            parts.append(torch.stack([v.float() for v in sums.values()]))
+        if local or (flags and layout.distributed):
+            parts.append(to_device_async(torch.tensor([*local.values(), *flags], dtype=torch.float32), self.device))
+        reduced = all_reduce_sum(torch.cat(parts))
+        loss_t = reduced[0] / layout.tp / total
+        recipe = [reduced[1:1 + len(sums)] / (layout.tp * layout.pp * layout.cp) / total] if sums else []
+        tail = reduced[1 + len(sums):]
         # MoE: routing statistics of the step's micro-batches, summed over all ranks in one all-reduce (pipeline
         # stages fill their own layers' rows; see step_stats for tensor-parallel replicas).
         moe, loads = step_stats(self.model, torch.distributed.group.WORLD if layout.distributed else None)
-        # A recipe's statistics (DPO rewards and accuracy): means over the global batch's counted units.
-        sums = self.loss.take_sums()
-        recipe = ([all_reduce_sum(torch.stack([v.float() for v in sums.values()])) / (layout.tp * layout.pp
-                                                                                     * layout.cp) / total]
-                  if sums else [])
+        # Everything reaches the host in one transfer: the step's only host synchronisation (skipping a non-finite
+        # step needs the verdict before the update).
         values = torch.cat([torch.stack([loss_t.float(), grad_norm.float(), *(v.float() for v in moe.values())]),
-                            *recipe])
-        loss, grad_norm_value, *moe_values = values.tolist()
-        moe_values, recipe_values = moe_values[:len(moe)], moe_values[len(moe):]
+                            *recipe, tail])
+        loss, grad_norm_value, *rest = values.tolist()
+        moe_values, rest = rest[:len(moe)], rest[len(moe):]
+        recipe_values, rest = rest[:len(sums)], rest[len(sums):]
+        local_values, flag_values = rest[:len(local)], rest[len(local):]
+        if layout.distributed:
+            self.control.fold_flags(flag_values)
         finite = is_finite(loss, grad_norm_value)  # same verdict on every rank
         if finite:
             update_router_biases(self.model, loads)  # sigmoid_bias routers: after every applied step
@@ -280,7 +301,8 @@ class Trainer:
         self.control.count_step(finite)
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss, "grad_norm": grad_norm_value, "lr": lr,
-                "skipped_steps": self.control.skipped_steps, **self.runner.metrics(),
+                "skipped_steps": self.control.skipped_steps,
+                **{k: v / layout.world_size for k, v in zip(local, local_values)},
                 **dict(zip(moe, moe_values)), **dict(zip(sums, recipe_values))}
 
     def evaluate(self) -> dict:
@@ -297,14 +319,14 @@ class Trainer:
         return self.checkpointer.save(self.state)
 
     def timed_step(self) -> dict:
-        """One step of the recipe and its metrics row: the step's wall time (the device synchronised), marked
-        for hang reports."""
+        """One step of the recipe and its metrics row, marked for hang reports. The step's time is the host's, with
+        no synchronisation of its own: the step's one transfer (`optimizer_step`) waits for the device, and the
+        update queued after it is counted in the next step's time (over a run, the times add up to the wall
+        time; docs/training.md)."""
         self.beacon.mark(f"step {self.state.step + 1}: {self.recipe.command}")
         rng.begin_step(self.state.step)  # dropout's streams under tp or cp: the same on every rank, and on resume
         t0 = time.perf_counter()
         out = self.train_step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         return {"step": self.state.step, **out, **self.recipe.throughput(self, out, dt),
                 "memory_gib": self.memory_gib(), "step_time_s": dt}

@@ -335,8 +335,9 @@ class RL(Recipe):
             for m in range(rl.minibatches):
                 pick = (group_of_row % rl.minibatches == m).nonzero()[:, 0]
                 part = {k: v[pick] for k, v in batch.items()}
-                if self._global_sum(self.policy_loss.count(part)) > 0:
-                    outs.append(trainer.optimizer_step(part))
+                total = self._global_sum(self.policy_loss.count(part))  # counted once, on the host: it decides
+                if total > 0:
+                    outs.append(trainer.optimizer_step(part, total))
         if reuse:  # measured on the training forward; a step that trained nothing measures it by itself
             sums = self.policy_loss.take_mismatch()
             if sums is None:

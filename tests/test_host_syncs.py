@@ -1,0 +1,53 @@
+"""Host synchronisations per training step (issue 58): a step of `loom train` / `loom sft` reads the device once
+(loss, gradient norm, statistics and the stop flags in one transfer), issues one all-reduce of numbers for the
+host (plus, where the count of a loss depends on the data, the count's all-reduce before the forward, kept on
+the device; under pipeline parallelism the gradient norm's over the stages), and writes nothing to the key-value
+store from the loop. Counted by patching every host read loom's code can make (tests/host_syncs.py): on the
+tree before issue 58 a step made 2 host reads in one process, 3 with a data-dependent count or pipeline stages,
+and 2 store writes per rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import SMALL
+from host_syncs import count_step_syncs
+
+from loom.config import load_config
+
+STEPS = 3
+NO_SAVES = [f"train.steps={STEPS}", "checkpoint.save_final=false", "checkpoint.interval=0"]
+SFT = ["sft.data=synthetic:200", "train.seq_len=64", "model.max_seq_len=128"]
+
+
+def counts(name: str, overrides: list[str], run_dir: str) -> dict[str, float]:
+    recipe = None
+    if name == "tiny-sft":
+        from loom.post.sft import SFT as Recipe
+
+        recipe = Recipe()
+    per_step, calls = count_step_syncs(load_config(name, SMALL + NO_SAVES + overrides), run_dir, recipe)
+    return {"per_step": per_step, "where": sorted(f"{k} at {w}: {n}" for (k, w), n in calls.items())}
+
+
+@pytest.mark.parametrize("name, overrides", [("tiny", []), ("tiny-sft", SFT)], ids=["train", "sft"])
+def test_one_host_read_per_step_in_one_process(name, overrides, tmp_path):
+    got = counts(name, overrides, str(tmp_path / "run"))
+    assert got["per_step"] == {"host read": 1.0}, got["where"]
+
+
+def _rank_counts(cases: list[tuple[str, list[str], str]]) -> list[dict]:
+    return [counts(*case) for case in cases]
+
+
+def test_one_host_read_and_one_reduction_per_step_on_two_ranks(tmp_path):
+    """SFT under data parallelism (the supervised-token count summed on the device before the forward) and a
+    two-stage pipeline (the bubble folded into the step's reduction; the gradient norm summed over the stages)."""
+    from distributed import shared_pool
+
+    cases = [("tiny-sft", SFT + ["parallel.dp_shard=2"], str(tmp_path / "sft")),
+             ("tiny", ["parallel.pp=2", "model.layers=4", "model.tie_embeddings=false"], str(tmp_path / "pp"))]
+    for rank in shared_pool(2).run(_rank_counts, cases):
+        sft, pp = rank
+        assert sft["per_step"] == {"host read": 1.0, "collective": 2.0}, sft["where"]
+        assert pp["per_step"] == {"host read": 1.0, "collective": 2.0}, pp["where"]
