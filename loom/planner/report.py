@@ -33,6 +33,8 @@ def layout_name(e: Estimate) -> str:
         parts.append(lay.schedule)
     if lay.first_stage_layers or lay.last_stage_layers:
         parts.append(f"split={lay.first_stage_layers or '='}/{lay.last_stage_layers or '='}")
+    if lay.embedding_in_split or lay.loss_in_split:  # Megatron's split: the embedding / the loss as a layer
+        parts.append("split=" + "+".join(n for n, on in (("emb", lay.embedding_in_split), ("loss", lay.loss_in_split)) if on))
     return " ".join(parts)
 
 
@@ -102,6 +104,7 @@ def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
     p.tp, p.sp, p.pp, p.vpp, p.cp, p.ep = lay.tp, lay.sp, lay.pp, lay.vpp, lay.cp, lay.ep
     p.schedule = lay.schedule
     p.first_stage_layers, p.last_stage_layers = lay.first_stage_layers, lay.last_stage_layers
+    p.embedding_in_split, p.loss_in_split = lay.embedding_in_split, lay.loss_in_split
     p.dp_replicate, p.dp_shard = (lay.dp, 1) if lay.dp_style == "replicate" else (1, lay.dp)
     t = cfg.train
     t.micro_batch, t.global_batch, t.seq_len = lay.micro_batch, w.global_batch, w.seq_len

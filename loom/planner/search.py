@@ -10,7 +10,7 @@ from loom.errors import UserError
 from loom.rules import SCHEDULES, batch_problem, micro_batch_count_problem, micro_batches_needed
 from loom.rules import divisors as _divisors
 from loom.rules import cp_problem as rules_cp_problem
-from loom.rules import schedule_problem, sp_problem, split_problem, tp_problems, valid_ep_sizes
+from loom.rules import schedule_problem, sp_problem, split_problem, tp_problems, valid_ep_sizes, valid_split
 from loom.planner.layertime import head_times, layer_times
 from loom.planner.memory import memory
 from loom.planner.stages import max_chunk_layers, pipeline_ranks
@@ -38,29 +38,36 @@ def pipeline_options(cfg: ModelConfig, pp: int, m: int, schedules=SCHEDULES,
                      vpp: int | None = None) -> list[tuple[str, int]]:
     """(schedule, vpp) pairs loom's pipeline accepts for `pp` stages and `m` micro-batches (splits are
     chosen later): the rule book's (loom.rules), the ones `loom train` checks. The search tries 2-8
-    virtual stages; a given `vpp` (a published layout's 10 or 20) is tried as it is."""
+    virtual stages; a given `vpp` (a published layout's 10 or 20) is tried as it is. pp x vpp may reach
+    layers + 2 (the embedding and the loss counted as a layer each, `split_options`)."""
     if pp == 1:
         return [("1f1b", 1)]
     virtual = range(2, 9) if vpp is None else ([vpp] if vpp > 1 else [])
     options = [("1f1b", 1)] + [("interleaved", v) for v in virtual] + [("zero_bubble", 2)]  # ZB-V
     return [(sched, v) for sched, v in options
-            if sched in schedules and pp * v <= cfg.layers and schedule_problem(pp, v, sched) is None
+            if sched in schedules and pp * v <= cfg.layers + 2 and schedule_problem(pp, v, sched) is None
             and micro_batches_needed(pp, v, sched, m) is None]
 
 
-def _bottleneck(layers: int, pp: int, vpp: int, schedule: str, first: int, last: int, head: float):
+def _bottleneck(layers: int, pp: int, vpp: int, schedule: str, first: int, last: int, head: float,
+                embedding: bool = False, loss: bool = False):
     """(slowest rank's work in layer units, layers on rank 0) of a split, or None if impossible."""
-    shapes = pipeline_ranks(layers, pp, vpp, schedule, first, last, 1)  # rank 0's shape comes first
+    shapes = pipeline_ranks(layers, pp, vpp, schedule, first, last, 1, embedding, loss)  # rank 0's comes first
     if shapes is None:
         return None
     work = [s.layers + (head if s.head else 0.0) for s in shapes]
     return max(work), shapes[0].layers
 
 
+ENDS = ((True, True), (False, True), (True, False))  # (embedding_in_split, loss_in_split) of Megatron's split
+
+
 @lru_cache(maxsize=16384)
-def split_options(layers: int, pp: int, vpp: int, schedule: str, head: float) -> tuple[tuple[int, int], ...]:
-    """(first_stage_layers, last_stage_layers) splits worth pricing: the even one when it exists, and the
-    uneven one that best balances the ranks' work when it is faster (or when no even split exists).
+def split_options(layers: int, pp: int, vpp: int, schedule: str, head: float) -> tuple[tuple[int, int, bool, bool], ...]:
+    """(first_stage_layers, last_stage_layers, embedding_in_split, loss_in_split) splits worth pricing: the
+    even one when it exists, the uneven one that best balances the ranks' work when it is faster (or when no
+    even split exists), and Megatron's split counting the embedding and/or the loss as a layer when it is
+    faster than both (or when neither exists: pp x vpp above the layer count).
 
     `head` is the LM head + loss time of a micro-batch in units of one layer's time: with a large
     vocabulary the last stage is the slowest, and giving its chunk fewer layers shortens every step
@@ -68,7 +75,7 @@ def split_options(layers: int, pp: int, vpp: int, schedule: str, head: float) ->
     fewer layers on rank 0, which holds the most activations in flight.
     """
     if pp == 1:
-        return ((0, 0),)
+        return ((0, 0, False, False),)
     chunks = pp * vpp
     even = _bottleneck(layers, pp, vpp, schedule, 0, 0, head)
     best, best_key = None, None
@@ -81,9 +88,18 @@ def split_options(layers: int, pp: int, vpp: int, schedule: str, head: float) ->
                 best, best_key = (first, last), (round(b[0], 6), b[1])
     out = []
     if even is not None:
-        out.append((0, 0))
+        out.append((0, 0, False, False))
     if best is not None and (even is None or best_key[0] < round(even[0], 6) - 1e-6):
-        out.append(best)
+        out.append((*best, False, False))
+    # Megatron's split: the embedding's time is not priced (a lookup), so it only moves a layer off rank 0.
+    ends, ends_key = None, None
+    for embedding, loss in ENDS:
+        b = _bottleneck(layers, pp, vpp, schedule, 0, 0, head, embedding, loss)
+        if b is not None and (ends_key is None or (round(b[0], 6), b[1]) < ends_key):
+            ends, ends_key = (0, 0, embedding, loss), (round(b[0], 6), b[1])
+    keys = [k for k in ((round(even[0], 6), even[1]) if even else None, best_key if best else None) if k]
+    if ends is not None and (not keys or ends_key[0] < min(keys)[0] - 1e-6):
+        out.append(ends)
     return tuple(out)
 
 
@@ -178,12 +194,14 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                     for schedule, vpp in pipeline_options(cfg, pp, m, schedules, fixed.get("vpp")):
                         splits = split_options(cfg.layers, pp, vpp, schedule, head)
                         te_splits = split_options(cfg.layers, pp, vpp, schedule, te_head)
-                        for first, last in splits + tuple(s for s in te_splits if s not in splits):
+                        if given := _given_split(cfg.layers, pp, vpp, fixed):  # --layout names the split
+                            splits = te_splits = given
+                        for first, last, emb, loss in splits + tuple(s for s in te_splits if s not in splits):
                             for sp in cp_sp:
                                 for style in (dp_styles if dp > 1 else ("replicate",)):
                                     if schedule == "zero_bubble" and (style == "distopt" or w.framework == "megatron"):
                                         continue  # Megatron-Core's schedules are 1F1B and interleaved only
-                                    if (first, last) not in (te_splits if style == "distopt" else splits):
+                                    if (first, last, emb, loss) not in (te_splits if style == "distopt" else splits):
                                         continue
                                     for ep in ep_options(cfg, dp, cp, tp, sp):
                                         if fixed.get("ep", ep) != ep:
@@ -191,7 +209,23 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                                         for rec in recompute_modes:
                                             yield Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, micro_batch=mbs,
                                                          sp=sp, recompute=rec, dp_style=style, schedule=schedule,
-                                                         first_stage_layers=first, last_stage_layers=last)
+                                                         first_stage_layers=first, last_stage_layers=last,
+                                                         embedding_in_split=emb, loss_in_split=loss)
+
+
+SPLIT_FIELDS = ("first_stage_layers", "last_stage_layers", "embedding_in_split", "loss_in_split")
+
+
+def _given_split(layers: int, pp: int, vpp: int, fixed: dict) -> tuple[tuple[int, int, bool, bool], ...] | None:
+    """The split `--layout` fixes (any of SPLIT_FIELDS named; the others at their defaults), as the only one to
+    price when it is valid; () when it is not; None when `--layout` leaves the split to the search."""
+    if not any(k in fixed for k in SPLIT_FIELDS):
+        return None
+    split = (fixed.get("first_stage_layers", 0), fixed.get("last_stage_layers", 0),
+             fixed.get("embedding_in_split", False), fixed.get("loss_in_split", False))
+    if pp == 1:
+        return ((0, 0, False, False),) if split == (0, 0, False, False) else ()
+    return (split,) if valid_split(layers, pp * vpp, *split) is not None else ()
 
 
 def _matches(lay: Layout, fixed: dict) -> bool:
@@ -235,7 +269,8 @@ def parse_layout(text: str, gpus: int) -> dict:
              "micro_batch": "micro_batch", "sp": "sp", "recompute": "recompute", "recompute_layers": "recompute_layers",
              "dp_style": "dp_style", "style": "dp_style", "schedule": "schedule",
              "first": "first_stage_layers", "first_stage_layers": "first_stage_layers",
-             "last": "last_stage_layers", "last_stage_layers": "last_stage_layers"}
+             "last": "last_stage_layers", "last_stage_layers": "last_stage_layers",
+             "embedding_in_split": "embedding_in_split", "loss_in_split": "loss_in_split"}
     out: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         if "=" not in part:
@@ -244,9 +279,9 @@ def parse_layout(text: str, gpus: int) -> dict:
         if key not in names:
             raise UserError(f"--layout key {key!r} is unknown; valid keys: {', '.join(sorted(names))}")
         field = names[key]
-        if field == "sp":
+        if field in ("sp", "embedding_in_split", "loss_in_split"):
             if value.lower() not in ("true", "false", "1", "0"):
-                raise UserError(f"--layout sp={value!r} must be true or false")
+                raise UserError(f"--layout {key}={value!r} must be true or false")
             out[field] = value.lower() in ("true", "1")
         elif field == "recompute":
             if value not in RECOMPUTE:
@@ -299,12 +334,12 @@ def search_layout(w: Workload, fields: dict, **kwargs) -> tuple[list[Estimate], 
         return results, {**info, "searched": sorted(set(SEARCHED) - set(fields))}
     fields = dict(fields)
     pp, vpp = fields.get("pp", 1), fields.get("vpp", 1)
-    if "first_stage_layers" not in fields and split_problem(w.model.layers, pp, vpp, 0, 0):
+    if not any(k in fields for k in SPLIT_FIELDS) and split_problem(w.model.layers, pp, vpp, 0, 0):
         schedule = fields.get("schedule", "1f1b")
         kw = with_te_kernels(w) if fields.get("dp_style") == "distopt" else w  # the head against the layer it runs
         options = split_options(w.model.layers, pp, vpp, schedule, head_weight(kw, fields.get("tp", 1), fields.get("cp", 1)))
         if options:
-            fields["first_stage_layers"], fields["last_stage_layers"] = options[-1]
+            fields.update(zip(SPLIT_FIELDS, options[-1]))
     try:
         estimate = evaluate_layout(w, fields)
     except UserError as exc:
@@ -317,7 +352,7 @@ def search_layout(w: Workload, fields: dict, **kwargs) -> tuple[list[Estimate], 
     return [estimate], {"considered": max(1, info["considered"]), "fit": 0, "searched": []}
 
 
-SEARCHED = ("dp_style", "micro_batch", "vpp", "schedule", "recompute", "first_stage_layers", "sp")
+SEARCHED = ("dp_style", "micro_batch", "vpp", "schedule", "recompute", "first_stage_layers", "embedding_in_split", "sp")
 
 
 def evaluate_layout(w: Workload, fields: dict) -> Estimate:
@@ -326,7 +361,8 @@ def evaluate_layout(w: Workload, fields: dict) -> Estimate:
     lay = Layout(**fields)
     problems = []
     problems += [f"tp={lay.tp}: {reason}" for reason in tp_problems(lay.tp, cfg, w.seq_len, lay.sp)]
-    split = split_problem(cfg.layers, lay.pp, lay.vpp, lay.first_stage_layers, lay.last_stage_layers)
+    split = split_problem(cfg.layers, lay.pp, lay.vpp, lay.first_stage_layers, lay.last_stage_layers,
+                          lay.embedding_in_split, lay.loss_in_split)
     if split:  # in --layout's names
         problems.append(split.replace("parallel.first_stage_layers", "first").replace(
             "parallel.last_stage_layers", "last").replace("parallel.", ""))

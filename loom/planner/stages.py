@@ -53,11 +53,12 @@ def _held(pp: int, vpp: int, schedule: str, rank: int, m: int) -> tuple[float, .
 
 @lru_cache(maxsize=65536)
 def pipeline_ranks(layers: int, pp: int, vpp: int, schedule: str, first: int, last: int,
-                   m: int) -> tuple[StageShape, ...] | None:
-    """The distinct rank shapes of a pipeline (None when the split is impossible)."""
+                   m: int, embedding: bool = False, loss: bool = False) -> tuple[StageShape, ...] | None:
+    """The distinct rank shapes of a pipeline (None when the split is impossible). `embedding` / `loss`: the
+    split counts the embedding / the head and loss as a layer (a chunk may then hold no transformer layer)."""
     if pp == 1:
-        return (_shape((layers,), True, True, (1.0,)),)
-    counts = valid_split(layers, pp * vpp, first, last)
+        return None if embedding or loss else (_shape((layers,), True, True, (1.0,)),)
+    counts = valid_split(layers, pp * vpp, first, last, embedding, loss)
     if counts is None:
         return None
     shapes = []
@@ -72,7 +73,7 @@ def rank_shapes(w: Workload, lay: Layout) -> tuple[StageShape, ...]:
     """The distinct rank shapes of a layout's pipeline (ValueError when its layers cannot be split so)."""
     m = w.global_batch // (lay.dp * lay.micro_batch)
     shapes = pipeline_ranks(w.model.layers, lay.pp, lay.vpp, lay.schedule, lay.first_stage_layers,
-                            lay.last_stage_layers, m)
+                            lay.last_stage_layers, m, lay.embedding_in_split, lay.loss_in_split)
     if shapes is None:
         raise ValueError(f"{w.model.layers} layers cannot be split as {lay}")
     return shapes

@@ -143,17 +143,17 @@ def step_time(w: Workload, lay: Layout) -> dict:
         fwd_mb = sum(lt.fwd.values()) * n_layers
         if lay.dp_style == "replicate":
             grad = coll("all_reduce", gb)
-            dp_comm = max(grad - bwd_mb, grad / n_layers) if w.overlap_grad_reduce else grad
+            dp_comm = max(grad - bwd_mb, grad / max(n_layers, 1)) if w.overlap_grad_reduce else grad
         elif lay.dp_style == "distopt":
             grad = coll("reduce_scatter", gb)
             gather = coll("all_gather", 2)
-            hidden_grad = max(grad - bwd_mb, grad / n_layers) if w.overlap_grad_reduce else grad
-            dp_comm = hidden_grad + max(gather - fwd_mb, gather / n_layers)
+            hidden_grad = max(grad - bwd_mb, grad / max(n_layers, 1)) if w.overlap_grad_reduce else grad
+            dp_comm = hidden_grad + max(gather - fwd_mb, gather / max(n_layers, 1))
         else:
             gather = coll("all_gather", 2)
             grad = coll("reduce_scatter", 4)
-            hidden_gather = max(gather - fwd_mb, gather / n_layers)
-            hidden_grad = max(grad - bwd_mb, grad / n_layers)
+            hidden_gather = max(gather - fwd_mb, gather / max(n_layers, 1))
+            hidden_grad = max(grad - bwd_mb, grad / max(n_layers, 1))
             if lay.pp > 1:
                 # Pipeline stages gather their weights once per step and keep them; the schedule reduces
                 # gradients after the stage's last backward, with no backward left to hide behind.
@@ -163,7 +163,7 @@ def step_time(w: Workload, lay: Layout) -> dict:
                 # (prefetched, overlapping the previous layer); gradients reduce-scattered every
                 # micro-batch (sharded accumulation) or after the last one.
                 sharded = grads_stay_sharded(w.grad_accum, lay.pp, m)
-                dp_comm = m * (hidden_gather + max(gather - bwd_mb, gather / n_layers)) + (m if sharded else 1) * hidden_grad
+                dp_comm = m * (hidden_gather + max(gather - bwd_mb, gather / max(n_layers, 1))) + (m if sharded else 1) * hidden_grad
         if w.fsdp2 and lay.dp_style in ("fsdp", "replicate") and not priced_as_megatron(w, lay):
             step["fsdp_copy"] = hbm_time(gpu, fsdp2_copy_bytes(w, lay, dense, experts, m))
     step["dp_comm"] = dp_comm

@@ -195,6 +195,10 @@ class Layout:
     # the other chunks splitting the rest evenly; 0 = even split.
     first_stage_layers: int = 0
     last_stage_layers: int = 0
+    # Megatron-Core's split counting the embedding / the head and loss as a layer each (loom's
+    # parallel.embedding_in_split / loss_in_split): pp x vpp up to layers + 2.
+    embedding_in_split: bool = False
+    loss_in_split: bool = False
 
     @property
     def world(self) -> int:
@@ -221,6 +225,7 @@ class Estimate:
             "micro_batch": lay.micro_batch, "sp": lay.sp, "recompute": rec,
             "recompute_layers": lay.recompute_layers, "dp_style": lay.dp_style, "schedule": lay.schedule,
             "first_stage_layers": lay.first_stage_layers, "last_stage_layers": lay.last_stage_layers,
+            "embedding_in_split": lay.embedding_in_split, "loss_in_split": lay.loss_in_split,
             "step_time_s": round(self.step_time_s, 6),
             "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 3),
             "tflops_per_gpu": round(self.tflops_per_gpu, 3),
