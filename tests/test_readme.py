@@ -119,7 +119,12 @@ def test_readme_command_passes_loom_checks(name, line, argv, scratch):
     cfg = load_config(args.config, split_overrides(extra))
     recipe = recipe_for(args.command)
     recipe.check(cfg)
-    check_layout(cfg, args.nproc * args.nnodes, recipe=recipe.command)
+    nproc = args.nproc
+    if args.command == "rl":  # rl.mode=async: the generation ranks are not the layout's (as loom.cli splits them)
+        from loom.post.rl.async_loop import training_processes
+
+        nproc = training_processes(cfg, args.nproc, args.nnodes)
+    check_layout(cfg, nproc * args.nnodes, recipe=recipe.command)
     if cfg.recompute.mode == "budget" and cfg.parallel.tp == 1:
         plan_budget(cfg)  # on the meta device, as the trainer plans a rank without tensor parallelism
 

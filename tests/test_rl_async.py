@@ -114,26 +114,39 @@ def test_weight_broadcast_equals_a_full_refit():
     store = dist.HashStore()
     chunks = async_loop._chunks(policy, 0)
     store.set("trainer/0", __import__("pickle").dumps((0, [(n, off, s, f) for n, _, off, s, f in chunks])))
-    received = {}
-
-    def generation():
-        received["s"] = async_loop.WeightReceiver(store, 0, 1, 1, engine, 60).receive()
-
-    thread = threading.Thread(target=generation)
+    made = {}
+    # The two sides' groups meet in two threads; the broadcasts are then issued (gloo sends them from its own
+    # threads) before this thread receives them.
+    thread = threading.Thread(target=lambda: made.update(receiver=async_loop.WeightReceiver(store, 0, 1, 1, engine, 60)))
     thread.start()
     group = async_loop._pair_group(store, 0, 0, 1, 60)
+    thread.join(60)
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    # Issued without waiting here: a wait in this thread would keep the receiving thread from running.
     flats = [torch.cat([chunks[i][1].detach().reshape(-1) for i in bucket])
              for bucket in async_loop._buckets([c[1].numel() for c in chunks], 4)]
     works = [group.broadcast([flat], opts) for flat in flats]
-    thread.join(60)
+    made["receiver"].receive()
     for work in works:
         work.wait()
-    assert "s" in received
     want = dict(refitted.model.named_parameters())
     got = dict(engine.model.named_parameters())
     assert want.keys() == got.keys()
     for name in want:
         assert torch.equal(want[name], got[name]), name
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "needs --nproc > 1"),
+    (["--nproc=3", "--rl.generation_ranks=3"], "needs --nproc > 3"),
+    (["--nproc=2", "--rl.max_staleness=-1"], "rl.max_staleness=-1 must be an integer >= 0"),
+    (["--nproc=2", "--rl.generation_ranks=0"], "rl.generation_ranks"),
+    (["--nproc=2", "--rl.algorithm=ppo", "--rl.group_size=1"], "grpo only"),
+    (["--nproc=2", "--lora.rank=4"], "LoRA"),
+])
+def test_bad_async_settings_exit_2(tmp_path, capsys, extra, message):
+    argv = ["rl", "--config", "tiny-grpo", "--run-dir", str(tmp_path / "run"), *[f"--{o}" for o in RL],
+            "--rl.mode=async", *extra]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -29,8 +29,8 @@ Preemption and resume. In-flight rollouts are not saved: a resumed run's generat
 checkpoint's weights (version = the resumed step) and regenerate the steps that follow, so a resumed async run
 with K > 0 trains on fresher rollouts than the uninterrupted one would have (K = 0 resumes exactly).
 
-Not yet: tensor-parallel generation ranks, generation ranks on other nodes than training rank 0, PPO and LoRA
-(refused before launch, loom.post.rl.recipe.RL.check_settings).
+Not yet: tensor-parallel generation ranks, generation ranks on other nodes than training rank 0, PPO, LoRA,
+rl.dynamic_sampling and rl.environment (refused before launch, `check_async`).
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ def check_async(cfg) -> None:
     rl = cfg.rl
     if rl.algorithm != "grpo":
         raise UserError(f"rl.mode=async trains rl.algorithm=grpo only (got {rl.algorithm!r}); use rl.mode=sync for ppo")
+    for name, on in (("rl.dynamic_sampling", rl.dynamic_sampling), ("rl.environment", rl.environment)):
+        if on:  # their extra rollouts / episodes run in the trainer's process today
+            raise UserError(f"rl.mode=async does not do {name} yet (got {name}={on!r}); use rl.mode=sync with it")
     if cfg.lora.enabled:
         raise UserError(f"rl.mode=async does not broadcast LoRA adapters yet (lora.rank={cfg.lora.rank}); use "
                         "rl.mode=sync or lora.rank=0")
@@ -319,6 +322,7 @@ def _generate(recipe_class, cfg, store, index: int, trainers: int, start: int, t
     side.trainer = SimpleNamespace(cfg=cfg, tokenizer=tokenizer)
     side.engine = rollout_engine(cfg, model, tokenizer.decode)
     side.stop_ids, side.stop_texts = stops(cfg, tokenizer)
+    side.environment = None  # single completions (check_async)
     receiver = WeightReceiver(store, index, trainers, rl.generation_ranks, side.engine, t.collective_timeout_s)
     receiver.receive()
     version = start
