@@ -26,10 +26,12 @@ def test_megatron_moe_flop_count_is_the_one_the_model_zoo_reports():
 def test_heldout_rows_carry_their_sources_and_published_step_times(heldout):
     from loom.planner.validation import tokens_seconds
 
-    assert len(heldout) == 7
+    assert len(heldout) == 9
     for name, (w, fixed, seconds, source, routing) in heldout.items():
         assert "github.com" in source and routing and seconds > 0, name
-        assert w.gpu.name == "h100" and w.framework == "megatron" and w.model.moe_layers, name
+        # Megatron-Core's runs priced as Megatron; NeMo AutoModel's (PyTorch FSDP2) as loom's runtime with fused kernels
+        assert w.framework == ("loom" if name.startswith("automodel-") else "megatron"), name
+        assert w.gpu.name == "h100" and w.model.moe_layers, name
         assert fixed.get("tp", 1) * fixed.get("pp", 1) * fixed.get("cp", 1) * fixed["dp"] == w.gpus, name
     # Megatron-Bridge rows: GBS x 4096 tokens at the published tokens/s/GPU
     assert heldout["bridge-qwen3-30b-ep16-fp8"][2] == pytest.approx(1024 * 4096 / (8826 * 16), rel=1e-12)
@@ -67,3 +69,50 @@ def test_megatron_moe_layer_keeps_the_gate_weight_not_the_expert_output():
     loom = rows * (e * h + 4 * e * fe + e * h) + s * b * (4 * h + 2 * 4 * E) - s * b * 4 * e * f
     assert moe_activation_delta(replace(w, precision="bf16", framework="loom"), s, lay, "none", e, False) == (
         pytest.approx(loom, rel=1e-12))
+
+
+def test_megatron_attention_keeps_q_and_out_at_heads_times_head_dim():
+    # Qwen3-235B-A22B: 64 query heads of 128 (8192 wide) over hidden 4096, 4 groups (k, v 512 wide each). TE's
+    # attention keeps q, k, v and out at their widths; the rest of the layer as before (norm inputs and their
+    # normalised outputs, fc1's output and fc2's input of a 12288 MLP, fp32 log-sum-exp).
+    from loom.planner.memory import megatron_layer_activation_bytes
+
+    cfg = published_moe_runs()["zoo-qwen3-235b-tp2-ep32"][0].model
+    s, b, e, tp = 4096, 1, 2, 2
+    h, f = 4096, 12288
+    want = (2 * (e + e) * s * b * h / tp + (e * s * b * (2 * 8192 + 2 * 512) + (2 * e + e) * s * b * f + 4 * 64 * s * b) / tp)
+    assert megatron_layer_activation_bytes(cfg, s, b, tp, True, "none", e, False) == pytest.approx(want, rel=1e-12)
+    # fp8: the normalised inputs and fc2's input as 1-byte casts, plus the out-projection's fp8 copy of its input
+    want8 = (2 * (e + 1) * s * b * h / tp + (e * s * b * (2 * 8192 + 2 * 512) + 1 * s * b * 8192
+                                              + (2 * e + 1) * s * b * f + 4 * 64 * s * b) / tp)
+    assert megatron_layer_activation_bytes(cfg, s, b, tp, True, "none", e, True) == pytest.approx(want8, rel=1e-12)
+    # head_dim = hidden / heads (Llama): the old hidden x (2 + 2g/a) is the same count
+    llama = published_moe_runs()["dgxc-grok1-314b-bf16"][0].model
+    a, g = llama.heads, llama.kv_heads
+    assert llama.heads * llama.head_dim == llama.hidden
+    got = megatron_layer_activation_bytes(llama, s, b, 1, False, "selective", e, False)
+    hh, ff = llama.hidden, llama.ffn_hidden
+    assert got == pytest.approx(2 * 2 * e * s * hh + e * s * hh * (2 + 2 * g / a) + 3 * e * s * ff, rel=1e-12)
+
+
+def test_automodel_deepep_experts_keep_what_their_weighted_swiglu_keeps(heldout):
+    # NeMo AutoModel's DeepEP experts (GPT-OSS-20B: 32 experts of 2880, top-4, hidden 2880; bf16, MBS 2):
+    # per routed row the dispatched input (e h), fc1's gated output (2 e fe), the weighted SwiGLU's output
+    # (e fe) and the row's fp32 gate weight; per token the router's fp32 input copy, logits and probabilities;
+    # less the dense SwiGLU MLP loom's layer formula counts (4 e f).
+    from dataclasses import replace
+
+    from loom.planner.memory import gate_in_activation, moe_activation_delta
+    from loom.planner.workload import Layout
+
+    w, fixed, *_ = heldout["automodel-gpt-oss-20b"]
+    assert gate_in_activation(w, False) and not gate_in_activation(replace(w, moe_dispatcher="alltoall"), False)
+    assert not gate_in_activation(replace(w, elementwise_kernels="auto"), False)
+    lay = Layout(dp=8, ep=8, micro_batch=2)
+    s, b, e, h, fe, k, E = 4096, 2, 2, 2880, 2880, 4, 32
+    rows = s * b * k
+    want = rows * (e * h + 3 * e * fe + 4) + s * b * (4 * h + 2 * 4 * E) - s * b * 4 * e * 2880
+    assert moe_activation_delta(w, s, lay, "none", e, False) == pytest.approx(want, rel=1e-12)
+    loom = rows * (e * h + 4 * e * fe + e * h) + s * b * (4 * h + 2 * 4 * E) - s * b * 4 * e * 2880
+    assert moe_activation_delta(replace(w, elementwise_kernels="loom"), s, lay, "none", e, False) == pytest.approx(
+        loom, rel=1e-12)

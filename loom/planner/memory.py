@@ -37,7 +37,11 @@ def megatron_layer_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch:
     replicated = 2 * (e + lin) * s * b * h  # two norm inputs and their normalised outputs
     if cfg.dropout > 0:
         replicated += 2 * s * b * h  # 1-byte masks after each sub-block
-    attn = e * s * b * h * (2 + 2 * g / a) + (lin * s * b * h if fp8 else 0)
+    # q and the attention output are heads x head_dim wide, k and v kv_heads x head_dim: TE's DotProductAttention
+    # saves q, k, v and out at their own widths (hidden x (2 + 2g/a) only when head_dim = hidden / heads; Qwen3's
+    # 64 heads of 128 over hidden 4096 keep twice that for q and out)
+    qw, kvw = a * cfg.head_dim, g * cfg.head_dim
+    attn = e * s * b * (2 * qw + 2 * kvw) + (lin * s * b * qw if fp8 else 0)
     mlp = ((2 if cfg.mlp == "swiglu" else 1) * e + lin) * s * b * f
     core = 0.0 if recompute == "selective" else 4 * a * s * b
     return replicated / sp_div + (attn + mlp + core) / tp
@@ -65,6 +69,17 @@ def compiled_layer_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch:
     return s * b * (act_bytes * (7 * h + 2 * h * g / a + gated * f) + 4 * a + 8)
 
 
+def gate_in_activation(w: Workload, mega: bool) -> bool:
+    """Whether the routed experts multiply each row by its gate weight inside a fused weighted SwiGLU rather
+    than in the combine: Megatron-Core's grouped experts (TEGroupedMLP with --moe-permute-fusion and the alltoall
+    or flex dispatcher: megatron/core/transformer/moe/experts.py bias_act_func -> fusions/fused_bias_swiglu.py
+    weighted_bias_swiglu_impl; the unpermute then runs without probs), and NeMo AutoModel's DeepEP experts
+    (github.com/NVIDIA-NeMo/Automodel nemo_automodel/components/moe/experts.py GroupedExpertsDeepEP.forward:
+    gmm, expert_activation(output1, permuted_probs), gmm), a fused-kernel stack (`elementwise_kernels="fused"`)
+    with the DeepEP dispatcher. loom's own experts multiply in the combine (loom/models/moe.py)."""
+    return mega or (w.elementwise_kernels == "fused" and w.moe_dispatcher == "deepep")
+
+
 def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: int, mega: bool) -> float:
     """Bytes an MoE layer keeps for backward beyond a dense layer of the same model, on one rank. The dense
     MLP's activations go; per routed row (tokens x top_k x the busiest rank's load over the mean) come the
@@ -86,20 +101,18 @@ def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: in
     gated = cfg.mlp == "swiglu"
     lin = 1 if mega and w.precision == "fp8" else e
 
-    def mlp(width: float) -> float:  # one token's MLP activations at this width
-        return ((2 if gated else 1) * e + lin) * width if mega else (4 if gated else 2) * e * width
+    def mlp(width: float, fused: bool = mega) -> float:  # one token's MLP activations at this width
+        return ((2 if gated else 1) * e + lin) * width if fused else (4 if gated else 2) * e * width
 
     span = w.experts_over_tp(lay.tp, lay.sp, lay.ep)
     tokens = s * b // lay.tp if span else s * b  # the tokens this rank routes
     rows = tokens * k * w.moe_imbalance
     # After the experts' second GEMM: loom multiplies each row's output by its gate weight in the combine and
-    # keeps that output for the weight's gradient (e*h). Megatron-Core's grouped experts (TEGroupedMLP, with
-    # --moe-permute-fusion and the alltoall or flex dispatcher; megatron/core/transformer/moe/experts.py,
-    # bias_act_func -> fusions/fused_bias_swiglu.py weighted_bias_swiglu_impl) fold the gate weight into the
-    # fused SwiGLU, which keeps each row's fp32 weight (4 bytes); the unpermute runs without probs and keeps
-    # nothing, so the expert output is not kept.
-    after = 4 if mega else e * h
-    routed = rows * (lin * h + mlp(fe) + after)
+    # keeps that output for the weight's gradient (e*h). Stacks that fold the gate weight into a fused SwiGLU
+    # (`gate_in_activation`) keep each row's fp32 weight (4 bytes) instead, and of the MLP only fc1's output and
+    # fc2's input; their combine keeps nothing.
+    fused = gate_in_activation(w, mega)
+    routed = rows * (lin * h + mlp(fe, fused) + (4 if fused else e * h))
     router = tokens * ((0 if mega else 4 * h) + 2 * 4 * E)
     shared = tokens * mlp(fs)
     if lay.tp > 1 and lay.sp and not span:

@@ -446,6 +446,26 @@ def published_moe_heldout_runs() -> dict:
                 "recomputation: qwen3_llm_pretrain.py clears it)",
                 "forced balanced (the summary: force-balanced token distribution, dropless)")
 
+    def gpt_oss(layers, experts):
+        """GPT-OSS (openai/gpt-oss-20b and -120b config.json): hidden 2880, 64 query heads of 64 over 8 groups,
+        experts of 2880, top-4, vocabulary 201,088, untied. Its alternate layers' 128-token sliding window and
+        attention sinks are priced as full causal attention (about 5% of the step at 4096 tokens, an over-count
+        of time; none of memory: flash and flex attention keep no score matrix)."""
+        return moe(ModelConfig(layers=layers, hidden=2880, heads=64, kv_heads=8, explicit_head_dim=64, ffn_hidden=2880,
+                               vocab_size=201088, max_seq_len=4096, qkv_bias=True), experts, 4, 2880)
+
+    def automodel(model, gpus, batch, mbs, seconds, config, kernels):
+        """NeMo AutoModel (PyTorch FSDP2 + EP, TE linears and norms, DeepEP/HybridEP, fake balanced gate), as
+        `published_runs`' automodel-qwen3-30b-a3b; its MaskedCrossEntropy (fp32_upcast false) computes whole
+        logits (no loss chunk)."""
+        w = Workload(model, 4096, batch, gpus, h100, attention_kernel="fused", elementwise_kernels="fused",
+                     moe_dispatcher="deepep")
+        return (w, dict(tp=1, pp=1, ep=gpus, dp=gpus, micro_batch=mbs, dp_style="fsdp", recompute="none"), seconds,
+                "NeMo AutoModel performance summary (github.com/NVIDIA-NeMo/Automodel docs/performance-summary.mdx, "
+                f"commit cb9765441, DGX-H100 BF16 table): {config}, {gpus} H100, bf16, FSDP{gpus} + EP{gpus}, MBS "
+                f"{mbs}, GBS {batch}, seq 4096, {kernels}, {seconds} s/step; config examples/llm_benchmark/gpt_oss/",
+                "forced balanced (fake balanced gate)")
+
     return {
         "zoo-qwen3-235b-16k-cp1": zoo_long(16384, 1, 295),
         "zoo-qwen3-235b-32k-cp2": zoo_long(32768, 2, 335),
@@ -467,6 +487,10 @@ def published_moe_heldout_runs() -> dict:
             qwen3_30b, 16, 1024, 8826, "4ab94dfad", "26.06", "QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 (TP1 "
             "PP1 EP16 over 16 GPUs, ETP1, HybridEP flex dispatcher priced as DeepEP, no all-to-all overlap; 26.04 "
             "and 26.04.01 reported 8,901 and 8,960)", ep=16, flex=True),
+        "automodel-gpt-oss-20b": automodel(gpt_oss(24, 32), 8, 256, 2, 10.04, "GPT-OSS 20B",
+                                           "TE + DeepEP + FlexAttn (gptoss_20b_te_deepep.yaml)"),
+        "automodel-gpt-oss-120b": automodel(gpt_oss(36, 128), 64, 512, 2, 4.30, "GPT-OSS 120B",
+                                            "TE + DeepEP (gptoss_120b_te_deepep.yaml)"),
     }
 
 
