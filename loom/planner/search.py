@@ -331,7 +331,8 @@ def search_layout(w: Workload, fields: dict, **kwargs) -> tuple[list[Estimate], 
         raise UserError(f"--layout is not valid for this model: {problem}")
     results, info = search(w, fixed=fields, top=0, **kwargs)
     if results:
-        return results, {**info, "searched": sorted(set(SEARCHED) - set(fields))}
+        named = set(fields) | (set(SPLIT_FIELDS) if any(k in fields for k in SPLIT_FIELDS) else set())  # one split
+        return results, {**info, "searched": sorted(set(SEARCHED) - named)}
     fields = dict(fields)
     pp, vpp = fields.get("pp", 1), fields.get("vpp", 1)
     if not any(k in fields for k in SPLIT_FIELDS) and split_problem(w.model.layers, pp, vpp, 0, 0):
