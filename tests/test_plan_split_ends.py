@@ -79,3 +79,18 @@ def test_published_96_chunks_for_94_layers_is_priced():
     best = predict(w, fixed)
     assert best is not None and best.fits
     assert (best.layout.pp, best.layout.vpp, best.layout.embedding_in_split, best.layout.loss_in_split) == (32, 3, True, True)
+
+
+def test_rule_book_splits_the_units_evenly():
+    """loom.rules.split_layers, by hand: L + 2 units over pp x vpp chunks, one transformer layer fewer at each
+    counted end; refusals name what is wrong and what is valid."""
+    from loom.rules import split_layers, split_problem
+
+    assert split_layers(94, 96, embedding=True, loss=True) == [0] + [1] * 94 + [0]  # the model zoo's PP32 x VPP3
+    assert split_layers(94, 32, embedding=True, loss=True) == [2] + [3] * 30 + [2]  # 96 units, 3 a chunk
+    assert split_layers(5, 2, embedding=True) == [2, 3] and split_layers(5, 3, loss=True) == [2, 2, 1]
+    assert split_problem(4, 2, 3) is not None and split_problem(4, 2, 3, embedding=True, loss=True) is None
+    assert "valid pp x vpp: 2, 3, 6" in split_problem(4, 4, 1, embedding=True, loss=True)
+    assert "need parallel.pp > 1" in split_problem(4, 1, 1, embedding=True)
+    both = split_problem(8, 2, 1, first=3, embedding=True)
+    assert "parallel.first_stage_layers=3" in both and "parallel.embedding_in_split=true" in both
