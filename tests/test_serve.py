@@ -449,6 +449,10 @@ def test_tensor_parallel_serving_equals_one_process(tiny, tmp_path):
         sampled = client.completions.create(model=tiny.name, prompt=PROMPTS[1], max_tokens=8, temperature=0.9,
                                             seed=11, n=2)
         again = client.completions.create(model=tiny.name, prompt=PROMPTS[2], max_tokens=4, temperature=0)
+        # issue 57: every rank scores the prompt in the same step; penalties sample the same on every rank
+        scored = client.completions.create(model=tiny.name, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=1)
+        penalised = client.completions.create(model=tiny.name, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                              presence_penalty=1.5, extra_body={"repetition_penalty": 1.3})
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -459,6 +463,7 @@ def test_tensor_parallel_serving_equals_one_process(tiny, tmp_path):
         log.close()
     from loom import load_model
     from loom.data.tokenizer import Tokenizer
+    from loom.post.chat import stop_token_ids
 
     tok = Tokenizer.from_file(tiny / "tokenizer.json")
     engine = Engine(load_model(str(tiny)), max_batch=4, max_len=CONTEXT)
@@ -470,6 +475,14 @@ def test_tensor_parallel_serving_equals_one_process(tiny, tmp_path):
     assert max(abs(a - b) for a, b in zip(got.choices[0].logprobs.token_logprobs, greedy.logprobs)) < 1e-5
     assert [c.token_ids for c in sorted(sampled.choices, key=lambda c: c.index)] == [s0.tokens, s1.tokens]
     assert again.choices[0].token_ids == last.tokens
+    ids = tok.encode(PROMPTS[0])
+    with torch.no_grad():
+        logp = engine.model(torch.tensor([ids]))[0].double().log_softmax(-1)
+    want = [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert max(abs(a - b) for a, b in zip(scored.choices[0].logprobs.token_logprobs[1:], want)) < 1e-5
+    p = SamplingParams(max_new_tokens=8, presence_penalty=1.5, repetition_penalty=1.3,
+                       stop_token_ids=stop_token_ids(tok))
+    assert penalised.choices[0].token_ids == engine.generate([ids], p)[0].tokens != greedy.tokens
 
 
 def _sharded_serve_rank(model: str, prompts: list[list[int]]):
