@@ -9,8 +9,10 @@ downloaded) and each library that imports: the schema below compiled once (`comp
 preparation counted apart as `tokenizer_ms`), then a valid document's tokens replayed --repeats times through a
 fresh matcher: per token, the mask of allowed next tokens computed (as a bitmask the sampler can apply) and the
 token consumed. `mask_us`: microseconds per token, median and p90 over tokens of all repeats, and the mean.
-A library that does not import (not installed) or fails is reported with its error. The JSON (machine, torch,
-versions, commit, command, results) is written at the end.
+A library that does not import (not installed) or fails is reported with its error. `--engine`: also loom's engine
+on a random model (4 layers, hidden 256, the largest --vocab), --batch greedy requests of --engine-tokens new
+tokens, free and under the schema (llguidance, as `loom serve` runs it): decode tokens per second of each
+(`engine` in the JSON). The JSON (machine, torch, versions, commit, command, results) is written at the end.
 """
 
 from __future__ import annotations
@@ -135,6 +137,41 @@ def run_outlines_core(tok, tokens, repeats):
     return version("outlines_core"), prep, compiled, times
 
 
+def run_engine(tok, batch: int, new_tokens: int) -> dict:
+    """Decode tokens/s of `batch` greedy requests on a random 4-layer model, free and schema-constrained."""
+    import torch
+
+    from loom.config import ModelConfig
+    from loom.infer.engine import Engine
+    from loom.infer.grammar import Grammars
+    from loom.infer.sampling import SamplingParams
+    from loom.models.llama import build_model
+
+    cfg = ModelConfig(layers=4, hidden=256, heads=4, kv_heads=2, ffn_hidden=768, vocab_size=tok.vocab_size,
+                      max_seq_len=512)
+    model = build_model(cfg, seed=0).eval()
+    prompts = [tok.encode(f"record {i}: ") for i in range(batch)]
+    grammars = Grammars(tok, tok.vocab_size, (tok.eod_id,))
+    grammar = grammars.json_schema(SCHEMA)
+    # no stop token: every request decodes new_tokens (a finished document allows only the end token: the
+    # constrained ones are given the end token as a stop they never see, so they run the same length)
+    params = SamplingParams(max_new_tokens=new_tokens)
+    out = {}
+    for mode in ("free", "schema", "free", "schema"):  # the second round is timed
+        engine = Engine(model, max_batch=batch, max_len=512, sync_every=4)
+        with torch.no_grad():
+            requests = [engine.submit(p, params, constraint=grammars.matcher(grammar) if mode == "schema" else None)
+                        for p in prompts]
+            engine.step()  # the prefill and a first window
+            start, tokens = time.perf_counter(), sum(len(r.out.tokens) for r in requests)
+            while not all(r.done for r in requests):
+                engine.step()
+            seconds = time.perf_counter() - start
+        out[mode] = round((sum(len(r.out.tokens) for r in requests) - tokens) / seconds, 1)
+    return {"batch": batch, "new_tokens": new_tokens, "vocab": tok.vocab_size,
+            "decode_tokens_per_s": out, "model": "layers=4 hidden=256 heads=4 kv_heads=2 ffn=768, fp32, random"}
+
+
 def version(name: str) -> str:
     from importlib.metadata import version as v
 
@@ -146,6 +183,9 @@ def main() -> int:
     p.add_argument("--vocab", type=int, nargs="+", default=[300, 32000])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", required=True)
+    p.add_argument("--engine", action="store_true", help="also time loom's engine, free and constrained")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--engine-tokens", type=int, default=64)
     args = p.parse_args()
     import torch
 
@@ -167,12 +207,16 @@ def main() -> int:
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             print(json.dumps(row), flush=True)
             results.append(row)
+    engine = run_engine(tok, args.batch, args.engine_tokens) if args.engine else None
+    if engine is not None:
+        print(json.dumps(engine), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     out = {"benchmark": "structured_mask", "schema": SCHEMA, "document": text,
            "machine": {"cpu": platform.processor() or platform.machine(), "platform": platform.platform(),
                        "python": platform.python_version(), "torch_threads": torch.get_num_threads()},
            "torch": torch.__version__, "commit": commit.stdout.strip(),
-           "command": "python " + " ".join(sys.argv), "results": results}
+           "command": "python " + " ".join(sys.argv), "results": results,
+           **({"engine": engine} if engine is not None else {})}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
