@@ -116,3 +116,26 @@ def test_automodel_deepep_experts_keep_what_their_weighted_swiglu_keeps(heldout)
     loom = rows * (e * h + 4 * e * fe + e * h) + s * b * (4 * h + 2 * 4 * E) - s * b * 4 * e * 2880
     assert moe_activation_delta(replace(w, elementwise_kernels="loom"), s, lay, "none", e, False) == pytest.approx(
         loom, rel=1e-12)
+
+
+def test_fused_kernel_stacks_keep_what_transformer_engine_layers_keep():
+    # A PyTorch stack of fused kernels (TE's RMSNorm and Linear, a fused SwiGLU: elementwise_kernels="fused")
+    # keeps per layer what Megatron + TE keeps (megatron_layer_activation_bytes), not loom's eager layer with its
+    # fp32 norm-input copies and four SwiGLU tensors (loom.flops.layer_activation_bytes).
+    from dataclasses import replace
+
+    from loom.config import ModelConfig
+    from loom.flops import layer_activation_bytes
+    from loom.planner.hardware import PRESETS
+    from loom.planner.memory import memory
+    from loom.planner.workload import Layout, Workload
+
+    cfg = ModelConfig(layers=4, hidden=1024, heads=8, kv_heads=2, ffn_hidden=2816, vocab_size=32000, max_seq_len=2048)
+    w = Workload(cfg, 2048, 1, 1, PRESETS["h100"], elementwise_kernels="fused", compile="off")
+    lay = Layout(dp_style="replicate")
+    s, h, f, a, g, e = 2048, 1024, 2816, 8, 2, 2
+    te = 2 * (e + e) * s * h + e * s * (2 * h + 2 * h * g / a) + 3 * e * s * f + 4 * a * s
+    assert memory(w, lay)["activations"] == pytest.approx(4 * te, rel=1e-12)
+    eager = layer_activation_bytes(cfg, s, 1, 1, False, "none", e)
+    assert eager > te
+    assert memory(replace(w, elementwise_kernels="loom"), lay)["activations"] == pytest.approx(4 * eager, rel=1e-12)

@@ -132,8 +132,11 @@ def memory(w: Workload, lay: Layout) -> dict:
     base = "selective" if lay.recompute == "selective" else "none"
     mega = priced_as_megatron(w, lay)
     fp8 = w.precision == "fp8"
-    if mega and cfg.attention != "math":
-        # Megatron-Core + TE; its context parallelism (TE's ring) keeps only the local keys/values.
+    if (mega or w.elementwise_kernels == "fused") and cfg.attention != "math":
+        # Megatron-Core + TE; its context parallelism (TE's ring) keeps only the local keys/values. A stack of
+        # fused kernels on PyTorch (`elementwise_kernels="fused"`: NeMo AutoModel's TE RMSNorm and Linear, Meta's)
+        # keeps the same per layer: a norm's 16-bit input and output, no fp32 copy of the input (loom's eager
+        # RMSNorm upcasts and keeps one), and a fused SwiGLU's input alone.
         per_layer = megatron_layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes, fp8)
     elif (w.runs_compiled(lay) and base == "none" and lay.tp == 1 and cfg.attention != "math" and not cfg.moe_layers
           and cfg.dropout == 0 and cfg.attn_dropout == 0):

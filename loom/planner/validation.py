@@ -169,12 +169,14 @@ def published_runs() -> dict:
             "Megatron-Core MoE (megatron/core/transformer/moe/README.md): Mixtral 8x7B, 64 H100, bf16, TP1 EP8 "
             "PP4 VPP8, 468 TFLOP/s/GPU; step time from TFLOP/s with loom's FLOP count (active experts)"),
         "automodel-qwen3-30b-a3b": (
-            Workload(qwen3_30b, 4096, 512, 8, h100, loss_chunk=4096, attention_kernel="fused", elementwise_kernels="fused"),
+            Workload(qwen3_30b, 4096, 512, 8, h100, loss_chunk=4096, attention_kernel="fused", elementwise_kernels="fused",
+                     state_dtype="bfloat16"),
             dict(tp=1, pp=1, ep=8, dp=8, micro_batch=4, dp_style="fsdp"), 21.773,
             "NeMo AutoModel performance summary (NVIDIA-NeMo/Automodel docs/performance-summary.md, 2025-10-02): "
             "Qwen3 MoE 30B, 8 H100, bf16, FSDP8 + EP8, PyTorch + TE (fused attention) + DeepEP, balanced gate, "
             "21.773 s/step; its "
-            "fused linear cross-entropy priced as a 4096-token loss chunk"),
+            "fused linear cross-entropy priced as a 4096-token loss chunk; the model built in bf16 (from_config's "
+            "torch_dtype auto), so torch.optim.Adam's moments are bf16 (state_dtype)"),
         "automodel-llama31-70b-fsdp-cp2": (
             Workload(llama3_70b, 8192, 128, 64, h100, framework="loom", attention_kernel="sdpa",
                      elementwise_kernels="fused"),
@@ -457,9 +459,13 @@ def published_moe_heldout_runs() -> dict:
     def automodel(model, gpus, batch, mbs, seconds, config, kernels):
         """NeMo AutoModel (PyTorch FSDP2 + EP, TE linears and norms, DeepEP/HybridEP, fake balanced gate), as
         `published_runs`' automodel-qwen3-30b-a3b; its MaskedCrossEntropy (fp32_upcast false) computes whole
-        logits (no loss chunk)."""
+        logits (no loss chunk). Its benchmark configs name no model dtype: from_config builds the model in bf16
+        (nemo_automodel/_transformers/auto_model.py, torch_dtype "auto" -> torch.bfloat16, so since the
+        summary's first release, 2025-10-06), and torch.optim.Adam keeps its moments in the parameters' dtype:
+        priced with bf16 moments (state_dtype); its bf16 weights and gradients are priced as loom's fp32 ones
+        (the planner has no knob for them: an over-count of 4 bytes per parameter on the rank's shard)."""
         w = Workload(model, 4096, batch, gpus, h100, attention_kernel="fused", elementwise_kernels="fused",
-                     moe_dispatcher="deepep")
+                     moe_dispatcher="deepep", state_dtype="bfloat16")
         return (w, dict(tp=1, pp=1, ep=gpus, dp=gpus, micro_batch=mbs, dp_style="fsdp", recompute="none"), seconds,
                 "NeMo AutoModel performance summary (github.com/NVIDIA-NeMo/Automodel docs/performance-summary.mdx, "
                 f"commit cb9765441, DGX-H100 BF16 table): {config}, {gpus} H100, bf16, FSDP{gpus} + EP{gpus}, MBS "
