@@ -434,6 +434,8 @@ def published_moe_heldout_runs() -> dict:
     def zoo_long(seq, cp, tflops):
         w = Workload(qwen3_235b, seq, 256, 256, h100, precision="bf16", framework="megatron", grad_dtype="float32",
                      moe_dispatcher="deepep")
+        # At CP8, dp = 1: Megatron's distributed optimizer still shards over dp x cp = 8 ranks, a style the
+        # search offers only for dp > 1 (loom/planner/search.py candidates), so that row finds no layout.
         return (w, layout(256, tp=4, pp=8, vpp=4, cp=cp, ep=8), megatron_moe_seconds(qwen3_235b, 256, seq, tflops, 256),
                 ZOO_LONG + f": seq {seq:,}, TP4 CP{cp}, {tflops} TFLOP/s/GPU (forced balance)",
                 "forced balanced (--moe-router-force-load-balancing)")
