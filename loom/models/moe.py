@@ -448,9 +448,23 @@ def step_stats(model: nn.Module, group=None) -> tuple[dict[str, torch.Tensor], l
     over layers), `moe_dropped` (fraction of assignments dropped by the capacity); loads [E] per MoE layer
     of the whole model: the tokens routed to each expert. Nothing (and no collective) for a dense model.
     """
+    stats = take_stats(model)
+    if stats is None:
+        return {}, []
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(stats, group=group)
+    return stats_metrics(stats)
+
+
+def take_stats(model: nn.Module) -> torch.Tensor | None:
+    """This rank's routing records since the last call, one row per MoE layer of the whole model ([layers,
+    experts + 5], zero rows for layers on other pipeline stages); resets them. None for a dense model. The
+    trainer sums them over the ranks in the step's one all-reduce, then reads them with `stats_metrics`."""
     n, slots = _slots(model)
     if not n:
-        return {}, []
+        return None
     e = next(m for _, m in slots).num_experts if slots else model.cfg.moe.experts
     device = next(model.parameters()).device
     stats = torch.zeros(n, e + 5, device=device)
@@ -458,10 +472,12 @@ def step_stats(model: nn.Module, group=None) -> tuple[dict[str, torch.Tensor], l
         if m.stats is not None:
             stats[row] = m.stats.to(device)
         m.stats = None
-    if group is not None:
-        import torch.distributed as dist
+    return stats
 
-        dist.all_reduce(stats, group=group)
+
+def stats_metrics(stats: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """(metrics, loads) of routing records summed over the ranks (`step_stats`)."""
+    e = stats.shape[1] - 5
     load = stats[:, :e]
     dropped, assigned, balance, z, forwards = stats[:, e:].unbind(1)
     forwards = forwards.clamp(min=1)

@@ -40,7 +40,7 @@ from loom.data.tokenizer import load_tokenizer
 from loom.errors import TrainingDiverged, UserError
 from loom.models.io import TOKENIZER_FILES, atomic_write_text, copy_tokenizer_files, read_config
 from loom.models.lora import trainable_count
-from loom.models.moe import step_stats, update_router_biases
+from loom.models.moe import stats_metrics, take_stats, update_router_biases
 from loom.parallel import place_in_mesh, rng
 from loom.parallel.distributed import all_reduce_sum, clip_grad_norm, init_distributed, pick_device
 from loom.train.banner import banner
@@ -268,22 +268,25 @@ class Trainer:
         # The step's one all-reduce of numbers for the host, summed over all ranks: the loss (every rank of a TP
         # group holds the same loss, a cp rank its chunks': divided by tp), a recipe's statistics (DPO rewards and
         # accuracy: means over the global batch's counted units), the runner's per-rank numbers (the pipeline
-        # bubble: a mean over ranks) and the run-control flags (a stop asked for on any rank).
+        # bubble: a mean over ranks), the run-control flags (a stop asked for on any rank) and the MoE routing
+        # records of the step's micro-batches (pipeline stages fill their own layers' rows; see
+        # loom.models.moe.step_stats for tensor-parallel replicas).
         sums = self.loss.take_sums()
         local = self.runner.local_metrics()
-        flags = self.control.local_flags()
+        host = [*local.values(), *self.control.local_flags()] if layout.distributed else list(local.values())
+        routing = take_stats(self.model)
         parts = [loss_sum.float().reshape(1)]
         if sums:
             parts.append(torch.stack([v.float() for v in sums.values()]))
-        if local or (flags and layout.distributed):
-            parts.append(to_device_async(torch.tensor([*local.values(), *flags], dtype=torch.float32), self.device))
+        if host:
+            parts.append(to_device_async(torch.tensor(host, dtype=torch.float32), self.device))
+        if routing is not None:
+            parts.append(routing.flatten())
         reduced = all_reduce_sum(torch.cat(parts))
         loss_t = reduced[0] / layout.tp / total
         recipe = [reduced[1:1 + len(sums)] / (layout.tp * layout.pp * layout.cp) / total] if sums else []
-        tail = reduced[1 + len(sums):]
-        # MoE: routing statistics of the step's micro-batches, summed over all ranks in one all-reduce (pipeline
-        # stages fill their own layers' rows; see step_stats for tensor-parallel replicas).
-        moe, loads = step_stats(self.model, torch.distributed.group.WORLD if layout.distributed else None)
+        tail = reduced[1 + len(sums):1 + len(sums) + len(host)]
+        moe, loads = ({}, []) if routing is None else stats_metrics(reduced[-routing.numel():].view(routing.shape))
         # Everything reaches the host in one transfer: the step's only host synchronisation (skipping a non-finite
         # step needs the verdict before the update).
         values = torch.cat([torch.stack([loss_t.float(), grad_norm.float(), *(v.float() for v in moe.values())]),
@@ -291,7 +294,7 @@ class Trainer:
         loss, grad_norm_value, *rest = values.tolist()
         moe_values, rest = rest[:len(moe)], rest[len(moe):]
         recipe_values, rest = rest[:len(sums)], rest[len(sums):]
-        local_values, flag_values = rest[:len(local)], rest[len(local):]
+        local_values, flag_values = rest[:len(local)], rest[len(local):]  # flags: under several ranks only
         if layout.distributed:
             self.control.fold_flags(flag_values)
         finite = is_finite(loss, grad_norm_value)  # same verdict on every rank
