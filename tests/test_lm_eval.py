@@ -76,7 +76,7 @@ def test_lm_eval_local_completions_equals_loom(tmp_path, monkeypatch):
     server = Server(load(str(path), max_batch=8, limits=Limits(max_tokens=64)))
     try:
         lm = LocalCompletionsAPI(base_url=server.url + "/v1/completions", model="tiny", tokenizer=str(path),
-                                 tokenizer_backend="huggingface", max_length=CONTEXT - 1, num_concurrent=2,
+                                 tokenizer_backend="huggingface", max_length=CONTEXT - 1, num_concurrent=2, batch_size=3,
                                  max_retries=1, max_gen_toks=NEW_TOKENS)
         out = lm_eval.simple_evaluate(model=lm, tasks=["loom_mc", "loom_gen"], task_manager=TaskManager(
             include_path=str(tasks)), log_samples=True, num_fewshot=0)

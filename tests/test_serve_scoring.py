@@ -74,6 +74,27 @@ def test_echo_scores_the_prompt_as_a_direct_forward(served):
         served.client.completions.create(model="tiny", prompt=full + [5], max_tokens=0, echo=True, logprobs=0)
 
 
+def test_several_prompts_in_one_request(served):
+    """A list of prompts (lm-eval's batch_size > 1): prompt i's choice k is choice i * n + k, each as if sent
+    alone; scored prompts equal a direct forward."""
+    tok = served.served.tokenizer
+    prompts = [tok.encode("the quick brown fox"), tok.encode("say ok 3"), tok.encode("jumps over")]
+    r = served.client.completions.create(model="tiny", prompt=prompts, max_tokens=0, echo=True, logprobs=1)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.prompt_tokens == sum(map(len, prompts))
+    for ids, c in zip(prompts, r.choices):
+        ref = direct(served, ids)
+        assert c.text == tok.decode(ids)
+        assert max(abs(c.logprobs.token_logprobs[i] - ref[i - 1, ids[i]].item()) for i in range(1, len(ids))) < 1e-5
+    texts = ["the quick brown fox", "say ok 3"]
+    r = served.client.completions.create(model="tiny", prompt=texts, max_tokens=5, n=2, temperature=0.8, seed=4)
+    alone = [served.client.completions.create(model="tiny", prompt=t, max_tokens=5, n=2, temperature=0.8, seed=4)
+             for t in texts]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.token_ids for c in r.choices] == [c.token_ids for a in alone for c in a.choices]
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+
 def test_processing_equals_the_reference_on_completions_and_chat(served):
     tok = served.served.tokenizer
     model = served.served.scheduler.engine.model
@@ -114,6 +135,9 @@ BAD = [
     ({"echo": "yes"}, "echo", r"echo must be true or false"),
     ({"max_tokens": 0}, "max_tokens", r"max_tokens=0 is out of range; it must be in \[1, 32\]"),
     ({**CHAT_BODY, "echo": True}, "echo", r"echo is not supported on /v1/chat/completions"),
+    ({"prompt": ["a"] * 65}, "prompt", r"prompt holds 65 prompts; at most 64 in one request"),
+    ({"prompt": ["a", "b"], "stream": True}, "prompt", r"several prompts in one request are not supported with"),
+    ({"prompt": ["a", [1, 999]]}, "prompt", r"token ids outside the vocabulary"),
     ({**CHAT_BODY, "presence_penalty": -3}, "presence_penalty", r"presence_penalty=-3 is out of range"),
     ({**CHAT_BODY, "stop_token_ids": [1.5]}, "stop_token_ids", r"stop_token_ids must be a list"),
 ]
@@ -123,7 +147,7 @@ BAD = [
 def test_bad_values_get_400_naming_the_field_and_the_server_keeps_serving(served, body, param, message):
     chat = "messages" in body
     r = httpx.post(served.url + ("/v1/chat/completions" if chat else "/v1/completions"),
-                   json={"model": "tiny", **({} if chat else {"prompt": "a"}), **body})
+                   json={"model": "tiny", **({} if chat or "prompt" in body else {"prompt": "a"}), **body})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert re.search(message, error["message"]), error

@@ -29,7 +29,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from loom.errors import UserError
 from loom.serve.metrics import Metrics
-from loom.serve.protocol import ApiError, Limits, Parsed, chat_request, completion_request, read_json
+from loom.serve.protocol import (ApiError, Limits, Parsed, chat_request, completion_request, prompt_batch,
+                                 read_json)
 from loom.serve.scheduler import QueueFull, Scheduler
 from loom.serve.structured import Structured, parse_tool_calls, protocol_body, tool_format
 from loom.serve.structured import read as read_structured
@@ -185,7 +186,24 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _answer(request, chat=False)
+        try:
+            body = read_json(await _body(request))
+            prompts = prompt_batch(body, served.limits)
+        except ApiError as e:
+            return _error(e)
+        if prompts is None:
+            return await _answer(request, chat=False, body=body)
+        # several prompts: one request each, submitted together (so decoded, or scored, together), choices joined
+        replies = await asyncio.gather(*(_answer(request, chat=False, body={**body, "prompt": p}) for p in prompts))
+        for reply in replies:
+            if reply.status_code != 200:
+                return reply
+        parts = [json.loads(reply.body) for reply in replies]
+        n = len(parts[0]["choices"])
+        out = {**parts[0], "choices": [{**c, "index": i * n + c["index"]} for i, part in enumerate(parts)
+                                       for c in part["choices"]],
+               "usage": {k: sum(part["usage"][k] for part in parts) for k in parts[0]["usage"]}}
+        return JSONResponse(out)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -269,9 +287,10 @@ def create_app(served: Served) -> FastAPI:
                            code="invalid_value") from None
         return [grammars.matcher(compiled) for _ in range(n)]
 
-    async def _answer(request: Request, chat: bool):
+    async def _answer(request: Request, chat: bool, body: dict | None = None):
         try:
-            body, adapter = served.pick_model(read_json(await _body(request)))
+            body = read_json(await _body(request)) if body is None else body  # completions: read by the handler
+            body, adapter = served.pick_model(body)
             structured = read_structured(body, chat)
             parsed = (chat_request if chat else completion_request)(protocol_body(body, structured), served.name,
                                                                      served.limits)

@@ -32,6 +32,7 @@ class Limits:
     max_prompt_tokens: int = 1 << 30  # further cut to the model's context by the server
     max_logprobs: int = 20
     max_stops: int = 16
+    max_prompts: int = 64  # prompts in one completions request (a list of them)
 
 
 @dataclass
@@ -164,6 +165,22 @@ def _common(body: dict, served: str, limits: Limits, default_max_tokens: int | N
         top_k=_number(body, "top_k", 0, 0, integer=True),
         stop=tuple(stop), seed=seed, stream=bool(stream), include_usage=bool(options.get("include_usage")),
         **_processing(body, limits, max_tokens))
+
+
+def prompt_batch(body: dict, limits: Limits) -> list | None:
+    """The prompts of a completions request that sends several (a list of strings or of token-id lists), each
+    answered as a request of its own and their choices joined (prompt i's choice k is choice i * n + k, as
+    OpenAI's); None for one prompt."""
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)):
+        return None
+    if len(prompt) > limits.max_prompts:
+        raise ApiError(f"prompt holds {len(prompt)} prompts; at most {limits.max_prompts} in one request",
+                       param="prompt", code="invalid_value")
+    if body.get("stream"):
+        raise ApiError("several prompts in one request are not supported with stream=true; send one prompt per "
+                       "streamed request", param="prompt", code="unsupported_parameter")
+    return prompt
 
 
 def completion_request(body: dict, served: str, limits: Limits) -> Parsed:
