@@ -18,7 +18,7 @@ from test_rl import RL
 # One thread per process in both runs: the engine then computes bit for bit the same in either process.
 ASYNC = ["--rl.reward=rl_rewards:digit_share", "--rl.tis_cap=2", "--train.threads=1", "--train.steps=2"]
 TIMING = ("generation_s", "reward_s", "logprobs_s", "training_s", "refit_s", "step_time_s", "tokens_per_s",
-          "memory_gib", "rollout_wait_s", "tflops_per_device", "mfu", "tokens")
+          "memory_gib", "rollout_wait_s", "tflops_per_device", "mfu", "tokens", "checkpoint_blocking_s")
 
 
 def rl_rows(run_dir, *extra):
@@ -150,3 +150,47 @@ def test_bad_async_settings_exit_2(tmp_path, capsys, extra, message):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_resumed_async_run_regenerates_in_flight_rollouts_from_the_checkpoint(runs, tmp_path):
+    """Stopped after step 1 and resumed: step 1 as the uninterrupted K=1 run, then the generation rank
+    starts again from the checkpoint's weights, so step 2's rollouts are 0 versions old (regenerated), step
+    3's one version, as in a run."""
+    common = ("--nproc=2", "--rl.mode=async", "--rl.max_staleness=1", "--train.steps=3", "--checkpoint.interval=1")
+    rl_rows(tmp_path / "run", *common, "--train.exit_after_steps=1")
+    rows = rl_rows(tmp_path / "run", *common, "--checkpoint.resume=true")
+    steps = [r for r in rows if "loss" in r]
+    whole = [r for r in runs("k1") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert {k: v for k, v in steps[0].items() if k not in TIMING} == {k: v for k, v in whole[0].items()
+                                                                       if k not in TIMING}
+    assert [r["staleness_max"] for r in steps] == [0, 0, 1]
+
+
+@pytest.mark.slow
+def test_sharded_broadcast_k0_equals_sync_over_two_fsdp_ranks(tmp_path):
+    """`loom rl --nproc 3` async (two FSDP training ranks send their shards to one generation rank) with K=0
+    computes what the synchronous loop over the same two FSDP ranks computes (its engines refitted from the
+    gathered weights): the shard-by-shard broadcast assembles the same weights."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root / "tests")}
+    out = {}
+    for name, nproc, extra in (("sync", 2, []), ("k0", 3, ["--rl.mode=async", "--rl.max_staleness=0"])):
+        argv = ["rl", "--config", "tiny-grpo", "--run-dir", str(tmp_path / name), "--nproc", str(nproc),
+                *[f"--{o}" for o in RL], *[a for a in ASYNC if not a.startswith("--train.threads")],
+                "--parallel.dp_shard=2", "--train.micro_batch=8", *extra]
+        proc = subprocess.run([sys.executable, "-m", "loom.cli", *argv], capture_output=True, text=True, env=env,
+                              cwd=root)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert len(out["sync"]) == len(out["k0"]) == 4
+    for a, b in zip(out["sync"], out["k0"]):
+        for key, value in a.items():
+            if key not in TIMING:
+                assert b[key] == value, (a["step"], key, value, b[key])
