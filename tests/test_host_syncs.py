@@ -58,3 +58,36 @@ def test_one_host_read_and_one_reduction_per_step_on_two_ranks(tmp_path):
         assert sft["per_step"] == {"host read": 1.0, "collective": 2.0}, sft["where"]
         assert pp["per_step"] == {"host read": 1.0, "collective": 2.0}, pp["where"]
         assert moe["per_step"] == {"host read": 1.0, "collective": 1.0}, moe["where"]
+
+
+def test_the_hang_beacon_posts_its_latest_mark_at_most_once_an_interval():
+    """Marks cost no store write; the background poster writes the latest at most once every post_interval, and a
+    rank that stops marking (hung) has its last mark in the store within one interval."""
+    import time
+
+    from loom.train.hang import Beacon, post_interval
+
+    class Store:  # the three calls Beacon makes, with the writes counted
+        def __init__(self):
+            self.data, self.writes = {}, 0
+
+        def set(self, key, value):
+            self.data[key], self.writes = value.encode(), self.writes + 1
+
+        def check(self, keys):
+            return all(k in self.data for k in keys)
+
+        def get(self, key):
+            return self.data[key]
+
+    store = Store()
+    beacon = Beacon(0.4, store=store)  # interval 0.1 s
+    assert post_interval(0.4) == 0.1 and post_interval(600) == 10
+    t0 = time.monotonic()
+    for step in range(1, 2001):
+        beacon.mark(f"step {step}: train")
+    elapsed = time.monotonic() - t0
+    time.sleep(0.35)  # then "hung": no more marks
+    assert store.writes <= 2 + (elapsed + 0.35) / 0.1, (store.writes, elapsed)
+    assert store.data["loom/beacon/0"].decode() == f"{beacon.seq}|step 2000: train"
+    del beacon  # the poster ends with its beacon

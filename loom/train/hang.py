@@ -53,12 +53,16 @@ def _poster(beacon_ref, interval: float, stop: threading.Event) -> None:
         beacon = beacon_ref()
         if beacon is None:
             return
-        beacon.post()
+        try:
+            beacon.post()
+        except Exception:  # the store went away (the job is ending): hang reports are best effort
+            return
         del beacon
 
 
 class Beacon:
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, store=None):
+        """`store`: the key-value store to post to; the process group's by default (none on one process)."""
         import torch.distributed as dist
 
         self.timeout_s = timeout_s
@@ -68,11 +72,13 @@ class Beacon:
         self.posted = 0  # the seq last written to the store
         self.lock = threading.Lock()
         self.stop = threading.Event()
-        if dist.is_available() and dist.is_initialized():
+        if store is None and dist.is_available() and dist.is_initialized():
             from torch.distributed.distributed_c10d import _get_default_store
 
-            self.store = _get_default_store()
+            store = _get_default_store()
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if store is not None:
+            self.store = store
             self.mark("start-up")
             self.post()
             threading.Thread(target=_poster, args=(weakref.ref(self), post_interval(timeout_s), self.stop),
