@@ -68,7 +68,8 @@ def main() -> None:
     result = {**stamp(" ".join(["bench/rl_async.py", *sys.argv[1:]])), "sync": sync, "async": asyn,
               "wall_ratio": round(asyn["wall_s"] / sync["wall_s"], 3),
               "step_time_ratio": round(asyn["step_time_s"] / sync["step_time_s"], 3),
-              "val_reward_sampled_gap_points": round(100 * (sync["val_reward_sampled"] - asyn["val_reward_sampled"]), 2)}
+              "val_reward_sampled_gap_points": round(100 * (sync["val_reward_sampled"]
+                                                           - asyn["val_reward_sampled"]), 2)}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

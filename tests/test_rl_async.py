@@ -117,7 +117,8 @@ def test_weight_broadcast_equals_a_full_refit():
     made = {}
     # The two sides' groups meet in two threads; the broadcasts are then issued (gloo sends them from its own
     # threads) before this thread receives them.
-    thread = threading.Thread(target=lambda: made.update(receiver=async_loop.WeightReceiver(store, 0, 1, 1, engine, 60)))
+    thread = threading.Thread(
+        target=lambda: made.update(receiver=async_loop.WeightReceiver(store, 0, 1, 1, engine, 60)))
     thread.start()
     group = async_loop._pair_group(store, 0, 0, 1, 60)
     thread.join(60)

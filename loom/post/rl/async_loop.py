@@ -135,15 +135,15 @@ def _chunks(model: nn.Module, trainer_rank: int) -> list[tuple[str, torch.Tensor
 
 
 class AsyncRollouts:
-    """The training ranks' side: starts the generation ranks (rank 0), takes each step's rollouts, publishes the
-    weights after every update."""
+    """The training ranks' side: opens the store and starts the generation ranks (rank 0) as soon as the process
+    group exists (`RL.datasets`), so that their start-up overlaps the trainer's; `connect` once the policy holds
+    its weights; then takes each step's rollouts and publishes the weights after every update."""
 
-    def __init__(self, trainer, engine_dtype: torch.dtype):
-        cfg, layout = trainer.cfg, trainer.layout
+    def __init__(self, cfg):
         self.rl = cfg.rl
-        self.dp_rank = layout.dp_rank
-        self.rank, world = layout.rank, layout.world_size
-        self.dtype = engine_dtype
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        world = dist.get_world_size() if distributed else 1
         timeout = cfg.train.collective_timeout_s
         self.procs = []
         address = None
@@ -152,29 +152,46 @@ class AsyncRollouts:
                                        timeout=timedelta(seconds=timeout))
             host = "127.0.0.1" if int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world else socket.gethostname()
             address = [host, self.store.port]
-        if layout.distributed:
+        if distributed:
             box = [address]
             dist.broadcast_object_list(box, src=0)
             address = box[0]
         if self.rank != 0:
             self.store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timedelta(seconds=timeout))
+        self.timeout = timeout
+        self.world = world
+        self.threads = torch.get_num_threads()
+        self.address = address
+        self.cfg = cfg
+
+    def start(self, recipe_class) -> None:
+        """Rank 0: start the generation ranks (they build their engine, then wait for `connect`)."""
+        if self.rank != 0:
+            return
+        ctx = multiprocessing.get_context("spawn")
+        for g in range(self.rl.generation_ranks):
+            proc = ctx.Process(target=generation_rank, daemon=True, name=f"loom-rl-generation-{g}",
+                               args=(recipe_class, self.cfg, "127.0.0.1", self.address[1], g, self.world,
+                                     self.threads, os.getpid()))
+            proc.start()
+            self.procs.append(proc)
+
+    def connect(self, trainer, engine_dtype: torch.dtype) -> "AsyncRollouts":
+        """Tell the generation ranks the starting step, this rank's data-parallel rank and chunks; join the pair
+        group; publish the policy's weights (version = the starting step)."""
+        self.dp_rank = trainer.layout.dp_rank
+        self.dtype = engine_dtype
         if self.rank == 0:
-            ctx = multiprocessing.get_context("spawn")
-            start = trainer.state.step
-            for g in range(self.rl.generation_ranks):
-                proc = ctx.Process(target=generation_rank, daemon=True, name=f"loom-rl-generation-{g}",
-                                   args=(type(trainer.recipe), cfg, "127.0.0.1", address[1], g, world, start,
-                                         torch.get_num_threads(), os.getpid()))
-                proc.start()
-                self.procs.append(proc)
-        self.chunks = _chunks(trainer.model, self.rank)
-        # Every rank's dp rank and chunk list, for the generation ranks; then the pair group.
+            self.store.set("start", str(trainer.state.step))
+        self.model = trainer.model
+        self.chunks = _chunks(self.model, self.rank)
         self.store.set(f"trainer/{self.rank}", pickle.dumps(
             (self.dp_rank, [(n, off, shape, full) for n, _, off, shape, full in self.chunks])))
-        self.group = self._guarded(lambda: _pair_group(self.store, self.rank, 0, self.rl.generation_ranks, timeout))
+        self.group = self._guarded(lambda: _pair_group(self.store, self.rank, 0, self.rl.generation_ranks,
+                                                       self.timeout))
         self.buckets = _buckets([c[1].numel() for c in self.chunks], torch.empty((), dtype=self.dtype).element_size())
-        self.model = trainer.model
         self.publish(trainer.state.step)
+        return self
 
     def _guarded(self, fn):
         """`fn()`, with a generation rank's own error (left in the store) raised instead of a broken pipe."""
@@ -284,21 +301,22 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def generation_rank(recipe_class, cfg, host: str, port: int, index: int, trainers: int, start: int, threads: int,
+def generation_rank(recipe_class, cfg, host: str, port: int, index: int, trainers: int, threads: int,
                     parent_pid: int) -> None:
-    """A generation rank (sampling with `recipe_class`'s `rollouts`, the synchronous loop's): the rollouts of steps start..train.steps-1 for its data-parallel ranks, each with the
-    newest weights it holds once their version is at least step - rl.max_staleness."""
+    """A generation rank (sampling with `recipe_class`'s `rollouts`, the synchronous loop's): the rollouts of
+    steps start..train.steps-1 for its data-parallel ranks, each with the newest weights it holds once their
+    version is at least step - rl.max_staleness."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     timeout = cfg.train.collective_timeout_s
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
     try:
-        _generate(recipe_class, cfg, store, index, trainers, start, threads)
+        _generate(recipe_class, cfg, store, index, trainers, threads)
     except BaseException as exc:  # the trainers raise this instead of waiting for a collective to time out
         store.set(ERROR_KEY, f"generation rank {index} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         os._exit(1)
 
 
-def _generate(recipe_class, cfg, store, index: int, trainers: int, start: int, threads: int) -> None:
+def _generate(recipe_class, cfg, store, index: int, trainers: int, threads: int) -> None:
     from types import SimpleNamespace
 
     from loom.build import build_in_layout, tensor_parallel, torch_dtype
@@ -323,6 +341,7 @@ def _generate(recipe_class, cfg, store, index: int, trainers: int, start: int, t
     side.engine = rollout_engine(cfg, model, tokenizer.decode)
     side.stop_ids, side.stop_texts = stops(cfg, tokenizer)
     side.environment = None  # single completions (check_async)
+    start = int(store.get("start"))  # set by training rank 0 once its policy holds its weights (`connect`)
     receiver = WeightReceiver(store, index, trainers, rl.generation_ranks, side.engine, t.collective_timeout_s)
     receiver.receive()
     version = start

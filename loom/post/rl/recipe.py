@@ -111,6 +111,11 @@ class RL(Recipe):
         build_datasets(cfg, tokenizer)
 
     def datasets(self, cfg: Config, tokenizer: Tokenizer) -> tuple[PromptSet, PromptSet]:
+        if cfg.rl.mode == "async":  # the generation ranks start here: their start-up overlaps the trainer's
+            from loom.post.rl.async_loop import AsyncRollouts
+
+            self.launched = AsyncRollouts(cfg)
+            self.launched.start(type(self))
         return build_datasets(cfg, tokenizer)
 
     def loss(self, cfg: Config) -> PolicyLoss:
@@ -144,11 +149,7 @@ class RL(Recipe):
         self.engine = rollout_engine(cfg, engine_model, trainer.tokenizer.decode)
         self.engine.refit(policy_weights(trainer.model))
         # rl.mode=async: rollouts from the generation ranks; the engine here evaluates only (refitted for it).
-        self.generation = None
-        if rl.mode == "async":
-            from loom.post.rl.async_loop import AsyncRollouts
-
-            self.generation = AsyncRollouts(trainer, torch_dtype(cfg))
+        self.generation = self.launched.connect(trainer, torch_dtype(cfg)) if rl.mode == "async" else None
         # LoRA: the reference is the policy with its adapters switched off (the base), not a second model.
         self.reference = self._build_reference() if rl.kl_coef and not cfg.lora.enabled else None
         self.rewards = Rewards(cfg, trainer.tokenizer, trainer.device)
