@@ -1343,8 +1343,10 @@ def test_plan_refusal_names_every_reason_loom_gives_with_its_fastest_layout(monk
     out = run_main(*args, "--json", "--runtime", "any", "--top", "200")
     assert out.returncode == 0, out.stderr
     distopt = "loom has no separate distributed optimizer (its fsdp style shards weights and optimizer state)"
-    marks = {(c["tp"], c["dp"], c["dp_style"], c["loom_refuses"]) for c in json.loads(out.stdout)["candidates"]}
+    marks = {(c["tp"], c["dp"] * c["cp"], c["dp_style"], c["loom_refuses"])
+             for c in json.loads(out.stdout)["candidates"]}
     assert {mark for *_, mark in marks} >= {distopt, "tp=4 refused"}
-    for tp, dp, style, mark in marks:  # each candidate marked with the reason the rule book gives
-        assert mark == (distopt if style == "distopt" and dp > 1 else f"tp={tp} refused" if tp > 1 else None), (
-            tp, dp, style, mark)
+    for tp, dp_cp, style, mark in marks:  # each candidate marked with the reason the rule book gives
+        # (the distributed optimizer shards over dp x cp: with dp = 1 and cp > 1 it is one all the same)
+        assert mark == (distopt if style == "distopt" and dp_cp > 1 else f"tp={tp} refused" if tp > 1 else None), (
+            tp, dp_cp, style, mark)

@@ -152,3 +152,20 @@ def test_heldout_fsdp_and_expert_layouts_fit(heldout):
         best = predict(w, fixed)
         assert best is not None and best.fits and best.layout.recompute == "none", name
         assert best.memory["total"] <= w.usable_bytes, name
+
+
+def test_context_parallel_without_data_parallelism_shards_the_states_over_cp(heldout):
+    """The zoo's 128k row: CP 8 leaves dp = 1, and Megatron's distributed optimizer (like loom's FSDP over
+    dp_shard x cp) still shards over the 8 cp ranks, so the search offers the sharded styles there; priced
+    replicated, no layout of it fit."""
+    from dataclasses import replace as dc_replace
+
+    from loom.planner.memory import memory
+    from loom.planner.validation import predict
+
+    w, fixed, *_ = heldout["zoo-qwen3-235b-128k-cp8"]
+    best = predict(w, fixed)
+    assert best is not None and best.fits and best.layout.dp == 1 and best.layout.cp == 8
+    assert best.layout.dp_style == "distopt"
+    replicated = memory(w, dc_replace(best.layout, dp_style="replicate"))
+    assert replicated["optimizer"] > 4 * best.memory["optimizer"]  # the states over 8 cp ranks, not whole

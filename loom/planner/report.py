@@ -96,7 +96,7 @@ def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
     from loom.config import Config, load_config
 
     lay = e.layout
-    if lay.dp_style == "distopt" and lay.dp > 1:
+    if lay.dp_style == "distopt" and lay.dp * lay.cp > 1:  # (it shards over dp x cp)
         raise UserError("loom has no separate distributed optimizer (its fsdp style shards weights and optimizer state)")
     cfg = load_config(base_name) if base_name else Config()
     cfg.model = w.model

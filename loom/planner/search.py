@@ -198,7 +198,7 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                             splits = te_splits = given
                         for first, last, emb, loss in splits + tuple(s for s in te_splits if s not in splits):
                             for sp in cp_sp:
-                                for style in (dp_styles if dp > 1 else ("replicate",)):
+                                for style in (dp_styles if dp * cp > 1 else ("replicate",)):  # distopt/fsdp shard over dp x cp
                                     if schedule == "zero_bubble" and (style == "distopt" or w.framework == "megatron"):
                                         continue  # Megatron-Core's schedules are 1F1B and interleaved only
                                     if (first, last, emb, loss) not in (te_splits if style == "distopt" else splits):
