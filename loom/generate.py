@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=1, help="batch mode: samples per input record (default 1), written as N "
                    "consecutive records with \"sample\": 0..N-1; sample k of record n uses seed + n * N + k. The "
                    "engine prefills each prompt once and its samples share its keys and values (paged memory)")
+    p.add_argument("--speculative", choices=["off", "ngram"], default="off",
+                   help="speculative decoding: ngram drafts each step's next tokens by prompt lookup (the last few "
+                        "tokens found earlier in the prompt or completion) and verifies them in one forward; greedy "
+                        "output is unchanged, sampling keeps its distribution (default off)")
+    p.add_argument("--draft-tokens", type=int, default=4,
+                   help="with --speculative: tokens drafted per request and step at most (default 4)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop a completion once its text contains TEXT (repeatable); the completion ends before it, "
                    "finish_reason stop. Generation also stops at the model's end-of-sequence and end-of-turn tokens")
@@ -71,6 +77,8 @@ def generate(args, extra) -> int:
     if args.max_new_tokens < 1 or args.max_batch < 1 or args.sync_every < 1 or args.n < 1:
         raise UserError(f"--max-new-tokens={args.max_new_tokens}, --max-batch={args.max_batch}, "
                         f"--sync-every={args.sync_every} and --n={args.n} must be >= 1")
+    if args.draft_tokens < 1:
+        raise UserError(f"--draft-tokens={args.draft_tokens} must be >= 1 (tokens drafted per step by --speculative)")
     if args.n > 1 and args.input is None:
         raise UserError(f"--n={args.n} needs batch mode (--input/--output): each sample is written as a record")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
@@ -106,7 +114,8 @@ def generate(args, extra) -> int:
     # The slab holds what these requests can reach, not the model's whole context.
     max_len = min(context, max(map(len, ids)) + args.max_new_tokens)
     engine = Engine(model, max_batch=min(args.max_batch, len(ids)), max_len=max_len, compile=args.compile,
-                    sync_every=args.sync_every, decode=tok.decode, paged=n > 1, paged_read="gather")
+                    sync_every=args.sync_every, decode=tok.decode, paged=n > 1, paged_read="gather",
+                    speculative=args.speculative, draft_tokens=args.draft_tokens)
     if args.input is None:
         return _print_completion(args, tok, ids[0], engine.generate(ids, params)[0], context)
     inputs = [r if n == 1 else {**r, "sample": i % n} for i, (_, r) in enumerate(records)]
@@ -144,7 +153,12 @@ def _generate_file(args, tok, inputs, texts, ids, params, engine) -> int:
     write_records(args.output, records)
     tokens = sum(len(done.tokens) for done in results)
     seconds = time.perf_counter() - start
-    print(f"wrote {len(records)} completions ({tokens} tokens, {tokens / seconds:.1f} tokens/s) to {args.output}")
+    s = engine.stats
+    spec = ""
+    if s.get("spec_request_steps"):  # speculative: tokens each request gained per verified step
+        spec = (f", {(s['spec_accepted_tokens'] + s['spec_request_steps']) / s['spec_request_steps']:.2f} tokens per "
+                f"step, {s['spec_accepted_tokens']}/{s['spec_draft_tokens']} drafted tokens accepted")
+    print(f"wrote {len(records)} completions ({tokens} tokens, {tokens / seconds:.1f} tokens/s{spec}) to {args.output}")
     return 0
 
 

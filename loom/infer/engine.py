@@ -105,6 +105,11 @@ class Engine:
     them once; the model's parameters keep their identity and memory, and a refit writes through them.
     `stats["fused_qkv_layers"]` counts the layers fused.
 
+    `speculative="ngram"`: speculative decoding with prompt-lookup drafts of up to `draft_tokens` tokens per request
+    and step, verified in one forward (loom/infer/speculative.py): greedy output equal to non-speculative greedy,
+    sampled output of the same law; `stats["spec_accepted_tokens"]`, `["spec_draft_tokens"]`,
+    `["spec_request_steps"]` count what was kept.
+
     `paged=True` keeps keys and values in blocks of `block_size` positions from a pool of `kv_tokens` positions
     (default max_batch x max_len) instead of a slab (loom/infer/paged.py): requests are admitted while the pool can
     hold their prompt + max_new_tokens, requests with the same prompt prefill it once and share its blocks, and
@@ -122,7 +127,8 @@ class Engine:
     def __init__(self, model: nn.Module, max_batch: int = 16, max_len: int | None = None, seed: int = 0,
                  compile: bool | str = False, sync_every: int = 8, cpu_kernel: bool = True, decode=None,
                  paged: bool = False, block_size: int = 16, kv_tokens: int | None = None, paged_read: str = "split",
-                 fuse_qkv: bool | None = None, prefix_cache: bool = True, adapters=None):
+                 fuse_qkv: bool | None = None, prefix_cache: bool = True, speculative: str | None = None,
+                 draft_tokens: int = 4, adapters=None):
         cfg = model.cfg
         # LoRA adapters chosen per request (loom/infer/adapters.py, `attach_adapters` on the model first): eager
         # steps, unfused projections and a slab (paged memory shares prompts and prefixes across adapters)
@@ -139,6 +145,9 @@ class Engine:
             raise UserError(f"Engine(paged=True, block_size={block_size}, kv_tokens={kv_tokens}, paged_read="
                             f"{paged_read!r}): block_size must be >= 1, kv_tokens at least one block, paged_read "
                             "'split' or 'gather'")
+        if speculative not in (None, "off", "ngram") or draft_tokens < 1:
+            raise UserError(f"Engine(speculative={speculative!r}, draft_tokens={draft_tokens}): speculative must be "
+                            "None, 'off' or 'ngram' (prompt-lookup drafts) and draft_tokens >= 1")
         if max_batch < 1 or not 2 <= max_len <= cfg.max_seq_len or sync_every < 1:
             raise UserError(f"Engine(max_batch={max_batch}, max_len={max_len}, sync_every={sync_every}): max_batch "
                             f"and sync_every must be >= 1 and max_len in [2, {cfg.max_seq_len}] (the model's "
@@ -182,6 +191,11 @@ class Engine:
         self.scheduler = Scheduler(self.slab, max_batch, max_len, self.vocab, decode, seed, self.stats)
         self.compile_mode = resolve_compile(compile, self.device)
         self.runner = Runner(model, cpu, self.slab, max_batch, max_len, sync_every, self.compile_mode, self.stats)
+        self.speculator = None  # speculative decoding (loom/infer/speculative.py): drafts verified in one forward
+        if speculative == "ngram":
+            from loom.infer.speculative import NgramSpeculator
+
+            self.speculator = NgramSpeculator(self.runner, self.stats, draft_tokens, max_len, decode)
         self.runner.adapters = adapters
 
     # --- generation -----------------------------------------------------------------------------------------
@@ -285,7 +299,11 @@ class Engine:
         active = self.scheduler.active()  # schedule: the busy slots, compacted
         if active:
             seqs = seen(self.scheduler.holding(active))
-            self._postprocess(seqs, self.runner.decode(active, seqs))  # run a window, postprocess
+            if self.speculator is not None and self.speculator.takes(seqs):  # draft, verify, append: one forward
+                self.speculator.step(active, seqs)
+                self.scheduler.finish(seqs)
+            else:
+                self._postprocess(seqs, self.runner.decode(active, seqs))  # run a window, postprocess
         return [Update(seq, seq.out.tokens[n:], seq.out.logprobs[n:], seq.state == "done", seq.out.top_logprobs[n:])
                 for seq, n in marks.values()]
 

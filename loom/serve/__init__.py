@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keys and values: a slab of max-batch x context positions (default), or paged blocks "
                         "from a pool, shared by requests with the same prompt (a request's n choices) and, through "
                         "the prefix cache, by requests whose prompts start alike")
+    p.add_argument("--speculative", choices=["off", "ngram"], default="off",
+                   help="speculative decoding, as in loom generate: ngram drafts by prompt lookup, verified in one "
+                        "forward (greedy replies unchanged, sampling keeps its distribution; default off)")
+    p.add_argument("--draft-tokens", type=int, default=4,
+                   help="with --speculative: tokens drafted per request and step at most (default 4)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="with --kv paged: do not keep whole blocks of keys and values for later requests whose "
                         "prompts start with the same tokens (the prefix cache is on by default)")
@@ -72,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load(model: str, name: str | None = None, device: str = "cpu", max_batch: int = 16, sync_every: int = 4,
          compile: str = "off", max_queue: int = 256, limits=None, api_key: str | None = None,
          timeout_s: float = 600.0, max_body: int = 1 << 20, mesh=None, paged: bool = False,
-         prefix_cache: bool = True, loras: dict[str, str] | None = None):
+         prefix_cache: bool = True, loras: dict[str, str] | None = None, speculative: str = "off",
+         draft_tokens: int = 4):
     """The model, its tokenizer and stops, an engine and its scheduler (not started) -> `app.Served`. `mesh`: a
     one-dimensional device mesh to shard the model over by tensor parallelism (`loom serve --nproc`). `loras`:
     adapter name -> path, chosen per request by its "model" (loom/infer/adapters.py)."""
@@ -96,7 +102,8 @@ def load(model: str, name: str | None = None, device: str = "cpu", max_batch: in
         adapters = attach_adapters(net, loras)
         compile = "off" if compile == "auto" else compile
     engine = Engine(net, max_batch=max_batch, max_len=context, compile=compile, sync_every=sync_every,
-                    decode=tok.decode, paged=paged, prefix_cache=prefix_cache, adapters=adapters)
+                    decode=tok.decode, paged=paged, prefix_cache=prefix_cache, adapters=adapters,
+                    speculative=speculative, draft_tokens=draft_tokens)
     scheduler = Scheduler(engine, Metrics(), max_queue=max_queue)
     return Served(name=name or Path(model).resolve().name, scheduler=scheduler, tokenizer=tok, context=context,
                   adapters=dict(loras or {}),
@@ -189,7 +196,7 @@ def serve(args, extra) -> int:
     bounds = {"--port": (args.port, 0, 65535), "--max-batch": (args.max_batch, 1, None),
               "--max-queue": (args.max_queue, 1, None), "--max-tokens": (args.max_tokens, 1, None),
               "--max-n": (args.max_n, 1, None), "--max-body-bytes": (args.max_body_bytes, 1, None),
-              "--sync-every": (args.sync_every, 1, None)}
+              "--sync-every": (args.sync_every, 1, None), "--draft-tokens": (args.draft_tokens, 1, None)}
     for flag, (value, low, high) in bounds.items():
         if value < low or (high is not None and value > high):
             raise UserError(f"{flag}={value} must be >= {low}" + (f" and <= {high}" if high is not None else ""))
@@ -242,7 +249,8 @@ def serve(args, extra) -> int:
     served = load(args.model, args.served_model_name, device=device, max_batch=args.max_batch,
                   sync_every=args.sync_every, compile=args.compile, max_queue=args.max_queue, limits=limits,
                   api_key=key, timeout_s=args.request_timeout, max_body=args.max_body_bytes, mesh=mesh,
-                  paged=args.kv == "paged", prefix_cache=args.prefix_cache, loras=loras)
+                  paged=args.kv == "paged", prefix_cache=args.prefix_cache, loras=loras,
+                  speculative=args.speculative, draft_tokens=args.draft_tokens)
     if worker:
         from loom.serve.ranks import Leader, follow
 

@@ -51,6 +51,7 @@ class Metrics:
         self.max_batch = 0
         self.prefix_cache_hit_tokens = 0
         self.prefix_cache_queried_tokens = 0
+        self.spec_draft_tokens = self.spec_accepted_tokens = self.spec_request_steps = 0
         self.waiting = 0
         self.running = 0
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -81,6 +82,13 @@ class Metrics:
                  "(paged keys and values).", self.prefix_cache_queried_tokens),
                 ("loom_prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache: their keys "
                  "and values were reused, not prefilled; hits / queried is the hit rate.", self.prefix_cache_hit_tokens),
+                ("loom_spec_draft_tokens_total", "counter", "Tokens drafted by speculative decoding (--speculative).",
+                 self.spec_draft_tokens),
+                ("loom_spec_accepted_tokens_total", "counter", "Drafted tokens the target model accepted.",
+                 self.spec_accepted_tokens),
+                ("loom_spec_request_steps_total", "counter", "Requests verified, summed over speculative steps; "
+                 "(accepted + request steps) / request steps is the tokens a request gains per step.",
+                 self.spec_request_steps),
                 ("loom_decode_batch_max", "gauge", "The most requests one decode step has decoded.", self.max_batch),
                 ("loom_queue_length", "gauge", "Requests waiting for a slot.", self.waiting),
                 ("loom_running_requests", "gauge", "Requests holding a slot.", self.running),

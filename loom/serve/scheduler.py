@@ -171,8 +171,9 @@ class Scheduler:
             m = self.metrics
             m.decode_steps += steps
             m.decode_rows += rows
-            for name in ("prefix_cache_hit_tokens", "prefix_cache_queried_tokens"):  # paged engines' prefix cache
-                setattr(m, name, getattr(m, name) + engine.stats[name] - stats[name])
+            for name in ("prefix_cache_hit_tokens", "prefix_cache_queried_tokens",  # paged engines' prefix cache
+                         "spec_draft_tokens", "spec_accepted_tokens", "spec_request_steps"):  # speculative decoding
+                setattr(m, name, getattr(m, name) + engine.stats.get(name, 0) - stats.get(name, 0))
             if steps:
                 m.max_batch = max(m.max_batch, rows // steps)
             for update in updates:
