@@ -147,6 +147,24 @@ def test_penalties_bias_and_min_tokens_equal_the_reference(model):
             assert p.stop_token_ids[0] not in g.tokens[:7] and len(g.tokens) >= 7
 
 
+def test_min_tokens_holds_stop_strings_back(model):
+    """As vLLM: no stop string ends a completion before min_tokens tokens, and one found only in the text of
+    the tokens before the min_tokens-th does not count; the text is cut at the occurrence that ended it."""
+    decode = lambda ids: "".join(f"<{t}>" for t in ids)  # noqa: E731 (each token's text tells it apart)
+    engine = Engine(model, max_batch=2, max_len=CONTEXT, sync_every=3, decode=decode)
+    plain = engine.generate([PROMPTS[2]], SamplingParams(max_new_tokens=14))[0].tokens
+    assert len(plain) == 14
+    for stop_token, least in [(plain[1], 5), (plain[0], 0)]:
+        p = SamplingParams(max_new_tokens=14, stop=(f"<{stop_token}>",), min_tokens=least)
+        got = engine.generate([PROMPTS[2]], p)[0]
+        # the reference: the first token equal to the stop token at index >= max(min_tokens - 1, 0)
+        end = next((i + 1 for i, t in enumerate(plain) if t == stop_token and i >= least - 1), None)
+        assert got.tokens == plain[:end]
+        if end is not None:
+            assert got.finish_reason == "stop" and got.text(decode) == decode(plain[:end - 1])
+    assert least == 0 and end == 1  # without min_tokens the stop string ends it at once
+
+
 def test_bad_processing_values_are_refused(model):
     engine = Engine(model, max_batch=1, max_len=CONTEXT)
     for kw, message in [(dict(presence_penalty=2.5), r"presence_penalty=2.5 \(must be in \[-2, 2\]\)"),

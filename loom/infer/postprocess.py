@@ -51,22 +51,24 @@ def emit(seqs: list[Request], window: Window, max_len: int, decode) -> int:
             if out.finish_reason:
                 break
         if p.stop:  # text stops: the host reads the completion's text (`decode`)
-            kept -= stop_at_string(out, p.stop, len(out.tokens) - (step + 1), decode)
+            kept -= stop_at_string(out, p.stop, len(out.tokens) - (step + 1), decode, p.min_tokens)
         seq.length += window.fed
     return kept
 
 
-def stop_at_string(out: Completion, stops: tuple[str, ...], start: int, decode) -> int:
+def stop_at_string(out: Completion, stops: tuple[str, ...], start: int, decode, min_tokens: int = 0) -> int:
     """End `out` at its first token whose completion text contains one of `stops` (earlier windows' text
     held none, so from token `start`, this window's first); returns the tokens dropped. A stop string may
-    span tokens of earlier windows."""
+    span tokens of earlier windows. `min_tokens` (as vLLM): no stop before that many tokens, and only a stop
+    string that ends in the min_tokens-th token's text or later counts."""
     if not any(s in decode(out.tokens) for s in stops):
         return 0
-    for n in range(start + 1, len(out.tokens) + 1):
+    floor = len(decode(out.tokens[:min_tokens - 1])) if min_tokens > 1 else 0  # text held back from the stops
+    for n in range(max(start + 1, min_tokens), len(out.tokens) + 1):
         head = decode(out.tokens[:n])
-        hits = [(head.find(s), s) for s in stops if s in head]
+        hits = [(at, s) for s in stops if (at := head.find(s, max(0, floor - len(s) + 1))) >= 0]
         if hits:
-            out.stop_string = min(hits)[1]
+            out.stop_offset, out.stop_string = min(hits)
             dropped = len(out.tokens) - n
             del out.tokens[n:], out.logprobs[n:], out.sampling_logprobs[n:], out.top_logprobs[n:]
             out.finish_reason = "stop"

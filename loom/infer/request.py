@@ -23,6 +23,7 @@ class Completion:
     sampling_logprobs: list[float] = field(default_factory=list)  # under the distribution sampled from
     finish_reason: str = ""
     stop_string: str = ""  # the stop string (SamplingParams.stop) that ended it, if one did
+    stop_offset: int = -1  # where that stop string begins in the completion's text (-1: its first occurrence)
     # with SamplingParams.logprobs = N > 0: per token, the N most likely (id, log-prob at temperature 1), best first
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # with SamplingParams.prompt_logprobs set: log p(prompt token i | those before), None for the first, and per
@@ -35,7 +36,7 @@ class Completion:
         stop string that ended it."""
         if self.stop_string:
             text = decode(self.tokens)
-            return text[:text.find(self.stop_string)]
+            return text[:self.stop_offset if self.stop_offset >= 0 else text.find(self.stop_string)]
         return decode(self.tokens[:-1] if self.finish_reason == "stop" else self.tokens)
 
 

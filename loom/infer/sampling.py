@@ -36,7 +36,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int = 0
     # logits processing before sampling (loom/infer/logits.py; as vLLM): `logit_bias` ((id, bias), ...) added to
-    # the logits; `min_tokens`: stop_token_ids masked out before that many tokens (stop strings are not held back);
+    # the logits; `min_tokens`: stop_token_ids masked out before that many tokens (stop strings held back too);
     # `repetition_penalty` (HF's, over prompt and completion: positive logits divided by it, negative ones
     # multiplied); `presence_penalty` / `frequency_penalty` (OpenAI's, over the completion: minus the penalty
     # once per token seen / per occurrence). Reported log-probs stay those of the raw logits.
