@@ -30,6 +30,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 test-all: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[dev,eval]"
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
