@@ -124,6 +124,12 @@ def test_readme_command_passes_loom_checks(name, line, argv, scratch):
         from loom.post.rl.async_loop import training_processes
 
         nproc = training_processes(cfg, args.nproc, args.nnodes)
+    if cfg.parallel.layout == "auto":  # the layout the planner would choose, on the GPU the docs' commands are for
+        from loom.planner.auto import apply, choose
+        from loom.planner.hardware import load_gpu
+
+        gpu = load_gpu(cfg.parallel.auto_hardware or "h100")
+        cfg = apply(cfg, choose(cfg, nproc * args.nnodes, recipe.command, gpu=gpu).values)
     check_layout(cfg, nproc * args.nnodes, recipe=recipe.command)
     if cfg.recompute.mode == "budget" and cfg.parallel.tp == 1:
         plan_budget(cfg)  # on the meta device, as the trainer plans a rank without tensor parallelism
