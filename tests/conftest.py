@@ -141,7 +141,9 @@ def save_hf_models(tmp_path_factory, kinds, make_model, tokenizer_file) -> dict:
 LONG_FIRST = ["test_tied_pipeline", "test_device_check", "test_faults", "test_parallel", "test_checkpoint", "test_plan",
               "test_bench_serve_load", "test_compile_layouts", "test_run_control", "test_compile_cache",
               "test_pretrained", "test_run_length", "test_bench_gpu_train", "test_readme", "test_bench_generate_gpu",
-              "test_moe_ep", "test_memory", "test_cli", "test_lora", "test_serve", "test_meta_init"]
+              "test_moe_ep", "test_memory", "test_cli", "test_lora", "test_serve", "test_meta_init",
+              "test_layout_auto", "test_rl_environments", "test_structured", "test_host_syncs", "test_rl_dynamic",
+              "test_serve_scoring", "test_speculative", "test_prefix_cache"]
 
 
 def pytest_collection_modifyitems(config, items):
