@@ -45,13 +45,15 @@
 #                      of 1, recompute.mode=auto), loom in one process: bf16, fp8 rowwise, fp8 tensorwise;
 #                      2 + 3 steps each (H200 only: one H100 does not hold 7B's fp32 states)
 #   generate_paged 100 generate_gpu.py on paged keys and values, batches 1, 64, 256, no transformers
-#   generate       80  the same on the slab at batches 1, 64 (+ transformers, + the profile's predictions)
+#   generate       80  the same on the slab at batches 1, 64 (+ transformers, + the profile's predictions), and
+#                      batch 1 with prompt-lookup speculative decoding against plain (--speculative 4)
 #   rl            120  rl_gpu.py: loom rl, GRPO, 1B shape, 8 prompts of 128 tokens x 8 completions of 512, 1 + 2 steps
 #   profile        60  python3 -m loom.cli plan --profile-hardware (its own attention probe)
 #   train_3b      120  3B shape, seq 8192, full recompute, loom (both losses) in one process, 2 + 3 steps
 #   titan_3b      110  torchtitan 0.3.0 at the 3B shape
 #   moe           100  loom on Qwen3-30B-A3B cut to 4 layers (128 experts of 768, top 8), seq 4096, grouped GEMM
 #   serve         100  serve_load.py: loom serve, 1B shape, 32 concurrent streaming clients x 2 requests of 64 tokens
+#   host_syncs     60  host_syncs_gpu.py: device-host synchronisations per training step under CUDA's sync debug mode
 #   gpu_tests      90  pytest -m gpu over the files that mark tests gpu
 #   train_7b      200  the 7B shape at micro-batch 2 with full recompute (measured 2026-11-26): bf16, fp8 rowwise
 #   liger_1b      100  transformers + Liger at the 1B shape (measured 2026-11-26)
@@ -297,7 +299,7 @@ if [ $SMOKE = 1 ]; then
   run_step train_7b_auto $((240 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --loss-chunk 16 --recompute auto \
     --micro-batch 1 --variant train_7b_auto: --variant fp8_7b_auto:fp8=rowwise --out "$DIR/gpu_train_7b_auto.json"
   skip_step generate_paged "--smoke: tests/test_bench_generate_gpu.py runs generate_gpu.py --smoke on paged keys"
-  run_step generate $((240 * X)) "$PY" bench/generate_gpu.py --smoke --kv slab --out "$DIR/generate_gpu.json"
+  run_step generate $((240 * X)) "$PY" bench/generate_gpu.py --smoke --kv slab --speculative 4 --out "$DIR/generate_gpu.json"
   run_step rl $((120 * X)) "$PY" bench/rl_gpu.py --smoke --out "$DIR/rl_gpu.json"
   # loom plan --profile-hardware has no mode short enough for a smoke run (--quick: about 40 s of CPU on
   # 2 cores): started, then cut off by its timeout, which is also what this run checks of a step that overruns.
@@ -308,6 +310,7 @@ if [ $SMOKE = 1 ]; then
   run_step moe $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --models tiny-moe --loss-chunk 16 --variant moe: \
     --out "$DIR/gpu_train_moe.json"
   skip_step serve "--smoke: tests/test_bench_serve_load.py runs serve_load.py --smoke"
+  skip_step host_syncs "--smoke: tests/test_host_syncs.py counts the same synchronisations on the CPU"
   skip_step gpu_tests "--smoke: the tests marked gpu need a CUDA device"
   run_step train_7b $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --recompute full --loss-chunk 16 \
     --variant train_7b: --variant fp8_7b:fp8=rowwise --out "$DIR/gpu_train_7b.json"
@@ -333,7 +336,7 @@ else
     --out "$DIR/generate_gpu_paged.json"
   PROFILE=()
   [ -n "$PROFILE_FOR" ] && PROFILE=(--profile "$PROFILE_FOR")
-  run_step generate 80 "$PY" bench/generate_gpu.py --kv slab --batches 1,64 --new 32 --repeats 2 \
+  run_step generate 80 "$PY" bench/generate_gpu.py --kv slab --batches 1,64 --new 32 --repeats 2 --speculative 4 \
     ${PROFILE[@]+"${PROFILE[@]}"} --out "$DIR/generate_gpu.json"
   run_step rl 120 "$PY" bench/rl_gpu.py --warmup 1 --steps 2 --timeout 115 --out "$DIR/rl_gpu.json"
   run_step profile 60 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json"
@@ -345,6 +348,7 @@ else
     --loss-chunk 8192 --variant moe: --out "$DIR/gpu_train_moe.json"
   run_step serve 100 "$PY" bench/serve_load.py --shape llama3.2-1b --clients 32 --rounds 2 --max-tokens 64 \
     --out "$DIR/serve_load.json"
+  run_step host_syncs 60 "$PY" bench/host_syncs_gpu.py --out "$DIR/host_syncs_gpu.json"
   # only the files that mark tests gpu: collecting the whole folder took most of the step's 90 s on an H200
   GPU_TEST_FILES=$(grep -l "mark\.gpu" tests/test_*.py)
   run_step gpu_tests 90 "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider --continue-on-collection-errors $GPU_TEST_FILES

@@ -226,6 +226,34 @@ def profiled(engine: Engine, prompts, new: int, top: int = 0) -> dict:
 
 
 @torch.no_grad()
+def speculative_row(model, plain: Engine, max_len: int, args, device, paged: bool) -> dict:
+    """Batch 1, greedy, on a prompt of a passage repeated three times (what prompt lookup serves): the plain engine
+    against `Engine(speculative="ngram")` (its verify step eager), tokens/s of each over `args.repeats` calls,
+    whether the tokens agree, and the drafted tokens kept per verify step."""
+    import random
+
+    rng = random.Random(0)
+    passage = [rng.randrange(model.cfg.vocab_size) for _ in range(max(4, args.prompt // 3))]
+    prompt = [(passage * 3)[: args.prompt]]
+    spec = Engine(model, max_batch=1, max_len=max_len, paged=paged, speculative="ngram", draft_tokens=args.speculative)
+    out = {"batch": 1, "draft_tokens": args.speculative}
+    for name, engine in (("plain", plain), ("speculative", spec)):
+        timed(engine, prompt, 2, device)  # warm-up
+        seconds, tokens = [], None
+        for _ in range(args.repeats):
+            s, tokens = timed(engine, prompt, args.new, device)
+            seconds.append(s)
+        out[f"{name}_tokens_per_s"] = round(args.new / statistics.median(seconds), 1)
+        out[f"{name}_tokens"] = tokens
+    out["speedup"] = round(out["speculative_tokens_per_s"] / out["plain_tokens_per_s"], 3)
+    out["identical_greedy"] = out.pop("plain_tokens") == out.pop("speculative_tokens")
+    stats = spec.stats
+    steps = max(1, stats.get("spec_request_steps", 0))
+    out["tokens_per_verify_step"] = round((stats.get("spec_accepted_tokens", 0) + steps) / steps, 3)
+    out["drafts_kept"] = round(stats.get("spec_accepted_tokens", 0) / max(1, stats.get("spec_draft_tokens", 0)), 3)
+    return out
+
+
 def run_hf(hf, prompts, new: int, device) -> tuple[float, list[list[int]]]:
     ids = torch.tensor(prompts, device=device)  # equal lengths: no padding
     sync(device)
@@ -261,6 +289,9 @@ def main(argv=None) -> int:
                          "blocks gathered densely (gather); Engine(paged_read=...)")
     ap.add_argument("--kernels", type=int, default=15,
                     help="per batch, the top N kernels of one profiled generation by device time (0: none)")
+    ap.add_argument("--speculative", type=int, default=0, metavar="K",
+                    help="also time batch 1 with prompt-lookup speculative decoding (Engine(speculative='ngram', "
+                         "draft_tokens=K)) against the plain engine on a repetitive prompt (issue 57); 0: not")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     compile_cache.activate("generate_gpu")  # LOOM_COMPILE_CACHE_LOAD / _SAVE (bench/DEVICE.md)
@@ -356,6 +387,10 @@ def main(argv=None) -> int:
         result["rows"] = rows
         write(args.out, result)
     del hf
+    if args.speculative:
+        result["speculative"] = speculative_row(model, engine, max_len, args, device, paged)
+        print("speculative:", json.dumps(result["speculative"]), flush=True)
+        write(args.out, result)
 
     # Refit from a training copy: fp32 master weights on the same device, new values.
     from loom.models.llama import build_model

@@ -73,6 +73,8 @@ TARGETS = [
     ("eager_1b", 51, "the eager 1B row measured", ("measured", None, "eager_1b/loom/plain:tokens_per_s")),
     ("moe", 51, "the MoE row measured", ("measured", None, "moe/loom/chunked:tokens_per_s")),
     ("serve", 51, "the serve row measured", ("measured", None, "serve/1b_32clients:tokens_per_s")),
+    ("speculative_b1", 57, "prompt-lookup speculative decoding measured at batch 1, 1B shape (speed-up over plain)",
+     ("measured", None, "decode/speculative/b1:speedup")),
     ("attention_probe", 55, "the profile's own attention probe measured", ("measured", None, "profile/hardware:attention_tflops_4096")),
     ("plan_within_10pct", 55, "loom plan's prediction within 10% of every measured loom training row",
      ("<=", 0.10, "max_prediction_error")),
@@ -156,6 +158,12 @@ def figures_of(folder: Path, predictions: dict) -> list[dict]:
                     out.append({"key": f"decode/{kv}/b{row['batch']}", "figure": fig, "value": row[fig], "unit": unit,
                                 "predicted": pred,
                                 "source": _rel(path), "command": report.get("command"), "_stamp": report})
+        spec = report.get("speculative")
+        if spec and spec.get("speedup") is not None and spec.get("identical_greedy"):  # only a lossless one counts
+            for fig, unit in (("speedup", "x"), ("speculative_tokens_per_s", "tokens/s"),
+                              ("tokens_per_verify_step", "tokens")):
+                out.append({"key": "decode/speculative/b1", "figure": fig, "value": spec[fig], "unit": unit,
+                            "source": _rel(path), "command": report.get("command"), "_stamp": report})
     rl = _load(folder / "rl_gpu.json")
     if rl and rl.get("summary") and rl["summary"].get("step_s_median"):
         for fig in ("step_s", "generation_s", "logprobs_s", "training_s"):
