@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-rl test test-all venv bench clean
+.PHONY: demo demo-rl demo-rl-tools test test-all venv bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: $(STAMP)
 # SFT then GRPO on CPU (bench/rl_demo.py): writes bench/results/rl_demo.json and .png.
 demo-rl: $(STAMP)
 	$(PY) bench/rl_demo.py
+
+# Multi-turn GRPO with a calculator tool on CPU (bench/rl_tools_demo.py): held-out accuracy with and without the
+# tool, before and after RL; writes bench/results/rl_tools_demo.json.
+demo-rl-tools: $(STAMP)
+	$(PY) bench/rl_tools_demo.py
 
 # Two workers, each file on one of them (its module fixtures and kept rank processes shared by its tests), the
 # longest files first (tests/conftest.py LONG_FIRST): 571 s of pytest on 2 cores where one worker took 695 s.
