@@ -1,7 +1,7 @@
 """Multi-turn GRPO with a calculator tool on CPU, from one command (`make demo-rl-tools`): does tool use raise
 held-out accuracy over the same model answering without the tool?
 
-    .venv/bin/python bench/rl_tools_demo.py [--sft-steps 800] [--rl-steps 40] [--smoke] [--out ...json]
+    .venv/bin/python bench/rl_tools_demo.py [--sft-steps 800] [--rl-steps 150] [--smoke] [--out ...json]
 
 The task: 3-digit x 2-digit multiplication ("123*45="), which the tiny model (0.8M parameters, configs/
 tiny-grpo-sft.toml's shape) does not learn to do in its head in a few hundred CPU steps (3-digit addition it
@@ -109,7 +109,7 @@ def evaluate(run_dir: Path, valid: list[tuple[str, str]]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sft-steps", type=int, default=800)
-    ap.add_argument("--rl-steps", type=int, default=40)
+    ap.add_argument("--rl-steps", type=int, default=150)
     ap.add_argument("--held-out", type=int, default=300)
     ap.add_argument("--smoke", action="store_true", help="a few steps end to end (tests): numbers meaningless")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "rl_tools_demo.json"))
