@@ -111,6 +111,8 @@ def main() -> int:
     ap.add_argument("--sft-steps", type=int, default=800)
     ap.add_argument("--rl-steps", type=int, default=150)
     ap.add_argument("--held-out", type=int, default=300)
+    ap.add_argument("--rl-override", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra `loom rl` overrides, e.g. optim.lr=3e-4 (repeatable)")
     ap.add_argument("--smoke", action="store_true", help="a few steps end to end (tests): numbers meaningless")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "rl_tools_demo.json"))
     args = ap.parse_args()
@@ -135,7 +137,8 @@ def main() -> int:
               "--rl.environment=loom.post.rl.tools:Calculator", "--rl.max_turns=2", f"--rl.stop={STOP}",
               "--rl.max_new_tokens=16", "--train.seq_len=64", "--train.micro_batch=128", "--train.global_batch=256",
               "--rl.engine_batch=256", f"--train.steps={args.rl_steps}",
-              f"--train.eval_interval={max(args.rl_steps, 1)}", *QUIET]
+              f"--train.eval_interval={max(args.rl_steps, 1)}", *QUIET,
+              *(f"--{o.removeprefix('--')}" for o in args.rl_override)]
         sft_s = run(sft)
         before = evaluate(sft_dir, valid)
         rl_s = run(rl)
