@@ -170,3 +170,19 @@ def test_advice_on_valid_but_doubtful_settings():
     assert run_advice(cfg, "train") == ["note: optim.warmup_steps=8 > train.steps=4: the learning rate rises to "
                                         "5.00e-04 at most and never reaches optim.lr=0.001; lower "
                                         "optim.warmup_steps to run at optim.lr"]
+
+
+def test_a_whitespace_only_list_item_on_the_command_line_is_refused_not_dropped():
+    """`--rl.stop=<newline>` used to become `rl.stop=[]` without a word (each item is stripped): a run whose
+    completions then never stop. It is refused, naming the TOML form; ordinary lists still parse."""
+    import pytest
+
+    from loom.config import load_config
+    from loom.errors import UserError
+
+    with pytest.raises(UserError, match=r"rl.stop='\\n'.*write it in a TOML config"):
+        load_config("tiny-grpo", ["rl.stop=\n"])
+    with pytest.raises(UserError, match="only whitespace"):
+        load_config("tiny-grpo", ["rl.stop=END, ,STOP"])
+    assert load_config("tiny-grpo", ["rl.stop=</s>, END"]).rl.stop == ["</s>", "END"]
+    assert load_config("tiny", ["lora.targets="]).lora.targets == []

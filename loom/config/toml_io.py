@@ -40,6 +40,10 @@ def coerce(name: str, value: Any, hint: Any, parse_text: bool) -> Any:
     if origin is list:
         (inner,) = typing.get_args(hint)
         if parse_text and isinstance(value, str):
+            if any(part and not part.strip() for part in value.split(",")):  # e.g. rl.stop=<newline>
+                raise UserError(f"{name}={value!r}: on the command line a list is comma-separated and each item "
+                                "stripped of whitespace, so an item of only whitespace would be lost; write it in a "
+                                f"TOML config instead (e.g. {name.rsplit('.', 1)[-1]} = [\"\\n\"])")
             value = [v for v in (s.strip() for s in value.split(",")) if v]
         if not isinstance(value, list):
             raise UserError(f"{name}={value!r} must be a list (comma-separated on the command line)")
