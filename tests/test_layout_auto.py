@@ -110,6 +110,31 @@ def test_bad_auto_settings_exit_2(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_one_process_runs_the_choice_and_logs_the_prediction(tmp_path):
+    """End to end in this process (`loom train` as the CLI runs it): the planner's choice is what the run's
+    config.toml holds, every step row carries the prediction, and the run ends comparing it with the measurement."""
+    from loom.config import load_config
+    from loom.planner.auto import choose
+    from loom.planner.hardware import load_gpu
+
+    run = tmp_path / "run"
+    overrides = [*SMALL, "train.steps=3", "train.global_batch=16", "parallel.layout=auto",
+                 f"parallel.auto_hardware={PROFILE}"]
+    out = run_main("train", "--config", "tiny", *[f"--{o}" for o in overrides], "--run-dir", str(run))
+    assert out.returncode == 0, out.stderr[-3000:]
+    expected = choose(small_config(*overrides[len(SMALL):]), 1, "train", gpu=load_gpu(str(PROFILE)))
+    assert "parallel.layout=auto chose " + expected.layout in out.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r and "step_time_s" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all((r["predicted_step_s"], r["predicted_memory_gib"]) == tuple(expected.prediction().values())
+               for r in steps)
+    saved = load_config(str(run / "config.toml"), validate=False)
+    assert saved.train.micro_batch == expected.values["train.micro_batch"] != 4  # SMALL's 4: the choice applied
+    assert "layout=auto: step " in out.stdout and "predicted" in out.stdout
+
+
+@pytest.mark.slow  # three interpreters on 2 cores (~15 s); make test runs the one-process test above
 def test_two_processes_run_the_choice_and_log_the_prediction(tmp_path):
     """End to end: the launcher chooses (tp fixed at 2 so the workers run a layout that is not the default), the
     workers train in it, every step row carries the prediction and the end compares it with the measurement."""
