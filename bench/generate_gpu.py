@@ -297,7 +297,8 @@ def main(argv=None) -> int:
     compile_cache.activate("generate_gpu")  # LOOM_COMPILE_CACHE_LOAD / _SAVE (bench/DEVICE.md)
     if args.smoke:
         shape, device, dtype, compile_mode = "tiny", torch.device("cpu"), torch.float32, False
-        args.batches, args.new, args.prompt, args.repeats = "1,4", 8, 12, 1
+        # three pairs: a single one let a stall of the 1-token call make the decode step negative on a busy CPU
+        args.batches, args.new, args.prompt, args.repeats = "1,4", 8, 12, 3
     else:
         if not torch.cuda.is_available():
             print("generate_gpu.py: no CUDA device here (use --smoke on a CPU)", file=sys.stderr)

@@ -104,7 +104,7 @@ def engine_overheads(device: str, quick: bool = False) -> dict[str, float]:
     sampling, bookkeeping); with 1 layer at batch 1 and 16, the slope is the cost per sequence in the batch
     (its sampling, gathers and scatters, the host's bookkeeping of its tokens). Each model's cost per token is
     a generation of 65 tokens less one of 1, timed back to back; the three models take turns over five rounds
-    (one when `quick`) and each keeps its median, so a shared machine's drift between seconds moves all three
+    (three when `quick`) and each keeps its median, so a shared machine's drift between seconds moves all three
     alike instead of one (a difference of differences amplifies it: best-of-three per model, one model after
     another, gave per-layer costs that varied by half between profiles a minute apart)."""
     engines = {}
@@ -113,7 +113,7 @@ def engine_overheads(device: str, quick: bool = False) -> dict[str, float]:
         torch.manual_seed(0)
         engines[layers, batch] = Engine(build_model(cfg).to(device).eval(), max_batch=batch, max_len=96)
     samples: dict = {key: [] for key in engines}
-    for _ in range(1 if quick else 5):
+    for _ in range(3 if quick else 5):  # one round let a single stall make the slope negative (-1206 us a layer)
         for (layers, batch), engine in engines.items():
             prompts = [[1, 2, 3, 4]] * batch
 
