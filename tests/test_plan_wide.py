@@ -1,5 +1,5 @@
 """The planner against a wider set of published dense runs (issue 38: the model must generalise):
-loom/planner/validation.py published_wide_runs, `loom plan --validate`'s table after the MoE runs."""
+loom/planner/published.py published_wide_runs, `loom plan --validate`'s table after the MoE runs."""
 
 from __future__ import annotations
 

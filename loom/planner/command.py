@@ -215,18 +215,18 @@ def run(args, engine_probe=None) -> int:
         print(summary([r for r in rows if r["set"] == "published"], "published layouts"))
         print()
         print("Published Megatron-Core MoE runs with tensor parallelism (experts over tp x dp ranks; "
-              "loom/planner/validation.py published_moe_runs)")
+              "loom/planner/published.py published_moe_runs)")
         table([r for r in rows if r["set"] == "moe"], routing=True)
         moe_rows = [r for r in rows if r["routing"] and r["set"] != "moe-heldout"]
         print(summary(moe_rows, f"MoE layouts (these and the {len(moe_rows) - sum(r['set'] == 'moe' for r in rows)} "
                                 "above)"))
         print()
-        print("A wider set of published dense runs (issue 38; loom/planner/validation.py published_wide_runs)")
+        print("A wider set of published dense runs (issue 38; loom/planner/published.py published_wide_runs)")
         table([r for r in rows if r["set"] == "wide"])
         print(summary([r for r in rows if r["set"] == "wide"], "published layouts"))
         print()
         print("Held-out published MoE runs on H100 (issue 55: long sequences under CP, 32 pipeline stages, later "
-              "Megatron-Bridge rows; loom/planner/validation.py published_moe_heldout_runs)")
+              "Megatron-Bridge rows; loom/planner/published.py published_moe_heldout_runs)")
         table([r for r in rows if r["set"] == "moe-heldout"], routing=True)
         print(summary([r for r in rows if r["set"] == "moe-heldout"], "held-out MoE layouts"))
         if measured:
