@@ -432,11 +432,11 @@ def _slots(model: nn.Module) -> tuple[int, list[tuple[int, MoE]]]:
     return len(row), [(row[int(name)], m) for name, block in layers.items() for m in moe_layers(block)]
 
 
-def step_stats(model: nn.Module, group=None) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-    """What the MoE layers recorded since the last call (every training micro-batch of the step), summed
-    over the ranks of `group` (None on one process) in one all-reduce; resets it.
+def step_stats(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """What the MoE layers recorded since the last call (every training micro-batch of the step) on this rank;
+    resets it. The trainer sums `take_stats` over all ranks in the step's one all-reduce instead.
 
-    `group` may be the whole world under any layout: pipeline stages fill disjoint rows (one per MoE layer
+    That sum may span the whole world under any layout: pipeline stages fill disjoint rows (one per MoE layer
     of the whole model, `_slots`); data- and context-parallel ranks (and sequence shards, and tensor-parallel
     ranks routing their own tokens under `token_mesh`) add their tokens; ranks that compute the same tokens
     (tensor-parallel replicas) multiply every count and sum alike, which the metrics below and the bias
@@ -449,13 +449,7 @@ def step_stats(model: nn.Module, group=None) -> tuple[dict[str, torch.Tensor], l
     of the whole model: the tokens routed to each expert. Nothing (and no collective) for a dense model.
     """
     stats = take_stats(model)
-    if stats is None:
-        return {}, []
-    if group is not None:
-        import torch.distributed as dist
-
-        dist.all_reduce(stats, group=group)
-    return stats_metrics(stats)
+    return ({}, []) if stats is None else stats_metrics(stats)
 
 
 def take_stats(model: nn.Module) -> torch.Tensor | None:
