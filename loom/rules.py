@@ -286,6 +286,8 @@ def check_layout(cfg, world: int | None = None, recipe: str = "train") -> None:
     lora = getattr(cfg, "lora", None)  # the planner's and memory's configs are full Configs; older callers' not
     if lora is not None and (problem := lora_problem(lora.rank, p.tp, t.fp8)):
         raise UserError(problem)
+    if problem := distopt_problem(cfg):
+        raise UserError(problem)
 
 
 def adam_moment_bytes(state_dtype: str) -> int:
@@ -469,3 +471,25 @@ def infer_dp_shard(p, nproc: int) -> tuple[int, str] | None:
     dp = nproc // rest
     return dp, (f"parallel.dp_shard={dp} inferred from --nproc {nproc} / (tp={p.tp} x cp={p.cp} x pp={p.pp}); "
                 "set parallel.dp_shard or parallel.dp_replicate to choose otherwise")
+
+
+def distopt_problem(cfg) -> str | None:
+    """What `parallel.distributed_optimizer=true` does not run yet (None: this layout runs)."""
+    p = cfg.parallel
+    if not getattr(p, "distributed_optimizer", False):
+        return None
+    fix = "set parallel.distributed_optimizer=false (FSDP)"
+    if p.dp_shard * p.cp == 1:
+        return ("parallel.distributed_optimizer=true splits the optimizer over parallel.dp_shard x parallel.cp ranks, "
+                f"and there is one (dp_shard={p.dp_shard}, cp={p.cp}); raise parallel.dp_shard or {fix}")
+    if p.dp_replicate != 1:
+        return (f"parallel.distributed_optimizer=true with parallel.dp_replicate={p.dp_replicate} is not supported "
+                f"yet; use parallel.dp_shard for the data-parallel ranks, or {fix}")
+    if p.ep > 1:
+        return f"parallel.distributed_optimizer=true with parallel.ep={p.ep} is not supported yet; set parallel.ep=1 or {fix}"
+    if getattr(getattr(cfg, "lora", None), "enabled", False):
+        return f"parallel.distributed_optimizer=true with LoRA (lora.rank={cfg.lora.rank}) is not supported yet; {fix}"
+    if p.pp > 1 and cfg.model.tie_embeddings:
+        return ("parallel.distributed_optimizer=true with parallel.pp > 1 and model.tie_embeddings=true is not "
+                f"supported yet (the tied head's copies); {fix}")
+    return None

@@ -36,6 +36,10 @@ class ParallelConfig(Section):
     # "unsharded" keeps full fp32 gradients until the last micro-batch and reduces once (fewer
     # collectives, the whole model's gradients in memory). Pipeline schedules always reduce once.
     grad_accum: Literal["sharded", "unsharded"] = "sharded"
+    # Megatron's distributed optimizer instead of FSDP (loom/parallel/distopt.py): weights whole on every rank in
+    # the compute dtype, fp32 gradients in contiguous buffers reduce-scattered once per step, the fp32 master
+    # weights and AdamW's moments split over the dp_shard x cp ranks.
+    distributed_optimizer: bool = False
     # "auto": the planner chooses the layout at launch for the world size and accelerator found, and every
     # metrics.jsonl step row carries its predicted_step_s / predicted_memory_gib (loom/planner/auto.py).
     layout: Literal["manual", "auto"] = "manual"

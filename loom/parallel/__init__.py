@@ -49,7 +49,7 @@ def parallelize(model: nn.Module, layout: MeshPlace, cfg: Config, compute_dtype:
     apply_recompute(model, cfg, layer_plan, eager_core=cfg.train.compile and layout.tp > 1)
     if cfg.train.compile:
         compile_blocks(model)
-    if layout.grad_ranks > 1:
+    if layout.grad_ranks > 1 and not cfg.parallel.distributed_optimizer:  # distopt: the optimizer reduces
         from loom.parallel.data import apply_data_parallel
 
         p = cfg.parallel

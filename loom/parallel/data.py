@@ -66,6 +66,10 @@ def set_gradient_sync(model: nn.Module, last_micro_batch: bool, sharded: bool) -
     """Before a micro-batch's backward: reduce its gradients now (`sharded` accumulation under FSDP, or the
     last micro-batch), or keep them whole until the last one. The replica all-reduce of HSDP and of
     replicated data parallelism runs on the last micro-batch only."""
+    distopt = getattr(model, "_loom_distopt", None)
+    if distopt is not None:  # the distributed optimizer reduces each bucket once the last micro-batch fills it
+        distopt.last_micro_batch = last_micro_batch
+        return
     if not isinstance(model, FSDPModule):
         return
     model.set_requires_gradient_sync(last_micro_batch or sharded)

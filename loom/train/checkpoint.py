@@ -147,6 +147,13 @@ class Checkpointer:
         return LORA_OPTIONS if self.cfg.lora.enabled else OPTIONS
 
     def _state(self) -> dict:
+        if hasattr(self.optimizer, "state_dicts"):  # the distributed optimizer: its master rows, as FSDP's
+            from torch.distributed.checkpoint.state_dict import _get_fqns, get_model_state_dict
+
+            names = {id(p): next(iter(_get_fqns(self.model, n))) for n, p in self.model.named_parameters()}
+            model_state, optim_state = self.optimizer.state_dicts(
+                get_model_state_dict(self.model, options=self.options), names)
+            return {"model": model_state, "optim": optim_state}
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self.options)
         if self.cfg.lora.enabled:  # a tied head's second name survives ignore_frozen_params: keep trained names only
             from loom.models.lora import adapter_state
@@ -238,8 +245,11 @@ class Checkpointer:
         # Anything that fails from here on (I/O, memory, a collective) is not a mismatch: it keeps its
         # traceback and is never taken for a damaged checkpoint.
         dcp.load(state, checkpoint_id=path, process_group=self.group, no_dist=self.world == 1)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=self.options)
+        if hasattr(self.optimizer, "loaded"):  # loaded in place into its master rows and moments
+            self.optimizer.loaded()
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"], options=self.options)
         from loom.train.optim import apply_hyperparameters
 
         apply_hyperparameters(self.optimizer, self.cfg.optim)

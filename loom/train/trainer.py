@@ -150,7 +150,12 @@ class Trainer:
         self.runner = build_in_layout(cfg, self.device, place, extend=self.recipe.extend_model, init_from=base,
                                       mark=self.beacon.mark, adapters=True)
         self.model = self.runner.model
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        if cfg.parallel.distributed_optimizer:  # after the weights are in place: it keeps their fp32 master rows
+            from loom.parallel.distopt import DistributedOptimizer
+
+            self.optimizer = DistributedOptimizer(self.runner.parts, cfg, self.layout, compute_dtype(cfg))
+        else:
+            self.optimizer = build_optimizer(self.model, cfg.optim)
         self.evaluator = Evaluator(self.runner, self.val_data, self.tokenizer, t.micro_batch)
         self.batches = BatchPrefetcher(self.rank_batch, pin=self.device.type == "cuda", background=cfg.data.prefetch)
         self.control = RunControl(cfg, self.layout, self.device, self.started)
@@ -263,8 +268,11 @@ class Trainer:
         # Data-parallel reduction averages gradients over ranks (with cp > 1 over the dp x cp ranks, each
         # holding its chunks' part); scale so the result is the sum / total.
         loss_sum = self.runner.forward_backward(batch, scale)
-        counted, shared = self.runner.norm_parameters()
-        grad_norm = clip_grad_norm(counted, t.grad_clip, self.runner.grad_norm_group, shared)
+        if hasattr(self.optimizer, "reduce_and_clip"):  # the distributed optimizer's reduced rows
+            grad_norm = self.optimizer.reduce_and_clip(t.grad_clip)
+        else:
+            counted, shared = self.runner.norm_parameters()
+            grad_norm = clip_grad_norm(counted, t.grad_clip, self.runner.grad_norm_group, shared)
         # The step's one all-reduce of numbers for the host, summed over all ranks: the loss (every rank of a TP
         # group holds the same loss, a cp rank its chunks': divided by tp), a recipe's statistics (DPO rewards and
         # accuracy: means over the global batch's counted units), the runner's per-rank numbers (the pipeline

@@ -1,0 +1,328 @@
+"""The distributed optimizer (`parallel.distributed_optimizer=true`): Megatron-Core's alternative to FSDP.
+
+Weights are whole on every data-parallel rank, in the compute dtype (bf16 under `train.dtype=bfloat16`); the
+fp32 master weights and AdamW's moments are split over the data-parallel x cp ranks (the group FSDP would
+shard over). What FSDP2 does per micro-batch, this does once per step:
+
+- forward and backward read the weights as they are: no all-gather before each block, and none of FSDP2's
+  copies of the gathered flat buffer into the parameters (twice per micro-batch, `loom plan`'s "FSDP2 buffer
+  copies");
+- each parameter's gradient is added, as autograd produces it, into a contiguous fp32 gradient buffer (a
+  post-accumulate hook; the bf16 `.grad` is dropped at once), so gradients accumulate over micro-batches in
+  fp32 with no per-micro-batch collective;
+- on the last micro-batch each bucket of the buffer is reduce-scattered as soon as its parameters' gradients
+  are complete (overlapping the rest of backward), leaving each rank the fp32 sum of its rows;
+- the optimizer updates the rank's rows of the fp32 master weights; the new weights are cast to the compute
+  dtype and all-gathered once.
+
+Which rows a rank owns: every parameter (its tensor-parallel shard under tp) is split by rows over the n ranks
+of the group as `torch.chunk` splits it (ceil(rows / n) per rank, the last ones shorter or empty), exactly as
+FSDP2 shards it. A bucket's buffers are laid out rank-major: `[n, S]`, rank r's rows of every parameter of the
+bucket side by side in row r, so a reduce-scatter of the flat buffer gives each rank its rows contiguously and
+adding a gradient into the buffer is one strided add (two where the rows do not divide). Because the split is
+FSDP2's, the checkpoint holds the same tensors an FSDP run writes (fp32 weights and moments, DTensors sharded by
+rows over the same mesh): a run resumes in either style, and in any other layout (`loom/train/checkpoint.py`).
+
+Memory per parameter: compute-dtype weight (2 or 4 bytes) + fp32 gradient (4) + (master 4 + moments 8 or 4)
+/ n, against FSDP's (4 + 4 + 8) / n plus one block gathered: more memory for fewer copies and collectives
+(Megatron's trade). Not yet: expert parallelism (the experts' own data-parallel group), LoRA, dp_replicate > 1,
+pipeline stages with a tied embedding (`loom.rules.distopt_problem`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from loom.config import Config
+
+BUCKET_ELEMENTS = 32 << 20  # parameters per gradient bucket (fp32: 128 MiB of buffer); one larger tensor alone
+
+
+@dataclass
+class _Slot:
+    """One parameter in a bucket: its rows per rank (`per_rank`, the last ranks' fewer), row width and column
+    offset in the bucket's rank-major buffers."""
+
+    param: nn.Parameter
+    name: str
+    rows: int
+    width: int
+    per_rank: int
+    offset: int
+    replicas: int  # ranks holding the same values outside the group (tensor-parallel replicas): norm weight
+
+    def my_rows(self, rank: int) -> int:
+        return max(0, min(self.per_rank, self.rows - rank * self.per_rank))
+
+    @property
+    def span(self) -> int:
+        return self.per_rank * self.width
+
+    def local(self) -> torch.Tensor:
+        p = self.param
+        return p._local_tensor if isinstance(p, DTensor) else p.data
+
+
+@dataclass
+class _Bucket:
+    slots: list[_Slot]
+    size: int  # S: elements of one rank's row of the buffers
+    grad: torch.Tensor | None = None  # [n, S] fp32: gradients summed over micro-batches
+    shard: torch.Tensor | None = None  # [S] fp32: this rank's reduced rows
+    master: torch.Tensor | None = None  # [S] fp32: this rank's rows of the weights
+    ready: int = 0
+    work: object | None = None
+    pieces: list = field(default_factory=list)  # per slot: (master view, grad view) shaped as the rows
+
+
+def _layout_slots(params: list[tuple[str, nn.Parameter]], n: int, tp_size: int) -> list[_Bucket]:
+    buckets, current, used = [], [], 0
+    for name, p in params:
+        local = p._local_tensor if isinstance(p, DTensor) else p.data
+        rows = local.shape[0] if local.dim() else 1
+        width = local.numel() // max(rows, 1)
+        per_rank = max(1, math.ceil(rows / n))
+        replicated = isinstance(p, DTensor) and all(isinstance(pl, Replicate) for pl in p.placements)
+        replicas = tp_size if (replicated or not isinstance(p, DTensor)) else 1
+        slot = _Slot(p, name, rows, width, per_rank, 0, replicas)
+        if current and used + slot.span > BUCKET_ELEMENTS:
+            buckets.append(_Bucket(current, used))
+            current, used = [], 0
+        slot.offset = used
+        current.append(slot)
+        used += slot.span
+    if current:
+        buckets.append(_Bucket(current, used))
+    return buckets
+
+
+def _rank_major(buf: torch.Tensor, slot: _Slot) -> tuple[torch.Tensor, int, int]:
+    """The slot's columns of a `[n, S]` buffer, the number of ranks holding full rows and the rows left over."""
+    full = slot.rows // slot.per_rank
+    return buf[:, slot.offset:slot.offset + slot.span], full, slot.rows - full * slot.per_rank
+
+
+class DistributedOptimizer:
+    """AdamW over this rank's rows of every trained parameter (see the module docstring); the trainer's
+    optimizer: `param_groups` (the learning rate is set there), `step`, `zero_grad`, and `reduce_and_clip`
+    between backward and step."""
+
+    def __init__(self, parts: list[nn.Module], cfg: Config, layout, compute_dtype: torch.dtype | None):
+        from loom.train.optim import AdamWLowPrecisionState
+
+        p = cfg.parallel
+        self.mesh = layout.submesh("dp_shard_cp" if p.cp > 1 else "dp_shard")
+        self.group = self.mesh.get_group()
+        self.n, self.rank = self.mesh.size(), self.mesh.get_local_rank()
+        self.tp_size = layout.tp
+        self.layout = layout
+        self.dtype = compute_dtype or torch.float32
+        self.last_micro_batch = True
+        named, seen = [], set()
+        for part in parts:
+            for name, param in part.named_parameters():
+                if param.requires_grad and id(param) not in seen:
+                    seen.add(id(param))
+                    named.append((name, param))
+        # Backward produces the last layers' gradients first: their buckets are reduced first.
+        self.buckets = _layout_slots(list(reversed(named)), self.n, self.tp_size)
+        device = named[0][1].device
+        self.device = device
+        for bucket in self.buckets:
+            bucket.grad = torch.zeros(self.n, bucket.size, dtype=torch.float32, device=device)
+            bucket.shard = torch.zeros(bucket.size, dtype=torch.float32, device=device)
+            bucket.master = torch.zeros(bucket.size, dtype=torch.float32, device=device)
+            for slot in bucket.slots:
+                rows = slot.my_rows(self.rank)
+                start = slot.offset
+                shape = (rows, *slot.local().shape[1:]) if slot.local().dim() else (rows,)
+                master = bucket.master[start:start + rows * slot.width].view(shape)
+                grad = bucket.shard[start:start + rows * slot.width].view(shape)
+                local = slot.local()
+                if local.dim():
+                    master.copy_(local[self.rank * slot.per_rank:self.rank * slot.per_rank + rows])
+                elif rows:
+                    master.copy_(local.reshape(1))
+                bucket.pieces.append((master, grad))
+        # The weights in the compute dtype, every rank the same (each rank's rows from their owner).
+        for _, param in named:
+            if param.dtype != self.dtype:
+                if isinstance(param, DTensor):
+                    param._local_tensor = param._local_tensor.to(self.dtype)
+                else:
+                    param.data = param.data.to(self.dtype)
+        self._gather_weights()
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                slot.param.register_post_accumulate_grad_hook(self._hook(bucket, slot))
+        decay, no_decay = [], []
+        self.piece_slot = {}
+        o = cfg.optim
+        for bucket in self.buckets:
+            for slot, (master, grad) in zip(bucket.slots, bucket.pieces):
+                master.grad = grad
+                self.piece_slot[id(master)] = slot
+                (no_decay if slot.param.dim() < 2 and not o.decay_norms_and_biases else decay).append(master)
+        groups = [{"params": decay, "weight_decay": o.weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        betas = (o.beta1, o.beta2)
+        if o.state_dtype == "bfloat16":
+            self.inner = AdamWLowPrecisionState(groups, lr=o.lr, betas=betas, eps=o.eps)
+            moment_dtype = torch.bfloat16
+        else:
+            self.inner = torch.optim.AdamW(groups, lr=o.lr, betas=betas, eps=o.eps,
+                                           fused=device.type in ("cpu", "cuda"))
+            moment_dtype = torch.float32
+        step_device = device if o.state_dtype != "bfloat16" and device.type in ("cpu", "cuda") else "cpu"
+        for group in self.inner.param_groups:  # moments exist from the start: a checkpoint loads into them
+            for piece in group["params"]:
+                self.inner.state[piece] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
+                                           "exp_avg": torch.zeros_like(piece, dtype=moment_dtype),
+                                           "exp_avg_sq": torch.zeros_like(piece, dtype=moment_dtype)}
+        for part in parts:
+            part._loom_distopt = self
+
+    # -- backward ------------------------------------------------------------------------------------------
+
+    def _hook(self, bucket: _Bucket, slot: _Slot):
+        def accumulate(param: torch.Tensor) -> None:
+            grad = param.grad
+            if isinstance(grad, DTensor):
+                if grad.placements != param.placements:
+                    grad = grad.redistribute(placements=param.placements)
+                grad = grad._local_tensor
+            src = grad.reshape(-1)
+            dst, full, rest = _rank_major(bucket.grad, slot)
+            span = slot.span
+            if full:
+                dst[:full].add_(src[:full * span].view(full, span))
+            if rest:
+                dst[full, :rest * slot.width].add_(src[full * span:])
+            param.grad = None
+            if self.last_micro_batch:
+                bucket.ready += 1
+                if bucket.ready == len(bucket.slots):
+                    self._reduce(bucket)
+        return accumulate
+
+    def _reduce(self, bucket: _Bucket) -> None:
+        if bucket.work is None:
+            bucket.work = dist.reduce_scatter_tensor(bucket.shard, bucket.grad.view(-1), group=self.group,
+                                                     async_op=True)
+
+    def reduce_and_clip(self, max_norm: float) -> torch.Tensor:
+        """Finish the reduce-scatters (a bucket whose parameters got no gradient this step is reduced now),
+        average over the group, and clip this rank's rows to `max_norm` (0: no clipping) by the global norm:
+        squares summed over every rank, a tensor-parallel replica's counted once. Returns the norm."""
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for bucket in self.buckets:
+            self._reduce(bucket)
+            bucket.work.wait()
+            bucket.work, bucket.ready = None, 0
+            bucket.shard.div_(self.n)
+            for slot, (_, grad) in zip(bucket.slots, bucket.pieces):
+                if grad.numel():
+                    squares += grad.float().square().sum() / slot.replicas
+        dist.all_reduce(squares)  # every rank: the group's rows, the tensor-parallel shards, pipeline stages
+        norm = squares.sqrt()
+        if max_norm > 0:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for bucket in self.buckets:
+                bucket.shard.mul_(coef)
+        return norm
+
+    # -- the optimizer's interface ----------------------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.inner.step()
+        self._gather_weights()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for bucket in self.buckets:
+            bucket.grad.zero_()
+
+    @torch.no_grad()
+    def _gather_weights(self) -> None:
+        """Every rank's rows of the master weights, in the compute dtype, into the parameters."""
+        for bucket in self.buckets:
+            send = bucket.master.to(self.dtype)
+            out = torch.empty(self.n * bucket.size, dtype=self.dtype, device=self.device)
+            dist.all_gather_into_tensor(out, send, group=self.group)
+            out = out.view(self.n, bucket.size)
+            for slot in bucket.slots:
+                src, full, rest = _rank_major(out, slot)
+                dst = slot.local().view(-1)
+                span = slot.span
+                if full:
+                    dst[:full * span].view(full, span).copy_(src[:full])
+                if rest:
+                    dst[full * span:].copy_(src[full, :rest * slot.width])
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+
+    def _dtensor(self, slot: _Slot, local: torch.Tensor) -> DTensor:
+        """This rank's rows of `slot` (master or moment) as the DTensor an FSDP run saves for the parameter."""
+        p = slot.param
+        if isinstance(p, DTensor) and self.tp_size > 1:
+            from torch.distributed.tensor.placement_types import _StridedShard
+
+            mesh = self.layout.mesh[("dp_shard_cp" if self.layout.cp > 1 else "dp_shard", "tp")]
+            tp_place = p.placements[0]
+            if isinstance(tp_place, Shard) and tp_place.dim == 0:
+                placements = (_StridedShard(0, split_factor=self.tp_size), tp_place)
+            else:
+                placements = (Shard(0), tp_place)
+            shape, stride = p.shape, p.stride()
+        else:
+            mesh, placements = self.mesh, (Shard(0),)
+            shape = slot.local().shape
+            stride = slot.local().stride()
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    def state_dicts(self, model_state: dict, names: dict) -> tuple[dict, dict]:
+        """The checkpoint's {"model": ..., "optim": ...} as FSDP's get_state_dict writes them (flattened
+        optimizer state): `model_state` is the model's own state dict, whose entries for the trained
+        parameters (`names`: parameter -> its state-dict key) are replaced by the fp32 master rows. The returned
+        tensors are views: loading a checkpoint into them fills the master weights and moments in place."""
+        model_out = dict(model_state)
+        optim = {}
+        for group in self.inner.param_groups:
+            for piece in group["params"]:
+                slot = self.piece_slot[id(piece)]
+                key = names[id(slot.param)]
+                model_out[key] = self._dtensor(slot, piece)
+                state = self.inner.state[piece]
+                optim[f"state.{key}.step"] = state["step"]
+                optim[f"state.{key}.exp_avg"] = self._dtensor(slot, state["exp_avg"])
+                optim[f"state.{key}.exp_avg_sq"] = self._dtensor(slot, state["exp_avg_sq"])
+                for k, v in group.items():
+                    if k != "params":
+                        optim[f"param_groups.{key}.{k}"] = {"fused": None, "foreach": True}.get(k, v)
+        return model_out, optim
+
+    @torch.no_grad()
+    def loaded(self) -> None:
+        """After a checkpoint was loaded into `state_dicts`' views: the weights from the new master rows, and
+        one step count for every piece."""
+        steps = [s["step"] for s in self.inner.state.values()]
+        top = max(float(s) for s in steps) if steps else 0.0
+        for s in steps:
+            s.fill_(top)
+        self._gather_weights()
+

@@ -1,0 +1,120 @@
+"""The distributed optimizer (`parallel.distributed_optimizer=true`, loom/parallel/distopt.py): weights whole,
+master weights and moments split by rows over the data-parallel ranks, gradients reduced once per step. The
+same losses as one process; checkpoints that resume bit for bit and load into FSDP or one process."""
+
+from pathlib import Path
+
+import pytest
+
+from distributed import shared_pool
+from loom.config import load_config
+
+MODEL = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=135",
+         "model.vocab_size=510", "model.max_seq_len=32", "train.seq_len=32", "train.micro_batch=2",
+         "train.global_batch=8", "data.corpus_max_bytes=200000", "log.progress=none", "optim.warmup_steps=1",
+         "log.tensorboard=false", "train.device=cpu", "train.threads=1", "train.grad_clip=0.5", "optim.lr=3e-3"]
+
+
+def _run(tmp, overrides, steps=3, save_at=0, resume=False):
+    """`steps` steps (saving at `save_at`, or resuming from tmp's checkpoint); the losses, grad norms and what the
+    rank holds."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from loom.train.trainer import Trainer
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    extra = ["checkpoint.resume=true"] if resume else []
+    cfg = load_config("tiny", MODEL + [f"train.steps={steps}", *extra, *overrides])
+    trainer = Trainer(cfg, Path(tmp) / "run", quiet=True)
+    rows = [trainer.train_step() for _ in range(steps - trainer.state.step)]
+    if save_at:
+        assert trainer.state.step == save_at
+        trainer.save()
+        trainer.checkpointer.wait()
+    opt = trainer.optimizer
+    held = sum(t.numel() for s in opt.state.values() for k, t in s.items() if k == "exp_avg")
+    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+               for n, p in trainer.model.named_parameters()}
+    return {"losses": [r["loss"] for r in rows], "norms": [r["grad_norm"] for r in rows], "rank": rank,
+            "moments": held, "params": sum(p.numel() for p in trainer.model.parameters()),
+            "fsdp": any(isinstance(m, FSDPModule) for m in trainer.model.modules()),
+            "dtype": str(next(trainer.model.parameters()).dtype), "weights": weights,
+            "grads_kept": sum(p.grad is not None for p in trainer.model.parameters()),
+            "threads": torch.get_num_threads()}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return _run(str(tmp_path_factory.mktemp("one")), [])
+
+
+def _close(a, b, rel=2e-5):
+    assert len(a) == len(b) and all(abs(x - y) <= rel * max(abs(y), 1e-6) for x, y in zip(a, b)), (a, b)
+
+
+def test_distributed_optimizer_equals_one_process_and_splits_its_state(single, tmp_path):
+    ranks = shared_pool(2).run(_run, str(tmp_path), ["parallel.dp_shard=2", "parallel.distributed_optimizer=true"])
+    for got in ranks:
+        _close(got["losses"], single["losses"])
+        _close(got["norms"], single["norms"])  # the clipped norm (0.5) is crossed: clipping counts every row
+        assert max(single["norms"]) > 0.5
+        assert not got["fsdp"] and got["grads_kept"] == 0  # no FSDP; gradients live in the optimizer's buffer
+        # Each rank holds the moments of its rows only, rows split as torch.chunk splits them (135 rows: 68 + 67).
+        mine = 0
+        for w in got["weights"].values():
+            rows, k = w.shape[0], -(-w.shape[0] // 2)
+            mine += max(0, min(k, rows - got["rank"] * k)) * (w.numel() // rows)
+        assert got["moments"] == mine
+        for name, w in got["weights"].items():  # weights whole and equal on every rank
+            assert (w - ranks[0]["weights"][name]).abs().max() == 0
+            assert (w - single["weights"][name]).abs().max() < 1e-5
+    assert sum(r["moments"] for r in ranks) == ranks[0]["params"]
+
+
+def test_bf16_weights_computed_as_fsdp_mixed_precision(tmp_path):
+    """train.dtype=bfloat16: weights held in bf16 (FSDP2 casts its fp32 shards to bf16 per block: the same
+    arithmetic), so the losses equal FSDP's to bf16's precision."""
+    bf16 = ["parallel.dp_shard=2", "train.dtype=bfloat16"]
+    fsdp = shared_pool(2).run(_run, str(tmp_path / "fsdp"), bf16)
+    dist = shared_pool(2).run(_run, str(tmp_path / "dist"), bf16 + ["parallel.distributed_optimizer=true"])
+    assert dist[0]["dtype"] == "torch.bfloat16"
+    _close(dist[0]["losses"], fsdp[0]["losses"], rel=2e-3)
+
+
+def test_resume_is_exact_and_checkpoints_load_into_fsdp_and_one_process(single, tmp_path):
+    distopt = ["parallel.dp_shard=2", "parallel.distributed_optimizer=true"]
+    pool = shared_pool(2)
+    full = pool.run(_run, str(tmp_path / "full"), distopt, 4)
+    pool.run(_run, str(tmp_path / "cut"), distopt, 2, 2)
+    resumed = pool.run(_run, str(tmp_path / "cut"), distopt, 4, 0, True)
+    assert resumed[0]["losses"] == full[0]["losses"][2:]  # bit for bit
+    # The same checkpoint into FSDP on two ranks and into one process: the same continuation.
+    pool.run(_run, str(tmp_path / "cut2"), distopt, 2, 2)
+    as_fsdp = pool.run(_run, str(tmp_path / "cut2"), ["parallel.dp_shard=2"], 4, 0, True)
+    _close(as_fsdp[0]["losses"], full[0]["losses"][2:])
+    # And the other way: an FSDP checkpoint resumed by the distributed optimizer.
+    pool.run(_run, str(tmp_path / "cut3"), ["parallel.dp_shard=2"], 2, 2)
+    back = pool.run(_run, str(tmp_path / "cut3"), distopt, 4, 0, True)
+    _close(back[0]["losses"], full[0]["losses"][2:])
+
+
+def test_one_process_reads_a_distributed_optimizer_checkpoint(tmp_path):
+    distopt = ["parallel.dp_shard=2", "parallel.distributed_optimizer=true"]
+    full = shared_pool(2).run(_run, str(tmp_path / "full"), distopt, 4)
+    shared_pool(2).run(_run, str(tmp_path / "cut"), distopt, 2, 2)
+    one = _run(str(tmp_path / "cut"), [], 4, 0, True)
+    _close(one["losses"], full[0]["losses"][2:])
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["parallel.distributed_optimizer=true"], "one (dp_shard=1, cp=1)"),
+    (["parallel.distributed_optimizer=true", "parallel.dp_replicate=2", "parallel.dp_shard=2"], "dp_replicate=2"),
+])
+def test_layouts_it_does_not_run_are_refused(overrides, needle):
+    from loom.errors import UserError
+
+    with pytest.raises(UserError, match="distributed_optimizer") as err:
+        load_config("tiny", MODEL + overrides)
+    assert needle in str(err.value)
