@@ -303,7 +303,7 @@ if [ $SMOKE = 1 ]; then
   run_step rl $((120 * X)) "$PY" bench/rl_gpu.py --smoke --out "$DIR/rl_gpu.json"
   # loom plan --profile-hardware has no mode short enough for a smoke run (--quick: about 40 s of CPU on
   # 2 cores): started, then cut off by its timeout, which is also what this run checks of a step that overruns.
-  run_step profile 5 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json" --quick
+  run_step profile 2 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json" --quick
   run_step train_3b $((240 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --recompute full --variant train_3b:loss_chunk=0,16 \
     --out "$DIR/gpu_train_3b.json"
   skip_step titan_3b "--smoke: titan_1b's smoke runs the same rows"

@@ -284,7 +284,9 @@ def main(argv=None) -> int:
         log = args.out.with_name(args.out.stem + "_loom_rl.log")  # beside the JSON: loom rl's own output
         cmd = [sys.executable, "-m", "loom.cli", "rl", "--config", "tiny-grpo", "--run-dir", str(run_dir),
                *[f"--{o}" for o in overrides]]
-        env = dict(os.environ, LOOM_CACHE=str(tmp / "cache"),
+        # loom's cache: the caller's when LOOM_CACHE is set (a test session's, where the CPU decode kernels are
+        # already built: building them again costs a smoke run most of its time), else a private one in tmp
+        env = dict(os.environ, LOOM_CACHE=os.environ.get("LOOM_CACHE") or str(tmp / "cache"),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(tmp), str(ROOT), os.environ.get("PYTHONPATH")])))
         result = {"benchmark": "rl_gpu", "shape": shape, "dtype": "bfloat16" if cuda else "float32",
                   "prompts_per_step": args.prompts, "group_size": args.group, "prompt_tokens": args.prompt,

@@ -37,7 +37,7 @@ def test_every_step_is_recorded_and_a_cut_off_step_does_not_stop_the_run(check):
             assert status[name] == "skipped", name
         elif name != "profile":
             assert status[name] == "ok", (name, (out / f"{name}.log").read_text()[-2000:])
-    # the smoke's profile step is cut off by its 5 s timeout (no mode of loom plan --profile-hardware is that
+    # the smoke's profile step is cut off by its 2 s timeout (no mode of loom plan --profile-hardware is that
     # short on 2 cores) or finishes; either way the steps after it ran
     assert status["profile"] in ("timeout", "ok")
     if status["profile"] == "ok":
