@@ -489,6 +489,9 @@ def distopt_problem(cfg) -> str | None:
         return f"parallel.distributed_optimizer=true with parallel.ep={p.ep} is not supported yet; set parallel.ep=1 or {fix}"
     if getattr(getattr(cfg, "lora", None), "enabled", False):
         return f"parallel.distributed_optimizer=true with LoRA (lora.rank={cfg.lora.rank}) is not supported yet; {fix}"
+    if p.schedule == "zero_bubble":
+        return ("parallel.distributed_optimizer=true with parallel.schedule=zero_bubble is not supported yet (its "
+                f"separate weight-gradient pass); use parallel.schedule=1f1b or interleaved, or {fix}")
     if p.pp > 1 and cfg.model.tie_embeddings:
         return ("parallel.distributed_optimizer=true with parallel.pp > 1 and model.tie_embeddings=true is not "
                 f"supported yet (the tied head's copies); {fix}")

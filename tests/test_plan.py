@@ -148,14 +148,17 @@ def test_attention_kernel_follows_the_framework_that_runs_it():
     assert sdpa.fwd["attention"] == pytest.approx(flops / (989e12 * 0.35), rel=1e-3)
     assert fused.fwd["attention"] == pytest.approx(flops / (989e12 * 0.45), rel=1e-3) == forced.fwd["attention"]
     assert sdpa.fwd["gemm"] == fused.fwd["gemm"]
-    # A layout only Megatron runs (its distributed optimizer) is priced with Megatron's kernel.
+    # The distributed optimizer under Megatron is priced with Megatron's kernel; under loom (loom/parallel/distopt.py)
+    # with loom's, as its FSDP layouts are.
     w = Workload(m, 8192, 64, 8, gpu)
+    mega = Workload(m, 8192, 64, 8, gpu, framework="megatron")
     lay = dict(dp=8, micro_batch=1, recompute="full")
     mb = 64 // 8
     per_layer = lambda t: (t.fwd["attention"] + t.bwd["attention"]) * m.layers * mb  # noqa: E731
     full_fused = layer_times(Workload(m, 8192, 64, 8, gpu, attention_kernel="fused"), 1, 1, 1, False, "full")
     full_sdpa = layer_times(w, 1, 1, 1, False, "full")
-    assert evaluate(w, Layout(dp_style="distopt", **lay)).time_terms["attention"] == pytest.approx(per_layer(full_fused))
+    assert evaluate(mega, Layout(dp_style="distopt", **lay)).time_terms["attention"] == pytest.approx(per_layer(full_fused))
+    assert evaluate(w, Layout(dp_style="distopt", **lay)).time_terms["attention"] == pytest.approx(per_layer(full_sdpa))
     assert evaluate(w, Layout(dp_style="fsdp", **lay)).time_terms["attention"] == pytest.approx(per_layer(full_sdpa))
     a100 = PRESETS["a100-80gb"]
     assert layer_times(Workload(m, 8192, 8, 8, a100), 1, 1, 1, False, "none").fwd["attention"] == pytest.approx(
@@ -289,8 +292,8 @@ def test_uneven_split_balances_the_lm_head_and_prices_the_slowest_rank():
 
     from dataclasses import replace
 
-    w = _big_vocab_workload()
-    # distopt layouts run Megatron's (fused) attention and elementwise kernels
+    w = replace(_big_vocab_workload(), framework="megatron")
+    # Megatron runs its (fused) attention and elementwise kernels
     lt = layer_times(replace(w, attention_kernel="fused", elementwise_kernels="fused"), 2, 1, 1, True, "none")
     layer = sum(lt.fwd.values()) + sum(lt.bwd.values())
     head = sum(head_times(w, 2, 1, 1))
@@ -318,7 +321,7 @@ def test_uneven_split_balances_the_lm_head_and_prices_the_slowest_rank():
     assert even.time_terms["head"] == pytest.approx(m * sum(head_times(at_burst_clock(w), 2, 1, 1)))
     assert uneven.step_time_s < even.step_time_s * 0.95
     # 1F1B: rank 0 keeps pp micro-batches of its layers; rank 3 keeps one of its own plus the logits.
-    from loom.planner.memory import megatron_layer_activation_bytes  # distopt is priced as Megatron runs it
+    from loom.planner.memory import megatron_layer_activation_bytes  # Megatron's distopt, as Megatron runs it
 
     per_layer = megatron_layer_activation_bytes(w.model, 8192, 1, 2, True, "none", 2, False)
     assert memory(w, Layout(tp=2, pp=4, dp=4, sp=True, dp_style="distopt"))["activations"] == pytest.approx(4 * 8 * per_layer)
@@ -383,9 +386,11 @@ def test_layers_that_do_not_split_evenly_get_a_declared_split(tmp_path):
 def test_pipeline_memory_follows_each_schedules_warm_up():
     """Activations held at the peak, counted by hand from the schedules' forward order, uneven split
     1/5/5/5/5/5/5/1 over pp=4 x vpp=2, 16 micro-batches."""
-    from loom.planner.memory import megatron_layer_activation_bytes  # distopt is priced as Megatron runs it
+    from dataclasses import replace
 
-    w = _big_vocab_workload()
+    from loom.planner.memory import megatron_layer_activation_bytes  # Megatron's distopt, as Megatron runs it
+
+    w = replace(_big_vocab_workload(), framework="megatron")
     w.model.tie_embeddings = False
     per_layer = megatron_layer_activation_bytes(w.model, 8192, 1, 2, True, "none", 2, False)
     lay = Layout(tp=2, pp=4, vpp=2, dp=4, sp=True, dp_style="distopt", schedule="interleaved",
@@ -406,15 +411,16 @@ def test_pipeline_memory_follows_each_schedules_warm_up():
 def test_full_recompute_layers_count_per_chunk_as_loom_applies_them():
     """recompute.num_layers (block method) applies to every chunk a rank runs: with vpp=2 and k=1 a rank
     recomputes 2 layers, in time and in memory."""
-    from loom.planner.memory import megatron_layer_activation_bytes  # distopt is priced as Megatron runs it
-    from loom.planner.layertime import layer_times
-
-    w = _big_vocab_workload()
-    base = dict(tp=2, pp=4, vpp=2, dp=4, sp=True, dp_style="distopt", schedule="interleaved")
-    none, one = evaluate(w, Layout(**base)), evaluate(w, Layout(**base, recompute="full", recompute_layers=1))
     from dataclasses import replace
 
-    fused = replace(w, attention_kernel="fused", elementwise_kernels="fused")  # distopt layouts run Megatron's kernels
+    from loom.planner.layertime import layer_times
+    from loom.planner.memory import megatron_layer_activation_bytes  # Megatron's distopt, as Megatron runs it
+
+    w = replace(_big_vocab_workload(), framework="megatron")
+    base = dict(tp=2, pp=4, vpp=2, dp=4, sp=True, dp_style="distopt", schedule="interleaved")
+    none, one = evaluate(w, Layout(**base)), evaluate(w, Layout(**base, recompute="full", recompute_layers=1))
+
+    fused = replace(w, attention_kernel="fused", elementwise_kernels="fused")  # Megatron's kernels
     lt, ft = layer_times(fused, 2, 1, 1, True, "none"), layer_times(fused, 2, 1, 1, True, "full")
     extra = sum(ft.fwd.values()) + sum(ft.bwd.values()) - sum(lt.fwd.values()) - sum(lt.bwd.values())
     m = 16
@@ -507,7 +513,7 @@ def test_default_search_offers_only_what_loom_runs():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["candidates"]) == 50 and not any(c["loom_refuses"] for c in out["candidates"])
-    assert {c["dp_style"] for c in out["candidates"]} <= {"replicate", "fsdp"}
+    assert {c["dp_style"] for c in out["candidates"]} <= {"replicate", "fsdp", "distopt"}  # distopt: loom's own
     r = run_main("plan", "--model", "gpt3-175b", "--gpus", "64", "--gpu", "a100-80gb", "--global-batch", "64")
     assert r.returncode == 2 or "loom cannot run" not in r.stdout, r.stdout
 
@@ -852,7 +858,8 @@ def test_megatron_memory_term_by_term_for_nvidias_llama3_8b_layout():
 def test_cli_prices_a_published_megatron_layout_that_fits():
     r = run_main("plan", "--model", "llama3-70b", "--gpus", "64", "--seq", "8192", "--global-batch", "128",
                 "--precision", "fp8", "--grad-dtype", "bfloat16", "--memory-margin", "0",
-                "--layout", "tp=4,pp=4,cp=2,vpp=5,mbs=1,recompute=none,dp_style=distopt", "--json")
+                "--layout", "tp=4,pp=4,cp=2,vpp=5,mbs=1,recompute=none,dp_style=distopt", "--json",
+                "--framework", "megatron")
     assert r.returncode == 0, r.stderr
     best = json.loads(r.stdout)["candidates"][0]
     assert best["fits"] and best["memory_gib"]["fp8_weights"] > 0 and best["memory_gib"]["total"] < 79.6
@@ -901,7 +908,7 @@ def test_compiled_blocks_run_their_elementwise_bytes_at_the_compiled_rate():
     assert auto.runs_compiled(Layout(dp=8)) and auto.runs_compiled(Layout(tp=2, dp=4))
     assert auto.runs_compiled(Layout(cp=2, dp=4)) and auto.runs_compiled(Layout(pp=2, dp=4, schedule="interleaved"))
     assert not auto.runs_compiled(Layout(pp=2, dp=4, schedule="zero_bubble"))  # loom.rules.compile_problem
-    assert not auto.runs_compiled(Layout(dp=8, dp_style="distopt"))
+    assert auto.runs_compiled(Layout(dp=8, dp_style="distopt"))  # loom's distributed optimizer compiles too
     assert not Workload(m, 8192, 8, 8, dataclasses.replace(gpu, name="cpu: x86_64 x2")).runs_compiled(Layout(dp=8))
     assert not Workload(m, 8192, 8, 8, gpu, framework="megatron").runs_compiled(Layout(dp=8))
     # Through the step: the same layout priced compiled is faster by the elementwise difference only.
@@ -958,16 +965,18 @@ def test_loom_eager_elementwise_on_a_preset_runs_at_the_measured_share_of_the_ba
     for table in (published_runs(), published_wide_runs(), published_moe_runs()):
         for name, (row, fixed, *_) in table.items():
             assert row.fused_elementwise() or fixed.get("dp_style") == "distopt", name
-    # Through the step: a distopt layout (Megatron's runtime) prices TE's fused kernels; the same layout on
-    # loom's FSDP with its blocks eager (--compile off), loom's eager ops, 1 / share times the elementwise time;
-    # as loom's GPU path runs it (compiled since issue 52), the fused rate again.
+    # Through the step: Megatron's distopt layout prices TE's fused kernels; the same layout on loom (FSDP or its
+    # own distributed optimizer) with its blocks eager (--compile off), loom's eager ops, 1 / share times the
+    # elementwise time; as loom's GPU path runs it (compiled since issue 52), the fused rate again.
     lay = Layout(tp=2, dp=4, sp=True)
     off = replace(w, compile="off")
-    ratio = (evaluate(off, lay).time_terms["elementwise"]
-             / evaluate(off, replace(lay, dp_style="distopt")).time_terms["elementwise"])
-    assert ratio == pytest.approx(1 / share, rel=1e-9)
-    assert evaluate(w, lay).time_terms["elementwise"] == pytest.approx(
-        evaluate(w, replace(lay, dp_style="distopt")).time_terms["elementwise"], rel=1e-9)
+    mega = replace(off, framework="megatron")
+    for style in ("fsdp", "distopt"):
+        ratio = (evaluate(off, replace(lay, dp_style=style)).time_terms["elementwise"]
+                 / evaluate(mega, replace(lay, dp_style="distopt")).time_terms["elementwise"])
+        assert ratio == pytest.approx(1 / share, rel=1e-9)
+        assert evaluate(w, replace(lay, dp_style=style)).time_terms["elementwise"] == pytest.approx(
+            evaluate(mega, replace(lay, dp_style="distopt")).time_terms["elementwise"], rel=1e-9)
 
 
 def test_the_405b_free_search_lands_in_metas_mfu_band_and_megatron_runs_no_zero_bubble():
@@ -999,10 +1008,12 @@ def test_the_405b_free_search_lands_in_metas_mfu_band_and_megatron_runs_no_zero_
 
 def test_distopt_layouts_split_the_stages_by_megatrons_layer_time():
     """The uneven split balances the LM head against a layer's time as the layout's runtime runs the layer:
-    loom's eager layer (elementwise ops at the measured eager rate) on loom's styles, Transformer Engine's
-    fused one on Megatron's distributed optimizer, whose layer is cheaper, so its head weighs more."""
+    loom's layer on loom's styles (its distributed optimizer included), Transformer Engine's fused one on
+    Megatron's distributed optimizer, whose layer is cheaper, so its head weighs more."""
     from loom.planner.search import candidates, head_weight, split_options
     from loom.planner.steptime import with_te_kernels
+
+    from dataclasses import replace
 
     w = Workload(load_config("llama3-8b").model, 8192, 64, 32, PRESETS["h100"])
     loom_head, te_head = head_weight(w, 1, 1), head_weight(with_te_kernels(w), 1, 1)
@@ -1014,7 +1025,11 @@ def test_distopt_layouts_split_the_stages_by_megatrons_layer_time():
         if lay.schedule == "1f1b":
             got.setdefault(lay.dp_style, set()).add((lay.first_stage_layers, lay.last_stage_layers,
                                                      lay.embedding_in_split, lay.loss_in_split))
-    assert got["distopt"] == set(te) and got["fsdp"] == got["replicate"] == set(loom)
+    assert got["distopt"] == got["fsdp"] == got["replicate"] == set(loom)
+    mega = {(lay.first_stage_layers, lay.last_stage_layers, lay.embedding_in_split, lay.loss_in_split)
+            for lay in candidates(replace(w, framework="megatron"), fixed={"tp": 1, "cp": 1, "pp": 4})
+            if lay.schedule == "1f1b" and lay.dp_style == "distopt"}
+    assert mega == set(te)
 
 
 def test_plan_says_when_the_winner_runs_loom_eager_blocks():
@@ -1327,8 +1342,8 @@ def test_plan_refusal_names_every_reason_loom_gives_with_its_fastest_layout(monk
     monkeypatch.setattr(report, "loom_runnable", lambda e, w: refuse_tp(e, w, 0))
     out = run_main(*args)
     assert out.returncode == 2, out.stdout
-    assert out.stderr.startswith("loom plan: error: no layout loom can run fits: loom has no separate distributed "
-                                  "optimizer")  # the fastest reason first
+    assert out.stderr.startswith("loom plan: error: no layout loom can run fits: tp=8 refused (fastest: tp=8 ")
+    # (the fastest reason first)
     for tp in (1, 2, 4):
         assert f"tp={tp} refused (fastest: tp={tp} " in out.stderr
     assert "tp=4 refused (fastest: tp=4 pp=1 dp=16 mbs=1 sp=off none fsdp, 0.252 s/step)" in out.stderr
@@ -1337,16 +1352,13 @@ def test_plan_refusal_names_every_reason_loom_gives_with_its_fastest_layout(monk
     assert out.returncode == 0, out.stderr
     faster = [line for line in out.stdout.splitlines() if line.startswith("faster, but loom refuses it: ")]
     # loom's best: tp=1 cp=4 at 0.314 s; every refused tp is over 10% faster with its blocks compiled (issue 52)
-    assert [line.split("(")[-1] for line in faster] == ["its fsdp style shards weights and optimizer state))",
-                                                        "tp=8 refused)", "tp=4 refused)", "tp=2 refused)"]
-    assert "tp=4 pp=1 dp=16 mbs=1 sp=off none fsdp at 0.252 s/step (tp=4 refused)" in faster[2]
+    assert [line.split("(")[-1] for line in faster] == ["tp=8 refused)", "tp=4 refused)", "tp=2 refused)"]
+    assert "tp=4 pp=1 dp=16 mbs=1 sp=off none fsdp at 0.252 s/step (tp=4 refused)" in faster[1]
     out = run_main(*args, "--json", "--runtime", "any", "--top", "200")
     assert out.returncode == 0, out.stderr
-    distopt = "loom has no separate distributed optimizer (its fsdp style shards weights and optimizer state)"
     marks = {(c["tp"], c["dp"] * c["cp"], c["dp_style"], c["loom_refuses"])
              for c in json.loads(out.stdout)["candidates"]}
-    assert {mark for *_, mark in marks} >= {distopt, "tp=4 refused"}
+    assert {mark for *_, mark in marks} >= {"tp=4 refused"}
+    assert "distopt" in {style for _, _, style, _ in marks}  # loom's own distributed optimizer: not refused
     for tp, dp_cp, style, mark in marks:  # each candidate marked with the reason the rule book gives
-        # (the distributed optimizer shards over dp x cp: with dp = 1 and cp > 1 it is one all the same)
-        assert mark == (distopt if style == "distopt" and dp_cp > 1 else f"tp={tp} refused" if tp > 1 else None), (
-            tp, dp_cp, style, mark)
+        assert mark == (f"tp={tp} refused" if tp > 1 else None), (tp, dp_cp, style, mark)

@@ -56,6 +56,7 @@ class _Slot:
     per_rank: int
     offset: int
     replicas: int  # ranks holding the same values outside the group (tensor-parallel replicas): norm weight
+    filled: bool = False  # this step's first gradient was copied in (later ones are added)
 
     def my_rows(self, rank: int) -> int:
         return max(0, min(self.per_rank, self.rows - rank * self.per_rank))
@@ -123,7 +124,7 @@ class DistributedOptimizer:
         self.tp_size = layout.tp
         self.layout = layout
         self.dtype = compute_dtype or torch.float32
-        self.last_micro_batch = True
+        self.last_micro_batch = False  # set by the SPMD runner per micro-batch; else reduced after backward
         named, seen = [], set()
         for part in parts:
             for name, param in part.named_parameters():
@@ -201,10 +202,14 @@ class DistributedOptimizer:
             src = grad.reshape(-1)
             dst, full, rest = _rank_major(bucket.grad, slot)
             span = slot.span
+            # The step's first gradient is copied in (no zeroed buffer to read), later micro-batches' added.
             if full:
-                dst[:full].add_(src[:full * span].view(full, span))
+                dst[:full].add_(src[:full * span].view(full, span)) if slot.filled else \
+                    dst[:full].copy_(src[:full * span].view(full, span))
             if rest:
-                dst[full, :rest * slot.width].add_(src[full * span:])
+                dst[full, :rest * slot.width].add_(src[full * span:]) if slot.filled else \
+                    dst[full, :rest * slot.width].copy_(src[full * span:])
+            slot.filled = True
             param.grad = None
             if self.last_micro_batch:
                 bucket.ready += 1
@@ -214,6 +219,9 @@ class DistributedOptimizer:
 
     def _reduce(self, bucket: _Bucket) -> None:
         if bucket.work is None:
+            for slot in bucket.slots:
+                if not slot.filled:  # no gradient this step: zero, not the last step's
+                    _rank_major(bucket.grad, slot)[0].zero_()
             bucket.work = dist.reduce_scatter_tensor(bucket.shard, bucket.grad.view(-1), group=self.group,
                                                      async_op=True)
 
@@ -254,8 +262,10 @@ class DistributedOptimizer:
         self._gather_weights()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The next step's first gradients overwrite the buffer (nothing is zeroed)."""
         for bucket in self.buckets:
-            bucket.grad.zero_()
+            for slot in bucket.slots:
+                slot.filled = False
 
     @torch.no_grad()
     def _gather_weights(self) -> None:

@@ -216,8 +216,6 @@ def choose(cfg, world: int, recipe: str = "train", gpu=None, local_procs: int | 
                              cross_node_tp="tp" in fixed)
     refused = None
     for e in estimates:  # fastest first
-        if e.layout.dp_style == "distopt" and e.layout.dp * e.layout.cp > 1:
-            continue  # Megatron's distributed optimizer: loom shards with FSDP instead
         values = _values(e, w, cfg)
         problem = layout_problem(apply(cfg, values), world, recipe)
         if problem is None:

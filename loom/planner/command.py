@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--framework", choices=["loom", "megatron"], default="loom",
                    help="whose memory to price: loom (default; what `loom memory` measures) or megatron "
                         "(Megatron-Core + Transformer Engine as NeMo runs it: fused norms/SwiGLU, fp8 weight caches, "
-                        "fused cross-entropy); dp_style=distopt layouts are always priced as Megatron runs them")
+                        "fused cross-entropy); dp_style=distopt is loom's distributed optimizer under loom, Megatron's under "
+                        "megatron")
     c.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="Megatron's gradient buffer dtype (NeMo's performance recipes: bfloat16); loom keeps float32")
     c.add_argument("--tokens", type=float, default=None, help="training tokens, to report days to train")

@@ -169,8 +169,8 @@ def memory(w: Workload, lay: Layout) -> dict:
             # (with cp > 1 loom shards over the cp ranks, HSDP with dp_shard_cp = cp: gradients as FSDP's)
             cp_grads = cp if sharded else 1
             return 4 * local / cp, 4 * local / cp_grads, moment_bytes * local / cp
-        if style == "distopt":  # Megatron: 16-bit weights + fp32 grads replicated; master + moments split
-            return 2 * local, grad_bytes * local, (4 + moment_bytes) * local / group
+        if style == "distopt":  # 16-bit weights + fp32 grads replicated; master + moments split (Megatron, loom)
+            return (2 if mega else act_bytes) * local, grad_bytes * local, (4 + moment_bytes) * local / group
         # fsdp (loom dp_shard): everything split; gradients sharded or whole between micro-batches
         out = 4 * local / group, 4 * local / (group if grads_sharded else 1), moment_bytes * local / group
         if lay.pp > 1:  # a stage keeps its gathered compute-dtype weights through the step (no reshard)

@@ -11,7 +11,8 @@ TERM_LABELS = {
     "gemm": "linear-layer matmuls", "attention": "attention core", "elementwise": "elementwise ops",
     "tp_comm": "TP collectives", "cp_comm": "CP K/V gather", "overhead": "kernel gaps", "head": "LM head + loss", "pp_p2p": "PP send/recv",
     "pp_bubble": "pipeline bubble", "dp_comm": "DP comm (exposed)", "optimizer": "optimizer step",
-    "ep_comm": "EP all-to-all", "fsdp_copy": "FSDP2 buffer copies", "clock": "sustained clock",
+    "ep_comm": "EP all-to-all", "fsdp_copy": "FSDP2 buffer copies",
+    "distopt_copy": "distopt grad buffer adds", "clock": "sustained clock",
 }
 
 
@@ -91,13 +92,11 @@ def eager_note(e: Estimate, w: Workload) -> str | None:
 def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
     """The loom config that runs this layout: the one documented conversion from the planner's Layout
     (dp, dp_style) to loom's ParallelConfig (dp_replicate, dp_shard) and train/recompute settings.
-    UserError for what loom has no setting for (a separate distributed optimizer). fp8 precision becomes
+    (dp_style distopt: parallel.distributed_optimizer=true, loom/parallel/distopt.py). fp8 precision becomes
     `train.fp8=tensorwise` (torchao's per-tensor-scaled fp8 linear layers, torchtitan's default recipe)."""
     from loom.config import Config, load_config
 
     lay = e.layout
-    if lay.dp_style == "distopt" and lay.dp * lay.cp > 1:  # (it shards over dp x cp)
-        raise UserError("loom has no separate distributed optimizer (its fsdp style shards weights and optimizer state)")
     cfg = load_config(base_name) if base_name else Config()
     cfg.model = w.model
     p = cfg.parallel
@@ -106,6 +105,7 @@ def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
     p.first_stage_layers, p.last_stage_layers = lay.first_stage_layers, lay.last_stage_layers
     p.embedding_in_split, p.loss_in_split = lay.embedding_in_split, lay.loss_in_split
     p.dp_replicate, p.dp_shard = (lay.dp, 1) if lay.dp_style == "replicate" else (1, lay.dp)
+    p.distributed_optimizer = lay.dp_style == "distopt" and lay.dp * lay.cp > 1  # loom/parallel/distopt.py
     t = cfg.train
     t.micro_batch, t.global_batch, t.seq_len = lay.micro_batch, w.global_batch, w.seq_len
     t.dtype = "bfloat16"

@@ -201,7 +201,8 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                                 for style in (dp_styles if dp * cp > 1 else ("replicate",)):  # distopt/fsdp shard over dp x cp
                                     if schedule == "zero_bubble" and (style == "distopt" or w.framework == "megatron"):
                                         continue  # Megatron-Core's schedules are 1F1B and interleaved only
-                                    if (first, last, emb, loss) not in (te_splits if style == "distopt" else splits):
+                                    megatron_split = style == "distopt" and w.framework == "megatron"
+                                    if (first, last, emb, loss) not in (te_splits if megatron_split else splits):
                                         continue
                                     for ep in ep_options(cfg, dp, cp, tp, sp):
                                         if fixed.get("ep", ep) != ep:
@@ -337,7 +338,7 @@ def search_layout(w: Workload, fields: dict, **kwargs) -> tuple[list[Estimate], 
     pp, vpp = fields.get("pp", 1), fields.get("vpp", 1)
     if not any(k in fields for k in SPLIT_FIELDS) and split_problem(w.model.layers, pp, vpp, 0, 0):
         schedule = fields.get("schedule", "1f1b")
-        kw = with_te_kernels(w) if fields.get("dp_style") == "distopt" else w  # the head against the layer it runs
+        kw = with_te_kernels(w) if w.framework == "megatron" else w  # the head against the layer it runs
         options = split_options(w.model.layers, pp, vpp, schedule, head_weight(kw, fields.get("tp", 1), fields.get("cp", 1)))
         if options:
             fields.update(zip(SPLIT_FIELDS, options[-1]))

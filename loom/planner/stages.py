@@ -113,9 +113,9 @@ def local_params(w: Workload, lay: Layout, shape: StageShape) -> tuple[float, fl
 
 
 def priced_as_megatron(w: Workload, lay: Layout) -> bool:
-    """Whether a layout's memory and gradient traffic follow Megatron-Core (its distributed optimizer is
-    Megatron's alone; --framework megatron asks for it on any layout)."""
-    return w.framework == "megatron" or lay.dp_style == "distopt"
+    """Whether a layout's memory and gradient traffic follow Megatron-Core (--framework megatron, on any layout;
+    a distopt layout under loom is loom's own distributed optimizer, loom/parallel/distopt.py)."""
+    return w.framework == "megatron"
 
 
 def expert_data_parallel(w: Workload, lay: Layout) -> int:

@@ -6,6 +6,8 @@ micro-batches, then
                interleaved, (p-1)/3 for zero-bubble; plus P2P transfers;
   dp_comm      the part of gradient reduction / parameter gathering not hidden behind backward;
   fsdp_copy    FSDP2's copies into and out of its flat collective buffers, on the compute stream;
+  distopt_copy loom's distributed optimizer's gradient copies and adds into its fp32 buffer, and the
+               gathered weights' copy into the parameters;
   optimizer    the AdamW update, bytes over HBM bandwidth;
   clock        the matmuls' (layers' and head's) extra time at the sustained clock of a saturated GPU over
                the burst clock their preset efficiency was measured at (`GPU.sustained_clock`; 0 for a
@@ -56,9 +58,9 @@ def at_burst_clock(w: Workload) -> Workload:
 
 
 def kernels_workload(w: Workload, lay: Layout) -> Workload:
-    """`w` with the kernels layout `lay` runs: Transformer Engine's under Megatron's distributed optimizer,
-    and its blocks compiled or not (`Workload.runs_compiled`)."""
-    kw = with_te_kernels(w) if lay.dp_style == "distopt" else w  # Megatron's runtime runs Megatron's kernels
+    """`w` with the kernels layout `lay` runs: Transformer Engine's under Megatron, and its blocks compiled or
+    not (`Workload.runs_compiled`)."""
+    kw = with_te_kernels(w) if w.framework == "megatron" else w  # Megatron's runtime runs Megatron's kernels
     return compiled_workload(kw, w.runs_compiled(lay))
 
 
@@ -144,6 +146,15 @@ def step_time(w: Workload, lay: Layout) -> dict:
         if lay.dp_style == "replicate":
             grad = coll("all_reduce", gb)
             dp_comm = max(grad - bwd_mb, grad / max(n_layers, 1)) if w.overlap_grad_reduce else grad
+        elif lay.dp_style == "distopt" and not priced_as_megatron(w, lay):
+            # loom's distributed optimizer (loom/parallel/distopt.py): buckets reduce-scattered as the last
+            # micro-batch's backward completes them (under pipelining, after the stage's whole backward), the
+            # new 16-bit weights all-gathered after the optimizer step, exposed.
+            grad = coll("reduce_scatter", 4)
+            gather = coll("all_gather", 2 if w.precision != "fp32" else 4)
+            hidden_grad = max(grad - bwd_mb, grad / max(n_layers, 1)) if lay.pp == 1 else grad
+            dp_comm = hidden_grad + gather
+            step["distopt_copy"] = hbm_time(gpu, distopt_copy_bytes(w, dense + experts, m))
         elif lay.dp_style == "distopt":
             grad = coll("reduce_scatter", gb)
             gather = coll("all_gather", 2)
@@ -178,6 +189,16 @@ def step_time(w: Workload, lay: Layout) -> dict:
         shard = lora_params(w.model, w.lora_rank, w.lora_targets) / lay.pp / (group if lay.dp_style == "fsdp" else 1)
     step["optimizer"] = hbm_time(gpu, shard * (4 + 4 + moments + 4 + moments + 2))
     return step
+
+
+def distopt_copy_bytes(w: Workload, local: float, m: int) -> float:
+    """Bytes loom's distributed optimizer moves on the compute stream in one step for `local` parameters
+    (loom/parallel/distopt.py): each micro-batch's gradient (e bytes, the compute dtype's) copied into the fp32
+    buffer (4 written) on the first micro-batch and added to it later (8: read and write), then the gathered
+    weights copied into the parameters once (2e). Megatron's gradient-accumulation fusion writes the weight
+    gradient into its fp32 buffer inside the GEMM, so it has none of the first term."""
+    e = 4 if w.precision == "fp32" else 2
+    return local * ((e + 4) + (m - 1) * (e + 8) + 2 * e)
 
 
 def fsdp2_copy_bytes(w: Workload, lay: Layout, dense: float, experts: float, m: int) -> float:

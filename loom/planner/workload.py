@@ -32,7 +32,8 @@ class Workload:
     memory_margin_gib: float = 0.0
     # Which framework runs the layout, for its memory: "loom" (the formulas `loom memory` is tested against)
     # or "megatron" (Megatron-Core with Transformer Engine, as NeMo runs it; see megatron_layer_activation_bytes).
-    # Megatron's distributed optimizer (dp_style="distopt") is always priced as Megatron runs it.
+    # dp_style="distopt" is Megatron's distributed optimizer under "megatron", loom's (loom/parallel/distopt.py)
+    # under "loom".
     framework: str = "loom"
     # Megatron's gradient buffer: float32 (Megatron-LM's default for bf16, --accumulate-allreduce-grads-in-fp32)
     # or bfloat16 (NeMo's performance recipes: grad_reduce_in_fp32=False). loom keeps fp32 gradients.
@@ -107,10 +108,9 @@ class Workload:
         return replace(self, loss_chunk=loss_chunk_tokens("auto", "cuda" if chunks else "cpu", lay.tp, lay.pp))
 
     def _loom_gpu_runtime(self, lay: "Layout") -> bool:
-        """Whether layout `lay` runs on loom's own runtime (not Megatron's distributed optimizer) on a GPU (a CPU
-        profile's name starts with "cpu", profile.py)."""
-        return (self.framework == "loom" and lay.dp_style != "distopt"
-                and not self.gpu.is_cpu)
+        """Whether layout `lay` runs on loom's own runtime (not Megatron's) on a GPU (a CPU profile's name starts
+        with "cpu", profile.py)."""
+        return self.framework == "loom" and not self.gpu.is_cpu
 
     def runs_compiled(self, lay: "Layout") -> bool:
         """Whether the blocks of layout `lay` run compiled (see `compile`)."""
