@@ -157,7 +157,9 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        env["LOOM_CACHE"] = str(work / "cache")
+        # the caller's loom cache when LOOM_CACHE is set (a test session's: the tokenizer and token files are
+        # built already), else a private one: the runs share it either way, built by the reference run
+        env["LOOM_CACHE"] = os.environ.get("LOOM_CACHE") or str(work / "cache")
         t0 = time.time()
         ref = subprocess.run(command(work / "reference", args.steps, "sync"), cwd=ROOT, env=env,
                              capture_output=True, text=True)
