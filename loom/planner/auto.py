@@ -31,7 +31,7 @@ from loom.errors import UserError
 
 # The knobs `parallel.layout=auto` sets, as `section.key`.
 PARALLEL_KNOBS = ("tp", "sp", "pp", "vpp", "schedule", "first_stage_layers", "last_stage_layers", "embedding_in_split",
-                  "loss_in_split", "dp_replicate", "dp_shard", "cp", "ep")
+                  "loss_in_split", "dp_replicate", "dp_shard", "cp", "ep", "distributed_optimizer")
 
 
 @dataclass
