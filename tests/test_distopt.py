@@ -157,3 +157,37 @@ def test_loom_memory_and_the_planner_price_its_state_alike(tp, dp, cp):
                                  ("optimizer_bytes", "optimizer", 12 * whole / (dp * cp))):
         # tp replicates the norms (a few hundred parameters); everything else divides exactly
         assert counted[ours] == pytest.approx(priced[theirs], rel=2e-3) == pytest.approx(expect, rel=2e-3), ours
+
+
+def _run_compiled(tmp, overrides):
+    """`_run` with every block compiled (aot_eager on CPU, as tests/test_compile_layouts.py), and how many were."""
+    import os
+
+    os.environ["LOOM_COMPILE_BACKEND"] = "aot_eager"
+    try:
+        from loom.parallel import is_compiled
+        from loom.train import trainer as trainer_module
+
+        built = []
+        real = trainer_module.Trainer.__init__
+
+        def init(self, *args, **kwargs):
+            real(self, *args, **kwargs)
+            built.append(sum(is_compiled(b) for b in self.model.layers.values()))
+
+        trainer_module.Trainer.__init__ = init
+        try:
+            out = _run(tmp, overrides + ["train.compile=true"], 2)
+        finally:
+            trainer_module.Trainer.__init__ = real
+        return {**out, "compiled_blocks": built[0]}
+    finally:
+        del os.environ["LOOM_COMPILE_BACKEND"]
+
+
+def test_compiled_blocks_under_the_distributed_optimizer(single, tmp_path):
+    for got in shared_pool(2).run(_run_compiled, str(tmp_path),
+                                  ["parallel.dp_shard=2", "parallel.distributed_optimizer=true"]):
+        assert got["compiled_blocks"] == 2  # both blocks compiled, none fell back to eager
+        _close(got["losses"], single["losses"][:2], rel=1e-4)
+        _close(got["norms"], single["norms"][:2], rel=1e-4)
