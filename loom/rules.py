@@ -485,8 +485,6 @@ def distopt_problem(cfg) -> str | None:
     if p.dp_replicate != 1:
         return (f"parallel.distributed_optimizer=true with parallel.dp_replicate={p.dp_replicate} is not supported "
                 f"yet; use parallel.dp_shard for the data-parallel ranks, or {fix}")
-    if p.ep > 1:
-        return f"parallel.distributed_optimizer=true with parallel.ep={p.ep} is not supported yet; set parallel.ep=1 or {fix}"
     if getattr(getattr(cfg, "lora", None), "enabled", False):
         return f"parallel.distributed_optimizer=true with LoRA (lora.rank={cfg.lora.rank}) is not supported yet; {fix}"
     if p.schedule == "zero_bubble":

@@ -191,3 +191,18 @@ def test_compiled_blocks_under_the_distributed_optimizer(single, tmp_path):
         assert got["compiled_blocks"] == 2  # both blocks compiled, none fell back to eager
         _close(got["losses"], single["losses"][:2], rel=1e-4)
         _close(got["norms"], single["norms"][:2], rel=1e-4)
+
+
+MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.ffn_hidden=32"]
+
+
+def test_experts_split_over_their_expert_data_parallel_ranks(tmp_path):
+    """ep=2 over dp_shard=4: routed experts' rows split over the 2 edp ranks, the rest over all 4; two steps
+    equal to one process, and the checkpoint resumed by one process."""
+    single = _run(str(tmp_path / "one"), MOE)
+    layout = MOE + ["parallel.dp_shard=4", "parallel.ep=2", "parallel.distributed_optimizer=true"]
+    for got in shared_pool(4).run(_run, str(tmp_path / "ep"), layout, 2, 2):
+        _close(got["losses"], single["losses"][:2])
+        _close(got["norms"], single["norms"][:2])
+    one = _run(str(tmp_path / "ep"), MOE, 3, 0, True)
+    _close(one["losses"], single["losses"][2:])

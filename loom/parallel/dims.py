@@ -94,7 +94,7 @@ def place_in_mesh(cfg: Config, device_type: str) -> MeshPlace:
         carved = mesh[dims]._flatten("dp_cp_tp" if span_tp else "dp_cp", backend_override=options)
         experts = carved._unflatten(0, (ranks // p.ep, p.ep), ("edp", "ep"),
                                     backend_override={n: options for n in ("edp", "ep")} if options else None)
-        flattened.update(edp=experts["edp"], ep=experts["ep"])
+        flattened.update(edp=experts["edp"], ep=experts["ep"], edp_ep=experts)  # edp_ep: the 2-D (edp, ep)
         if span_tp and p.cp > 1:  # the ranks holding the other tokens of the same sequences (MoE token shards)
             flattened["cp_tp"] = mesh["cp", "tp"]._flatten("cp_tp", backend_override=options)
     dp_rank = mesh["dp_replicate"].get_local_rank() * p.dp_shard + mesh["dp_shard"].get_local_rank()

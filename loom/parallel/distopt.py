@@ -25,8 +25,9 @@ rows over the same mesh): a run resumes in either style, and in any other layout
 
 Memory per parameter: compute-dtype weight (2 or 4 bytes) + fp32 gradient (4) + (master 4 + moments 8 or 4)
 / n, against FSDP's (4 + 4 + 8) / n plus one block gathered: more memory for fewer copies and collectives
-(Megatron's trade). Not yet: expert parallelism (the experts' own data-parallel group), LoRA, dp_replicate > 1,
-pipeline stages with a tied embedding (`loom.rules.distopt_problem`).
+(Megatron's trade). Under expert parallelism the routed experts' rows are split over their expert-data-parallel
+ranks (`edp`) instead, their summed gradient divided by all dp x cp ranks, as FSDP does them. Not yet: LoRA,
+dp_replicate > 1, the zero-bubble schedule, pipeline stages with a tied embedding (`loom.rules.distopt_problem`).
 """
 
 from __future__ import annotations
@@ -71,9 +72,23 @@ class _Slot:
 
 
 @dataclass
+class _Group:
+    """The ranks a bucket's rows are split over: the dp_shard x cp ranks, or for routed experts under expert
+    parallelism the expert-data-parallel ranks (`edp`), whose gradient sum is divided by all dp x cp ranks."""
+
+    mesh: object
+    divide: int
+    experts: bool = False
+
+    def __post_init__(self):
+        self.group, self.n, self.rank = self.mesh.get_group(), self.mesh.size(), self.mesh.get_local_rank()
+
+
+@dataclass
 class _Bucket:
     slots: list[_Slot]
     size: int  # S: elements of one rank's row of the buffers
+    where: _Group | None = None
     grad: torch.Tensor | None = None  # [n, S] fp32: gradients summed over micro-batches
     shard: torch.Tensor | None = None  # [S] fp32: this rank's reduced rows
     master: torch.Tensor | None = None  # [S] fp32: this rank's rows of the weights
@@ -82,8 +97,10 @@ class _Bucket:
     pieces: list = field(default_factory=list)  # per slot: (master view, grad view) shaped as the rows
 
 
-def _layout_slots(params: list[tuple[str, nn.Parameter]], n: int, tp_size: int) -> list[_Bucket]:
-    buckets, current, used = [], [], 0
+def _layout_slots(params: list[tuple[str, nn.Parameter]], where: _Group, tp_size: int) -> list[_Bucket]:
+    """`params` in buckets of at most BUCKET_ELEMENTS, split over `where`'s ranks. A parameter is counted once
+    by the gradient norm: `replicas` is the number of tensor-parallel ranks holding the same values."""
+    buckets, current, used, n = [], [], 0, where.n
     for name, p in params:
         local = p._local_tensor if isinstance(p, DTensor) else p.data
         rows = local.shape[0] if local.dim() else 1
@@ -91,15 +108,17 @@ def _layout_slots(params: list[tuple[str, nn.Parameter]], n: int, tp_size: int) 
         per_rank = max(1, math.ceil(rows / n))
         replicated = isinstance(p, DTensor) and all(isinstance(pl, Replicate) for pl in p.placements)
         replicas = tp_size if (replicated or not isinstance(p, DTensor)) else 1
+        if where.experts:  # experts: whole on each tp rank unless they are spread over them (loom.rules)
+            replicas = tp_size
         slot = _Slot(p, name, rows, width, per_rank, 0, replicas)
         if current and used + slot.span > BUCKET_ELEMENTS:
-            buckets.append(_Bucket(current, used))
+            buckets.append(_Bucket(current, used, where))
             current, used = [], 0
         slot.offset = used
         current.append(slot)
         used += slot.span
     if current:
-        buckets.append(_Bucket(current, used))
+        buckets.append(_Bucket(current, used, where))
     return buckets
 
 
@@ -118,9 +137,7 @@ class DistributedOptimizer:
         from loom.train.optim import AdamWLowPrecisionState
 
         p = cfg.parallel
-        self.mesh = layout.submesh("dp_shard_cp" if p.cp > 1 else "dp_shard")
-        self.group = self.mesh.get_group()
-        self.n, self.rank = self.mesh.size(), self.mesh.get_local_rank()
+        self.dense = _Group(layout.submesh("dp_shard_cp" if p.cp > 1 else "dp_shard"), layout.grad_ranks)
         self.tp_size = layout.tp
         self.layout = layout
         self.dtype = compute_dtype or torch.float32
@@ -132,22 +149,29 @@ class DistributedOptimizer:
                     seen.add(id(param))
                     named.append((name, param))
         # Backward produces the last layers' gradients first: their buckets are reduced first.
-        self.buckets = _layout_slots(list(reversed(named)), self.n, self.tp_size)
+        named.reverse()
+        experts = [(n, q) for n, q in named if layout.ep > 1 and ".experts." in n]  # DTensors over ep
+        dense = [(n, q) for n, q in named if not (layout.ep > 1 and ".experts." in n)]
+        self.buckets = _layout_slots(dense, self.dense, self.tp_size)
+        if experts:
+            self.experts = _Group(layout.submesh("edp"), layout.grad_ranks, experts=True)
+            self.buckets += _layout_slots(experts, self.experts, 1 if layout.experts_span_tp else self.tp_size)
         device = named[0][1].device
         self.device = device
         for bucket in self.buckets:
-            bucket.grad = torch.zeros(self.n, bucket.size, dtype=torch.float32, device=device)
+            n, rank = bucket.where.n, bucket.where.rank
+            bucket.grad = torch.zeros(n, bucket.size, dtype=torch.float32, device=device)
             bucket.shard = torch.zeros(bucket.size, dtype=torch.float32, device=device)
             bucket.master = torch.zeros(bucket.size, dtype=torch.float32, device=device)
             for slot in bucket.slots:
-                rows = slot.my_rows(self.rank)
+                rows = slot.my_rows(rank)
                 start = slot.offset
                 shape = (rows, *slot.local().shape[1:]) if slot.local().dim() else (rows,)
                 master = bucket.master[start:start + rows * slot.width].view(shape)
                 grad = bucket.shard[start:start + rows * slot.width].view(shape)
                 local = slot.local()
                 if local.dim():
-                    master.copy_(local[self.rank * slot.per_rank:self.rank * slot.per_rank + rows])
+                    master.copy_(local[rank * slot.per_rank:rank * slot.per_rank + rows])
                 elif rows:
                     master.copy_(local.reshape(1))
                 bucket.pieces.append((master, grad))
@@ -168,7 +192,7 @@ class DistributedOptimizer:
         for bucket in self.buckets:
             for slot, (master, grad) in zip(bucket.slots, bucket.pieces):
                 master.grad = grad
-                self.piece_slot[id(master)] = slot
+                self.piece_slot[id(master)] = (slot, bucket.where)
                 (no_decay if slot.param.dim() < 2 and not o.decay_norms_and_biases else decay).append(master)
         groups = [{"params": decay, "weight_decay": o.weight_decay}]
         if no_decay:
@@ -222,7 +246,7 @@ class DistributedOptimizer:
             for slot in bucket.slots:
                 if not slot.filled:  # no gradient this step: zero, not the last step's
                     _rank_major(bucket.grad, slot)[0].zero_()
-            bucket.work = dist.reduce_scatter_tensor(bucket.shard, bucket.grad.view(-1), group=self.group,
+            bucket.work = dist.reduce_scatter_tensor(bucket.shard, bucket.grad.view(-1), group=bucket.where.group,
                                                      async_op=True)
 
     def reduce_and_clip(self, max_norm: float) -> torch.Tensor:
@@ -234,7 +258,7 @@ class DistributedOptimizer:
             self._reduce(bucket)
             bucket.work.wait()
             bucket.work, bucket.ready = None, 0
-            bucket.shard.div_(self.n)
+            bucket.shard.div_(bucket.where.divide)  # the mean over dp x cp (experts: summed over edp)
             for slot, (_, grad) in zip(bucket.slots, bucket.pieces):
                 if grad.numel():
                     squares += grad.float().square().sum() / slot.replicas
@@ -271,10 +295,11 @@ class DistributedOptimizer:
     def _gather_weights(self) -> None:
         """Every rank's rows of the master weights, in the compute dtype, into the parameters."""
         for bucket in self.buckets:
+            n = bucket.where.n
             send = bucket.master.to(self.dtype)
-            out = torch.empty(self.n * bucket.size, dtype=self.dtype, device=self.device)
-            dist.all_gather_into_tensor(out, send, group=self.group)
-            out = out.view(self.n, bucket.size)
+            out = torch.empty(n * bucket.size, dtype=self.dtype, device=self.device)
+            dist.all_gather_into_tensor(out, send, group=bucket.where.group)
+            out = out.view(n, bucket.size)
             for slot in bucket.slots:
                 src, full, rest = _rank_major(out, slot)
                 dst = slot.local().view(-1)
@@ -286,12 +311,16 @@ class DistributedOptimizer:
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
-    def _dtensor(self, slot: _Slot, local: torch.Tensor) -> DTensor:
+    def _dtensor(self, slot: _Slot, local: torch.Tensor, where: _Group) -> DTensor:
         """This rank's rows of `slot` (master or moment) as the DTensor an FSDP run saves for the parameter."""
-        p = slot.param
-        if isinstance(p, DTensor) and self.tp_size > 1:
-            from torch.distributed.tensor.placement_types import _StridedShard
+        from torch.distributed.tensor.placement_types import _StridedShard
 
+        p = slot.param
+        if where.experts:  # FSDP2's 2-D (edp, ep) DTensor: ep's experts, then edp's rows of them
+            mesh = self.layout.flattened["edp_ep"]
+            placements = (_StridedShard(0, split_factor=self.layout.ep), Shard(0))
+            return DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
+        if isinstance(p, DTensor) and self.tp_size > 1:
             mesh = self.layout.mesh[("dp_shard_cp" if self.layout.cp > 1 else "dp_shard", "tp")]
             tp_place = p.placements[0]
             if isinstance(tp_place, Shard) and tp_place.dim == 0:
@@ -300,7 +329,7 @@ class DistributedOptimizer:
                 placements = (Shard(0), tp_place)
             shape, stride = p.shape, p.stride()
         else:
-            mesh, placements = self.mesh, (Shard(0),)
+            mesh, placements = self.dense.mesh, (Shard(0),)
             shape = slot.local().shape
             stride = slot.local().stride()
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
@@ -314,13 +343,13 @@ class DistributedOptimizer:
         optim = {}
         for group in self.inner.param_groups:
             for piece in group["params"]:
-                slot = self.piece_slot[id(piece)]
+                slot, where = self.piece_slot[id(piece)]
                 key = names[id(slot.param)]
-                model_out[key] = self._dtensor(slot, piece)
+                model_out[key] = self._dtensor(slot, piece, where)
                 state = self.inner.state[piece]
                 optim[f"state.{key}.step"] = state["step"]
-                optim[f"state.{key}.exp_avg"] = self._dtensor(slot, state["exp_avg"])
-                optim[f"state.{key}.exp_avg_sq"] = self._dtensor(slot, state["exp_avg_sq"])
+                optim[f"state.{key}.exp_avg"] = self._dtensor(slot, state["exp_avg"], where)
+                optim[f"state.{key}.exp_avg_sq"] = self._dtensor(slot, state["exp_avg_sq"], where)
                 for k, v in group.items():
                     if k != "params":
                         optim[f"param_groups.{key}.{k}"] = {"fused": None, "foreach": True}.get(k, v)
