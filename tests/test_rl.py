@@ -288,6 +288,20 @@ def test_reward_function_gets_the_record_fields_and_dp_shard2_matches(tmp_path, 
     assert one_evals[-1]["val_reward"] == two_evals[-1]["val_reward"]
 
 
+def test_ppo_under_the_distributed_optimizer_matches_single_process(tmp_path, rl_single):
+    """parallel.distributed_optimizer=true (loom/parallel/distopt.py) under PPO's minibatches, value head
+    included: one process's rollouts and losses."""
+    common = ["--rl.reward=rl_rewards:ones", "--train.steps=2", *PPO]
+    rl_in_pool(tmp_path / "two", *common, "--parallel.dp_shard=2", "--train.micro_batch=8",
+               "--parallel.distributed_optimizer=true")
+    (one, _), (two, _) = rows(rl_single(*common)), rows(tmp_path / "two")
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two):
+        assert a["reward"] == b["reward"]
+        for key in ("loss", "grad_norm", "value_loss"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), (a["step"], key, a[key], b[key])
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_tp2_matches_single_process(tmp_path, rl_single, algorithm):
     """Two tensor-parallel ranks (the engine sharded the same way) compute one process's losses; PPO's value
