@@ -52,6 +52,7 @@
 #   train_3b      120  3B shape, seq 8192, full recompute, loom (both losses) in one process, 2 + 3 steps
 #   titan_3b      110  torchtitan 0.3.0 at the 3B shape
 #   moe           100  loom on Qwen3-30B-A3B cut to 4 layers (128 experts of 768, top 8), seq 4096, grouped GEMM
+#   block_tp      120  block_gpu.py: a tp rank's block (70B tp 8, 8B tp 4) eager and compiled, priced first
 #   serve         100  serve_load.py: loom serve, 1B shape, 32 concurrent streaming clients x 2 requests of 64 tokens
 #   host_syncs     60  host_syncs_gpu.py: device-host synchronisations per training step under CUDA's sync debug mode
 #   gpu_tests      90  pytest -m gpu over the files that mark tests gpu
@@ -309,6 +310,7 @@ if [ $SMOKE = 1 ]; then
   skip_step titan_3b "--smoke: titan_1b's smoke runs the same rows"
   run_step moe $((120 * X)) "$PY" "${TRAIN[@]}" --frameworks loom --models tiny-moe --loss-chunk 16 --variant moe: \
     --out "$DIR/gpu_train_moe.json"
+  skip_step block_tp "--smoke: tests/test_bench_block_gpu.py runs block_gpu.py --smoke"
   skip_step serve "--smoke: tests/test_bench_serve_load.py runs serve_load.py --smoke"
   skip_step host_syncs "--smoke: tests/test_host_syncs.py counts the same synchronisations on the CPU"
   skip_step gpu_tests "--smoke: the tests marked gpu need a CUDA device"
@@ -346,6 +348,11 @@ else
     ${TT_ARGS[@]+"${TT_ARGS[@]}"} --variant train_3b: --out "$DIR/gpu_train_titan_3b.json"
   run_step moe 100 "$PY" "${TRAIN[@]}" --models qwen3-30b-a3b-4l --seqs 4096 --steps 5 --warmup 2 --frameworks loom \
     --loss-chunk 8192 --variant moe: --out "$DIR/gpu_train_moe.json"
+  # issue 52: a tensor-parallel rank's block eager and compiled, priced from this call's profile first
+  BLOCK_GPU=(--gpu h200)
+  [ -s "$DIR/profile.json" ] && BLOCK_GPU=(--profile "$DIR/profile.json")
+  run_step block_tp 120 "$PY" bench/block_gpu.py "${BLOCK_GPU[@]}" --shapes llama3-70b-tp8,llama3-8b-tp4 \
+    --out "$DIR/block_gpu.json"
   run_step serve 100 "$PY" bench/serve_load.py --shape llama3.2-1b --clients 32 --rounds 2 --max-tokens 64 \
     --out "$DIR/serve_load.json"
   run_step host_syncs 60 "$PY" bench/host_syncs_gpu.py --out "$DIR/host_syncs_gpu.json"

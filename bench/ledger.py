@@ -75,6 +75,8 @@ TARGETS = [
     ("serve", 51, "the serve row measured", ("measured", None, "serve/1b_32clients:tokens_per_s")),
     ("speculative_b1", 57, "prompt-lookup speculative decoding measured at batch 1, 1B shape (speed-up over plain)",
      ("measured", None, "decode/speculative/b1:speedup")),
+    ("block_tp_70b", 52, "a Llama 3 70B tp-8 rank's block measured eager and compiled (speed-up of compiling)",
+     ("measured", None, "block_tp/llama3-70b-tp8:compiled_speedup")),
     ("attention_probe", 55, "the profile's own attention probe measured", ("measured", None, "profile/hardware:attention_tflops_4096")),
     ("plan_within_10pct", 55, "loom plan's prediction within 10% of every measured loom training row",
      ("<=", 0.10, "max_prediction_error")),
@@ -179,6 +181,14 @@ def figures_of(folder: Path, predictions: dict) -> list[dict]:
                 out.append({"key": "serve/1b_32clients", "figure": f"{fig}_p50", "value": serve[fig]["p50"],
                             "unit": "s", "source": _rel(folder / "serve_load.json"), "command": serve.get("command"),
                             "_stamp": serve})
+    block = _load(folder / "block_gpu.json")  # issue 52: a tp rank's block, eager and compiled, with its price
+    for row in (block or {}).get("rows", []) if (block or {}).get("device") == "cuda" else []:
+        if row.get("compiled_ms") is None:
+            continue
+        for fig, unit in (("eager_ms", "ms"), ("compiled_ms", "ms"), ("compiled_speedup", "x"),
+                          ("compiled_error", "fraction"), ("eager_error", "fraction")):
+            out.append({"key": f"block_tp/{row['shape']}", "figure": fig, "value": row[fig], "unit": unit,
+                        "source": _rel(folder / "block_gpu.json"), "command": block.get("command"), "_stamp": block})
     profile = _load(folder / "profile.json")
     if profile and profile.get("attention_tflops"):
         table = profile["attention_tflops"]
