@@ -56,15 +56,15 @@ def test_constant_groups_are_replaced_and_counted(tmp_path):
     assert 1 <= on["dynamic_sampling_rounds"] <= 4 and on["dynamic_sampling_s"] > 0
 
 
-def test_async_mode_refuses_dynamic_sampling_and_environments():
+def test_async_mode_refuses_dynamic_sampling_but_takes_environments():
     import pytest
 
     from loom.config import load_config
     from loom.errors import UserError
 
-    for extra in ("rl.dynamic_sampling=true", "rl.environment=loom.post.rl.tools:Calculator"):
-        with pytest.raises(UserError, match="rl.mode=async with rl.dynamic_sampling"):
-            load_config("tiny-grpo", ["rl.mode=async", extra])
+    with pytest.raises(UserError, match="rl.mode=async with rl.dynamic_sampling=true"):
+        load_config("tiny-grpo", ["rl.mode=async", "rl.dynamic_sampling=true"])
+    assert load_config("tiny-grpo", ["rl.mode=async", "rl.environment=loom.post.rl.tools:Calculator"]).rl.environment
     assert load_config("tiny-grpo", ["rl.dynamic_sampling=true"]).rl.dynamic_sampling
     for extra in (["rl.algorithm=ppo"], ["rl.group_size=1"]):
         with pytest.raises(UserError, match="needs groups to compare"):

@@ -29,8 +29,13 @@ Preemption and resume. In-flight rollouts are not saved: a resumed run's generat
 checkpoint's weights (version = the resumed step) and regenerate the steps that follow, so a resumed async run
 with K > 0 trains on fresher rollouts than the uninterrupted one would have (K = 0 resumes exactly).
 
-Not yet: tensor-parallel generation ranks, generation ranks on other nodes than training rank 0, PPO, LoRA,
-rl.dynamic_sampling and rl.environment (refused before launch, `check_async`).
+Environments (`rl.environment`): the episodes run on the generation ranks, which own the engine (the synchronous
+loop's `RL.rollouts`, its environment loaded there); the `Episode`s (transcript ids, the model-token mask, the
+environment's rewards, the engine's log-probs) travel to the trainers as single completions do. Bad input met
+on a generation rank (an environment's or a reward's `UserError`) is raised by the trainers as such (exit 2).
+
+Not yet: tensor-parallel generation ranks, generation ranks on other nodes than training rank 0, PPO, LoRA and
+rl.dynamic_sampling (refused before launch, `check_async`).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from loom.models.init import canonical_name
 
 BUCKET_BYTES = 256 << 20  # weights broadcast in buckets of at most this many bytes (one tensor may exceed it)
 ERROR_KEY = "generation-error"
+USER_ERROR_KEY = "generation-user-error"  # bad input met on a generation rank (an environment's, a reward's)
 
 
 def staleness_keep(step: int, versions: list[int], max_staleness: int) -> torch.Tensor:
@@ -67,9 +73,9 @@ def check_async(cfg) -> None:
     rl = cfg.rl
     if rl.algorithm != "grpo":
         raise UserError(f"rl.mode=async trains rl.algorithm=grpo only (got {rl.algorithm!r}); use rl.mode=sync for ppo")
-    for name, on in (("rl.dynamic_sampling", rl.dynamic_sampling), ("rl.environment", rl.environment)):
-        if on:  # their extra rollouts / episodes run in the trainer's process today
-            raise UserError(f"rl.mode=async does not do {name} yet (got {name}={on!r}); use rl.mode=sync with it")
+    if rl.dynamic_sampling:  # its extra rollouts run in the trainer's process today
+        raise UserError("rl.mode=async does not do rl.dynamic_sampling yet (got rl.dynamic_sampling=True); use "
+                        "rl.mode=sync with it, or rl.dynamic_sampling=false")
     if cfg.lora.enabled:
         raise UserError(f"rl.mode=async does not broadcast LoRA adapters yet (lora.rank={cfg.lora.rank}); use "
                         "rl.mode=sync or lora.rank=0")
@@ -198,17 +204,25 @@ class AsyncRollouts:
         try:
             return fn()
         except Exception as exc:
-            if self.store.check([ERROR_KEY]):
-                raise RuntimeError(self.store.get(ERROR_KEY).decode()) from exc
+            self._raise_generation_error(exc)
             raise
+
+    def _raise_generation_error(self, cause: Exception | None = None) -> None:
+        """Raise a generation rank's error if one left it in the store: bad input (an environment's or a reward's
+        UserError) as UserError, so the run exits 2 naming it; anything else as RuntimeError with its traceback."""
+        from loom.errors import UserError
+
+        if self.store.check([USER_ERROR_KEY]):
+            raise UserError(self.store.get(USER_ERROR_KEY).decode()) from cause
+        if self.store.check([ERROR_KEY]):
+            raise RuntimeError(self.store.get(ERROR_KEY).decode()) from cause
 
     def take(self, step: int):
         """This data-parallel rank's rollouts of `step`: (prompts, completions, the version of each)."""
         key = f"rollouts/{step}/{self.dp_rank}"
         t0 = time.perf_counter()
         while not self.store.check([key]):  # wait, failing at once with a generation rank's error
-            if self.store.check([ERROR_KEY]):
-                raise RuntimeError(self.store.get(ERROR_KEY).decode())
+            self._raise_generation_error()
             if self.procs and not all(p.is_alive() for p in self.procs):
                 raise RuntimeError(f"a generation rank exited (codes {[p.exitcode for p in self.procs]}) before "
                                    f"the rollouts of step {step + 1}")
@@ -312,6 +326,10 @@ def generation_rank(recipe_class, cfg, host: str, port: int, index: int, trainer
     try:
         _generate(recipe_class, cfg, store, index, trainers, threads)
     except BaseException as exc:  # the trainers raise this instead of waiting for a collective to time out
+        from loom.errors import UserError
+
+        if isinstance(exc, UserError):
+            store.set(USER_ERROR_KEY, str(exc))
         store.set(ERROR_KEY, f"generation rank {index} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         os._exit(1)
 
@@ -323,6 +341,7 @@ def _generate(recipe_class, cfg, store, index: int, trainers: int, threads: int)
     from loom.data.tokenizer import load_tokenizer
     from loom.parallel.dims import MeshPlace
     from loom.parallel.distributed import pick_device
+    from loom.post.rl.environments import Turns, load_environment
     from loom.post.rl.prompts import build_datasets
     from loom.post.rl.rollouts import rollout_engine, rollout_seed, stops
 
@@ -340,7 +359,9 @@ def _generate(recipe_class, cfg, store, index: int, trainers: int, threads: int)
     side.trainer = SimpleNamespace(cfg=cfg, tokenizer=tokenizer)
     side.engine = rollout_engine(cfg, model, tokenizer.decode)
     side.stop_ids, side.stop_texts = stops(cfg, tokenizer)
-    side.environment = None  # single completions (check_async)
+    # rl.environment: the episodes run here, on this rank's engine (Episode objects travel to the trainers)
+    side.environment = load_environment(rl.environment) if rl.environment else None
+    side.turns = Turns(tokenizer, side.chat_template(cfg))
     start = int(store.get("start"))  # set by training rank 0 once its policy holds its weights (`connect`)
     receiver = WeightReceiver(store, index, trainers, rl.generation_ranks, side.engine, t.collective_timeout_s)
     receiver.receive()

@@ -1,0 +1,31 @@
+"""rl.mode=async with what the synchronous loop also does on top of single completions: environments (the
+episodes run on the generation rank), and K=0 computing what rl.mode=sync computes with them, bit for bit (fp32,
+one thread per process)."""
+
+import pytest
+
+from test_rl_async import TIMING, rl_rows
+
+ASYNC_K0 = ("--nproc=2", "--rl.mode=async", "--rl.max_staleness=0")
+
+
+def assert_same_rows(sync, k0, skip=()):
+    assert len(sync) == len(k0) == 4  # the starting point, 2 steps, the final evaluation
+    for a, b in zip(sync, k0):
+        for key, value in a.items():
+            if key not in TIMING and key not in skip:
+                assert b[key] == value, (a["step"], key, value, b[key])
+
+
+def test_async_k0_with_an_environment_equals_the_synchronous_loop(tmp_path):
+    """The Calculator tool on the synthetic task, called on every episode's first turn (tests/rl_env_rewards.py:
+    CalcFirst), so that every transcript holds the tool's tokens; the generation rank runs the episodes."""
+    env = ("--rl.environment=rl_env_rewards:CalcFirst", "--rl.max_turns=2", "--train.seq_len=24")
+    sync = rl_rows(tmp_path / "sync", *env)
+    k0 = rl_rows(tmp_path / "k0", *env, *ASYNC_K0)
+    assert_same_rows(sync, k0)
+    steps = [r for r in k0 if "loss" in r]
+    assert all(r["turns"] == 2 and r["staleness_max"] == 0 for r in steps)  # two model turns around the tool's
+    # Only the model's 2 x rl.max_new_tokens tokens count (the tool's " = VALUE" tokens carry no loss).
+    assert steps[0]["response_length"] == 8 and all(4 < r["response_length"] <= 8 for r in steps)
+    assert any(r["grad_norm"] > 0 for r in steps)
