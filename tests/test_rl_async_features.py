@@ -1,5 +1,5 @@
 """rl.mode=async with what the synchronous loop also does on top of single completions: environments (the
-episodes run on the generation rank), and K=0 computing what rl.mode=sync computes with them, bit for bit (fp32,
+episodes run on the generation rank), dynamic sampling (the refill done there too), and K=0 computing what rl.mode=sync computes with them, bit for bit (fp32,
 one thread per process)."""
 
 import pytest
@@ -29,3 +29,17 @@ def test_async_k0_with_an_environment_equals_the_synchronous_loop(tmp_path):
     # Only the model's 2 x rl.max_new_tokens tokens count (the tool's " = VALUE" tokens carry no loss).
     assert steps[0]["response_length"] == 8 and all(4 < r["response_length"] <= 8 for r in steps)
     assert any(r["grad_norm"] > 0 for r in steps)
+
+
+def test_async_k0_with_dynamic_sampling_equals_the_synchronous_loop(tmp_path):
+    """A reward that is 0 for every completion of most prompts (tests/rl_env_rewards.py: mostly_constant), so
+    that groups are uniform and refilled: the generation rank scores, draws the same refills as the synchronous
+    loop (prompts and seeds) and the trainers train on the same groups."""
+    dynamic = ("--rl.reward=rl_env_rewards:mostly_constant", "--rl.dynamic_sampling=true",
+               "--rl.dynamic_sampling_max_rounds=2")
+    sync = rl_rows(tmp_path / "sync", *dynamic)
+    k0 = rl_rows(tmp_path / "k0", *dynamic, *ASYNC_K0)
+    assert_same_rows(sync, k0, skip=("dynamic_sampling_s",))
+    steps = [r for r in k0 if "loss" in r]
+    assert all(r["refilled_groups"] > 0 and r["dynamic_sampling_rounds"] >= 1 for r in steps), steps
+    assert all(r["dynamic_sampling_s"] > 0 for r in steps)

@@ -56,14 +56,14 @@ def test_constant_groups_are_replaced_and_counted(tmp_path):
     assert 1 <= on["dynamic_sampling_rounds"] <= 4 and on["dynamic_sampling_s"] > 0
 
 
-def test_async_mode_refuses_dynamic_sampling_but_takes_environments():
+def test_dynamic_sampling_needs_grpo_groups_and_runs_in_either_mode():
     import pytest
 
     from loom.config import load_config
     from loom.errors import UserError
 
-    with pytest.raises(UserError, match="rl.mode=async with rl.dynamic_sampling=true"):
-        load_config("tiny-grpo", ["rl.mode=async", "rl.dynamic_sampling=true"])
+    # rl.mode=async refills on the generation ranks (tests/test_rl_async_features.py)
+    assert load_config("tiny-grpo", ["rl.mode=async", "rl.dynamic_sampling=true"]).rl.dynamic_sampling
     assert load_config("tiny-grpo", ["rl.mode=async", "rl.environment=loom.post.rl.tools:Calculator"]).rl.environment
     assert load_config("tiny-grpo", ["rl.dynamic_sampling=true"]).rl.dynamic_sampling
     for extra in (["rl.algorithm=ppo"], ["rl.group_size=1"]):

@@ -168,9 +168,6 @@ class RLConfig(Section):
         if self.dynamic_sampling and (self.algorithm != "grpo" or self.group_size < 2):
             raise UserError(f"rl.dynamic_sampling=true needs groups to compare: rl.algorithm=grpo with rl.group_size "
                             f">= 2 (here {self.algorithm}, {self.group_size}); a group of one is never informative")
-        if self.mode == "async" and self.dynamic_sampling:
-            raise UserError("rl.mode=async with rl.dynamic_sampling=true: the generation ranks do not refill "
-                            "groups yet; use rl.mode=sync with it, or rl.dynamic_sampling=false")
         positive("rl", self, "group_size", "epochs", "minibatches", "max_new_tokens", "engine_batch",
                  "engine_sync_every", "generation_ranks")
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:

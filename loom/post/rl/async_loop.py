@@ -34,8 +34,15 @@ loop's `RL.rollouts`, its environment loaded there); the `Episode`s (transcript 
 environment's rewards, the engine's log-probs) travel to the trainers as single completions do. Bad input met
 on a generation rank (an environment's or a reward's `UserError`) is raised by the trainers as such (exit 2).
 
-Not yet: tensor-parallel generation ranks, generation ranks on other nodes than training rank 0, PPO, LoRA and
-rl.dynamic_sampling (refused before launch, `check_async`).
+Dynamic sampling (`rl.dynamic_sampling`): a generation rank scores its rollouts (`RL.score`, with rl.reward and
+the reward model if set, built there) and refills the uniform groups with `RL.refill_groups`, the synchronous
+loop's draws (prompts and seeds a function of train.seed, step, round and the data-parallel rank's place); the
+trainers take the refilled groups with their rewards and log `refilled_groups` and `dynamic_sampling_rounds`
+(summed / the most over ranks) as the synchronous loop does. `reward_s` and `dynamic_sampling_s` are then the
+generation rank's seconds.
+
+Not yet: tensor-parallel generation ranks, generation ranks on other nodes than training rank 0, PPO and LoRA
+(refused before launch, `check_async`).
 """
 
 from __future__ import annotations
@@ -73,9 +80,6 @@ def check_async(cfg) -> None:
     rl = cfg.rl
     if rl.algorithm != "grpo":
         raise UserError(f"rl.mode=async trains rl.algorithm=grpo only (got {rl.algorithm!r}); use rl.mode=sync for ppo")
-    if rl.dynamic_sampling:  # its extra rollouts run in the trainer's process today
-        raise UserError("rl.mode=async does not do rl.dynamic_sampling yet (got rl.dynamic_sampling=True); use "
-                        "rl.mode=sync with it, or rl.dynamic_sampling=false")
     if cfg.lora.enabled:
         raise UserError(f"rl.mode=async does not broadcast LoRA adapters yet (lora.rank={cfg.lora.rank}); use "
                         "rl.mode=sync or lora.rank=0")
@@ -218,7 +222,8 @@ class AsyncRollouts:
             raise RuntimeError(self.store.get(ERROR_KEY).decode()) from cause
 
     def take(self, step: int):
-        """This data-parallel rank's rollouts of `step`: (prompts, completions, the version of each)."""
+        """This data-parallel rank's rollouts of `step`: (prompts, completions, the version of each, and with
+        rl.dynamic_sampling what the generation rank scored and refilled, else None: `_made`'s dict)."""
         key = f"rollouts/{step}/{self.dp_rank}"
         t0 = time.perf_counter()
         while not self.store.check([key]):  # wait, failing at once with a generation rank's error
@@ -227,10 +232,10 @@ class AsyncRollouts:
                 raise RuntimeError(f"a generation rank exited (codes {[p.exitcode for p in self.procs]}) before "
                                    f"the rollouts of step {step + 1}")
             time.sleep(0.002)
-        version, prompts, done = pickle.loads(self.store.get(key))
+        version, prompts, done, made = pickle.loads(self.store.get(key))
         self.store.set(f"read/{step}/{self.dp_rank}/{self.rank}", b"1")
         self.waited_s = time.perf_counter() - t0
-        return prompts, done, [version] * len(done)
+        return prompts, done, [version] * len(done), made
 
     def staleness(self, recipe, batch: dict, step: int, versions: list[int]) -> dict:
         """Drop (mask out of the loss) the rows made by a policy more than rl.max_staleness versions before
@@ -334,6 +339,23 @@ def generation_rank(recipe_class, cfg, host: str, port: int, index: int, trainer
         os._exit(1)
 
 
+def _made(side, data, step: int, first: int, indices, prompts, done, texts):
+    """rl.dynamic_sampling on a generation rank: the rollouts scored and their uniform groups refilled as the
+    synchronous loop does (`RL.refill_groups`: the same prompts and seeds); (prompts, completions, {indices,
+    rewards, refilled, rounds, reward_s, dynamic_sampling_s}) for the trainers."""
+    from loom.post.rl.dynamic import Groups
+
+    group_size = side.trainer.cfg.rl.group_size
+    t0 = time.perf_counter()
+    rewards = side.score(data, indices, group_size, prompts, done, texts)
+    t1 = time.perf_counter()
+    groups, refilled, rounds = side.refill_groups(data, step, first, Groups(list(indices), prompts, done, texts,
+                                                                            rewards))
+    return groups.prompts, groups.done, {"indices": groups.indices, "rewards": groups.rewards, "refilled": refilled,
+                                         "rounds": rounds, "reward_s": t1 - t0,
+                                         "dynamic_sampling_s": time.perf_counter() - t1}
+
+
 def _generate(recipe_class, cfg, store, index: int, trainers: int, threads: int) -> None:
     from types import SimpleNamespace
 
@@ -362,6 +384,10 @@ def _generate(recipe_class, cfg, store, index: int, trainers: int, threads: int)
     # rl.environment: the episodes run here, on this rank's engine (Episode objects travel to the trainers)
     side.environment = load_environment(rl.environment) if rl.environment else None
     side.turns = Turns(tokenizer, side.chat_template(cfg))
+    if rl.dynamic_sampling:  # the refill needs the rewards: scored here (the trainers take them as they are)
+        from loom.post.rl.rewards import Rewards
+
+        side.rewards = Rewards(cfg, tokenizer, device)
     start = int(store.get("start"))  # set by training rank 0 once its policy holds its weights (`connect`)
     receiver = WeightReceiver(store, index, trainers, rl.generation_ranks, side.engine, t.collective_timeout_s)
     receiver.receive()
@@ -378,8 +404,11 @@ def _generate(recipe_class, cfg, store, index: int, trainers: int, threads: int)
             first = step * prompts_per_step + d * per_rank
             indices = train_data.take(first, per_rank, t.seed)
             seeds = [rollout_seed(t.seed, step, first * rl.group_size + k) for k in range(per_rank * rl.group_size)]
-            prompts, done, _ = side.rollouts(train_data, indices, rl.group_size, seeds, greedy=False)
-            store.set(f"rollouts/{step}/{d}", pickle.dumps((version, prompts, done)))
+            prompts, done, texts = side.rollouts(train_data, indices, rl.group_size, seeds, greedy=False)
+            made = None
+            if rl.dynamic_sampling:
+                prompts, done, made = _made(side, train_data, step, first, indices, prompts, done, texts)
+            store.set(f"rollouts/{step}/{d}", pickle.dumps((version, prompts, done, made)))
         if step >= 1:  # what every trainer has read is dropped from the store
             for d in mine:
                 readers = [r for r in range(trainers) if receiver.dp_ranks[r] == d]

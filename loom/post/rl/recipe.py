@@ -281,17 +281,24 @@ class RL(Recipe):
         times = {}
 
         t0 = time.perf_counter()
+        made = None
         if self.generation is None:
             prompts, done, texts = self.rollouts(trainer.train_data, indices, rl.group_size, seeds, greedy=False)
         else:  # made ahead by the generation ranks; the wait for them is generation_s
-            prompts, done, versions = self.generation.take(step)
+            prompts, done, versions, made = self.generation.take(step)
             texts = [c.text(trainer.tokenizer.decode) for c in done]
         times["generation_s"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        rewards = self.score(trainer.train_data, indices, rl.group_size, prompts, done, texts)
-        times["reward_s"] = time.perf_counter() - t0
-        if rl.dynamic_sampling:  # uniform groups replaced by informative ones of more prompts (dynamic.py)
+        if made is not None:  # rl.dynamic_sampling, async: scored and refilled by the generation ranks
+            indices, rewards = made["indices"], made["rewards"]
+            times.update(reward_s=made["reward_s"], dynamic_sampling_s=made["dynamic_sampling_s"],
+                         refilled_groups=self._global_sum(made["refilled"]),
+                         dynamic_sampling_rounds=self._global_max(made["rounds"]))
+        else:
+            t0 = time.perf_counter()
+            rewards = self.score(trainer.train_data, indices, rl.group_size, prompts, done, texts)
+            times["reward_s"] = time.perf_counter() - t0
+        if rl.dynamic_sampling and made is None:  # uniform groups replaced by informative ones of more prompts
             t0 = time.perf_counter()
             groups, refilled = self._dynamic_sampling(step, first, Groups(indices, prompts, done, texts, rewards))
             indices, prompts, done, texts, rewards = (groups.indices, groups.prompts, groups.done, groups.texts,
@@ -366,10 +373,16 @@ class RL(Recipe):
         return {**out, **metrics, **mismatch, **staleness, **times}
 
     def _dynamic_sampling(self, step: int, first: int, groups: Groups) -> tuple[Groups, dict]:
-        """`dynamic.refill` with draws of this rank's share of prompts, round r's prompts and seeds a function of
-        (train.seed, step, r, the rank's place in the global batch); the number of groups refilled (summed over
-        ranks) and the most rounds a rank drew, for metrics.jsonl."""
-        rl, seed, data = self.trainer.cfg.rl, self.trainer.cfg.train.seed, self.trainer.train_data
+        """`refill_groups` on this rank's groups; the number of groups refilled (summed over ranks) and the most
+        rounds a rank drew, for metrics.jsonl."""
+        groups, refilled, rounds = self.refill_groups(self.trainer.train_data, step, first, groups)
+        return groups, {"refilled_groups": self._global_sum(refilled), "dynamic_sampling_rounds": self._global_max(rounds)}
+
+    def refill_groups(self, data: PromptSet, step: int, first: int, groups: Groups) -> tuple[Groups, int, int]:
+        """`dynamic.refill` with draws of a data-parallel rank's share of prompts (`first`: its first prompt's place
+        in the global batch), round r's prompts and seeds a function of (train.seed, step, r, first): what the
+        synchronous loop and a generation rank (rl.mode=async) draw alike. (groups, refilled, rounds)."""
+        rl, seed = self.trainer.cfg.rl, self.trainer.cfg.train.seed
         count = len(groups.indices)
 
         def draw(r: int) -> Groups:
@@ -378,8 +391,7 @@ class RL(Recipe):
             prompts, done, texts = self.rollouts(data, indices, rl.group_size, seeds, greedy=False)
             return Groups(indices, prompts, done, texts, self.score(data, indices, rl.group_size, prompts, done, texts))
 
-        groups, refilled, rounds = refill(groups, draw, rl.dynamic_sampling_max_rounds)
-        return groups, {"refilled_groups": self._global_sum(refilled), "dynamic_sampling_rounds": self._global_max(rounds)}
+        return refill(groups, draw, rl.dynamic_sampling_max_rounds)
 
     def _advantages(self, batch: dict, score: torch.Tensor, old_values) -> dict:
         """Fill batch["advantages"] (and PPO's "old_values", "returns"); leave out uniform groups if asked."""
