@@ -143,7 +143,6 @@ def test_weight_broadcast_equals_a_full_refit():
     (["--nproc=2", "--rl.max_staleness=-1"], "rl.max_staleness=-1 must be an integer >= 0"),
     (["--nproc=2", "--rl.generation_ranks=0"], "rl.generation_ranks"),
     (["--nproc=2", "--rl.algorithm=ppo", "--rl.group_size=1"], "grpo only"),
-    (["--nproc=2", "--lora.rank=4"], "LoRA"),
 ])
 def test_bad_async_settings_exit_2(tmp_path, capsys, extra, message):
     argv = ["rl", "--config", "tiny-grpo", "--run-dir", str(tmp_path / "run"), *[f"--{o}" for o in RL],

@@ -41,8 +41,12 @@ trainers take the refilled groups with their rewards and log `refilled_groups` a
 (summed / the most over ranks) as the synchronous loop does. `reward_s` and `dynamic_sampling_s` are then the
 generation rank's seconds.
 
-Not yet: tensor-parallel generation ranks, generation ranks on other nodes than training rank 0, PPO and LoRA
-(refused before launch, `check_async`).
+LoRA (`lora.rank` > 0): the chunks broadcast are those of the merged weights W + (alpha / rank) B A
+(`merged_state_dict`, as the synchronous loop refits its engine), so the generation ranks need no adapters; the
+merge costs one B A product per adapted weight and step on the training ranks.
+
+Not yet: tensor-parallel generation ranks, generation ranks on other nodes than training rank 0, PPO (refused
+before launch, `check_async`).
 """
 
 from __future__ import annotations
@@ -80,9 +84,6 @@ def check_async(cfg) -> None:
     rl = cfg.rl
     if rl.algorithm != "grpo":
         raise UserError(f"rl.mode=async trains rl.algorithm=grpo only (got {rl.algorithm!r}); use rl.mode=sync for ppo")
-    if cfg.lora.enabled:
-        raise UserError(f"rl.mode=async does not broadcast LoRA adapters yet (lora.rank={cfg.lora.rank}); use "
-                        "rl.mode=sync or lora.rank=0")
 
 
 def training_processes(cfg, nproc: int, nnodes: int) -> int:
@@ -125,12 +126,25 @@ def _buckets(sizes: list[int], itemsize: int) -> list[list[int]]:
     return out + ([current] if current else [])
 
 
+def _weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(canonical name, tensor) of what the engine takes: the policy's parameters, or with LoRA the merged weights
+    W + (alpha / rank) B A in place of the adapted ones (`merged_state_dict`: shard by shard where FSDP shards
+    them by rows, else whole on every rank), as the synchronous loop refits its engine (`policy_weights`)."""
+    from loom.models.lora import lora_layers, merged_state_dict
+
+    if not lora_layers(model):
+        return [(canonical_name(n), p) for n, p in model.named_parameters()]
+    names = {canonical_name(n) for n, _ in model.named_parameters()}
+    return [(n, t) for n, t in merged_state_dict(model).items() if n in names]
+
+
 def _chunks(model: nn.Module, trainer_rank: int) -> list[tuple[str, torch.Tensor, tuple, tuple, tuple]]:
-    """(name, local tensor, global offset, local shape, global shape) of the parameters this training rank sends."""
+    """(name, local tensor, global offset, local shape, global shape) of the weights (`_weights`) this training
+    rank sends: a DTensor's local shard if it is its first holder, a plain tensor from training rank 0."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     out = []
-    for name, p in model.named_parameters():
+    for name, p in _weights(model):
         if isinstance(p, DTensor):
             shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
             coord = p.device_mesh.get_coordinate()
@@ -140,7 +154,7 @@ def _chunks(model: nn.Module, trainer_rank: int) -> list[tuple[str, torch.Tensor
             shape, offset, first, local = tuple(p.shape), (0,) * p.dim(), trainer_rank == 0, p
         if first and local.numel():
             assert tuple(local.shape) == tuple(shape), (name, tuple(local.shape), shape)
-            out.append((canonical_name(name), local, tuple(offset), tuple(shape), tuple(p.shape)))
+            out.append((name, local, tuple(offset), tuple(shape), tuple(p.shape)))
     return out
 
 
