@@ -24,3 +24,13 @@ class CalcFirst:
             call, self.expression = "calc " + self.expression, None
             return self.tool.step(call)
         return self.tool.step(completion)
+
+
+class BadStep:
+    """Breaks the environment contract: step returns a number, not (text, reward, done)."""
+
+    def reset(self, record):
+        return record["prompt"]
+
+    def step(self, completion):
+        return 1.0

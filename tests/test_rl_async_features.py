@@ -57,3 +57,42 @@ def test_async_k0_with_lora_equals_the_synchronous_loop(tmp_path):
     # Broadcasting the base weights instead (checked by hand) leaves step 2's engine log-probs off the trainer's:
     # its logp_abs_diff / prob_ratio / is_weight differ from the synchronous run's and the comparison fails.
     assert steps[1]["logp_abs_diff"] < 1e-5
+
+
+@pytest.mark.slow  # a spawned generation rank that fails: ~5 s
+def test_an_environments_bad_output_on_the_generation_rank_exits_2_naming_the_record(tmp_path, capsys):
+    from test_rl_async import ASYNC, RL
+    from loom.cli import main
+
+    argv = ["rl", "--config", "tiny-grpo", "--run-dir", str(tmp_path / "run"), *[f"--{o}" for o in RL], *ASYNC,
+            "--rl.environment=rl_env_rewards:BadStep", *ASYNC_K0]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "step(completion) must return (text: str, reward: finite number, done: bool)" in err
+    assert "prompt record" in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # two launches of 2 and 3 processes: ~40 s on 2 loaded cores
+def test_lora_over_two_fsdp_ranks_async_k0_equals_sync(tmp_path):
+    """LoRA with FSDP: each training rank merges its own rows of W + scale B A and broadcasts that shard; K=0
+    equals the synchronous loop over the same two FSDP ranks (its engines refitted from the gathered merge)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_rl_async import ASYNC, RL
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root / "tests")}
+    out = {}
+    for name, nproc, extra in (("sync", 2, []), ("k0", 3, ["--rl.mode=async", "--rl.max_staleness=0"])):
+        argv = ["rl", "--config", "tiny-grpo", "--run-dir", str(tmp_path / name), "--nproc", str(nproc),
+                *[f"--{o}" for o in RL], *[a for a in ASYNC if not a.startswith("--train.threads")],
+                "--parallel.dp_shard=2", "--train.micro_batch=8", "--lora.rank=4", "--lora.alpha=8", *extra]
+        proc = subprocess.run([sys.executable, "-m", "loom.cli", *argv], capture_output=True, text=True, env=env,
+                              cwd=root)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert_same_rows(out["sync"], out["k0"])
