@@ -6,6 +6,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# `pytest -n N` (make test: two workers on two cores): each worker, and the processes it starts, gets its share of
+# the cores, as loom.launch gives each rank. N workers of cpu_count threads each wait on one another at every
+# parallel region: a tiny model's decode ran 35-80x slower (65 tokens: 1.2 s with two threads, 0.03 s with one,
+# beside one busy process on two cores) and its training threads spun for 20 s of CPU over 2 s of work. Set
+# before this worker imports torch; an OMP_NUM_THREADS given to pytest wins; tests that need more threads set
+# them (torch.set_num_threads).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache(tmp_path_factory):
