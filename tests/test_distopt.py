@@ -42,7 +42,7 @@ def _run(tmp, overrides, steps=3, save_at=0, resume=False):
             "fsdp": any(isinstance(m, FSDPModule) for m in trainer.model.modules()),
             "dtype": str(next(trainer.model.parameters()).dtype), "weights": weights,
             "grads_kept": sum(p.grad is not None for p in trainer.model.parameters()),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "fused_linears": getattr(opt, "fused_linears", 0)}
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +54,14 @@ def _close(a, b, rel=2e-5):
     assert len(a) == len(b) and all(abs(x - y) <= rel * max(abs(y), 1e-6) for x, y in zip(a, b)), (a, b)
 
 
-def test_distributed_optimizer_equals_one_process_and_splits_its_state(single, tmp_path):
-    ranks = shared_pool(2).run(_run, str(tmp_path), ["parallel.dp_shard=2", "parallel.distributed_optimizer=true"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_distributed_optimizer_equals_one_process_and_splits_its_state(single, tmp_path, fused):
+    """With the linear layers' weight gradients written into the buffer by their backward (fused, the default),
+    and through the post-accumulate hook alone."""
+    ranks = shared_pool(2).run(_run, str(tmp_path), ["parallel.dp_shard=2", "parallel.distributed_optimizer=true",
+                                                     f"parallel.distopt_fused_wgrad={str(fused).lower()}"])
     for got in ranks:
+        assert got["fused_linears"] == (2 * 7 if fused else 0)  # wq wk wv wo w1 w2 w3 of both blocks
         _close(got["losses"], single["losses"])
         _close(got["norms"], single["norms"])  # the clipped norm (0.5) is crossed: clipping counts every row
         assert max(single["norms"]) > 0.5
@@ -206,3 +211,28 @@ def test_experts_split_over_their_expert_data_parallel_ranks(tmp_path):
         _close(got["norms"], single["norms"][:2])
     one = _run(str(tmp_path / "ep"), MOE, 3, 0, True)
     _close(one["losses"], single["losses"][2:])
+
+
+@pytest.mark.gpu
+def test_weight_gradient_lands_in_a_rank_major_buffer_inside_the_gemm_on_cuda():
+    """The fused path's product on CUDA (loom.parallel.distopt._LinearIntoBuffer, `out_dtype`): bf16 inputs
+    accumulated into fp32 rows of a [ranks, S] buffer, against float64; beta=0 ignores what the rows held."""
+    import torch
+
+    from loom.parallel.distopt import fused_out_dtype_works
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run by bench/device_check.sh)")
+    dev = torch.device("cuda")
+    assert fused_out_dtype_works(dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    dy = torch.randn(512, 96, device=dev, generator=g).bfloat16()
+    x = torch.randn(512, 64, device=dev, generator=g).bfloat16()
+    buf = torch.full((2, 48 * 64 + 100), float("nan"), device=dev)
+    for r in range(2):
+        seg = buf[r, 100:100 + 48 * 64].view(48, 64)
+        torch.addmm(seg, dy[:, r * 48:(r + 1) * 48].t(), x, beta=0, out_dtype=torch.float32, out=seg)
+        torch.addmm(seg, dy[:, r * 48:(r + 1) * 48].t(), x, out_dtype=torch.float32, out=seg)
+    want = 2 * (dy.double().t() @ x.double())
+    got = torch.cat([buf[r, 100:].view(48, 64) for r in range(2)]).double()
+    assert torch.allclose(got, want, rtol=1e-3, atol=1e-2)

@@ -20,7 +20,7 @@ def _workload():
     """Llama-3-8B-shaped with 30 layers: 30 + the embedding + the loss = 32 units = pp 4 x vpp 8 chunks of one."""
     cfg = load_config("llama3-8b").model
     cfg.layers, cfg.tie_embeddings = 30, False
-    return Workload(cfg, 8192, 64, 32, PRESETS["h100"])
+    return Workload(cfg, 8192, 64, 32, PRESETS["h100"], framework="megatron")  # Megatron's split, as it runs it
 
 
 FIELDS = dict(tp=2, pp=4, vpp=8, dp=4, sp=True, dp_style="distopt", schedule="interleaved")

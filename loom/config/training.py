@@ -40,6 +40,10 @@ class ParallelConfig(Section):
     # the compute dtype, fp32 gradients in contiguous buffers reduce-scattered once per step, the fp32 master
     # weights and AdamW's moments split over the dp_shard x cp ranks.
     distributed_optimizer: bool = False
+    # With it: the blocks' linear layers add their weight gradients straight into its fp32 buffer from the
+    # backward's product (on CUDA inside the GEMM: Megatron's gradient-accumulation fusion), not via a 16-bit
+    # gradient copied in afterwards.
+    distopt_fused_wgrad: bool = True
     # "auto": the planner chooses the layout at launch for the world size and accelerator found, and every
     # metrics.jsonl step row carries its predicted_step_s / predicted_memory_gib (loom/planner/auto.py).
     layout: Literal["manual", "auto"] = "manual"

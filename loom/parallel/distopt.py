@@ -37,12 +37,50 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from loom.config import Config
 
 BUCKET_ELEMENTS = 32 << 20  # parameters per gradient bucket (fp32: 128 MiB of buffer); one larger tensor alone
+
+
+class _LinearIntoBuffer(torch.autograd.Function):
+    """y = x W^T whose backward gives x its gradient as F.linear's would (DTensor placements included) and adds
+    W's straight into the optimizer's fp32 buffer (`into(dy, x)` on local tensors) instead of returning it:
+    Megatron's gradient-accumulation fusion. `node`: the weight's AccumulateGrad node; a backward that does not run
+    it (`torch.autograd.grad` for inputs only, as torch.distributed.pipelining's first step does to learn its
+    gradients' shapes) adds nothing."""
+
+    @staticmethod
+    def forward(ctx, x, weight, into, node):
+        ctx.save_for_backward(x, weight)
+        ctx.into, ctx.node = into, node
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        if torch._C._will_engine_execute_node(ctx.node):
+            local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
+            ctx.into(local(dy), local(x))
+        return dx, None, None, None
+
+
+def fused_out_dtype_works(device: torch.device) -> bool:
+    """Whether this device's addmm takes 16-bit inputs into an fp32 result (`out_dtype`, CUDA): the weight gradient
+    then accumulates in the GEMM itself; elsewhere it is computed, then added."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        c = torch.ones(2, 2, dtype=torch.float32, device=device)
+        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+        return bool(c[0, 0].item() == 3.0)
+    except (RuntimeError, TypeError):
+        return False
 
 
 @dataclass
@@ -133,9 +171,9 @@ class DistributedOptimizer:
     optimizer: `param_groups` (the learning rate is set there), `step`, `zero_grad`, and `reduce_and_clip`
     between backward and step."""
 
-    def __init__(self, parts: list[nn.Module], cfg: Config, layout, compute_dtype: torch.dtype | None):
-        from loom.train.optim import AdamWLowPrecisionState
-
+    def __init__(self, parts: list[nn.Module], cfg: Config, layout, compute_dtype: torch.dtype | None,
+                 make_optimizer):
+        """`make_optimizer(param_groups)`: the optimizer over this rank's rows (the trainer's AdamW)."""
         p = cfg.parallel
         self.dense = _Group(layout.submesh("dp_shard_cp" if p.cp > 1 else "dp_shard"), layout.grad_ranks)
         self.tp_size = layout.tp
@@ -197,14 +235,8 @@ class DistributedOptimizer:
         groups = [{"params": decay, "weight_decay": o.weight_decay}]
         if no_decay:
             groups.append({"params": no_decay, "weight_decay": 0.0})
-        betas = (o.beta1, o.beta2)
-        if o.state_dtype == "bfloat16":
-            self.inner = AdamWLowPrecisionState(groups, lr=o.lr, betas=betas, eps=o.eps)
-            moment_dtype = torch.bfloat16
-        else:
-            self.inner = torch.optim.AdamW(groups, lr=o.lr, betas=betas, eps=o.eps,
-                                           fused=device.type in ("cpu", "cuda"))
-            moment_dtype = torch.float32
+        self.inner = make_optimizer(groups)  # AdamW over the rows (loom.train.optim.optimizer_for_groups)
+        moment_dtype = torch.bfloat16 if o.state_dtype == "bfloat16" else torch.float32
         step_device = device if o.state_dtype != "bfloat16" and device.type in ("cpu", "cuda") else "cpu"
         for group in self.inner.param_groups:  # moments exist from the start: a checkpoint loads into them
             for piece in group["params"]:
@@ -213,12 +245,16 @@ class DistributedOptimizer:
                                            "exp_avg_sq": torch.zeros_like(piece, dtype=moment_dtype)}
         for part in parts:
             part._loom_distopt = self
+        self.fused_gemm = fused_out_dtype_works(device)
+        self.fused_linears = self._fuse_linears(parts) if cfg.parallel.distopt_fused_wgrad else 0
 
     # -- backward ------------------------------------------------------------------------------------------
 
     def _hook(self, bucket: _Bucket, slot: _Slot):
         def accumulate(param: torch.Tensor) -> None:
             grad = param.grad
+            if grad is None:  # a fused linear's weight: `_LinearIntoBuffer` put its gradient in the buffer
+                return
             if isinstance(grad, DTensor):
                 if grad.placements != param.placements:
                     grad = grad.redistribute(placements=param.placements)
@@ -233,13 +269,64 @@ class DistributedOptimizer:
             if rest:
                 dst[full, :rest * slot.width].add_(src[full * span:]) if slot.filled else \
                     dst[full, :rest * slot.width].copy_(src[full * span:])
-            slot.filled = True
             param.grad = None
-            if self.last_micro_batch:
-                bucket.ready += 1
-                if bucket.ready == len(bucket.slots):
-                    self._reduce(bucket)
+            self._arrived(bucket, slot)
         return accumulate
+
+    def _arrived(self, bucket: _Bucket, slot: _Slot) -> None:
+        """`slot`'s gradient of this micro-batch is in the buffer: on the last micro-batch, a complete bucket is
+        reduced at once (its reduce-scatter overlaps the rest of backward)."""
+        slot.filled = True
+        if self.last_micro_batch:
+            bucket.ready += 1
+            if bucket.ready == len(bucket.slots):
+                self._reduce(bucket)
+
+    def _into_buffer(self, bucket: _Bucket, slot: _Slot):
+        """For `_LinearIntoBuffer`: the weight gradient dy^T x of one micro-batch, each rank's rows straight into
+        their place in the fp32 buffer (one product per rank; on CUDA with 16-bit inputs inside the GEMM,
+        `out_dtype`; elsewhere computed, then copied or added)."""
+        def into(dy: torch.Tensor, x: torch.Tensor) -> None:
+            dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+            rows_all = bucket.grad.view(bucket.where.n, bucket.size)
+            for r in range(bucket.where.n):
+                rows = slot.my_rows(r)
+                if not rows:
+                    break
+                seg = rows_all[r, slot.offset:slot.offset + rows * slot.width].view(rows, slot.width)
+                a = dy2[:, r * slot.per_rank:r * slot.per_rank + rows].t()
+                if self.fused_gemm:
+                    torch.addmm(seg, a, x2, beta=1 if slot.filled else 0, out_dtype=torch.float32, out=seg)
+                elif slot.filled:
+                    seg.add_(a @ x2)
+                else:
+                    seg.copy_(a @ x2)
+            self._arrived(bucket, slot)
+        return into
+
+    def _fuse_linears(self, parts: list[nn.Module]) -> int:
+        """Route the weight gradients of the blocks' dense linear layers (attention, MLP; bias-free, this
+        optimizer's, not fp8) through `_LinearIntoBuffer`. Returns how many."""
+        from loom.models.llama import FeedForward
+
+        where = {id(slot.param): (bucket, slot) for bucket in self.buckets for slot in bucket.slots
+                 if not bucket.where.experts}
+        count = 0
+        for part in parts:
+            for block in getattr(part, "layers", {}).values():
+                linears = [block.attention.wq, block.attention.wk, block.attention.wv, block.attention.wo]
+                if isinstance(block.feed_forward, FeedForward):
+                    linears += [m for m in (block.feed_forward.w1, block.feed_forward.w2, block.feed_forward.w3) if m]
+                for module in linears:
+                    if type(module) is not nn.Linear or module.bias is not None or id(module.weight) not in where:
+                        continue
+                    into = self._into_buffer(*where[id(module.weight)])
+                    with torch.enable_grad():
+                        node = module.weight.view_as(module.weight).grad_fn.next_functions[0][0]
+                    module.forward = (lambda m, f, a: lambda x: _LinearIntoBuffer.apply(x, m.weight, f, a))(
+                        module, into, node)
+                    count += 1
+        return count
 
     def _reduce(self, bucket: _Bucket) -> None:
         if bucket.work is None:

@@ -338,7 +338,8 @@ def search_layout(w: Workload, fields: dict, **kwargs) -> tuple[list[Estimate], 
     pp, vpp = fields.get("pp", 1), fields.get("vpp", 1)
     if not any(k in fields for k in SPLIT_FIELDS) and split_problem(w.model.layers, pp, vpp, 0, 0):
         schedule = fields.get("schedule", "1f1b")
-        kw = with_te_kernels(w) if w.framework == "megatron" else w  # the head against the layer it runs
+        megatron_distopt = fields.get("dp_style") == "distopt" and w.framework == "megatron"
+        kw = with_te_kernels(w) if megatron_distopt else w  # the head against the layer it runs
         options = split_options(w.model.layers, pp, vpp, schedule, head_weight(kw, fields.get("tp", 1), fields.get("cp", 1)))
         if options:
             fields.update(zip(SPLIT_FIELDS, options[-1]))

@@ -58,9 +58,10 @@ def at_burst_clock(w: Workload) -> Workload:
 
 
 def kernels_workload(w: Workload, lay: Layout) -> Workload:
-    """`w` with the kernels layout `lay` runs: Transformer Engine's under Megatron, and its blocks compiled or
-    not (`Workload.runs_compiled`)."""
-    kw = with_te_kernels(w) if w.framework == "megatron" else w  # Megatron's runtime runs Megatron's kernels
+    """`w` with the kernels layout `lay` runs: Transformer Engine's under Megatron's distributed optimizer, and
+    its blocks compiled or not (`Workload.runs_compiled`)."""
+    megatron_distopt = lay.dp_style == "distopt" and w.framework == "megatron"
+    kw = with_te_kernels(w) if megatron_distopt else w  # Megatron's runtime runs Megatron's kernels
     return compiled_workload(kw, w.runs_compiled(lay))
 
 
@@ -154,7 +155,9 @@ def step_time(w: Workload, lay: Layout) -> dict:
             gather = coll("all_gather", 2 if w.precision != "fp32" else 4)
             hidden_grad = max(grad - bwd_mb, grad / max(n_layers, 1)) if lay.pp == 1 else grad
             dp_comm = hidden_grad + gather
-            step["distopt_copy"] = hbm_time(gpu, distopt_copy_bytes(w, dense + experts, m))
+            layers = max(shape.layers for shape in shapes)
+            step["distopt_copy"] = hbm_time(gpu, distopt_copy_bytes(w, dense + experts, m,
+                                                                    fused_linear_params(w, lay, layers)))
         elif lay.dp_style == "distopt":
             grad = coll("reduce_scatter", gb)
             gather = coll("all_gather", 2)
@@ -191,14 +194,29 @@ def step_time(w: Workload, lay: Layout) -> dict:
     return step
 
 
-def distopt_copy_bytes(w: Workload, local: float, m: int) -> float:
+def distopt_copy_bytes(w: Workload, local: float, m: int, fused: float = 0.0) -> float:
     """Bytes loom's distributed optimizer moves on the compute stream in one step for `local` parameters
     (loom/parallel/distopt.py): each micro-batch's gradient (e bytes, the compute dtype's) copied into the fp32
     buffer (4 written) on the first micro-batch and added to it later (8: read and write), then the gathered
-    weights copied into the parameters once (2e). Megatron's gradient-accumulation fusion writes the weight
-    gradient into its fp32 buffer inside the GEMM, so it has none of the first term."""
+    weights copied into the parameters once (2e). The `fused` of them (the blocks' bias-free linear layers on a
+    GPU, `fused_linear_params`) have their weight gradient written into the buffer by the backward's GEMM
+    (`_LinearIntoBuffer`, as Megatron's gradient-accumulation fusion): none of the first term, like Megatron."""
     e = 4 if w.precision == "fp32" else 2
-    return local * ((e + 4) + (m - 1) * (e + 8) + 2 * e)
+    return (local - fused) * ((e + 4) + (m - 1) * (e + 8)) + local * 2 * e
+
+
+def fused_linear_params(w: Workload, lay: Layout, layers: int) -> float:
+    """Weights of the linear layers loom's distributed optimizer fuses on a rank holding `layers` layers: each
+    block's bias-free attention projections and dense MLP (not the routed or shared experts), split by tp;
+    none on a CPU (its backward computes the product, then adds it)."""
+    cfg = w.model
+    if w.gpu.is_cpu or cfg.bias:
+        return 0.0
+    h, d, a, g = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads
+    attn = a * d * h if cfg.qkv_bias else h * (a + 2 * g) * d + a * d * h  # Qwen2's biased q/k/v stay unfused
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * h * cfg.ffn_hidden
+    dense_share = 1 - cfg.moe_layers / cfg.layers
+    return layers * (attn + dense_share * mlp) / lay.tp
 
 
 def fsdp2_copy_bytes(w: Workload, lay: Layout, dense: float, experts: float, m: int) -> float:

@@ -75,6 +75,14 @@ class AdamWLowPrecisionState(torch.optim.Optimizer):
         return None
 
 
+def optimizer_for_groups(groups: list[dict], optim: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over plain tensors in `groups` (the distributed optimizer's rows: loom/parallel/distopt.py)."""
+    betas = (optim.beta1, optim.beta2)
+    if optim.state_dtype == "bfloat16":
+        return AdamWLowPrecisionState(groups, lr=optim.lr, betas=betas, eps=optim.eps)
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=betas, eps=optim.eps, fused=device.type in ("cpu", "cuda"))
+
+
 def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
     groups = param_groups(model, optim)
     betas = (optim.beta1, optim.beta2)

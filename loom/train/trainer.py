@@ -153,7 +153,10 @@ class Trainer:
         if cfg.parallel.distributed_optimizer:  # after the weights are in place: it keeps their fp32 master rows
             from loom.parallel.distopt import DistributedOptimizer
 
-            self.optimizer = DistributedOptimizer(self.runner.parts, cfg, self.layout, compute_dtype(cfg))
+            from loom.train.optim import optimizer_for_groups
+
+            self.optimizer = DistributedOptimizer(self.runner.parts, cfg, self.layout, compute_dtype(cfg),
+                                                  lambda groups: optimizer_for_groups(groups, cfg.optim, self.device))
         else:
             self.optimizer = build_optimizer(self.model, cfg.optim)
         self.evaluator = Evaluator(self.runner, self.val_data, self.tokenizer, t.micro_batch)
