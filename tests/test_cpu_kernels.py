@@ -26,6 +26,16 @@ CAN_BUILD = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and sh
 needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="needs an AVX2 CPU and a C++ compiler")
 
 
+@pytest.fixture(autouse=True)
+def _two_threads():
+    """At least two threads, so that the kernels split their work over threads as an engine's do (`pytest -n`
+    gives each worker one thread of a 2-core machine: tests/conftest.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield
+    torch.set_num_threads(before)
+
+
 @needs_kernel
 def test_builds_and_loads_here():
     """On an AVX2 machine with a compiler the kernel is used (a silent fallback would hide every test below)."""
