@@ -48,6 +48,7 @@
 #   generate       80  the same on the slab at batches 1, 64 (+ transformers, + the profile's predictions), and
 #                      batch 1 with prompt-lookup speculative decoding against plain (--speculative 4)
 #   rl            120  rl_gpu.py: loom rl, GRPO, 1B shape, 8 prompts of 128 tokens x 8 completions of 512, 1 + 2 steps
+#   rl_async      120  the same with rl.mode=async: one generation process beside the trainer on the GPU (issue 56)
 #   profile        60  python3 -m loom.cli plan --profile-hardware (its own attention probe)
 #   train_3b      120  3B shape, seq 8192, full recompute, loom (both losses) in one process, 2 + 3 steps
 #   titan_3b      110  torchtitan 0.3.0 at the 3B shape
@@ -302,6 +303,7 @@ if [ $SMOKE = 1 ]; then
   skip_step generate_paged "--smoke: tests/test_bench_generate_gpu.py runs generate_gpu.py --smoke on paged keys"
   run_step generate $((240 * X)) "$PY" bench/generate_gpu.py --smoke --kv slab --speculative 4 --out "$DIR/generate_gpu.json"
   run_step rl $((120 * X)) "$PY" bench/rl_gpu.py --smoke --out "$DIR/rl_gpu.json"
+  skip_step rl_async "--smoke: tests/test_bench_rl_gpu.py runs rl_gpu.py --smoke --mode async (make test-all)"
   # loom plan --profile-hardware has no mode short enough for a smoke run (--quick: about 40 s of CPU on
   # 2 cores): started, then cut off by its timeout, which is also what this run checks of a step that overruns.
   run_step profile 2 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json" --quick
@@ -341,6 +343,9 @@ else
   run_step generate 80 "$PY" bench/generate_gpu.py --kv slab --batches 1,64 --new 32 --repeats 2 --speculative 4 \
     ${PROFILE[@]+"${PROFILE[@]}"} --out "$DIR/generate_gpu.json"
   run_step rl 120 "$PY" bench/rl_gpu.py --warmup 1 --steps 2 --timeout 115 --out "$DIR/rl_gpu.json"
+  # issue 56: the same steps with rl.mode=async (a generation process beside the trainer, on the same GPU)
+  run_step rl_async 120 "$PY" bench/rl_gpu.py --mode async --warmup 1 --steps 2 --timeout 115 \
+    --out "$DIR/rl_gpu_async.json"
   run_step profile 60 "$PY" -m loom.cli plan --profile-hardware "$DIR/profile.json"
   run_step train_3b 120 "$PY" "${TRAIN[@]}" --models llama3.2-3b --seqs 8192 --steps 3 --warmup 2 --frameworks loom \
     --variant train_3b:loss_chunk=0,8192 --out "$DIR/gpu_train_3b.json"

@@ -63,6 +63,8 @@ TARGETS = [
     ("paged_vs_slab_b64", 54, "paged ≤ slab at batch 64",
      ("<=", 1.0, "decode/paged/b64:decode_step_ms / decode/slab/b64:decode_step_ms")),
     ("grpo_step", 54, "GRPO step, 1B shape, 8 prompts × 8 samples × 512 tokens ≤ 1.5 s", ("<=", 1.5, "rl/grpo_1b:step_s")),
+    ("grpo_async_vs_sync", 56, "GRPO step with rl.mode=async (K=1) over the synchronous one, same GPU (measured)",
+     ("measured", None, "rl/grpo_1b_async:step_s / rl/grpo_1b:step_s")),
     ("call_s", 51, "one device-check call measures every row in ≤ 540 s of command time",
      ("<=", 540, "device_check/call:seconds_if_complete")),
     ("warm_1b_start", 51, "with the carried compile cache the 1B row starts timing within 30 s of its process start",
@@ -166,11 +168,12 @@ def figures_of(folder: Path, predictions: dict) -> list[dict]:
                               ("tokens_per_verify_step", "tokens")):
                 out.append({"key": "decode/speculative/b1", "figure": fig, "value": spec[fig], "unit": unit,
                             "source": _rel(path), "command": report.get("command"), "_stamp": report})
-    rl = _load(folder / "rl_gpu.json")
-    if rl and rl.get("summary") and rl["summary"].get("step_s_median"):
-        for fig in ("step_s", "generation_s", "logprobs_s", "training_s"):
-            out.append({"key": "rl/grpo_1b", "figure": fig, "value": rl["summary"][f"{fig}_median"], "unit": "s",
-                        "source": _rel(folder / "rl_gpu.json"), "command": rl.get("command"), "_stamp": rl})
+    for name, key in (("rl_gpu.json", "rl/grpo_1b"), ("rl_gpu_async.json", "rl/grpo_1b_async")):
+        rl = _load(folder / name)
+        if rl and rl.get("summary") and rl["summary"].get("step_s_median"):
+            for fig in ("step_s", "generation_s", "logprobs_s", "training_s"):
+                out.append({"key": key, "figure": fig, "value": rl["summary"][f"{fig}_median"], "unit": "s",
+                            "source": _rel(folder / name), "command": rl.get("command"), "_stamp": rl})
     serve = _load(folder / "serve_load.json")
     if serve and serve.get("tokens_per_s"):
         out.append({"key": "serve/1b_32clients", "figure": "tokens_per_s", "value": serve["tokens_per_s"],

@@ -4,6 +4,12 @@ into its phases (issue 37, item 5).
     python bench/rl_gpu.py --out bench/results/rl_gpu_h100.json                  # on a GPU machine
     python bench/rl_gpu.py --shape qwen2.5-0.5b --out ...                         # the other shape
     python bench/rl_gpu.py --smoke --out /tmp/smoke.json                          # tiny, CPU (a test runs it)
+    python bench/rl_gpu.py --mode async --out ...   # rl.mode=async: 1 training + 1 generation process (issue 56)
+
+`--mode async` runs the same steps as `loom rl --nproc 2` with `rl.mode=async`, `rl.generation_ranks=1` and
+`rl.max_staleness=--staleness` (default 1): the trainer and the generation rank share the one GPU, so what it
+measures is how much of generation hides behind training there; `generation_s` is then the trainer's wait for
+its rollouts, and each row also carries `staleness_mean` and `rollout_wait_s`.
 
 What runs is `loom rl` itself, as a user would start it (`python -m loom.cli rl --config tiny-grpo`, its GRPO
 objective as that config spells it, every other setting on the command line and in the JSON's `settings`),
@@ -128,9 +134,12 @@ def step_row(metrics: dict, warmup: int) -> dict:
     tokens = metrics["generated_tokens"]
     row["generated_tokens"] = tokens
     row["response_tokens_mean"] = round(metrics["response_length"], 1)
-    row["generation_tokens_per_s"] = round(tokens / metrics["generation_s"], 1) if metrics["generation_s"] else None
+    # rl.mode=async: generation_s is the trainer's wait for rollouts made beside it, not their making
+    made_here = "rollout_wait_s" not in metrics
+    row["generation_tokens_per_s"] = round(tokens / metrics["generation_s"], 1) if metrics["generation_s"] and made_here \
+        else None
     row["generation_share"] = round(metrics["generation_s"] / step_s, 4)
-    for k in ("reward", "logp_abs_diff", "loss", "memory_gib"):
+    for k in ("reward", "logp_abs_diff", "loss", "memory_gib", "staleness_mean", "rollout_wait_s"):
         if k in metrics:
             row[k] = round(metrics[k], 6)
     return row
@@ -146,7 +155,9 @@ def summary(rows: list[dict]) -> dict | None:
         out[k + "_median"] = round(statistics.median(r[k] for r in done), 4)
     step, gen = sum(r["step_s"] for r in done), sum(r["generation_s"] for r in done)
     out["generation_share"] = round(gen / step, 4)
-    out["generation_tokens_per_s"] = round(sum(r["generated_tokens"] for r in done) / gen, 1) if gen else None
+    made_here = all(r.get("generation_tokens_per_s") is not None for r in done)
+    out["generation_tokens_per_s"] = round(sum(r["generated_tokens"] for r in done) / gen, 1) if gen and made_here \
+        else None
     for k in PHASES[1:]:
         out[k.replace("_s", "_share")] = round(sum(r[k] for r in done) / step, 4)
     return out
@@ -262,6 +273,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="steps before them, rows marked warmup")
     ap.add_argument("--timeout", type=float, default=None, help="seconds for the loom rl run; then its error row")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script runs")
+    ap.add_argument("--mode", choices=["sync", "async"], default="sync",
+                    help="rl.mode: async starts one generation process beside the trainer")
+    ap.add_argument("--staleness", type=int, default=1, help="rl.max_staleness with --mode async")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     command = "python bench/rl_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -280,15 +294,19 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         write_task(tmp, SHAPES[shape]["vocab_size"], args.prompt, args.prompts * (args.warmup + args.steps), seed=0)
         overrides = settings(args, shape, tmp, cuda)
+        procs = []
+        if args.mode == "async":
+            overrides += ["rl.mode=async", "rl.generation_ranks=1", f"rl.max_staleness={args.staleness}"]
+            procs = ["--nproc", "2"]
         run_dir = tmp / "run"
         log = args.out.with_name(args.out.stem + "_loom_rl.log")  # beside the JSON: loom rl's own output
-        cmd = [sys.executable, "-m", "loom.cli", "rl", "--config", "tiny-grpo", "--run-dir", str(run_dir),
+        cmd = [sys.executable, "-m", "loom.cli", "rl", "--config", "tiny-grpo", "--run-dir", str(run_dir), *procs,
                *[f"--{o}" for o in overrides]]
         # loom's cache: the caller's when LOOM_CACHE is set (a test session's, where the CPU decode kernels are
         # already built: building them again costs a smoke run most of its time), else a private one in tmp
         env = dict(os.environ, LOOM_CACHE=os.environ.get("LOOM_CACHE") or str(tmp / "cache"),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(tmp), str(ROOT), os.environ.get("PYTHONPATH")])))
-        result = {"benchmark": "rl_gpu", "shape": shape, "dtype": "bfloat16" if cuda else "float32",
+        result = {"benchmark": "rl_gpu", "mode": args.mode, "shape": shape, "dtype": "bfloat16" if cuda else "float32",
                   "prompts_per_step": args.prompts, "group_size": args.group, "prompt_tokens": args.prompt,
                   "max_new_tokens": args.new, "model": SHAPES[shape], "settings": overrides[len(SHAPES[shape]):],
                   "loom_rl_log": log.name, "rows": []}

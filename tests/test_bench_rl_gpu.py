@@ -64,6 +64,23 @@ def test_rl_gpu_bench_smoke(bench, tmp_path):
     check_smoke(json.loads(out.read_text()), tmp_path)
 
 
+@pytest.mark.slow
+def test_rl_gpu_bench_async_smoke(bench, tmp_path):
+    """--mode async: loom rl --nproc 2 with rl.mode=async (one generation process), the same rows plus the
+    staleness and the trainer's wait for its rollouts (K=1: the policy one step behind after the first)."""
+    out = tmp_path / "smoke.json"
+    assert bench.main(["--smoke", "--mode", "async", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert report["mode"] == "async" and "rl.mode=async" in report["settings"]
+    assert [r["step"] for r in rows] == [1, 2, 3] and report["summary"]["steps"] == 2
+    for r in rows:
+        assert "error" not in r and 0 < r["generated_tokens"] <= 64 and r["training_s"] > 0
+        assert r["generation_tokens_per_s"] is None  # generation_s is the trainer's wait: no rate from it
+        assert r["generation_s"] == pytest.approx(r["rollout_wait_s"], abs=2e-3)
+    assert [r["staleness_mean"] for r in rows] == [0.0, 1.0, 1.0]  # step 1 from the start's weights
+
+
 FAKE = """import json, sys, time
 row = {{"step_time_s": 1.0, "generation_s": 0.6, "reward_s": 0.01, "logprobs_s": 0.1, "training_s": 0.2,
        "refit_s": 0.01, "generated_tokens": 100, "response_length": 12.5}}

@@ -12,9 +12,9 @@ import pytest
 from conftest import ROOT
 
 STEPS = ["setup_wheels", "versions", "predict", "train_1b", "titan_1b", "train_7b_auto", "generate_paged", "generate",
-         "rl", "profile", "train_3b", "titan_3b", "moe", "block_tp", "serve", "host_syncs", "gpu_tests", "train_7b",
+         "rl", "rl_async", "profile", "train_3b", "titan_3b", "moe", "block_tp", "serve", "host_syncs", "gpu_tests", "train_7b",
          "liger_1b"]
-SMOKE_SKIPS = ("setup_wheels", "generate_paged", "titan_3b", "block_tp", "serve", "host_syncs", "gpu_tests",
+SMOKE_SKIPS = ("setup_wheels", "generate_paged", "rl_async", "titan_3b", "block_tp", "serve", "host_syncs", "gpu_tests",
                "liger_1b")  # other tests' smokes
 
 
