@@ -155,6 +155,9 @@ class RLConfig(Section):
     # engine in the trainer's processes, generation then training (max_staleness 0 computes the same).
     mode: Literal["sync", "async"] = "sync"
     generation_ranks: int = 1
+    # > 1: the generation ranks form rl.generation_ranks / generation_tp engine groups, each running one engine
+    # sharded by tensor parallelism over its generation_tp ranks (as `loom serve --nproc` does)
+    generation_tp: int = 1
     max_staleness: int = 1
 
     def validate(self) -> None:
@@ -169,7 +172,15 @@ class RLConfig(Section):
             raise UserError(f"rl.dynamic_sampling=true needs groups to compare: rl.algorithm=grpo with rl.group_size "
                             f">= 2 (here {self.algorithm}, {self.group_size}); a group of one is never informative")
         positive("rl", self, "group_size", "epochs", "minibatches", "max_new_tokens", "engine_batch",
-                 "engine_sync_every", "generation_ranks")
+                 "engine_sync_every", "generation_ranks", "generation_tp")
+        if self.generation_tp > 1 and self.mode != "async":
+            raise UserError(f"rl.generation_tp={self.generation_tp} shards the generation ranks' engines, which only "
+                            "rl.mode=async has; with rl.mode=sync the engine is sharded as the trainer (parallel.tp)")
+        if self.generation_ranks % self.generation_tp:
+            valid = [d for d in range(1, self.generation_ranks + 1) if self.generation_ranks % d == 0]
+            raise UserError(f"rl.generation_tp={self.generation_tp} must divide rl.generation_ranks="
+                            f"{self.generation_ranks} (the generation ranks form groups of generation_tp ranks, one "
+                            f"engine each); valid: {valid}")
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise UserError(f"rl.max_staleness={self.max_staleness!r} must be an integer >= 0 (policy versions a "
                             "rollout may lag the trainer by; 0: on-policy, as rl.mode=sync)")

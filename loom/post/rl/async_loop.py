@@ -21,9 +21,19 @@ is the first holder of (its local shard of a DTensor whose coordinates on the re
 0; a plain tensor from training rank 0), cast to the engine's dtype and packed into buckets; a generation
 rank places each chunk at its global offset and refits its engine from the assembled tensors
 (`Engine.refit`, so the engine's buffers stay where they are). No rank gathers the whole model: the
-generation ranks hold whole copies, as the engine does in the synchronous loop. The trainer blocks in the
-broadcast until the generation ranks finish the batch they are making, so a step takes about
-max(generation, training) + the broadcast.
+generation ranks hold whole copies, as the engine does in the synchronous loop, unless rl.generation_tp > 1
+(below). The trainer blocks in the broadcast until the generation ranks finish the batch they are making, so a
+step takes about max(generation, training) + the broadcast.
+
+Tensor-parallel generation (`rl.generation_tp` = T). The G generation ranks form G / T engine groups: ranks
+jT..jT+T-1 are group j, whose process group (this process's default one, met under its own prefix of the
+store) carries a one-dimensional device mesh over which the engine's model is sharded as `loom serve --nproc`
+shards it (`apply_tensor_parallel`, sp off). Every rank of a group runs the same rollouts (the same requests in
+the same order; the engine gathers the logits before sampling, so all draw the same tokens); the group makes
+the rollouts of the data-parallel ranks d with d % (G / T) == j, and its rank 0 reports them. A generation rank
+receives every chunk of the broadcast and keeps only the part its shard holds (`_box`, `_overlap`), copied into
+the engine's local shards in place (`WeightReceiver._refit_shards`). T must divide G and be a size the model
+can be split by (`loom.rules.tp_problems`), checked before launch (`check_async`, `RLConfig.validate`).
 
 Preemption and resume. In-flight rollouts are not saved: a resumed run's generation ranks start from the
 checkpoint's weights (version = the resumed step) and regenerate the steps that follow, so a resumed async run
@@ -45,7 +55,7 @@ LoRA (`lora.rank` > 0): the chunks broadcast are those of the merged weights W +
 (`merged_state_dict`, as the synchronous loop refits its engine), so the generation ranks need no adapters; the
 merge costs one B A product per adapted weight and step on the training ranks.
 
-Not yet: tensor-parallel generation ranks, generation ranks on other nodes than training rank 0, PPO (refused
+Not yet: generation ranks on other nodes than training rank 0, PPO (refused
 before launch, `check_async`).
 """
 
@@ -81,9 +91,15 @@ def check_async(cfg) -> None:
     """What rl.mode=async does not do yet, refused before launch."""
     from loom.errors import UserError
 
+    from loom.rules import tp_problems, valid_tp_sizes
+
     rl = cfg.rl
     if rl.algorithm != "grpo":
         raise UserError(f"rl.mode=async trains rl.algorithm=grpo only (got {rl.algorithm!r}); use rl.mode=sync for ppo")
+    if rl.generation_tp > 1 and (problems := tp_problems(rl.generation_tp, cfg.model, cfg.train.seq_len, sp=False)):
+        valid = [d for d in valid_tp_sizes(cfg.model, cfg.train.seq_len, sp=False) if rl.generation_ranks % d == 0]
+        raise UserError(f"rl.generation_tp={rl.generation_tp} cannot shard the model: {'; '.join(problems)}; valid "
+                        f"here (model and rl.generation_ranks={rl.generation_ranks}): {valid}")
 
 
 def training_processes(cfg, nproc: int, nnodes: int) -> int:
@@ -281,28 +297,68 @@ class AsyncRollouts:
                 proc.terminate()
 
 
+def _box(p: torch.Tensor) -> tuple[tuple, tuple]:
+    """(global offset, local shape) of this rank's part of an engine parameter: its tensor-parallel shard, or all
+    of it."""
+    if isinstance(p, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        return tuple(offset), tuple(shape)
+    return (0,) * p.dim(), tuple(p.shape)
+
+
+def _overlap(chunk_offset, chunk_shape, box_offset, box_shape):
+    """Where a received chunk meets a rank's box, both given by global offset and shape: (the chunk's spans, the
+    box's spans), each a list of (dim, start, length) to narrow by; None when they do not meet."""
+    src, dst = [], []
+    for dim, (co, cn, bo, bn) in enumerate(zip(chunk_offset, chunk_shape, box_offset, box_shape)):
+        lo, hi = max(co, bo), min(co + cn, bo + bn)
+        if hi <= lo:
+            return None
+        src.append((dim, lo - co, hi - lo))
+        dst.append((dim, lo - bo, hi - lo))
+    return src, dst
+
+
+def _narrow(t: torch.Tensor, spans) -> torch.Tensor:
+    for dim, start, length in spans:
+        t = t.narrow(dim, start, length)
+    return t
+
+
 class WeightReceiver:
-    """A generation rank's side of the weight broadcast: assembles every training rank's chunks into whole
-    tensors and refits the engine from them."""
+    """A generation rank's side of the weight broadcast: takes every training rank's chunks, keeps of each the part
+    its engine holds (the whole tensor, or under rl.generation_tp its tensor-parallel shard: `_box`) and refits the
+    engine from them."""
 
     def __init__(self, store, index: int, trainers: int, generation_ranks: int, engine, timeout_s: float):
         self.engine = engine
         self.groups, self.plans = [], []
         params = dict(engine.model.named_parameters())
-        self.full = {name: torch.empty(p.shape, dtype=p.dtype, device="cpu") for name, p in params.items()}
+        self.sharded = any(isinstance(p, DTensor) for p in params.values())
+        boxes = {name: _box(p) for name, p in params.items()}
+        # what this rank keeps: CPU tensors of its parts' shapes (the broadcast arrives on the CPU)
+        self.staged = {name: torch.empty(boxes[name][1], dtype=p.dtype, device="cpu") for name, p in params.items()}
+        self.dtype = next(iter(params.values())).dtype
         itemsize = next(iter(params.values())).element_size()
         covered = dict.fromkeys(params, 0)
+        kept = dict.fromkeys(params, 0)
         self.dp_ranks = []
         for r in range(trainers):
             dp_rank, chunks = pickle.loads(store.get(f"trainer/{r}"))
             self.dp_ranks.append(dp_rank)
+            where = []
             for name, offset, shape, full in chunks:
                 if name not in params or tuple(params[name].shape) != tuple(full):
                     raise RuntimeError(f"weight broadcast: training rank {r} sends {name} {tuple(full)}, which the "
                                        "engine's model does not have")
                 covered[name] += torch.Size(shape).numel()
-            self.plans.append((chunks, _buckets([torch.Size(c[2]).numel() for c in chunks], itemsize)))
-        missing = [n for n, p in params.items() if covered[n] != p.numel()]
+                where.append(_overlap(offset, shape, *boxes[name]))
+                if where[-1] is not None:
+                    kept[name] += torch.Size([n for _, _, n in where[-1][1]]).numel()
+            self.plans.append((chunks, _buckets([torch.Size(c[2]).numel() for c in chunks], itemsize), where))
+        missing = [n for n, p in params.items() if covered[n] != p.numel() or kept[n] != self.staged[n].numel()]
         if missing:
             raise RuntimeError(f"weight broadcast: the training ranks' chunks do not cover {missing[:3]}")
         for r in range(trainers):
@@ -311,19 +367,35 @@ class WeightReceiver:
     def receive(self) -> float:
         """One version of the weights from every training rank, into the engine; the seconds."""
         t0 = time.perf_counter()
-        for group, (chunks, buckets) in zip(self.groups, self.plans):
+        for group, (chunks, buckets, where) in zip(self.groups, self.plans):
             for bucket in buckets:
                 sizes = [torch.Size(chunks[i][2]).numel() for i in bucket]
-                flat = torch.empty(sum(sizes), dtype=next(iter(self.full.values())).dtype)
+                flat = torch.empty(sum(sizes), dtype=self.dtype)
                 _broadcast(group, flat)
                 for i, part in zip(bucket, flat.split(sizes)):
-                    name, offset, shape, _ = chunks[i]
-                    view = self.full[name]
-                    for dim, (o, n) in enumerate(zip(offset, shape)):
-                        view = view.narrow(dim, o, n)
-                    view.copy_(part.view(shape))
-        self.engine.refit(self.full)
+                    if where[i] is not None:  # the part of the chunk this rank's shard holds
+                        name, _, shape, _ = chunks[i]
+                        _narrow(self.staged[name], where[i][1]).copy_(_narrow(part.view(shape), where[i][0]))
+        if self.sharded:
+            self._refit_shards()
+        else:
+            self.engine.refit(self.staged)
         return time.perf_counter() - t0
+
+    @torch.no_grad()
+    def _refit_shards(self) -> None:
+        """`Engine.refit` from this rank's shards: each parameter's local tensor copied in place (its address kept),
+        then what refit does after the copy (the prefix cache's keys dropped, the CPU twin's packed copies
+        redone). `Engine.refit` itself takes whole tensors only, which a tensor-parallel rank does not keep."""
+        engine = self.engine
+        for name, p in engine.model.named_parameters():
+            (p.to_local() if isinstance(p, DTensor) else p).copy_(self.staged[name])
+        if engine.paged and engine.slab.cache is not None:
+            engine.slab.cache.clear()
+        if engine.runner.cpu is not None:
+            engine.runner.cpu.repack()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -370,12 +442,36 @@ def _made(side, data, step: int, first: int, indices, prompts, done, texts):
                                          "dynamic_sampling_s": time.perf_counter() - t1}
 
 
+def _engine_place(cfg, store, device: torch.device, group: int, tp_rank: int):
+    """`place` for this generation rank's engine model: whole, or with rl.generation_tp = T > 1 sharded by tensor
+    parallelism over a one-dimensional mesh of its group's T ranks (`loom serve --nproc`'s layout), whose process
+    group is this process's default one (it meets the group's other ranks under its own prefix of the store)."""
+    from loom.build import tensor_parallel, whole
+    from loom.parallel.dims import MeshPlace
+
+    tp = cfg.rl.generation_tp
+    if tp == 1:
+        return tensor_parallel(MeshPlace(mesh=None))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from loom.parallel.tensor import apply_tensor_parallel
+
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore(f"generation-tp{group}/", store), rank=tp_rank,
+                            world_size=tp, timeout=timedelta(seconds=cfg.train.collective_timeout_s))
+    mesh = init_device_mesh(device.type, (tp,))
+
+    def place(model: nn.Module):
+        apply_tensor_parallel(model, mesh, sp=False)
+        return whole(model)
+    return place
+
+
 def _generate(recipe_class, cfg, store, index: int, trainers: int, threads: int) -> None:
     from types import SimpleNamespace
 
-    from loom.build import build_in_layout, tensor_parallel, torch_dtype
+    from loom.build import build_in_layout, torch_dtype
     from loom.data.tokenizer import load_tokenizer
-    from loom.parallel.dims import MeshPlace
     from loom.parallel.distributed import pick_device
     from loom.post.rl.environments import Turns, load_environment
     from loom.post.rl.prompts import build_datasets
@@ -389,7 +485,10 @@ def _generate(recipe_class, cfg, store, index: int, trainers: int, threads: int)
         torch.cuda.set_device(device)
     tokenizer = load_tokenizer(cfg)
     train_data, _ = build_datasets(cfg, tokenizer)
-    model = build_in_layout(cfg, device, tensor_parallel(MeshPlace(mesh=None)), dtype=torch_dtype(cfg), seed=0).model
+    # rl.generation_tp = T: this rank is shard `tp_rank` of engine group `group` (ranks group*T .. group*T + T-1)
+    group, tp_rank = divmod(index, rl.generation_tp)
+    model = build_in_layout(cfg, device, _engine_place(cfg, store, device, group, tp_rank), dtype=torch_dtype(cfg),
+                            seed=0).model
     # The synchronous loop's own sampling code (RL.rollouts), on this rank's engine.
     side = recipe_class()
     side.trainer = SimpleNamespace(cfg=cfg, tokenizer=tokenizer)
@@ -407,7 +506,9 @@ def _generate(recipe_class, cfg, store, index: int, trainers: int, threads: int)
     receiver.receive()
     version = start
     dp_size = max(receiver.dp_ranks) + 1
-    mine = sorted({d for d in receiver.dp_ranks if d % rl.generation_ranks == index})
+    groups = rl.generation_ranks // rl.generation_tp
+    mine = sorted({d for d in receiver.dp_ranks if d % groups == group})
+    reports = tp_rank == 0  # a group's rollouts are made by all its ranks in lockstep, reported by its first
     prompts_per_step = t.global_batch // rl.group_size
     per_rank = prompts_per_step // dp_size
     for step in range(start, t.steps):
@@ -422,8 +523,9 @@ def _generate(recipe_class, cfg, store, index: int, trainers: int, threads: int)
             made = None
             if rl.dynamic_sampling:
                 prompts, done, made = _made(side, train_data, step, first, indices, prompts, done, texts)
-            store.set(f"rollouts/{step}/{d}", pickle.dumps((version, prompts, done, made)))
-        if step >= 1:  # what every trainer has read is dropped from the store
+            if reports:
+                store.set(f"rollouts/{step}/{d}", pickle.dumps((version, prompts, done, made)))
+        if step >= 1 and reports:  # what every trainer has read is dropped from the store
             for d in mine:
                 readers = [r for r in range(trainers) if receiver.dp_ranks[r] == d]
                 if all(store.check([f"read/{step - 1}/{d}/{r}"]) for r in readers):
