@@ -69,28 +69,46 @@ def test_bad_generation_tp_exits_2(tmp_path, capsys, extra, message):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow  # four processes and two spawned generation ranks beside a two-process synchronous run: minutes
-def test_tensor_parallel_generation_k0_equals_sync_bit_for_bit(tmp_path):
-    """`loom rl --nproc 4` async with two training ranks (parallel.tp=2) and one engine group of two generation
-    ranks (rl.generation_tp=2) at K=0 computes what the synchronous loop over two tensor-parallel ranks computes
-    (its engine sharded the same way): losses, rewards, importance weights, evaluations."""
+def _run(tmp_path, name: str, nproc: int, *extra: str) -> list[dict]:
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(root / "tests")}
-    out = {}
-    async_tp = ["--rl.mode=async", "--rl.max_staleness=0", "--rl.generation_ranks=2", "--rl.generation_tp=2"]
-    for name, nproc, extra in (("sync", 2, []), ("k0", 4, async_tp)):
-        argv = ["rl", "--config", "tiny-grpo", "--run-dir", str(tmp_path / name), "--nproc", str(nproc),
-                *[f"--{o}" for o in RL], *[a for a in ASYNC if not a.startswith("--train.threads")],
-                "--parallel.tp=2", *extra]
-        proc = subprocess.run([sys.executable, "-m", "loom.cli", *argv], capture_output=True, text=True, env=env,
-                              cwd=root)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    assert len(out["sync"]) == len(out["k0"]) == 4  # the starting point, 2 steps, the final evaluation
-    for a, b in zip(out["sync"], out["k0"]):
+    argv = ["rl", "--config", "tiny-grpo", "--run-dir", str(tmp_path / name), "--nproc", str(nproc),
+            *[f"--{o}" for o in RL], *[a for a in ASYNC if not a.startswith("--train.threads")], *extra]
+    proc = subprocess.run([sys.executable, "-m", "loom.cli", *argv], capture_output=True, text=True, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same(want: list[dict], got: list[dict]) -> None:
+    assert len(want) == len(got) == 4  # the starting point, 2 steps, the final evaluation
+    for a, b in zip(want, got):
         for key, value in a.items():
             if key not in TIMING:
                 assert b[key] == value, (a["step"], key, value, b[key])
-    steps = [r for r in out["k0"] if "loss" in r]
+
+
+@pytest.mark.slow  # a two-process synchronous run and a four-process async one: ~25 s idle, minutes when loaded
+def test_tensor_parallel_generation_k0_equals_sync_bit_for_bit(tmp_path):
+    """`loom rl --nproc 4` async with two training ranks (parallel.tp=2) and one engine group of two generation
+    ranks (rl.generation_tp=2) at K=0 computes what the synchronous loop over two tensor-parallel ranks computes
+    (its engine sharded the same way): losses, rewards, importance weights, evaluations. (The same async run with
+    rl.generation_tp=1, whole engines, differs from it in the last bits of 12 metrics.)"""
+    sync = _run(tmp_path, "sync", 2, "--parallel.tp=2")
+    k0 = _run(tmp_path, "k0", 4, "--parallel.tp=2", "--rl.mode=async", "--rl.max_staleness=0",
+              "--rl.generation_ranks=2", "--rl.generation_tp=2")
+    _same(sync, k0)
+    steps = [r for r in k0 if "loss" in r]
     assert all(r["staleness_max"] == 0 and r["stale_dropped"] == 0 for r in steps)
     assert any(r["grad_norm"] > 0 for r in steps)  # it trained
+
+
+@pytest.mark.slow  # a four- and a six-process run: ~25 s idle
+def test_data_parallel_ranks_dealt_to_two_engine_groups_compute_the_same(tmp_path):
+    """Two FSDP training ranks: their rollouts made by one tensor-parallel engine group (generation_ranks=2) or
+    dealt to two (generation_ranks=4, each group one data-parallel rank) give the same run bit for bit."""
+    common = ("--parallel.dp_shard=2", "--train.micro_batch=8", "--rl.mode=async", "--rl.max_staleness=0",
+              "--rl.generation_tp=2")
+    one = _run(tmp_path, "one", 4, *common, "--rl.generation_ranks=2")
+    two = _run(tmp_path, "two", 6, *common, "--rl.generation_ranks=4")
+    _same(one, two)
+    assert any(r.get("grad_norm", 0) > 0 for r in two)
