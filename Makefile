@@ -29,7 +29,8 @@ demo-rl-tools: $(STAMP)
 	$(PY) bench/rl_tools_demo.py
 
 # Two workers, each file on one of them (its module fixtures and kept rank processes shared by its tests), the
-# longest files first (tests/conftest.py LONG_FIRST): 571 s of pytest on 2 cores where one worker took 695 s.
+# longest files first (tests/conftest.py LONG_FIRST); each worker gets its share of the cores (OMP_NUM_THREADS).
+# Measured times: bench/README.md ("The test suite and torch versions").
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
