@@ -160,10 +160,21 @@ def _layout_slots(params: list[tuple[str, nn.Parameter]], where: _Group, tp_size
     return buckets
 
 
-def _rank_major(buf: torch.Tensor, slot: _Slot) -> tuple[torch.Tensor, int, int]:
-    """The slot's columns of a `[n, S]` buffer, the number of ranks holding full rows and the rows left over."""
+def _rank_major(buf: torch.Tensor, slot: _Slot) -> torch.Tensor:
+    """The slot's columns of a `[n, S]` buffer (every rank's rows, padded)."""
+    return buf[:, slot.offset:slot.offset + slot.span]
+
+
+def _matching(buf: torch.Tensor, flat: torch.Tensor, slot: _Slot) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(part of the `[n, S]` buffer, the same elements of the parameter flattened as `flat`): the ranks holding
+    full rows in one strided view, and the rows left to the next rank (when the rows do not divide)."""
+    cols, span = _rank_major(buf, slot), slot.span
     full = slot.rows // slot.per_rank
-    return buf[:, slot.offset:slot.offset + slot.span], full, slot.rows - full * slot.per_rank
+    rest = slot.rows - full * slot.per_rank
+    out = [(cols[:full], flat[:full * span].view(full, span))] if full else []
+    if rest:
+        out.append((cols[full, :rest * slot.width], flat[full * span:]))
+    return out
 
 
 class DistributedOptimizer:
@@ -259,16 +270,9 @@ class DistributedOptimizer:
                 if grad.placements != param.placements:
                     grad = grad.redistribute(placements=param.placements)
                 grad = grad._local_tensor
-            src = grad.reshape(-1)
-            dst, full, rest = _rank_major(bucket.grad, slot)
-            span = slot.span
             # The step's first gradient is copied in (no zeroed buffer to read), later micro-batches' added.
-            if full:
-                dst[:full].add_(src[:full * span].view(full, span)) if slot.filled else \
-                    dst[:full].copy_(src[:full * span].view(full, span))
-            if rest:
-                dst[full, :rest * slot.width].add_(src[full * span:]) if slot.filled else \
-                    dst[full, :rest * slot.width].copy_(src[full * span:])
+            for dst, src in _matching(bucket.grad, grad.reshape(-1), slot):
+                dst.add_(src) if slot.filled else dst.copy_(src)
             param.grad = None
             self._arrived(bucket, slot)
         return accumulate
@@ -288,12 +292,11 @@ class DistributedOptimizer:
         `out_dtype`; elsewhere computed, then copied or added)."""
         def into(dy: torch.Tensor, x: torch.Tensor) -> None:
             dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-            rows_all = bucket.grad.view(bucket.where.n, bucket.size)
             for r in range(bucket.where.n):
                 rows = slot.my_rows(r)
                 if not rows:
                     break
-                seg = rows_all[r, slot.offset:slot.offset + rows * slot.width].view(rows, slot.width)
+                seg = bucket.grad[r, slot.offset:slot.offset + rows * slot.width].view(rows, slot.width)
                 a = dy2[:, r * slot.per_rank:r * slot.per_rank + rows].t()
                 if self.fused_gemm:
                     torch.addmm(seg, a, x2, beta=1 if slot.filled else 0, out_dtype=torch.float32, out=seg)
@@ -332,7 +335,7 @@ class DistributedOptimizer:
         if bucket.work is None:
             for slot in bucket.slots:
                 if not slot.filled:  # no gradient this step: zero, not the last step's
-                    _rank_major(bucket.grad, slot)[0].zero_()
+                    _rank_major(bucket.grad, slot).zero_()
             bucket.work = dist.reduce_scatter_tensor(bucket.shard, bucket.grad.view(-1), group=bucket.where.group,
                                                      async_op=True)
 
@@ -388,13 +391,8 @@ class DistributedOptimizer:
             dist.all_gather_into_tensor(out, send, group=bucket.where.group)
             out = out.view(n, bucket.size)
             for slot in bucket.slots:
-                src, full, rest = _rank_major(out, slot)
-                dst = slot.local().view(-1)
-                span = slot.span
-                if full:
-                    dst[:full * span].view(full, span).copy_(src[:full])
-                if rest:
-                    dst[full * span:].copy_(src[full, :rest * slot.width])
+                for src, dst in _matching(out, slot.local().view(-1), slot):
+                    dst.copy_(src)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
