@@ -343,18 +343,19 @@ class Engine:
     # --- weights --------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def refit(self, source: nn.Module | dict) -> float:
+    def refit(self, source: nn.Module | dict, local: bool = False) -> float:
         """Copy new weights into the engine's model in place (the slab and every buffer stay where they are);
         returns and logs the seconds it took.
 
         `source`: a model or a state dict with loom's parameter names, in any layout a single process can
         read: plain tensors, or DTensors (FSDP/TP shards, gathered here with `full_tensor`; every rank of
         the source's mesh must call refit together). Under tensor parallelism the engine takes its own
-        shard of each full tensor. A pipeline stage holds only some layers, so its weights are refused:
-        gather them first."""
+        shard of each full tensor; with `local`, `source` holds that shard already (RL's tensor-parallel generation
+        ranks, which never keep the whole tensor). A pipeline stage holds only some layers, so its weights are
+        refused: gather them first."""
         start = time.perf_counter()
         check_fused(self.model)  # the fused q/k/v tensor must still be what the parameters view
-        tensors = copy_weights(self.model, source)
+        tensors = copy_weights(self.model, source, local)
         if self.paged and self.slab.cache is not None:  # keys and values of the old weights: found no more
             self.slab.cache.clear()
         if self.runner.cpu is not None:  # the twin's packed copies of the new weights, in place

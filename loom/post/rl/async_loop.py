@@ -32,7 +32,7 @@ shards it (`apply_tensor_parallel`, sp off). Every rank of a group runs the same
 the same order; the engine gathers the logits before sampling, so all draw the same tokens); the group makes
 the rollouts of the data-parallel ranks d with d % (G / T) == j, and its rank 0 reports them. A generation rank
 receives every chunk of the broadcast and keeps only the part its shard holds (`_box`, `_overlap`), copied into
-the engine's local shards in place (`WeightReceiver._refit_shards`). T must divide G and be a size the model
+the engine's local shards in place (`Engine.refit(..., local=True)`). T must divide G and be a size the model
 can be split by (`loom.rules.tp_problems`), checked before launch (`check_async`, `RLConfig.validate`).
 
 Preemption and resume. In-flight rollouts are not saved: a resumed run's generation ranks start from the

@@ -154,22 +154,7 @@ class WeightReceiver:
                         name, _, shape, _ = chunks[i]
                         _narrow(self.staged[name], where[i][1]).copy_(_narrow(part.view(shape), where[i][0]))
         if self.sharded:
-            self._refit_shards()
+            self.engine.refit(self.staged, local=True)  # this rank's shards, as the engine holds them
         else:
             self.engine.refit(self.staged)
         return time.perf_counter() - t0
-
-    @torch.no_grad()
-    def _refit_shards(self) -> None:
-        """`Engine.refit` from this rank's shards: each parameter's local tensor copied in place (its address kept),
-        then what refit does after the copy (the prefix cache's keys dropped, the CPU twin's packed copies
-        redone). `Engine.refit` itself takes whole tensors only, which a tensor-parallel rank does not keep."""
-        engine = self.engine
-        for name, p in engine.model.named_parameters():
-            (p.to_local() if isinstance(p, DTensor) else p).copy_(self.staged[name])
-        if engine.paged and engine.slab.cache is not None:
-            engine.slab.cache.clear()
-        if engine.runner.cpu is not None:
-            engine.runner.cpu.repack()
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)
