@@ -1146,24 +1146,35 @@ def test_measured_loom_runs_table():
 
 
 def test_compiled_block_activations_by_hand():
-    """A compiled loom block keeps e(7h + 2hg/a + 3f) + 4a + 8 bytes per token (memory.py); the planner uses
-    it for the layouts loom compiles and `loom memory`'s eager formula for the rest."""
+    """A compiled loom block keeps e(6h + 2hg/a + 3f) + 4a + 8 bytes per token at tp = 1 (memory.py); under tp the
+    residual after attention (h) is kept whole and the attention output's copy is not, and SP splits what is
+    whole; the planner uses it for the layouts loom compiles and `loom memory`'s eager formula for the rest."""
     import dataclasses
 
     from loom.flops import layer_activation_bytes
     from loom.planner.memory import compiled_layer_activation_bytes
 
     m = load_config("llama3-8b").model  # h 4096, a 32, g 8, f 14336
-    per_token = 2 * (7 * 4096 + 2 * 4096 * 8 / 32 + 3 * 14336) + 4 * 32 + 8
+    h, a, g, f = 4096, 32, 8, 14336
+    per_token = 2 * (6 * h + 2 * h * g / a + 3 * f) + 4 * a + 8
     assert compiled_layer_activation_bytes(m, 4096, 2, 2) == 4096 * 2 * per_token
+    for tp, sp in ((2, False), (4, True)):
+        whole, split = 2 * 4 * h + 8, 2 * (2 * h + 2 * h * g / a + 3 * f) + 4 * a
+        want = 4096 * 2 * (whole / (tp if sp else 1) + split / tp)
+        assert compiled_layer_activation_bytes(m, 4096, 2, 2, tp=tp, sp=sp) == pytest.approx(want)
     gpu = dataclasses.replace(PRESETS["h200"], source="profile")
     lay = Layout(micro_batch=2, dp_style="replicate")
     on = memory(Workload(m, 4096, 2, 1, gpu), lay)["activations"]
     off = memory(Workload(m, 4096, 2, 1, gpu, compile="off"), lay)["activations"]
     assert on == m.layers * 4096 * 2 * per_token
     assert off == m.layers * layer_activation_bytes(m, 4096, 2, 1, False, "none", 2)
+    tp4 = Layout(tp=4, sp=True, micro_batch=2, dp_style="replicate")
+    assert memory(Workload(m, 4096, 2, 4, gpu), tp4)["activations"] == pytest.approx(
+        m.layers * compiled_layer_activation_bytes(m, 4096, 2, 2, tp=4, sp=True))
+    assert memory(Workload(m, 4096, 2, 4, gpu, compile="off"), tp4)["activations"] == pytest.approx(
+        m.layers * layer_activation_bytes(m, 4096, 2, 4, True, "none", 2))
     # torchao's fp8, compiled: neither normalised input nor the gated product is kept
-    fp8_token = 2 * (5 * 4096 + 2 * 4096 * 8 / 32 + 2 * 14336) + 4 * 32 + 8
+    fp8_token = 2 * (4 * h + 2 * h * g / a + 2 * f) + 4 * a + 8
     assert memory(Workload(m, 4096, 2, 1, gpu, precision="fp8"), lay)["activations"] == m.layers * 4096 * 2 * fp8_token
 
 
@@ -1205,9 +1216,9 @@ def test_compiled_block_activations_match_inductors_saved_tensors(fp8):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(ids)
     total = sum(saved.values())
-    # outside the block: the final norm's fp32 input and 1/rms, the head's 16-bit input, the token ids,
-    # and the rotary tables (per position, not per token of the batch)
-    outside_bytes = b * s * (4 * h + 4 + 2 * h + 8) + 2 * s * (h // a) * 2
+    # outside the block: the final norm's fp32 input, 1/rms and 16-bit normalised output (for its weight's
+    # gradient), the head's 16-bit input, the token ids, and the rotary tables (per position, not per token)
+    outside_bytes = b * s * (4 * h + 4 + 2 * h + 2 * h + 8) + 2 * s * (h // a) * 2
     assert total - outside_bytes == pytest.approx(compiled_layer_activation_bytes(cfg, s, b, 2, fp8 != "off"),
                                                   rel=0.01)
 
@@ -1366,3 +1377,25 @@ def test_plan_refusal_names_every_reason_loom_gives_with_its_fastest_layout(monk
     assert "distopt" in {style for _, _, style, _ in marks}  # loom's own distributed optimizer: not refused
     for tp, dp_cp, style, mark in marks:  # each candidate marked with the reason the rule book gives
         assert mark == (f"tp={tp} refused" if tp > 1 else None), (tp, dp_cp, style, mark)
+
+
+@pytest.mark.slow
+def test_compiled_tensor_and_context_parallel_blocks_keep_what_the_planner_prices():
+    """bench/compiled_saved_bytes.py's count of one block's saved bytes on a rank (compiled and eager; tp 2 with
+    and without SP, cp 2) against the planner's per-layer activations: equal under tp; under cp short by the
+    dense bottom-right masks the CPU path keeps (the GPU path passes `causal_lower_right`, no mask)."""
+    import sys
+    from pathlib import Path
+
+    from distributed import run_ranks
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # spawned ranks inherit sys.path
+    import compiled_saved_bytes as bench
+    for family in ("tp2", "tp2-sp", "cp2"):
+        for compiled in (True, False):
+            got = run_ranks(2, bench.block_bytes, bench.FAMILIES[family], compiled)[0]["bytes"]
+            want = bench.predicted(bench.FAMILIES[family], compiled)
+            if family == "cp2":  # plus the two chunks' masks, each at most [S / 4, S] in bf16
+                assert 0 < got - want <= 2 * (bench.S // 4) * bench.S * 2, (family, compiled, got, want)
+            else:
+                assert got == want, (family, compiled, got, want)

@@ -48,25 +48,32 @@ def megatron_layer_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch:
 
 
 def compiled_layer_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, act_bytes: int,
-                                    fp8: bool = False) -> float:
-    """Bytes one compiled loom block (train.compile, tp = 1, no dropout, no recomputation) keeps for backward.
-    Inductor's partitioner saves what its fused backward needs and recomputes the rest, which changes the
-    saved set from eager loom's (`loom.flops.layer_activation_bytes`): no fp32 copies of the norm inputs
-    (the norms' backward is recomputed from the 16-bit input and the fp32 1/rms), and per token, in the
-    activation dtype e: the block input, the normalised attention input, the attention output as SDPA
-    returns it and as the out-projection reads it (a contiguous copy), the residual after attention and its
-    normalised MLP input (5h); q and the attention output (2h), k and v (2hg/a); w1's and w3's outputs and
-    their gated product (3f); fp32 log-sum-exp (4a) and two fp32 1/rms (8 bytes). Read off the saved
-    tensors of a compiled one-layer block on CPU in bf16 (tests/test_plan.py checks it): per token
-    e(7h + 2hg/a + 3f) + 4a + 8 bytes, against eager's e(6h + 2hg/a + 4f) + 8h + 4a + 8.
-    `fp8` (torchao's Float8Linear, compiled): the block saves no fp8 copies and neither normalised input
+                                    fp8: bool = False, tp: int = 1, sp: bool = False) -> float:
+    """Bytes one compiled loom block (train.compile, no dropout, no recomputation) keeps for backward on one
+    tensor-parallel rank. Inductor's partitioner saves what its fused backward needs and recomputes the rest,
+    which changes the saved set from eager loom's (`loom.flops.layer_activation_bytes`): no fp32 copies of the
+    norm inputs (the norms' backward is recomputed from their normalised 16-bit outputs and fp32 1/rms). Per
+    token, in the activation dtype e, read off the saved tensors of compiled blocks on CPU in bf16
+    (bench/compiled_saved_bytes.py; tests/test_plan.py):
+    - whole on every tensor-parallel rank (split by tp under SP, whose gathers keep only the sequence shard):
+      the block input, the normalised attention and MLP inputs (3h), two fp32 1/rms (8 bytes), and with tp > 1
+      the residual after attention (h);
+    - split by heads / ffn over tp: q and the attention output (2h), k and v (2hg/a), w1's and w3's outputs and
+      their gated product (3f), fp32 log-sum-exp (4a), and with tp = 1 the attention output's contiguous copy
+      that the out-projection reads (h; under tp the DTensor path keeps no separate copy).
+    At tp = 1 that is e(6h + 2hg/a + 3f) + 4a + 8 against eager's e(6h + 2hg/a + 4f) + 8h + 4a + 8. Context
+    parallelism's additions (the gathered keys/values and one more h: the residual at tp = 1, the out-projection's
+    copy at tp > 1) are `memory`'s, as for eager blocks.
+    `fp8` (torchao's Float8Linear, compiled, tp = 1): the block saves no fp8 copies and neither normalised input
     nor the gated product: their casts for backward are recomputed from the block input, the residual and
-    w1's and w3's outputs, e(5h + 2hg/a + 2f) + 4a + 8 (read off the same way, rowwise and tensorwise)."""
+    w1's and w3's outputs, e(4h + 2hg/a + 2f) + 4a + 8 (read off the same way, rowwise and tensorwise)."""
     s, b, h, a, g, f = seq_len, micro_batch, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
     gated = 3 if cfg.mlp == "swiglu" else 2  # w1, w3 and their product; or fc1's output and the activation
     if fp8:
-        return s * b * (act_bytes * (5 * h + 2 * h * g / a + (gated - 1) * f) + 4 * a + 8)
-    return s * b * (act_bytes * (7 * h + 2 * h * g / a + gated * f) + 4 * a + 8)
+        return s * b * (act_bytes * (4 * h + 2 * h * g / a + (gated - 1) * f) + 4 * a + 8)
+    whole = act_bytes * (3 * h + (h if tp > 1 else 0)) + 8
+    split = act_bytes * (2 * h + (h if tp == 1 else 0) + 2 * h * g / a + gated * f) + 4 * a
+    return s * b * (whole / (tp if sp else 1) + split / tp)
 
 
 def gate_in_activation(w: Workload, mega: bool) -> bool:
@@ -138,13 +145,14 @@ def memory(w: Workload, lay: Layout) -> dict:
         # keeps the same per layer: a norm's 16-bit input and output, no fp32 copy of the input (loom's eager
         # RMSNorm upcasts and keeps one), and a fused SwiGLU's input alone.
         per_layer = megatron_layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes, fp8)
-    elif (w.runs_compiled(lay) and base == "none" and lay.tp == 1 and cfg.attention != "math" and not cfg.moe_layers
-          and cfg.dropout == 0 and cfg.attn_dropout == 0):
-        per_layer = compiled_layer_activation_bytes(cfg, s, lay.micro_batch, act_bytes, fp8)
+    elif (w.runs_compiled(lay) and base == "none" and (lay.tp == 1 or not fp8) and cfg.attention != "math"
+          and not cfg.moe_layers and cfg.dropout == 0 and cfg.attn_dropout == 0):
+        per_layer = compiled_layer_activation_bytes(cfg, s, lay.micro_batch, act_bytes, fp8, lay.tp, lay.sp)
     else:
         per_layer = layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes)
     if lay.cp > 1 and not mega:  # attention keeps the gathered keys/values of the rest of the sequence for backward, and
-        # its output twice (each chunk's attention output, and their concatenation for the out-projection)
+        # one more h per token: eager, its output twice (each chunk's output, and their concatenation for the
+        # out-projection); compiled, the residual after attention (tp = 1) or the concatenation (tp > 1)
         per_layer += 2 * lay.micro_batch * (w.seq_len - s) * max(1, cfg.kv_heads // lay.tp) * cfg.head_dim * act_bytes
         per_layer += lay.micro_batch * s * cfg.heads // lay.tp * cfg.head_dim * act_bytes
     full = (layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, "full", act_bytes)
