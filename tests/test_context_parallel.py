@@ -106,3 +106,39 @@ def test_bad_context_parallel_configs_are_refused(overrides, fragments):
 def test_cp_problem_accepts_what_runs():
     assert cp_problem(2, 32) is None and cp_problem(4, 4096, tp=8, sp=True) is None
     assert cp_problem(3, 32) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_chunk_attention_on_cuda_takes_no_dense_mask(compiled):  # pragma: no cover - GPU only
+    """On a GPU a context-parallel chunk (queries at the end of a longer key prefix, GQA) attends through torch's
+    lower-right CausalBias: equal to the dense-mask reference (fp32 math path, TF32 off) within bf16 rounding,
+    forward and backward, eager and compiled, and nothing of s_q x s_k elements is saved for backward."""
+    import torch.nn.functional as F
+
+    from loom.models.llama import attention_core
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    b, hq, hkv, s_q, s_k, d = 2, 8, 2, 256, 1024, 128
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h, s in ((hq, s_q), (hkv, s_k), (hkv, s_k)))
+    w = torch.randn(b, hq, s_q, d, device="cuda", dtype=torch.bfloat16)
+    core = (lambda *a: attention_core(*a, "sdpa", 0.0))
+    fn = torch.compile(core, fullgraph=True) if compiled else core
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        got = fn(q, k, v)
+    grads = torch.autograd.grad((got.float() * w.float()).sum(), (q, k, v))
+    assert all(n < s_q * s_k for n in saved), saved
+    mask = torch.ones(s_q, s_k, dtype=torch.bool, device="cuda").tril(diagonal=s_k - s_q)
+    ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    rk, rv = (t.repeat_interleave(hq // hkv, dim=1) for t in ref_in[1:])
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        ref = F.scaled_dot_product_attention(ref_in[0], rk, rv, attn_mask=mask)
+    ref_grads = torch.autograd.grad((ref * w.double()).sum(), ref_in)
+    assert (got.double() - ref).abs().max().item() < 2e-2
+    for g, r in zip(grads, ref_grads):
+        assert (g.double() - r).abs().max().item() < 5e-2 * max(1.0, r.abs().max().item())

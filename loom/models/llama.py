@@ -171,6 +171,14 @@ def attention_core(q, k, v, kind: str, dropout: float, doc_ids=None) -> torch.Te
     gqa = q.shape[1] != k.shape[1]
     if doc_ids is not None and kind == "sdpa" and doc_attention.wanted(q, dropout):  # no dense mask (GPU, compiled)
         return doc_attention.flex_document_attention(q, k, v, doc_ids)
+    if kind == "sdpa" and doc_ids is None and s_q < s_k and q.is_cuda:
+        # A context-parallel chunk against its key prefix: causal aligned bottom-right, which the fused kernels
+        # take as a flag (torch's CausalBias: flash, else memory-efficient attention), with no [s_q, s_k] mask
+        # materialised and kept for backward. A CPU has no such kernel: the dense mask below.
+        from torch.nn.attention.bias import causal_lower_right
+
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(s_q, s_k), dropout_p=dropout,
+                                              enable_gqa=gqa)
     mask = _causal_mask(s_q, s_k, q.device)
     if doc_ids is not None:
         mask = mask & document_mask(doc_ids, s_q, s_k)
