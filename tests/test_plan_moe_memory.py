@@ -205,14 +205,19 @@ def test_compiled_moe_layers_are_priced_by_their_expert_path():
                             + moe_activation_delta(off_w.at_layout(lay), s, lay, "none", e, False))
         assert memory(off_w, lay)["activations"] == pytest.approx(eager, rel=1e-12)
         assert on < 0.97 * eager  # compiled keeps e*(3h + 3fe) a routed row, eager e*(2h + 4fe); no fp32 norm copies
+    # fp8 (attention's linears in fp8, the experts 16-bit): the fp8 dense layer kept e*(2f), not e*(3f + h), of its MLP
+    dense8 = T * (e * (5 * h + 2 * h * g / a + 2 * f) + 4 * a + 8)
+    lay = Layout(dp=64, micro_batch=1, dp_style="fsdp")
+    on = memory(Workload(m, s, 256, 64, PRESETS["h100"], precision="fp8"), lay)["activations"]
+    assert on == pytest.approx(m.layers * (dense8 + traced + T * e * (f + h)), rel=1e-12)
 
 
-def _compiled_moe_block_saved_bytes(cfg, s: int, b: int, experts: str, exchange: bool) -> float:
+def _compiled_moe_block_saved_bytes(cfg, s: int, b: int, experts: str, exchange: bool, fp8: str = "off") -> float:
     """What a compiled one-layer MoE model in bf16 saves for backward on CPU, counted as
     tests/test_plan.py::test_compiled_block_activations_match_inductors_saved_tensors counts a dense one (each saved
     storage once, parameters and the same outside-the-block tensors excluded). `experts`: "traced" forces loom's
     grouped path (one graph), "looped" the per-expert loop; `exchange`: expert parallelism's real all-to-all over a
-    one-rank gloo group (a graph break, the experts eager behind it)."""
+    one-rank gloo group (a graph break, the experts eager behind it); `fp8`: torchao's recipe, as train.fp8."""
     import torch
     import torch.distributed as dist
 
@@ -226,6 +231,10 @@ def _compiled_moe_block_saved_bytes(cfg, s: int, b: int, experts: str, exchange:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(moe, "use_grouped_mm", lambda x: experts != "looped")
         model = build_model(cfg).to(torch.bfloat16)
+        if fp8 != "off":
+            from loom.parallel.float8 import apply_float8
+
+            apply_float8(model, fp8)
         block = model.layers["0"]
         try:
             if exchange:
@@ -259,13 +268,15 @@ def _compiled_moe_block_saved_bytes(cfg, s: int, b: int, experts: str, exchange:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("experts,exchange,mlp,shared,gate", [
-    ("traced", False, "swiglu", 0, False),  # the Hopper path without expert parallelism
-    ("traced", False, "gelu", 1, True),
-    ("grouped", True, "swiglu", 2, False),  # Hopper with expert parallelism: eager behind the exchange
-    ("looped", False, "swiglu", 1, False),  # no grouped kernel
+@pytest.mark.parametrize("experts,exchange,mlp,shared,gate,fp8", [
+    ("traced", False, "swiglu", 0, False, "off"),  # the Hopper path without expert parallelism
+    ("traced", False, "gelu", 1, True, "off"),
+    ("grouped", True, "swiglu", 2, False, "off"),  # Hopper with expert parallelism: eager behind the exchange
+    ("looped", False, "swiglu", 1, False, "off"),  # no grouped kernel
+    ("traced", False, "swiglu", 2, False, "rowwise"),
+    ("grouped", True, "swiglu", 1, False, "tensorwise"),
 ])
-def test_compiled_moe_block_matches_inductors_saved_tensors(experts, exchange, mlp, shared, gate):
+def test_compiled_moe_block_matches_inductors_saved_tensors(experts, exchange, mlp, shared, gate, fp8):
     """`compiled_layer_activation_bytes` + `compiled_moe_activation_bytes` against what a compiled one-layer MoE
     block saves (softmax router, balance loss, 8 experts of 128, top-2; 1024 routed rows, so the grouped path's
     16-row padding per expert, 128 rows, is 12% of them and counted). Matches to the byte today; fails if a path's
@@ -277,7 +288,9 @@ def test_compiled_moe_block_matches_inductors_saved_tensors(experts, exchange, m
     h, f, a, g, s, b, E, k = 256, 1024, 8, 2, 256, 2, 8, 2
     cfg = ModelConfig(layers=1, hidden=h, heads=a, kv_heads=g, ffn_hidden=f, vocab_size=512, max_seq_len=s, mlp=mlp,
                       moe=MoEConfig(experts=E, top_k=k, ffn_hidden=128, shared_experts=shared, shared_gate=gate))
-    got = _compiled_moe_block_saved_bytes(cfg, s, b, experts, exchange)
-    expected = (compiled_layer_activation_bytes(cfg, s, b, 2)
-                + compiled_moe_activation_bytes(cfg, s * b, s * b * k, 2, E, experts, exchange))
+    if fp8 != "off":
+        pytest.importorskip("torchao")
+    got = _compiled_moe_block_saved_bytes(cfg, s, b, experts, exchange, fp8)
+    expected = (compiled_layer_activation_bytes(cfg, s, b, 2, fp8 != "off")
+                + compiled_moe_activation_bytes(cfg, s * b, s * b * k, 2, E, experts, exchange, fp8 != "off"))
     assert got == pytest.approx(expected, rel=2e-3)  # the paths differ by 0.75% (traced, grouped) or more here

@@ -128,7 +128,7 @@ def grouped_experts(w: Workload) -> bool:
 
 
 def compiled_moe_activation_bytes(cfg: ModelConfig, tokens: int, rows: float, e: int, local_experts: int,
-                                  experts: str, exchange: bool) -> float:
+                                  experts: str, exchange: bool, fp8: bool = False) -> float:
     """Bytes a compiled MoE layer (train.compile, tp = 1, no recomputation) keeps for backward beyond a compiled
     dense layer (`compiled_layer_activation_bytes`), on one rank routing `tokens` tokens into `rows` rows, which
     its `local_experts` experts compute `experts` "traced" (in the block's graph), "grouped" (eager grouped GEMMs)
@@ -154,6 +154,10 @@ def compiled_moe_activation_bytes(cfg: ModelConfig, tokens: int, rows: float, e:
       experts' MLP as loom's eager MLP keeps it (e*4fe, GELU e*2fe) per row, or, grouped, with the padded input
       (e*h) per padded row. The normalised input goes without a zero buffer in its place: -e*h per token.
     - per layer: the router weight's fp32 copy (4Eh) and a few E-sized vectors (8E).
+    - `fp8` (torchao's Float8Linear on the shared experts and attention; the routed experts and the router stay
+      16-bit): against the compiled fp8 dense layer, which keeps neither the normalised MLP input nor the gated
+      product, e*(2f + h) per token go instead of e*(3f + h) on every path; shared experts keep w1's and w3's
+      outputs (e*2fs) and 1 byte, and behind the exchange's graph break also the normalised input's fp8 cast (h).
 
     Against the eager layer's MoE part (`moe_activation_delta`: per row 2e*h + e*4fe, per token 4h + 8E + e*4fs):
     per row e*(3h + 3fe) compiled against e*(2h + 4fe), fp32 probabilities recomputed, int64 indices kept.
@@ -165,8 +169,15 @@ def compiled_moe_activation_bytes(cfg: ModelConfig, tokens: int, rows: float, e:
     fs = cfg.moe.shared_experts * fe
     mlp, eager_mlp = (3, 4) if cfg.mlp == "swiglu" else (2, 2)  # compiled and eager MLP activations per width
     out = tokens * (4 * h + 8 * E + 8 * k - e * mlp * f) + 4 * E * h + 8 * E
+    if fp8:  # the fp8 dense layer kept neither the gated product nor the normalised MLP input
+        out += tokens * e * (f + h)
     if fs:
-        out += tokens * e * (mlp * fs + h + ((h + 1) if cfg.moe.shared_gate else 0))
+        if fp8:
+            out += tokens * (e * (mlp - 1) * fs + 1 + (0 if experts == "traced" else h))
+        else:
+            out += tokens * e * (mlp * fs + h)
+        if cfg.moe.shared_gate:
+            out += tokens * e * (h + 1)
     padded = rows + 16 * local_experts
     if experts == "traced":  # the combine's zero buffer (e*h per token) in place of the normalised input
         return out + tokens * 12 + rows * (e * h + e + 24) + padded * e * (2 * h + mlp * fe)
@@ -186,7 +197,8 @@ def compiled_moe_activation_delta(w: Workload, s: int, lay: Layout, e: int) -> f
     rows = tokens * cfg.moe.top_k * w.moe_imbalance
     grouped = grouped_experts(w)
     experts = ("traced" if lay.ep == 1 else "grouped") if grouped else "looped"
-    return compiled_moe_activation_bytes(cfg, tokens, rows, e, cfg.moe.experts // lay.ep, experts, lay.ep > 1)
+    return compiled_moe_activation_bytes(cfg, tokens, rows, e, cfg.moe.experts // lay.ep, experts, lay.ep > 1,
+                                         w.precision == "fp8")
 
 
 def memory(w: Workload, lay: Layout) -> dict:
