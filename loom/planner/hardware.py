@@ -87,6 +87,9 @@ class GPU:
     internode_gbps: float
     sms: int
     node_size: int = 8
+    # (major, minor): what loom's code paths choose by (`loom.models.moe.grouped_mm_wanted`: the routed experts run
+    # torch._grouped_mm from 9.0 on, a loop of matmuls before); a profile's file may name it, else Hopper's
+    compute_capability: tuple = (9, 0)
     matmul_efficiency: dict = field(default_factory=dict)  # precision -> fraction of peak (at its source's clock)
     sustained_clock: float = 1.0  # the fraction of matmul_efficiency kept at the power cap (module docstring)
     attention_efficiency: float = 0.5
@@ -151,7 +154,8 @@ class GPU:
 
 
 _AMPERE = dict(peak_tflops=dict(PEAK_TFLOPS["a100"]), matmul_efficiency={"bf16": 0.80, "fp16": 0.80},
-               nvlink_gbps=300.0, internode_gbps=25.0, sms=108, attention_efficiency=0.5)
+               nvlink_gbps=300.0, internode_gbps=25.0, sms=108, attention_efficiency=0.5,
+               compute_capability=(8, 0))
 _HOPPER = dict(peak_tflops=dict(PEAK_TFLOPS["h100"]), sustained_clock=0.888,
                nvlink_gbps=450.0, internode_gbps=50.0, sms=132, attention_efficiency=0.35,
                fused_attention_efficiency=0.45)

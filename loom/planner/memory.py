@@ -127,6 +127,87 @@ def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: in
     return routed + router + shared - s * b * mlp(f) / lay.tp
 
 
+def grouped_experts(w: Workload) -> bool:
+    """Whether loom's routed experts run `torch._grouped_mm` on this workload's GPU (`loom.models.moe.use_grouped_mm`:
+    compute capability 9.0 or newer and bf16 activations, which fp8 runs keep for their experts), else the loop of
+    one matmul per expert."""
+    return w.gpu.compute_capability[0] >= 9 and w.precision in ("bf16", "fp8")
+
+
+def compiled_moe_activation_bytes(cfg: ModelConfig, tokens: int, rows: float, e: int, local_experts: int,
+                                  experts: str, exchange: bool, fp8: bool = False) -> float:
+    """Bytes a compiled MoE layer (train.compile, tp = 1, no recomputation) keeps for backward beyond a compiled
+    dense layer (`compiled_layer_activation_bytes`), on one rank routing `tokens` tokens into `rows` rows, which
+    its `local_experts` experts compute `experts` "traced" (in the block's graph), "grouped" (eager grouped GEMMs)
+    or "looped" (eager, one matmul per expert), behind expert parallelism's exchange when `exchange`. Read off the
+    saved tensors of a compiled one-layer MoE block on CPU in bf16 (tests/test_plan_moe_memory.py checks every path
+    to the byte, the exchange over a one-rank group). In bytes, with e the activation element size:
+
+    - per token, every path: the dense MLP's activations go (e*3f, GELU e*2f); the router's fp32 input copy
+      stays (4h: inductor keeps it for the router weight's gradient, and the 16-bit normalised MLP input goes,
+      -e*h), the fp32 logits and the balance loss's fp32 one-hot of the chosen experts (8E), the chosen experts
+      (int64, 8k). Shared experts keep their MLP as a compiled dense one (e*3fs, GELU e*2fs) and the normalised
+      input again (e*h); a shared gate also its output and sigmoid (e*(h + 1)).
+    - experts traced in the block (grouped and without expert parallelism: one graph through router, dispatch, grouped
+      GEMMs and combine): per token the softmax's max and sum and the z-loss's log-sum-exp (12) and the
+      combine's zero-filled output buffer (e*h); per routed row its expert output for the gate multiply (e*h),
+      its 16-bit gate (e) and three int64 indices (24); per padded row (the rows + 16 per local expert,
+      `GroupedExperts._grouped`'s buffer) the padded input, the zero buffer it was copied into (2e*h) and the
+      experts' MLP as a compiled dense one (e*3fe, GELU e*2fe).
+    - experts eager (between expert parallelism's all-to-alls: `ExpertParallel` is a graph break; or the
+      per-expert loop where there is no grouped kernel): per routed row the expert output and the rows the
+      experts read, which the eager index_copy (grouped) or the per-expert matmuls (loop) keep (2e*h), the gate
+      (e), int64 indices (24 grouped, 16 looped; + 16 for the exchange's row order and its inverse), and the
+      experts' MLP as loom's eager MLP keeps it (e*4fe, GELU e*2fe) per row, or, grouped, with the padded input
+      (e*h) per padded row. The normalised input goes without a zero buffer in its place: -e*h per token.
+    - per layer: the router weight's fp32 copy (4Eh) and a few E-sized vectors (8E).
+    - `fp8` (torchao's Float8Linear on the shared experts and attention; the routed experts and the router stay
+      16-bit): against the compiled fp8 dense layer, which keeps neither the normalised MLP input nor the gated
+      product, e*(2f + h) per token go instead of e*(3f + h) on every path; shared experts keep w1's and w3's
+      outputs (e*2fs) and 1 byte, and behind the exchange's graph break also the normalised input's fp8 cast (h).
+
+    Against the eager layer's MoE part (`moe_activation_delta`: per row 2e*h + e*4fe, per token 4h + 8E + e*4fs):
+    per row e*(3h + 3fe) compiled against e*(2h + 4fe), fp32 probabilities recomputed, int64 indices kept.
+    Routed rows are tokens x top_k x the busiest rank's load over the mean (`Workload.moe_imbalance`), as
+    `moe_activation_delta` counts them. Priced for the softmax router with a balance loss (the other routers,
+    and no auxiliary loss, differ by a few fp32 values per token)."""
+    h, f, k, E = cfg.hidden, cfg.ffn_hidden, cfg.moe.top_k, cfg.moe.experts
+    fe = cfg.moe.ffn_hidden or f
+    fs = cfg.moe.shared_experts * fe
+    mlp, eager_mlp = (3, 4) if cfg.mlp == "swiglu" else (2, 2)  # compiled and eager MLP activations per width
+    out = tokens * (4 * h + 8 * E + 8 * k - e * mlp * f) + 4 * E * h + 8 * E
+    if fp8:  # the fp8 dense layer kept neither the gated product nor the normalised MLP input
+        out += tokens * e * (f + h)
+    if fs:
+        if fp8:
+            out += tokens * (e * (mlp - 1) * fs + 1 + (0 if experts == "traced" else h))
+        else:
+            out += tokens * e * (mlp * fs + h)
+        if cfg.moe.shared_gate:
+            out += tokens * e * (h + 1)
+    padded = rows + 16 * local_experts
+    if experts == "traced":  # the combine's zero buffer (e*h per token) in place of the normalised input
+        return out + tokens * 12 + rows * (e * h + e + 24) + padded * e * (2 * h + mlp * fe)
+    out += -tokens * e * h + rows * (2 * e * h + e + (16 if experts == "looped" else 24) + (16 if exchange else 0))
+    if experts == "grouped":
+        return out + padded * e * (h + eager_mlp * fe)
+    return out + rows * e * eager_mlp * fe
+
+
+def compiled_moe_activation_delta(w: Workload, s: int, lay: Layout, e: int) -> float:
+    """`compiled_moe_activation_bytes` for one rank of layout `lay` (tp = 1): its s x micro-batch tokens routed into
+    tokens x top_k x `Workload.moe_imbalance` rows (as `moe_activation_delta` counts them) for its experts / ep
+    experts; the experts traced in the block where they run grouped (`grouped_experts`) without expert
+    parallelism, whose exchange is a graph break that leaves them eager."""
+    cfg = w.model
+    tokens = s * lay.micro_batch
+    rows = tokens * cfg.moe.top_k * w.moe_imbalance
+    grouped = grouped_experts(w)
+    experts = ("traced" if lay.ep == 1 else "grouped") if grouped else "looped"
+    return compiled_moe_activation_bytes(cfg, tokens, rows, e, cfg.moe.experts // lay.ep, experts, lay.ep > 1,
+                                         w.precision == "fp8")
+
+
 def memory(w: Workload, lay: Layout) -> dict:
     """Peak bytes per GPU on the most loaded pipeline rank."""
     w = w.at_layout(lay)
@@ -139,14 +220,18 @@ def memory(w: Workload, lay: Layout) -> dict:
     base = "selective" if lay.recompute == "selective" else "none"
     mega = priced_as_megatron(w, lay)
     fp8 = w.precision == "fp8"
-    if (mega or w.elementwise_kernels == "fused") and cfg.attention != "math":
+    fused = (mega or w.elementwise_kernels == "fused") and cfg.attention != "math"
+    # compiled blocks as measured: dense at any tp (fp8 at tp = 1), MoE at tp = 1 (bench/compiled_saved_bytes.py,
+    # tests/test_plan_moe_memory.py)
+    compiled = (not fused and w.runs_compiled(lay) and base == "none" and cfg.attention != "math"
+                and cfg.dropout == 0 and cfg.attn_dropout == 0 and (lay.tp == 1 or not (fp8 or cfg.moe_layers)))
+    if fused:
         # Megatron-Core + TE; its context parallelism (TE's ring) keeps only the local keys/values. A stack of
         # fused kernels on PyTorch (`elementwise_kernels="fused"`: NeMo AutoModel's TE RMSNorm and Linear, Meta's)
         # keeps the same per layer: a norm's 16-bit input and output, no fp32 copy of the input (loom's eager
         # RMSNorm upcasts and keeps one), and a fused SwiGLU's input alone.
         per_layer = megatron_layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes, fp8)
-    elif (w.runs_compiled(lay) and base == "none" and (lay.tp == 1 or not fp8) and cfg.attention != "math"
-          and not cfg.moe_layers and cfg.dropout == 0 and cfg.attn_dropout == 0):
+    elif compiled:
         per_layer = compiled_layer_activation_bytes(cfg, s, lay.micro_batch, act_bytes, fp8, lay.tp, lay.sp)
     else:
         per_layer = layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, base, act_bytes)
@@ -158,7 +243,9 @@ def memory(w: Workload, lay: Layout) -> dict:
     full = (layer_activation_bytes(cfg, s, lay.micro_batch, lay.tp, lay.sp, "full", act_bytes)
             if lay.recompute == "full" else 0)
     if cfg.moe_layers:  # the average layer: MoE layers' MLP activations in place of dense ones
-        per_layer += cfg.moe_layers / cfg.layers * moe_activation_delta(w, s, lay, base, act_bytes, mega)
+        delta = (compiled_moe_activation_delta(w, s, lay, act_bytes) if compiled
+                 else moe_activation_delta(w, s, lay, base, act_bytes, mega))
+        per_layer += cfg.moe_layers / cfg.layers * delta
     tokens = lay.micro_batch * s
     z = model_sizes(w)
     dense_layer, expert_layer = z["dense_layer"], z["expert_layer"]
