@@ -195,9 +195,14 @@ def state_bytes(cfg: Config, layout=None) -> dict:
     # Gradients between a step's micro-batches: this rank's shard, or the whole stage's (rules.py).
     micro_batches = cfg.train.global_batch // (p.dp * cfg.train.micro_batch)
     sharded = grads_stay_sharded(p.grad_accum, p.pp, micro_batches)
+    weight_bytes = 4 if torch_dtype(cfg) == torch.float32 else torch_dtype(cfg).itemsize
+    if p.distributed_optimizer and p.distopt_shard_weights:  # loom/parallel/zero.py: every state split by rows
+        return {"params_total": total, "params_trained": trained, "params_bytes": per_rank * weight_bytes,
+                "trained_params_per_rank": per_rank, "grads_bytes": per_rank * 4,
+                "grad_accum": "sharded every micro-batch (sharded weights)",
+                "optimizer_bytes": per_rank * (4 + moment_bytes)}  # fp32 master rows + moments
     if p.distributed_optimizer:  # loom/parallel/distopt.py: weights and fp32 gradients whole on every dp rank
         whole = per_rank * shard
-        weight_bytes = 4 if torch_dtype(cfg) == torch.float32 else torch_dtype(cfg).itemsize
         return {"params_total": total, "params_trained": trained, "params_bytes": whole * weight_bytes,
                 "trained_params_per_rank": per_rank, "grads_bytes": whole * 4,
                 "grad_accum": "whole fp32 buffer, reduce-scattered once per step (distributed optimizer)",

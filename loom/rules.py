@@ -334,6 +334,8 @@ def recipe_problem(recipe: str, cfg) -> str | None:
     data-parallel ranks. Both compute whole logits."""
     p, t = cfg.parallel, cfg.train
     dp = data_parallel_size(p)
+    if problem := shard_weights_problem(recipe, cfg):
+        return problem
     if recipe == "sft":
         return document_mask_problem(cfg.sft.packing, cfg.model.position, p.sp)
     if recipe in ("rm", "dpo"):
@@ -477,6 +479,9 @@ def distopt_problem(cfg) -> str | None:
     """What `parallel.distributed_optimizer=true` does not run yet (None: this layout runs)."""
     p = cfg.parallel
     if not getattr(p, "distributed_optimizer", False):
+        if getattr(p, "distopt_shard_weights", False):
+            return ("parallel.distopt_shard_weights=true shards the distributed optimizer's weights; set "
+                    "parallel.distributed_optimizer=true with it, or parallel.distopt_shard_weights=false")
         return None
     fix = "set parallel.distributed_optimizer=false (FSDP)"
     if p.dp_shard * p.cp == 1:
@@ -493,4 +498,23 @@ def distopt_problem(cfg) -> str | None:
     if p.pp > 1 and cfg.model.tie_embeddings:
         return ("parallel.distributed_optimizer=true with parallel.pp > 1 and model.tie_embeddings=true is not "
                 f"supported yet (the tied head's copies); {fix}")
+    if getattr(p, "distopt_shard_weights", False):
+        fix = "set parallel.distopt_shard_weights=false (weights whole on every rank)"
+        for name, size in (("tp", p.tp), ("pp", p.pp), ("ep", p.ep)):
+            if size > 1:
+                return (f"parallel.distopt_shard_weights=true with parallel.{name}={size} is not supported yet (it "
+                        f"shards over parallel.dp_shard x parallel.cp only); set parallel.{name}=1 or {fix}")
+        if cfg.model.tie_embeddings:
+            return ("parallel.distopt_shard_weights=true with model.tie_embeddings=true is not supported yet (the "
+                    f"embedding and the head gather at different times); set model.tie_embeddings=false or {fix}")
+    return None
+
+
+def shard_weights_problem(recipe: str, cfg) -> str | None:
+    """Recipes that run the model more than once per backward (rm and dpo: chosen and rejected; rl: the policy
+    with its reference and old log-probs) are not run with sharded weights yet: loom/parallel/zero.py releases a
+    weight as soon as its gradient is reduced."""
+    if getattr(cfg.parallel, "distopt_shard_weights", False) and recipe not in ("train", "sft"):
+        return (f"parallel.distopt_shard_weights=true runs loom train and loom sft only for now, not loom {recipe}; "
+                "set parallel.distopt_shard_weights=false")
     return None

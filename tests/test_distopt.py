@@ -34,6 +34,8 @@ def _run(tmp, overrides, steps=3, save_at=0, resume=False):
         trainer.save()
         trainer.checkpointer.wait()
     opt = trainer.optimizer
+    if hasattr(opt, "gather_all"):  # sharded weights (loom/parallel/zero.py): released between steps
+        opt.gather_all()
     held = sum(t.numel() for s in opt.state.values() for k, t in s.items() if k == "exp_avg")
     weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
                for n, p in trainer.model.named_parameters()}

@@ -44,6 +44,10 @@ class ParallelConfig(Section):
     # backward's product (on CUDA inside the GEMM: Megatron's gradient-accumulation fusion), not via a 16-bit
     # gradient copied in afterwards.
     distopt_fused_wgrad: bool = True
+    # With it: each rank keeps only its rows of the weights too (ZeRO-3, loom/parallel/zero.py): a unit's weights
+    # are all-gathered straight into the parameters before it runs and released after, with none of FSDP2's
+    # copies; gradients reduce-scattered per micro-batch as they complete.
+    distopt_shard_weights: bool = False
     # "auto": the planner chooses the layout at launch for the world size and accelerator found, and every
     # metrics.jsonl step row carries its predicted_step_s / predicted_memory_gib (loom/planner/auto.py).
     layout: Literal["manual", "auto"] = "manual"

@@ -69,6 +69,7 @@ def set_gradient_sync(model: nn.Module, last_micro_batch: bool, sharded: bool) -
     distopt = getattr(model, "_loom_distopt", None)
     if distopt is not None:  # the distributed optimizer reduces each bucket once the last micro-batch fills it
         distopt.last_micro_batch = last_micro_batch
+        distopt.micro_batch_starts()
         return
     if not isinstance(model, FSDPModule):
         return

@@ -135,9 +135,11 @@ class _Bucket:
     pieces: list = field(default_factory=list)  # per slot: (master view, grad view) shaped as the rows
 
 
-def _layout_slots(params: list[tuple[str, nn.Parameter]], where: _Group, tp_size: int) -> list[_Bucket]:
-    """`params` in buckets of at most BUCKET_ELEMENTS, split over `where`'s ranks. A parameter is counted once
-    by the gradient norm: `replicas` is the number of tensor-parallel ranks holding the same values."""
+def _layout_slots(params: list[tuple[str, nn.Parameter]], where: _Group, tp_size: int,
+                  per_param: bool = False) -> list[_Bucket]:
+    """`params` in buckets of at most BUCKET_ELEMENTS (`per_param`: one parameter per bucket), split over `where`'s
+    ranks. A parameter is counted once by the gradient norm: `replicas` is the number of tensor-parallel ranks
+    holding the same values."""
     buckets, current, used, n = [], [], 0, where.n
     for name, p in params:
         local = p._local_tensor if isinstance(p, DTensor) else p.data
@@ -149,7 +151,7 @@ def _layout_slots(params: list[tuple[str, nn.Parameter]], where: _Group, tp_size
         if where.experts:  # experts: whole on each tp rank unless they are spread over them (loom.rules)
             replicas = tp_size
         slot = _Slot(p, name, rows, width, per_rank, 0, replicas)
-        if current and used + slot.span > BUCKET_ELEMENTS:
+        if current and (per_param or used + slot.span > BUCKET_ELEMENTS):
             buckets.append(_Bucket(current, used, where))
             current, used = [], 0
         slot.offset = used
@@ -182,6 +184,8 @@ class DistributedOptimizer:
     optimizer: `param_groups` (the learning rate is set there), `step`, `zero_grad`, and `reduce_and_clip`
     between backward and step."""
 
+    PER_PARAM = False  # one parameter per bucket (loom/parallel/zero.py's sharded weights)
+
     def __init__(self, parts: list[nn.Module], cfg: Config, layout, compute_dtype: torch.dtype | None,
                  make_optimizer):
         """`make_optimizer(param_groups)`: the optimizer over this rank's rows (the trainer's AdamW)."""
@@ -201,7 +205,7 @@ class DistributedOptimizer:
         named.reverse()
         experts = [(n, q) for n, q in named if layout.ep > 1 and ".experts." in n]  # DTensors over ep
         dense = [(n, q) for n, q in named if not (layout.ep > 1 and ".experts." in n)]
-        self.buckets = _layout_slots(dense, self.dense, self.tp_size)
+        self.buckets = _layout_slots(dense, self.dense, self.tp_size, self.PER_PARAM)
         if experts:
             self.experts = _Group(layout.submesh("edp"), layout.grad_ranks, experts=True)
             self.buckets += _layout_slots(experts, self.experts, 1 if layout.experts_span_tp else self.tp_size)
@@ -209,7 +213,7 @@ class DistributedOptimizer:
         self.device = device
         for bucket in self.buckets:
             n, rank = bucket.where.n, bucket.where.rank
-            bucket.grad = torch.zeros(n, bucket.size, dtype=torch.float32, device=device)
+            bucket.grad = None if self.PER_PARAM else torch.zeros(n, bucket.size, dtype=torch.float32, device=device)
             bucket.shard = torch.zeros(bucket.size, dtype=torch.float32, device=device)
             bucket.master = torch.zeros(bucket.size, dtype=torch.float32, device=device)
             for slot in bucket.slots:
@@ -271,7 +275,7 @@ class DistributedOptimizer:
                     grad = grad.redistribute(placements=param.placements)
                 grad = grad._local_tensor
             # The step's first gradient is copied in (no zeroed buffer to read), later micro-batches' added.
-            for dst, src in _matching(bucket.grad, grad.reshape(-1), slot):
+            for dst, src in _matching(self._grad_buffer(bucket), grad.reshape(-1), slot):
                 dst.add_(src) if slot.filled else dst.copy_(src)
             param.grad = None
             self._arrived(bucket, slot)
@@ -296,7 +300,7 @@ class DistributedOptimizer:
                 rows = slot.my_rows(r)
                 if not rows:
                     break
-                seg = bucket.grad[r, slot.offset:slot.offset + rows * slot.width].view(rows, slot.width)
+                seg = self._grad_buffer(bucket)[r, slot.offset:slot.offset + rows * slot.width].view(rows, slot.width)
                 a = dy2[:, r * slot.per_rank:r * slot.per_rank + rows].t()
                 if self.fused_gemm:
                     torch.addmm(seg, a, x2, beta=1 if slot.filled else 0, out_dtype=torch.float32, out=seg)
@@ -331,6 +335,10 @@ class DistributedOptimizer:
                     count += 1
         return count
 
+    def _grad_buffer(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's `[n, S]` fp32 gradient buffer."""
+        return bucket.grad
+
     def _reduce(self, bucket: _Bucket) -> None:
         if bucket.work is None:
             for slot in bucket.slots:
@@ -344,10 +352,8 @@ class DistributedOptimizer:
         average over the group, and clip this rank's rows to `max_norm` (0: no clipping) by the global norm:
         squares summed over every rank, a tensor-parallel replica's counted once. Returns the norm."""
         squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._finish_reduction()
         for bucket in self.buckets:
-            self._reduce(bucket)
-            bucket.work.wait()
-            bucket.work, bucket.ready = None, 0
             bucket.shard.div_(bucket.where.divide)  # the mean over dp x cp (experts: summed over edp)
             for slot, (_, grad) in zip(bucket.slots, bucket.pieces):
                 if grad.numel():
@@ -359,6 +365,16 @@ class DistributedOptimizer:
             for bucket in self.buckets:
                 bucket.shard.mul_(coef)
         return norm
+
+    def micro_batch_starts(self) -> None:
+        """Before each micro-batch (nothing here; sharded weights collect the last one's reductions)."""
+
+    def _finish_reduction(self) -> None:
+        """Every bucket's reduce-scatter done: each rank holds the sum of its rows in `shard`."""
+        for bucket in self.buckets:
+            self._reduce(bucket)
+            bucket.work.wait()
+            bucket.work, bucket.ready = None, 0
 
     # -- the optimizer's interface ----------------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="whose memory to price: loom (default; what `loom memory` measures) or megatron "
                         "(Megatron-Core + Transformer Engine as NeMo runs it: fused norms/SwiGLU, fp8 weight caches, "
                         "fused cross-entropy); dp_style=distopt is loom's distributed optimizer under loom, Megatron's under "
-                        "megatron")
+                        "megatron; dp_style=zero3 (loom only) is loom's with sharded weights")
     c.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="Megatron's gradient buffer dtype (NeMo's performance recipes: bfloat16); loom keeps float32")
     c.add_argument("--tokens", type=float, default=None, help="training tokens, to report days to train")

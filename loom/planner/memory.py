@@ -251,6 +251,11 @@ def memory(w: Workload, lay: Layout) -> dict:
     dense_layer, expert_layer = z["dense_layer"], z["expert_layer"]
     # Communication buffers: two layers' gathered 16-bit weights (FSDP prefetch), or DDP/optimizer buckets.
     buffers = 2 * 2 * (dense_layer / lay.tp + expert_layer / lay.ep) + (4 * 40e6 if lay.dp > 1 else 0)
+    if lay.dp_style == "zero3":  # loom/parallel/zero.py: in backward a unit's fp32 gradient buffers and the previous
+        # unit's, being reduced (the head's first, beside the last block's); the head gathered from the loss on
+        # (beyond the two prefetched blocks' weights above)
+        head = cfg.vocab_size * cfg.hidden
+        buffers += 4 * (dense_layer + max(dense_layer, head)) + act_bytes * head
     grad_bytes = 2 if mega and w.grad_dtype == "bfloat16" else 4
     sharded = grads_stay_sharded(w.grad_accum, lay.pp, m)
 
@@ -264,6 +269,9 @@ def memory(w: Workload, lay: Layout) -> dict:
             # (with cp > 1 loom shards over the cp ranks, HSDP with dp_shard_cp = cp: gradients as FSDP's)
             cp_grads = cp if sharded else 1
             return 4 * local / cp, 4 * local / cp_grads, moment_bytes * local / cp
+        if style == "zero3":  # loom's sharded weights (loom/parallel/zero.py): compute-dtype rows, fp32 gradient rows,
+            # master rows and moments, all split
+            return act_bytes * local / group, 4 * local / group, (4 + moment_bytes) * local / group
         if style == "distopt":  # 16-bit weights + fp32 grads replicated; master + moments split (Megatron, loom)
             return (2 if mega else act_bytes) * local, grad_bytes * local, (4 + moment_bytes) * local / group
         # fsdp (loom dp_shard): everything split; gradients sharded or whole between micro-batches

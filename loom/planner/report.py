@@ -105,7 +105,8 @@ def to_loom_config(e: Estimate, w: Workload, base_name: str | None = None):
     p.first_stage_layers, p.last_stage_layers = lay.first_stage_layers, lay.last_stage_layers
     p.embedding_in_split, p.loss_in_split = lay.embedding_in_split, lay.loss_in_split
     p.dp_replicate, p.dp_shard = (lay.dp, 1) if lay.dp_style == "replicate" else (1, lay.dp)
-    p.distributed_optimizer = lay.dp_style == "distopt" and lay.dp * lay.cp > 1  # loom/parallel/distopt.py
+    p.distributed_optimizer = lay.dp_style in ("distopt", "zero3") and lay.dp * lay.cp > 1  # loom/parallel/distopt.py
+    p.distopt_shard_weights = lay.dp_style == "zero3" and p.distributed_optimizer  # loom/parallel/zero.py
     t = cfg.train
     t.micro_batch, t.global_batch, t.seq_len = lay.micro_batch, w.global_batch, w.seq_len
     t.dtype = "bfloat16"

@@ -17,7 +17,7 @@ from loom.planner.stages import max_chunk_layers, pipeline_ranks
 from loom.planner.steptime import evaluate, with_te_kernels
 from loom.planner.workload import GIB, Estimate, Layout, Workload
 
-DP_STYLES = ("replicate", "distopt", "fsdp")
+DP_STYLES = ("replicate", "distopt", "zero3", "fsdp")
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -207,6 +207,9 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                                     for ep in ep_options(cfg, dp, cp, tp, sp):
                                         if fixed.get("ep", ep) != ep:
                                             continue
+                                        if style == "zero3" and (w.framework == "megatron" or tp * pp * ep > 1
+                                                                 or cfg.tie_embeddings):
+                                            continue  # loom's sharded weights (loom.rules.distopt_problem)
                                         for rec in recompute_modes:
                                             yield Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, micro_batch=mbs,
                                                          sp=sp, recompute=rec, dp_style=style, schedule=schedule,

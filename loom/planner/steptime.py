@@ -176,8 +176,12 @@ def step_time(w: Workload, lay: Layout) -> dict:
                 # 16-bit weights gathered before each layer's forward and backward of every micro-batch
                 # (prefetched, overlapping the previous layer); gradients reduce-scattered every
                 # micro-batch (sharded accumulation) or after the last one.
-                sharded = grads_stay_sharded(w.grad_accum, lay.pp, m)
+                sharded = grads_stay_sharded(w.grad_accum, lay.pp, m) or lay.dp_style == "zero3"
                 dp_comm = m * (hidden_gather + max(gather - bwd_mb, gather / max(n_layers, 1))) + (m if sharded else 1) * hidden_grad
+        if lay.dp_style == "zero3":  # loom's sharded weights: no FSDP2 copies; its own adds and casts
+            layers = max(shape.layers for shape in shapes)
+            step["distopt_copy"] = hbm_time(gpu, zero3_copy_bytes(w, dense + experts, m, group,
+                                                                 fused_linear_params(w, lay, layers)))
         if w.fsdp2 and lay.dp_style in ("fsdp", "replicate") and not priced_as_megatron(w, lay):
             step["fsdp_copy"] = hbm_time(gpu, fsdp2_copy_bytes(w, lay, dense, experts, m))
     step["dp_comm"] = dp_comm
@@ -203,6 +207,18 @@ def distopt_copy_bytes(w: Workload, local: float, m: int, fused: float = 0.0) ->
     (`_LinearIntoBuffer`, as Megatron's gradient-accumulation fusion): none of the first term, like Megatron."""
     e = 4 if w.precision == "fp32" else 2
     return (local - fused) * ((e + 4) + (m - 1) * (e + 8)) + local * 2 * e
+
+
+def zero3_copy_bytes(w: Workload, local: float, m: int, group: int, fused: float = 0.0) -> float:
+    """Bytes loom's sharded weights (loom/parallel/zero.py) move on the compute stream in one step for `local`
+    parameters split over `group` ranks: the all-gathers write straight into the parameters and the fused linear
+    layers' GEMMs write their fp32 gradients straight into the reduce-scatter's input (nothing for either); each
+    micro-batch the `local - fused` others' 16-bit gradients are copied into it (e read, 4 written) and every
+    reduced row is added into the rank's fp32 gradient rows (the first micro-batch copies: 8; later ones add: 12);
+    after the step the updated master rows are cast into the compute-dtype rows (4 + e)."""
+    e = 4 if w.precision == "fp32" else 2
+    rows = local / group
+    return m * (local - fused) * (e + 4) + rows * (8 + (m - 1) * 12) + rows * (4 + e)
 
 
 def fused_linear_params(w: Workload, lay: Layout, layers: int) -> float:

@@ -152,10 +152,12 @@ class Trainer:
         self.model = self.runner.model
         if cfg.parallel.distributed_optimizer:  # after the weights are in place: it keeps their fp32 master rows
             from loom.parallel.distopt import DistributedOptimizer
+            from loom.parallel.zero import ShardedDistributedOptimizer
 
             from loom.train.optim import optimizer_for_groups
 
-            self.optimizer = DistributedOptimizer(self.runner.parts, cfg, self.layout, compute_dtype(cfg),
+            kind = ShardedDistributedOptimizer if cfg.parallel.distopt_shard_weights else DistributedOptimizer
+            self.optimizer = kind(self.runner.parts, cfg, self.layout, compute_dtype(cfg),
                                                   lambda groups: optimizer_for_groups(groups, cfg.optim, self.device))
         else:
             self.optimizer = build_optimizer(self.model, cfg.optim)
