@@ -399,7 +399,10 @@ def load_balance_loss(chosen: torch.Tensor, probs: torch.Tensor, experts: int, s
     dimension, per sequence then averaged (the sequence-wise variant of DeepSeek-V3). `shards` (context
     parallelism): the tokens are this rank's part of the sequences; f and P are summed over the shards."""
     t, k = chosen.shape[-2], chosen.shape[-1]
-    one_hot = torch.zeros(*chosen.shape[:-1], experts, device=chosen.device, dtype=probs.dtype)
+    # Allocated flat, then viewed, as in `GroupedExperts._grouped`: zeros shaped as `probs` would be merged with
+    # the ones the backward of the router's top-k creates, and a compiled block saved them, 4E bytes a token.
+    shape = (*chosen.shape[:-1], experts)
+    one_hot = torch.zeros(math.prod(shape), device=chosen.device, dtype=probs.dtype).view(shape)
     one_hot.scatter_add_(-1, chosen, torch.ones_like(chosen, dtype=probs.dtype))
     if shards is None:
         f, p = one_hot.sum(-2) / (t * k), probs.mean(-2)
