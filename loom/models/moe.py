@@ -238,7 +238,11 @@ class GroupedExperts(nn.Module):
         first_row = torch.cumsum(counts, 0) - counts
         dest = starts[row_expert] + torch.arange(n, device=x.device) - first_row[row_expert]
         capacity = n + e * align  # >= the padded rows
-        xp = x.new_zeros(capacity, x.shape[1], dtype=dtype).index_copy(0, dest, x.to(dtype))
+        # Allocated flat, then viewed: in a compiled block a [capacity, h] zero tensor is merged with the one the
+        # backward of `y[dest]` below creates (same shape), and inductor then saves it for backward, e*h bytes a
+        # padded row; a flat one is not merged and not saved (tests/test_plan_moe_memory.py). Same values.
+        h = x.shape[1]
+        xp = x.new_zeros(capacity * h, dtype=dtype).view(capacity, h).index_copy(0, dest, x.to(dtype))
         offs = torch.cat([(starts + padded)[:-1], starts.new_full((1,), capacity)]).to(torch.int32)
         w1, w2, w3 = self._weights()
         w3 = w3.to(dtype) if self.gated else None
@@ -335,7 +339,10 @@ class MoE(nn.Module):
         return order // k, flat_gate[order], counts
 
     def combine(self, y: torch.Tensor, token: torch.Tensor, gate: torch.Tensor, tokens: int) -> torch.Tensor:
-        out = y.new_zeros(tokens, y.shape[-1])
+        # Allocated flat, then viewed, as in `GroupedExperts._grouped`: a [tokens, h] zero tensor would be merged
+        # with the one the backward of the dispatch's `flat[token]` creates, and saved, e*h bytes a token.
+        h = y.shape[-1]
+        out = y.new_zeros(tokens * h).view(tokens, h)
         return out.index_add(0, token, y * gate[:, None].to(y.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -392,7 +399,10 @@ def load_balance_loss(chosen: torch.Tensor, probs: torch.Tensor, experts: int, s
     dimension, per sequence then averaged (the sequence-wise variant of DeepSeek-V3). `shards` (context
     parallelism): the tokens are this rank's part of the sequences; f and P are summed over the shards."""
     t, k = chosen.shape[-2], chosen.shape[-1]
-    one_hot = torch.zeros(*chosen.shape[:-1], experts, device=chosen.device, dtype=probs.dtype)
+    # Allocated flat, then viewed, as in `GroupedExperts._grouped`: zeros shaped as `probs` would be merged with
+    # the ones the backward of the router's top-k creates, and a compiled block saved them, 4E bytes a token.
+    shape = (*chosen.shape[:-1], experts)
+    one_hot = torch.zeros(math.prod(shape), device=chosen.device, dtype=probs.dtype).view(shape)
     one_hot.scatter_add_(-1, chosen, torch.ones_like(chosen, dtype=probs.dtype))
     if shards is None:
         f, p = one_hot.sum(-2) / (t * k), probs.mean(-2)

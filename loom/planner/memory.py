@@ -145,21 +145,24 @@ def compiled_moe_activation_bytes(cfg: ModelConfig, tokens: int, rows: float, e:
 
     - per token, every path: the dense MLP's activations go (e*3f, GELU e*2f); the router's fp32 input copy
       stays (4h: inductor keeps it for the router weight's gradient, and the 16-bit normalised MLP input goes,
-      -e*h), the fp32 logits and the balance loss's fp32 one-hot of the chosen experts (8E), the chosen experts
-      (int64, 8k). Shared experts keep their MLP as a compiled dense one (e*3fs, GELU e*2fs) and the normalised
-      input again (e*h); a shared gate also its output and sigmoid (e*(h + 1)).
+      -e*h), two fp32 E-vectors (8E; on the loop, the router's probabilities and the z-loss's gradient for the
+      logits, which the graph after the experts computes ahead), the chosen experts (int64, 8k). Shared experts
+      keep their MLP as a compiled dense one (e*3fs, GELU e*2fs) and the normalised input again (e*h); a shared
+      gate also its output and sigmoid (e*(h + 1)).
     - experts traced in the block (grouped and without expert parallelism: one graph through router, dispatch, grouped
-      GEMMs and combine): per token the softmax's max and sum and the z-loss's log-sum-exp (12) and the
-      combine's zero-filled output buffer (e*h); per routed row its expert output for the gate multiply (e*h),
-      its 16-bit gate (e) and three int64 indices (24); per padded row (the rows + 16 per local expert,
-      `GroupedExperts._grouped`'s buffer) the padded input, the zero buffer it was copied into (2e*h) and the
-      experts' MLP as a compiled dense one (e*3fe, GELU e*2fe).
+      GEMMs and combine): per token one fp32 E-vector only, the logits (-4E), and the softmax's max and sum and the
+      z-loss's log-sum-exp (12); per routed row its expert output for the gate multiply (e*h), its 16-bit gate (e)
+      and three int64 indices (24); per padded row (the rows + 16 per local expert, `GroupedExperts._grouped`'s
+      buffer) the padded input (e*h) and the experts' MLP as a compiled dense one (e*3fe, GELU e*2fe). (The padded
+      buffer, the combine's output and the balance loss's one-hot are allocated flat: as [rows, h] and [tokens, E]
+      zeros inductor merged them with the zeros that the backward of the row gathers and of the router's top-k
+      creates and kept them, e*h more per padded row and per token and 4E per token.)
     - experts eager (between expert parallelism's all-to-alls: `ExpertParallel` is a graph break; or the
       per-expert loop where there is no grouped kernel): per routed row the expert output and the rows the
       experts read, which the eager index_copy (grouped) or the per-expert matmuls (loop) keep (2e*h), the gate
       (e), int64 indices (24 grouped, 16 looped; + 16 for the exchange's row order and its inverse), and the
       experts' MLP as loom's eager MLP keeps it (e*4fe, GELU e*2fe) per row, or, grouped, with the padded input
-      (e*h) per padded row. The normalised input goes without a zero buffer in its place: -e*h per token.
+      (e*h) per padded row.
     - per layer: the router weight's fp32 copy (4Eh) and a few E-sized vectors (8E).
     - `fp8` (torchao's Float8Linear on the shared experts and attention; the routed experts and the router stay
       16-bit): against the compiled fp8 dense layer, which keeps neither the normalised MLP input nor the gated
@@ -167,7 +170,8 @@ def compiled_moe_activation_bytes(cfg: ModelConfig, tokens: int, rows: float, e:
       outputs (e*2fs) and 1 byte, and behind the exchange's graph break also the normalised input's fp8 cast (h).
 
     Against the eager layer's MoE part (`moe_activation_delta`: per row 2e*h + e*4fe, per token 4h + 8E + e*4fs):
-    per row e*(3h + 3fe) compiled against e*(2h + 4fe), fp32 probabilities recomputed, int64 indices kept.
+    per row e*(2h + 3fe) traced (and e*(h + 3fe) per padding row) against e*(2h + 4fe), fp32 probabilities
+    recomputed, int64 indices kept.
     Routed rows are tokens x top_k x the busiest rank's load over the mean (`Workload.moe_imbalance`), as
     `moe_activation_delta` counts them. Priced for the softmax router with a balance loss (the other routers,
     and no auxiliary loss, differ by a few fp32 values per token)."""
@@ -186,9 +190,10 @@ def compiled_moe_activation_bytes(cfg: ModelConfig, tokens: int, rows: float, e:
         if cfg.moe.shared_gate:
             out += tokens * e * (h + 1)
     padded = rows + 16 * local_experts
-    if experts == "traced":  # the combine's zero buffer (e*h per token) in place of the normalised input
-        return out + tokens * 12 + rows * (e * h + e + 24) + padded * e * (2 * h + mlp * fe)
-    out += -tokens * e * h + rows * (2 * e * h + e + (16 if experts == "looped" else 24) + (16 if exchange else 0))
+    out -= tokens * e * h  # the normalised MLP input, on every path
+    if experts == "traced":
+        return out + tokens * (12 - 4 * E) + rows * (e * h + e + 24) + padded * e * (h + mlp * fe)
+    out += rows * (2 * e * h + e + (16 if experts == "looped" else 24) + (16 if exchange else 0))
     if experts == "grouped":
         return out + padded * e * (h + eager_mlp * fe)
     return out + rows * e * eager_mlp * fe
