@@ -155,7 +155,8 @@ LONG_FIRST = ["test_tied_pipeline", "test_device_check", "test_faults", "test_pa
               "test_pretrained", "test_run_length", "test_bench_gpu_train", "test_readme", "test_bench_generate_gpu",
               "test_moe_ep", "test_memory", "test_cli", "test_lora", "test_serve", "test_meta_init",
               "test_layout_auto", "test_rl_environments", "test_structured", "test_host_syncs", "test_rl_dynamic",
-              "test_serve_scoring", "test_speculative", "test_prefix_cache", "test_distopt", "test_rl_async_features"]
+              "test_serve_scoring", "test_speculative", "test_prefix_cache", "test_distopt", "test_rl_async_features",
+              "test_zero"]
 
 
 def pytest_collection_modifyitems(config, items):
