@@ -30,9 +30,9 @@ from __future__ import annotations
 from collections import deque
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from loom.parallel.context import _ALL_GATHER, _REDUCE_SCATTER
 from loom.parallel.distopt import DistributedOptimizer, _Bucket, _Slot
 
 _FREE, _GATHERING, _READY = 0, 1, 2
@@ -107,7 +107,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         if bucket.state != _FREE:
             return
         bucket.full.untyped_storage().resize_(bucket.nbytes)
-        bucket.work = dist.all_gather_into_tensor(bucket.full, bucket.wshard, group=bucket.where.group, async_op=True)
+        bucket.work = _ALL_GATHER(bucket.full, bucket.wshard, group=bucket.where.group, async_op=True)
         bucket.state = _GATHERING
 
     def _wait_bucket(self, bucket: _Bucket) -> None:
@@ -223,7 +223,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         while self._pending and self._pending[0].unit > bucket.unit:
             self._collect(self._pending.popleft())
         tmp = torch.empty(bucket.size, dtype=torch.float32, device=self.device)
-        work = dist.reduce_scatter_tensor(tmp, bucket.grad.view(-1), group=bucket.where.group, async_op=True)
+        work = _REDUCE_SCATTER(tmp, bucket.grad.view(-1), group=bucket.where.group, async_op=True)
         bucket.pending, bucket.grad = (work, tmp, bucket.grad), None
         self._pending.append(bucket)
         slot.filled = False  # the next gradient goes into a fresh buffer
