@@ -98,17 +98,18 @@ def test_damaged_shard_of_a_two_rank_async_run_is_named_and_fallback_resumes(tmp
 
 
 def test_hung_rank_becomes_an_error_naming_it(tmp_path):
-    """Rank 1 stops before step 3 (a test hook); rank 0's collective times out after 5 s and the job
-    ends with a message naming rank 1 instead of hanging."""
+    """Rank 1 stops before step 3 (a test hook); rank 0's collective times out after 10 s and the job
+    ends with a message naming rank 1 instead of hanging. (10 s, not less: on a loaded 2-core machine a healthy
+    step's collective has waited over 5 s for the other rank.)"""
     t0 = time.time()
-    proc = _launch(tmp_path / "r", "--train.steps=50", "--train.collective_timeout_s=5",
+    proc = _launch(tmp_path / "r", "--train.steps=50", "--train.collective_timeout_s=10",
                    env={"LOOM_TEST_HANG": "1:step 3: train"})
     elapsed = time.time() - t0
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert ("rank 0 waited more than train.collective_timeout_s=5s in a collective during 'step 3: train'; "
-            "rank 1 did not get there (rank 1 last reported 'step 2: train')") in proc.stderr
+    assert ("rank 0 waited more than train.collective_timeout_s=10s in a collective during 'step 3: train'; "
+            "rank 1 did not get there (rank 1 last reported 'step 2: train')") in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert elapsed < 90, elapsed
+    assert elapsed < 150, elapsed
     assert len(losses(tmp_path / "r")) == 2
 
 
