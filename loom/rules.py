@@ -504,9 +504,6 @@ def distopt_problem(cfg) -> str | None:
             if size > 1:
                 return (f"parallel.distopt_shard_weights=true with parallel.{name}={size} is not supported yet (it "
                         f"shards over parallel.dp_shard x parallel.cp only); set parallel.{name}=1 or {fix}")
-        if cfg.model.tie_embeddings:
-            return ("parallel.distopt_shard_weights=true with model.tie_embeddings=true is not supported yet (the "
-                    f"embedding and the head gather at different times); set model.tie_embeddings=false or {fix}")
     return None
 
 

@@ -118,6 +118,15 @@ def test_composes_with_context_parallelism_and_recomputation(single, layout, tmp
         _close(got["norms"], single["norms"][:2])
 
 
+def test_tied_embeddings(tmp_path):
+    """The tiny model ties its embedding and head: the shared weight is gathered from the model's start to its
+    backward and its gradient (both uses summed) reduced once; equal to one process."""
+    one = _run(str(tmp_path / "one"), [], 2)
+    for got in shared_pool(2).run(_run, str(tmp_path / "two"), ["parallel.dp_shard=2", *SHARDED], 2):
+        _close(got["losses"], one["losses"])
+        _close(got["norms"], one["norms"])
+
+
 def test_compiled_blocks_with_sharded_weights(single, tmp_path):
     for got in shared_pool(2).run(_run_compiled, str(tmp_path), UNTIED + ["parallel.dp_shard=2", *SHARDED]):
         assert got["compiled_blocks"] == 2
@@ -129,7 +138,7 @@ def test_compiled_blocks_with_sharded_weights(single, tmp_path):
     (["parallel.distopt_shard_weights=true", "parallel.dp_shard=2", "parallel.distributed_optimizer=false"],
      "distributed_optimizer"),
     (SHARDED + ["parallel.dp_shard=2", "parallel.tp=2"] + UNTIED, "parallel.tp=2"),
-    (SHARDED + ["parallel.dp_shard=2"], "tie_embeddings"),
+    (SHARDED + ["parallel.dp_shard=2", "parallel.pp=2"] + UNTIED, "parallel.pp=2"),
 ])
 def test_layouts_it_does_not_run_are_refused(overrides, needle):
     from loom.config import load_config

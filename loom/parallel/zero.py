@@ -20,9 +20,10 @@ Prefetch: a unit's forward starts the next unit's all-gather, a block's backward
 GPU the collectives run beside the compute (NCCL's stream); a CPU's gloo runs them as they come. At most two
 units are gathered at once (the one running and the next), as FSDP2's default.
 
-Layouts: dp_shard x cp (the ranks distopt splits over), compiled or eager blocks, any recomputation. Not yet:
-tp, pp, ep (their DTensors and stages), tied embeddings, and recipes that run the model more than once per
-backward (dpo, rm, rl: a weight is released once its gradient is reduced) — `loom.rules.distopt_problem`.
+Layouts: dp_shard x cp (the ranks distopt splits over), compiled or eager blocks, any recomputation, tied or untied
+embeddings (a tied one belongs to the head unit, gathered from the model's start until its gradient, which sums
+both uses, is reduced). Not yet: tp, pp, ep (their DTensors and stages), and recipes that run the model more than
+once per backward (dpo, rm, rl: a weight is released once its gradient is reduced) — `loom.rules.distopt_problem`.
 """
 
 from __future__ import annotations
@@ -59,14 +60,18 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             if id(param) in by_param:
                 owner.setdefault(id(param), name)
         embed, blocks, head = [], {k: [] for k in model.layers}, []
+        output = getattr(model, "output", None)
+        tied = output is not None and getattr(model, "tok_embeddings", None) is not None and (
+            output.weight is model.tok_embeddings.weight)
         for pid, name in owner.items():
             parts_ = name.split(".")
             if parts_[0] == "layers":
                 blocks[parts_[1]].append(by_param[pid])
-            elif parts_[0] in ("tok_embeddings", "pos_embeddings"):
+            elif parts_[0] in ("tok_embeddings", "pos_embeddings") and not (tied and pid == id(output.weight)):
                 embed.append(by_param[pid])
-            else:
+            else:  # the head unit; a tied embedding too, gathered from the model's start to its backward
                 head.append(by_param[pid])
+        self._tied = tied
         self.units = ([_Unit("embed", embed)] + [_Unit(f"layers.{k}", blocks[k]) for k in model.layers]
                       + [_Unit("head", head)])
         for i, unit in enumerate(self.units):
@@ -156,6 +161,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         @torch.compiler.disable
         def model_starts(module, args, kwargs=None):
             self._gather(0)  # the embedding
+            if self._tied:  # the tied embedding lives in the head unit
+                self._gather(last)
             self._gather(first_block, wait=False)
 
         def block_hooks(i: int):
