@@ -499,6 +499,34 @@ def test_fused_attention_kernels_chosen_for_cuda_without_a_gpu(monkeypatch, capa
         assert torch._C._get_sdp_priority_order() == before
 
 
+@pytest.mark.gpu
+def test_hopper_attention_runs_cudnn_for_gqa_shapes():  # pragma: no cover - GPU only
+    """The planner prices loom's attention on Hopper at cuDNN's fused rate (loom/planner/workload.py
+    `attention_efficiency`): on an sm90+ GPU, causal GQA attention of the planner's jobs' shapes (Llama 3: 32
+    query heads over 8 key/value heads, head dim 128; and MHA) under `attention_kernels` runs cuDNN's kernels,
+    forward and backward, not flash's or the memory-efficient ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from loom.train.steps import attention_kernels
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(0)[0] < 9:
+        pytest.skip("needs a Hopper or newer GPU")
+    import torch.nn.functional as F
+
+    for hq, hkv in ((32, 8), (32, 32)):
+        q = torch.randn(1, hq, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(1, hkv, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with attention_kernels(torch.device("cuda", 0)):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hq != hkv)
+            out.sum().backward()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.key_averages()]
+        sdpa = [n for n in names if "sdpa" in n or "flash" in n.lower() or "fmha" in n.lower()]
+        assert sdpa and all("cudnn" in n for n in sdpa), (hq, hkv, sdpa)
+
+
 def test_gpu_paths_table_names_tests_that_exist():
     """docs/gpu_paths.md lists every GPU-only code path with its CPU test or the reason there is none: each
     test it names must exist (a function of that name in that file), and each `gpu` test it names must carry

@@ -26,9 +26,16 @@ Every number here is a property of the hardware, never of a particular training 
   cuDNN). FlashAttention-2 reports 50-70% on A100 forward and ~45% backward, and its forward reaches only
   35% of an H100's peak (Shah et al. 2024, FlashAttention-3, abstract); the presets apply that forward
   figure to both passes, so loom's attention on Hopper is if anything priced fast.
-- `fused_attention_efficiency`: the same for Transformer Engine's fused (cuDNN) attention that
-  Megatron-Core runs, which uses Hopper's asynchronous tensor cores as FlashAttention-3 does (FA3: up to
-  75% forward on H100; cuDNN/FA3 forward and backward together ~40-60%); 0 means `attention_efficiency`.
+- `fused_attention_efficiency`: the same for cuDNN's fused attention, which Transformer Engine runs for
+  Megatron-Core and torch's SDPA for loom on Hopper (loom.train.steps.attention_kernels puts it first there),
+  using Hopper's asynchronous tensor cores as FlashAttention-3 does (FA3: up to 75% forward on H100; cuDNN/FA3
+  forward and backward together ~40-60%); 0 means `attention_efficiency`. The Hopper presets' 0.45 is what
+  loom's own H200 training run measured for it: Llama 2 7B's shape, seq 4096, batch 2, causal, compiled,
+  cuDNN's `sdpa_sm90_flash_fprop` at 552.9 us a call and `flash_bprop` at 1614.6 us (2.5x the forward's
+  FLOPs): 3.5 x 274.9 GFLOP over 2167.5 us = 444 TFLOP/s, 0.449 of the 989.4 dense bf16 peak
+  (bench/results/device_check_h200_2026-11-26_e/gpu_train_7b.json's kernel table; H100 and H200 share the
+  compute die and clocks). Under `framework="loom"` a preset prices loom's attention with it; a measured
+  profile uses its own table or rates.
 - `hbm_gbps` and `hbm_efficiency`: datasheet memory bandwidth and the fraction elementwise kernels reach.
 - `eager_elementwise_fraction`: the share of that rate (hbm_gbps x hbm_efficiency) at which loom's own eager
   layer gets through the elementwise bytes the cost model counts (`layertime.elementwise_bytes_per_token`:

@@ -168,12 +168,14 @@ class Workload:
     def attention_efficiency(self) -> float:
         """The fraction of the 16-bit peak this workload's fused attention kernel sustains."""
         # "auto": Megatron runs Transformer Engine's cuDNN attention. loom's SDPA puts cuDNN's fused attention
-        # first on Hopper and newer (loom.train.steps.attention_kernels); a profile measured on such a GPU
-        # times that kernel (`profile.attention_rate`, fused_attention_efficiency) and loom is priced with it.
-        # The presets' fused figure is Transformer Engine's, not torch's cuDNN SDPA: loom keeps FA2's there.
+        # first on Hopper and newer (loom.train.steps.attention_kernels): a profile measured on such a GPU times
+        # that kernel (`profile.attention_rate`, fused_attention_efficiency) and loom is priced with it; a
+        # preset with a fused figure (Hopper) prices loom's with it too, as loom's own H200 run measured it
+        # (hardware.py, `fused_attention_efficiency`). A profile without the fused figure keeps its own rate.
         measured_cudnn = self.gpu.source != "preset" and self.gpu.fused_attention_efficiency > 0
+        hopper_preset = self.gpu.source == "preset" and self.gpu.fused_attention_efficiency > 0
         fused = self.attention_kernel == "fused" or (self.attention_kernel == "auto" and (
-            self.framework == "megatron" or measured_cudnn))
+            self.framework == "megatron" or measured_cudnn or hopper_preset))
         return (self.gpu.fused_attention_efficiency or self.gpu.attention_efficiency) if fused else self.gpu.attention_efficiency
 
 
