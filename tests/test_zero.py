@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from distributed import shared_pool
-from test_distopt import MODEL, _close, _run, _run_compiled
+from test_distopt import MOE, MODEL, _close, _run, _run_compiled
 
 UNTIED = ["model.tie_embeddings=false"]
 SHARDED = ["parallel.distributed_optimizer=true", "parallel.distopt_shard_weights=true"]
@@ -116,6 +116,16 @@ def test_composes_with_context_parallelism_and_recomputation(single, layout, tmp
     for got in shared_pool(2).run(_run, str(tmp_path), UNTIED + layout + SHARDED, 2):
         _close(got["losses"], single["losses"][:2])
         _close(got["norms"], single["norms"][:2])
+
+
+def test_moe_layers(tmp_path):
+    """Routed experts (ep 1) are block weights like any other; an expert that gets no token in a micro-batch has
+    no gradient to reduce and is released with the rest. Two steps equal to one process."""
+    model = MOE + UNTIED
+    one = _run(str(tmp_path / "one"), model, 2)
+    for got in shared_pool(2).run(_run, str(tmp_path / "two"), model + ["parallel.dp_shard=2", *SHARDED], 2):
+        _close(got["losses"], one["losses"])
+        _close(got["norms"], one["norms"])
 
 
 def test_tied_embeddings(tmp_path):
