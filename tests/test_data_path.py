@@ -83,10 +83,12 @@ def test_background_reader_delivers_the_same_batches(runs):
 def test_data_wait_is_logged_every_step_and_hidden_by_prefetch(runs):
     for rows in runs.values():
         assert all(r["data_wait_s"] >= 0 for r in rows) and len(rows) == 4
-    # From step 2 on the batch was read during the previous step: the wait is a small share of the step.
+    # From step 2 on the batch was read during the previous step: the wait is a small share of the step, or a
+    # thread's wake-up (a 10 ms step on a loaded 2-core machine once waited 0.104 ms, 1.001%). That a slow read
+    # really overlaps the step is test_a_slow_read_overlaps_the_step's.
     waited = np.array([r["data_wait_s"] for r in runs["true"][1:]])
     steps = np.array([r["step_time_s"] for r in runs["true"][1:]])
-    assert (waited <= 0.01 * steps).all(), (waited, steps)
+    assert (waited <= np.maximum(0.01 * steps, 5e-4)).all(), (waited, steps)
 
 
 def test_a_slow_read_overlaps_the_step():
