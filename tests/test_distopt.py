@@ -238,3 +238,29 @@ def test_weight_gradient_lands_in_a_rank_major_buffer_inside_the_gemm_on_cuda():
     want = 2 * (dy.double().t() @ x.double())
     got = torch.cat([buf[r, 100:].view(48, 64) for r in range(2)]).double()
     assert torch.allclose(got, want, rtol=1e-3, atol=1e-2)
+
+
+def _reduced_during_backward(tmp, overrides):
+    """One step; how many of the rank's buckets had their reduce-scatter started before backward ended."""
+    from loom.train.trainer import Trainer
+
+    trainer = Trainer(load_config("tiny", MODEL + ["train.steps=1", *overrides]), Path(tmp) / "run", quiet=True)
+    opt, seen = trainer.optimizer, {}
+    real = opt._finish_reduction
+
+    def spy():
+        seen.update(started=sum(b.work is not None for b in opt.buckets), buckets=len(opt.buckets))
+        real()
+
+    opt._finish_reduction = spy
+    trainer.train_step()
+    return seen
+
+
+def test_pipeline_stages_reduce_each_bucket_once_its_last_micro_batch_filled_it(tmp_path):
+    """Under pp a stage's backward runs inside the schedule, with no runner call between micro-batches: a
+    parameter's gradient is complete once it has arrived once per micro-batch, and its bucket's reduce-scatter
+    starts then, overlapping the rest of the stage's backward (before: every bucket after the whole backward)."""
+    layout = ["parallel.pp=2", "parallel.dp_shard=2", "model.tie_embeddings=false", "parallel.distributed_optimizer=true"]
+    for got in shared_pool(4).run(_reduced_during_backward, str(tmp_path), layout):
+        assert got["buckets"] > 0 and got["started"] == got["buckets"], got

@@ -96,6 +96,7 @@ class _Slot:
     offset: int
     replicas: int  # ranks holding the same values outside the group (tensor-parallel replicas): norm weight
     filled: bool = False  # this step's first gradient was copied in (later ones are added)
+    arrivals: int = 0  # this step's gradients so far (a pipeline stage's count tells the last micro-batch's)
 
     def my_rows(self, rank: int) -> int:
         return max(0, min(self.per_rank, self.rows - rank * self.per_rank))
@@ -195,6 +196,10 @@ class DistributedOptimizer:
         self.layout = layout
         self.dtype = compute_dtype or torch.float32
         self.last_micro_batch = False  # set by the SPMD runner per micro-batch; else reduced after backward
+        # A pipeline stage runs each micro-batch's backward when its schedule says, with no runner call between
+        # them: a parameter's gradient is complete when it has arrived once per micro-batch.
+        self.arrivals_per_step = (cfg.train.global_batch // (layout.dp_size * cfg.train.micro_batch)
+                                  if p.pp > 1 else 0)
         named, seen = [], set()
         for part in parts:
             for name, param in part.named_parameters():
@@ -285,7 +290,8 @@ class DistributedOptimizer:
         """`slot`'s gradient of this micro-batch is in the buffer: on the last micro-batch, a complete bucket is
         reduced at once (its reduce-scatter overlaps the rest of backward)."""
         slot.filled = True
-        if self.last_micro_batch:
+        slot.arrivals += 1
+        if self.last_micro_batch or slot.arrivals == self.arrivals_per_step:
             bucket.ready += 1
             if bucket.ready == len(bucket.slots):
                 self._reduce(bucket)
@@ -395,7 +401,7 @@ class DistributedOptimizer:
         """The next step's first gradients overwrite the buffer (nothing is zeroed)."""
         for bucket in self.buckets:
             for slot in bucket.slots:
-                slot.filled = False
+                slot.filled, slot.arrivals = False, 0
 
     @torch.no_grad()
     def _gather_weights(self) -> None:

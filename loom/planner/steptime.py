@@ -149,11 +149,11 @@ def step_time(w: Workload, lay: Layout) -> dict:
             dp_comm = max(grad - bwd_mb, grad / max(n_layers, 1)) if w.overlap_grad_reduce else grad
         elif lay.dp_style == "distopt" and not priced_as_megatron(w, lay):
             # loom's distributed optimizer (loom/parallel/distopt.py): buckets reduce-scattered as the last
-            # micro-batch's backward completes them (under pipelining, after the stage's whole backward), the
-            # new 16-bit weights all-gathered after the optimizer step, exposed.
+            # micro-batch's backward completes them (a pipeline stage counts each parameter's gradients to know
+            # its last micro-batch), the new 16-bit weights all-gathered after the optimizer step, exposed.
             grad = coll("reduce_scatter", 4)
             gather = coll("all_gather", 2 if w.precision != "fp32" else 4)
-            hidden_grad = max(grad - bwd_mb, grad / max(n_layers, 1)) if lay.pp == 1 else grad
+            hidden_grad = max(grad - bwd_mb, grad / max(n_layers, 1))
             dp_comm = hidden_grad + gather
             layers = max(shape.layers for shape in shapes)
             step["distopt_copy"] = hbm_time(gpu, distopt_copy_bytes(w, dense + experts, m,
