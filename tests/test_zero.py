@@ -119,8 +119,9 @@ def test_composes_with_context_parallelism_and_recomputation(single, layout, tmp
 
 
 def test_moe_layers(tmp_path):
-    """Routed experts (ep 1) are block weights like any other; an expert that gets no token in a micro-batch has
-    no gradient to reduce and is released with the rest. Two steps equal to one process."""
+    """Routed experts (ep 1) are block weights like any other: stacked [E, ...] parameters, so an expert that gets
+    no token in a micro-batch still has its (zero) slice in a gradient every rank reduces. Two steps equal to one
+    process."""
     model = MOE + UNTIED
     one = _run(str(tmp_path / "one"), model, 2)
     for got in shared_pool(2).run(_run, str(tmp_path / "two"), model + ["parallel.dp_shard=2", *SHARDED], 2):
@@ -187,3 +188,20 @@ def test_loom_memory_and_the_planner_price_its_state_alike():
     for ours, theirs, expect in (("params_bytes", "params", 2 * rows), ("grads_bytes", "grads", 4 * rows),
                                  ("optimizer_bytes", "optimizer", 12 * rows)):
         assert counted[ours] == pytest.approx(priced[theirs], rel=1e-6) == pytest.approx(expect, rel=1e-6), ours
+
+
+def test_the_planner_counts_the_whole_fp32_model_built_at_start_up():
+    """The set-up materialises the model whole in fp32 on every rank before keeping its rows (loom/build.py's
+    materialize, then the optimizer): the planner's memory for zero3 is at least that peak, so it offers zero3
+    only where the model fits one device in fp32 (8B on an H100; not 70B)."""
+    from loom.config import load_config
+    from loom.planner.hardware import load_gpu
+    from loom.planner.memory import memory
+    from loom.planner.params import model_sizes
+    from loom.planner.workload import GIB, Layout, Workload
+
+    for name, gpus, fits in (("llama3-8b", 8, True), ("llama3-70b", 64, False)):
+        w = Workload(model=load_config(name).model, seq_len=8192, global_batch=128, gpus=gpus, gpu=load_gpu("h100"))
+        mem = memory(w, Layout(dp=gpus // 4, cp=4, dp_style="zero3", recompute="full"))
+        assert mem["total"] >= 4 * model_sizes(w)["total"]
+        assert (mem["total"] <= w.gpu.memory_gib * GIB) == fits, (name, mem["total"] / GIB)

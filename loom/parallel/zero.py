@@ -20,6 +20,9 @@ Prefetch: a unit's forward starts the next unit's all-gather, a block's backward
 GPU the collectives run beside the compute (NCCL's stream); a CPU's gloo runs them as they come. At most two
 units are gathered at once (the one running and the next), as FSDP2's default.
 
+Start-up: the model is materialised whole in fp32 on every rank (loom/build.py) before this keeps its rows, so it
+must fit one device then; building the rows directly is not done yet (`loom plan` counts the peak).
+
 Layouts: dp_shard x cp (the ranks distopt splits over), compiled or eager blocks, any recomputation, tied or untied
 embeddings (a tied one belongs to the head unit, gathered from the model's start until its gradient, which sums
 both uses, is reduced). Not yet: tp, pp, ep (their DTensors and stages), and recipes that run the model more than
