@@ -334,8 +334,10 @@ def recipe_problem(recipe: str, cfg) -> str | None:
     data-parallel ranks. Both compute whole logits."""
     p, t = cfg.parallel, cfg.train
     dp = data_parallel_size(p)
-    if problem := shard_weights_problem(recipe, cfg):
-        return problem
+    if getattr(p, "distopt_shard_weights", False) and recipe not in ("train", "sft"):  # zero.py releases a weight
+        # once its gradient is reduced; rm, dpo and rl run the model more than once per backward
+        return (f"parallel.distopt_shard_weights=true runs loom train and loom sft only for now, not loom {recipe}; "
+                "set parallel.distopt_shard_weights=false")
     if recipe == "sft":
         return document_mask_problem(cfg.sft.packing, cfg.model.position, p.sp)
     if recipe in ("rm", "dpo"):
@@ -506,12 +508,3 @@ def distopt_problem(cfg) -> str | None:
                         f"shards over parallel.dp_shard x parallel.cp only); set parallel.{name}=1 or {fix}")
     return None
 
-
-def shard_weights_problem(recipe: str, cfg) -> str | None:
-    """Recipes that run the model more than once per backward (rm and dpo: chosen and rejected; rl: the policy
-    with its reference and old log-probs) are not run with sharded weights yet: loom/parallel/zero.py releases a
-    weight as soon as its gradient is reduced."""
-    if getattr(cfg.parallel, "distopt_shard_weights", False) and recipe not in ("train", "sft"):
-        return (f"parallel.distopt_shard_weights=true runs loom train and loom sft only for now, not loom {recipe}; "
-                "set parallel.distopt_shard_weights=false")
-    return None
