@@ -60,17 +60,8 @@ def _saved_bytes(overrides: list[str], layers: int, compiled: bool) -> tuple[int
     runner.forward_backward(batch, 1.0)  # compiles forward and backward
     micro = to_device(runner.cp_shard(batch), torch.device("cpu"))
 
-    class Ledger(SavedTensorLedger):  # one total, no module hooks (they would change what is compiled)
-        def __enter__(self):
-            self.shapes = []
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-            self._hooks.__enter__()
-            SavedTensorLedger.active = self
-            return self
-
-        def __exit__(self, *exc):
-            SavedTensorLedger.active = None
-            self._hooks.__exit__(*exc)
+    class Ledger(SavedTensorLedger):  # leaves out the weights as they are now (FSDP's unsharded ones) and lists shapes
+        shapes: list = []
 
         def record(self, t):
             key, n = _storage_key(t)
@@ -82,7 +73,7 @@ def _saved_bytes(overrides: list[str], layers: int, compiled: bool) -> tuple[int
             self.shapes.append((list(t.shape), str(t.dtype).removeprefix("torch."), n))
             self.bytes["all"] = self.bytes.get("all", 0) + n
 
-    with Ledger(runner.model) as ledger, loss_context(layout.tp):
+    with Ledger(runner.model, module_hooks=False) as ledger, loss_context(layout.tp):
         runner.loss_sum(micro)
     return ledger.bytes.get("all", 0), ledger.shapes
 

@@ -22,8 +22,11 @@ class SavedTensorLedger:
 
     active: "SavedTensorLedger | None" = None
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, module_hooks: bool = True):
+        """`module_hooks=False`: one total under "outside", with no forward hooks on the model's modules (hooks
+        inside a compiled block would change what is compiled)."""
         self.model = model
+        self.module_hooks = module_hooks
         self.excluded = {_storage_key(t)[0] for t in [*model.parameters(), *model.buffers()]}
         self.seen: dict = {}  # storage -> label
         self.bytes: dict[str, int] = {}
@@ -46,7 +49,7 @@ class SavedTensorLedger:
         return t
 
     def __enter__(self):
-        for name, module in self.model.named_modules():
+        for name, module in self.model.named_modules() if self.module_hooks else ():
             if not name:
                 continue
             self._handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self.stack.append(n)))

@@ -173,3 +173,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def saved_bytes(model, *args) -> int:
+    """Bytes one forward of `model(*args)` saves for backward, counted with saved-tensor hooks: each storage once,
+    the model's parameters left out (the compiled-block activation tests' count)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*args)
+    return sum(saved.values())

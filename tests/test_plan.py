@@ -6,7 +6,7 @@ import json
 import time
 
 import pytest
-from conftest import run_cli, run_main
+from conftest import run_cli, run_main, saved_bytes
 
 from loom.config import load_config
 from loom.planner.memory import memory
@@ -1210,18 +1210,7 @@ def test_compiled_block_activations_match_inductors_saved_tensors(fp8):
     block.compile()
     ids = torch.randint(0, 512, (b, s))
     model(ids).float().sum().backward()  # compile forward and backward
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids)
-    total = sum(saved.values())
+    total = saved_bytes(model, ids)
     # outside the block: the final norm's fp32 input, 1/rms and 16-bit normalised output (for its weight's
     # gradient), the head's 16-bit input, the token ids, and the rotary tables (per position, not per token)
     outside_bytes = b * s * (4 * h + 4 + 2 * h + 2 * h + 8) + 2 * s * (h // a) * 2

@@ -2,6 +2,7 @@
 of Megatron-Core's MoE layers, each pinned by a hand computation with its source."""
 
 import pytest
+from conftest import saved_bytes
 
 from loom.planner.validation import megatron_moe_seconds, published_moe_heldout_runs, published_moe_runs
 
@@ -250,22 +251,12 @@ def _compiled_moe_block_saved_bytes(cfg, s: int, b: int, experts: str, exchange:
             block.compile()
             ids = torch.randint(0, cfg.vocab_size, (b, s))
             model(ids).float().sum().backward()  # compile forward and backward
-            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-            saved = {}
-
-            def pack(t):
-                st = t.untyped_storage()
-                if st.data_ptr() not in params:
-                    saved[st.data_ptr()] = st.nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                model(ids)
+            total = saved_bytes(model, ids)
         finally:
             if started:
                 dist.destroy_process_group()
     outside = b * s * (4 * h + 4 + 2 * h + 2 * h + 8) + 2 * s * (h // a) * 2  # as the dense test
-    return sum(saved.values()) - outside
+    return total - outside
 
 
 def test_compiled_grouped_moe_layer_keeps_no_zero_buffer():

@@ -96,10 +96,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             bucket.wshard.copy_(bucket.master)
         if self._set_up:
             self._release_all()
-        else:  # set-up: distopt's __init__ reads the weights after this (their views, the fused linears' nodes)
-            for bucket in self.buckets:
-                self._gather_bucket(bucket)
-                self._wait_bucket(bucket)
+        # At set-up the parameters now view their (unfilled, allocated) gather buffers: what distopt's __init__
+        # reads after this are their shapes and autograd nodes, not values; __init__ releases them at its end.
 
     def _set_up_bucket(self, bucket: _Bucket) -> None:
         slot = bucket.slots[0]
@@ -267,6 +265,3 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         super().zero_grad(set_to_none)
         for bucket in self.buckets:
             bucket.accumulated = False
-
-    def loaded(self) -> None:
-        super().loaded()
