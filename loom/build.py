@@ -74,14 +74,16 @@ P = TypeVar("P", bound=Placed)
 def build_in_layout(cfg: Config, device: torch.device | str, place: Callable[[nn.Module], P], *,
                     dtype: torch.dtype = torch.float32, extend: Callable[[nn.Module], None] | None = None,
                     seed: int | None = None, init_from: str = "", mark: Callable[[str], None] | None = None,
-                    adapters: bool = False) -> P:
+                    adapters: bool = False, rows_later: bool = False) -> P:
     """Build `cfg.model` on meta, `extend` it (a recipe's modules, before the layout is applied), `place` it
     (apply the layout), allocate this rank's shards on `device` initialised from `seed` (train.seed by
     default; nothing is allocated when `device` is meta), then load `init_from`'s weights (a Hugging Face or
     loom model directory, or a loom checkpoint; every rank reads its slices). `mark(what)` names the load
     for hang reports. `adapters`: with `lora.rank > 0`, LoRA adapters on `lora.targets` (loom/models/lora.py),
     added after `extend` so that the recipe's heads stay trained and everything else is frozen in train.dtype;
-    the base's names are unchanged, so `init_from` loads into it. Returns what `place` returned."""
+    the base's names are unchanged, so `init_from` loads into it. `rows_later` (without `init_from`): the
+    parameters are left without values or memory (loom/parallel/materialize.py's `released`), for an optimizer
+    that draws its rows of each from the seed itself (loom/parallel/zero.py). Returns what `place` returned."""
     from loom.models.llama import build_model
 
     model = build_model(cfg.model, device="meta", dtype=dtype)
@@ -95,7 +97,9 @@ def build_in_layout(cfg: Config, device: torch.device | str, place: Callable[[nn
     if str(device) != "meta":
         from loom.parallel.materialize import materialize
 
-        materialize(placed.parts, torch.device(device), cfg.train.seed if seed is None else seed)
+        if rows_later and init_from:
+            raise ValueError("rows_later draws the weights from the seed; with init_from they are loaded whole")
+        materialize(placed.parts, torch.device(device), cfg.train.seed if seed is None else seed, rows_later)
     if init_from:
         from loom.interop.pretrained import check_matches_source, load_pretrained
 

@@ -180,6 +180,16 @@ def _matching(buf: torch.Tensor, flat: torch.Tensor, slot: _Slot) -> list[tuple[
     return out
 
 
+def _draw_rows(master: torch.Tensor, slot: _Slot, first: int, part: nn.Module, seed: int) -> None:
+    """`master` (rows `first`.. of `slot`'s parameter) filled with the values the whole parameter starts with."""
+    from loom.models.init import fill
+
+    if slot.param.dim() == 0 or isinstance(slot.param, DTensor):
+        raise ValueError(f"{slot.name}: rows are drawn only for plain tensors with rows")
+    name = part.init_name(slot.name)
+    fill(master, tuple(slot.param.shape), (first,) + (0,) * (slot.param.dim() - 1), seed, name, *part.init_spec(name))
+
+
 class DistributedOptimizer:
     """AdamW over this rank's rows of every trained parameter (see the module docstring); the trainer's
     optimizer: `param_groups` (the learning rate is set there), `step`, `zero_grad`, and `reduce_and_clip`
@@ -188,8 +198,10 @@ class DistributedOptimizer:
     PER_PARAM = False  # one parameter per bucket (loom/parallel/zero.py's sharded weights)
 
     def __init__(self, parts: list[nn.Module], cfg: Config, layout, compute_dtype: torch.dtype | None,
-                 make_optimizer):
-        """`make_optimizer(param_groups)`: the optimizer over this rank's rows (the trainer's AdamW)."""
+                 make_optimizer, seed: int | None = None):
+        """`make_optimizer(param_groups)`: the optimizer over this rank's rows (the trainer's AdamW). `seed`: the
+        parameters are `released` (loom/parallel/materialize.py: built with `rows_later`), and each rank draws
+        its master rows from the seed, the values one process holds there (loom/models/init.py)."""
         p = cfg.parallel
         self.dense = _Group(layout.submesh("dp_shard_cp" if p.cp > 1 else "dp_shard"), layout.grad_ranks)
         self.tp_size = layout.tp
@@ -200,12 +212,13 @@ class DistributedOptimizer:
         # them: a parameter's gradient is complete when it has arrived once per micro-batch.
         self.arrivals_per_step = (cfg.train.global_batch // (layout.dp_size * cfg.train.micro_batch)
                                   if p.pp > 1 else 0)
-        named, seen = [], set()
+        named, seen, owner = [], set(), {}
         for part in parts:
             for name, param in part.named_parameters():
                 if param.requires_grad and id(param) not in seen:
                     seen.add(id(param))
                     named.append((name, param))
+                    owner[id(param)] = part
         # Backward produces the last layers' gradients first: their buckets are reduced first.
         named.reverse()
         experts = [(n, q) for n, q in named if layout.ep > 1 and ".experts." in n]  # DTensors over ep
@@ -228,14 +241,18 @@ class DistributedOptimizer:
                 master = bucket.master[start:start + rows * slot.width].view(shape)
                 grad = bucket.shard[start:start + rows * slot.width].view(shape)
                 local = slot.local()
-                if local.dim():
+                if seed is not None:  # drawn: the parameter holds no values
+                    _draw_rows(master, slot, rank * slot.per_rank, owner[id(slot.param)], seed)
+                elif local.dim():
                     master.copy_(local[rank * slot.per_rank:rank * slot.per_rank + rows])
                 elif rows:
                     master.copy_(local.reshape(1))
                 bucket.pieces.append((master, grad))
         # The weights in the compute dtype, every rank the same (each rank's rows from their owner).
         for _, param in named:
-            if param.dtype != self.dtype:
+            if seed is not None and not self.PER_PARAM:  # drawn: whole compute-dtype weights, gathered below
+                param.data = torch.empty(param.shape, dtype=self.dtype, device=device)
+            elif param.dtype != self.dtype and seed is None:  # (zero.py gives drawn ones their storage itself)
                 if isinstance(param, DTensor):
                     param._local_tensor = param._local_tensor.to(self.dtype)
                 else:

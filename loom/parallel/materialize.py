@@ -23,11 +23,45 @@ def local_slice(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return p, (0,) * p.dim()
 
 
+def released(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor of `t`'s shape and dtype on `device` whose storage holds nothing (FSDP's way of keeping an
+    unsharded parameter between uses): allocated, then resized to 0 bytes at once, one tensor at a time."""
+    out = torch.empty_like(t, device=device)
+    out.untyped_storage().resize_(0)
+    return out
+
+
+def is_released(t: torch.Tensor) -> bool:
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
 @torch.no_grad()
-def materialize(modules: list[nn.Module], device: torch.device, seed: int) -> None:
+def release_parameters(module: nn.Module, device: torch.device) -> None:
+    """Parameters on meta become `released` parameters on `device` (ties kept), buffers allocated there: for an
+    optimizer that draws its own rows of every weight (loom/parallel/zero.py), so that no rank holds the whole
+    model at start-up."""
+    made: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for attr, p in mod._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(released(p, device), requires_grad=p.requires_grad)
+                mod._parameters[attr] = made[id(p)]
+        for attr, b in mod._buffers.items():
+            if b is not None and b.is_meta:
+                mod._buffers[attr] = torch.empty_like(b, device=device)
+
+
+@torch.no_grad()
+def materialize(modules: list[nn.Module], device: torch.device, seed: int, rows_later: bool = False) -> None:
     """Allocate `modules` (parts of one model built on meta, already parallelised) on `device` and
-    initialise every local shard from `seed`; recompute non-persistent buffers."""
+    initialise every local shard from `seed`; recompute non-persistent buffers. `rows_later`: parameters are
+    left `released` (no values, no memory), for an optimizer that fills its own rows from `seed`."""
     for module in modules:
+        if rows_later:
+            release_parameters(module, device)
+            module.reset_buffers()
+            continue
         to_empty_keeping_ties(module, device)
         for name, p in module.named_parameters():
             name = module.init_name(name)

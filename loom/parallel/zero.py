@@ -20,8 +20,10 @@ Prefetch: a unit's forward starts the next unit's all-gather, a block's backward
 GPU the collectives run beside the compute (NCCL's stream); a CPU's gloo runs them as they come. At most two
 units are gathered at once (the one running and the next), as FSDP2's default.
 
-Start-up: the model is materialised whole in fp32 on every rank (loom/build.py) before this keeps its rows, so it
-must fit one device then; building the rows directly is not done yet (`loom plan` counts the peak).
+Start-up: no rank holds the whole model. Training builds it with its parameters `released` (loom/build.py's
+`rows_later`: shapes, no memory) and each rank draws its fp32 master rows of every weight from the seed, the values
+one process starts with there (loom/models/init.py); a checkpoint resumed loads into those rows. Only
+`train.init_from` materialises the model whole (in fp32, on every rank) to load it, before keeping the rows.
 
 Layouts: dp_shard x cp (the ranks distopt splits over), compiled or eager blocks, any recomputation, tied or untied
 embeddings (a tied one belongs to the head unit, gathered from the model's start until its gradient, which sums
@@ -52,10 +54,10 @@ class _Unit:
 class ShardedDistributedOptimizer(DistributedOptimizer):
     PER_PARAM = True
 
-    def __init__(self, parts: list[nn.Module], cfg, layout, compute_dtype, make_optimizer):
+    def __init__(self, parts: list[nn.Module], cfg, layout, compute_dtype, make_optimizer, seed: int | None = None):
         self._set_up = False
         self._pending: deque[_Bucket] = deque()  # reductions in flight, in the order they started
-        super().__init__(parts, cfg, layout, compute_dtype, make_optimizer)
+        super().__init__(parts, cfg, layout, compute_dtype, make_optimizer, seed)
         model = parts[0]
         by_param = {id(b.slots[0].param): b for b in self.buckets}
         owner = {}

@@ -329,9 +329,10 @@ def memory(w: Workload, lay: Layout) -> dict:
             worst = {"params": params, "grads": grads, "optimizer": optim, "activations": activations,
                      "logits": logits, "buffers": buffers, "fp8_weights": fp8_weights, "reserve": CONTEXT_GIB * GIB + FRAGMENTATION * dynamic,
                      "total": total}
-    if lay.dp_style in ("zero3", "distopt") and not mega:
+    if lay.dp_style == "distopt" and not mega:
         # loom's distributed optimizer materialises the model whole in fp32 on every rank before it keeps its
-        # rows (loom/parallel/zero.py's set-up, distopt.py's too): the start-up peak, when it is the larger
+        # rows (distopt.py's set-up): the start-up peak, when it is the larger. zero3 draws each rank's rows from
+        # the seed (loom/build.py's rows_later; only train.init_from, which the planner does not price, loads whole)
         startup = 4 * max(sum(local_params(w, lay, shape)) for shape in rank_shapes(w, lay)) + CONTEXT_GIB * GIB
         if startup > worst["total"]:
             worst = {**worst, "total": startup, "startup": startup}

@@ -147,8 +147,10 @@ class Trainer:
 
         # A LoRA checkpoint holds the adapters only (checkpoint.py): a resumed LoRA run loads its base again.
         base = t.init_from if resume_from is None or cfg.lora.enabled else ""
+        # Sharded weights without a model to load: no rank builds the whole model, the optimizer draws its rows.
+        drawn = cfg.parallel.distributed_optimizer and cfg.parallel.distopt_shard_weights and not base
         self.runner = build_in_layout(cfg, self.device, place, extend=self.recipe.extend_model, init_from=base,
-                                      mark=self.beacon.mark, adapters=True)
+                                      mark=self.beacon.mark, adapters=True, rows_later=drawn)
         self.model = self.runner.model
         if cfg.parallel.distributed_optimizer:  # after the weights are in place: it keeps their fp32 master rows
             from loom.parallel.distopt import DistributedOptimizer
@@ -158,7 +160,8 @@ class Trainer:
 
             kind = ShardedDistributedOptimizer if cfg.parallel.distopt_shard_weights else DistributedOptimizer
             self.optimizer = kind(self.runner.parts, cfg, self.layout, compute_dtype(cfg),
-                                                  lambda groups: optimizer_for_groups(groups, cfg.optim, self.device))
+                                  lambda groups: optimizer_for_groups(groups, cfg.optim, self.device),
+                                  seed=t.seed if drawn else None)
         else:
             self.optimizer = build_optimizer(self.model, cfg.optim)
         self.evaluator = Evaluator(self.runner, self.val_data, self.tokenizer, t.micro_batch)
