@@ -24,6 +24,7 @@ ROUTERS = {
                 "model.moe.z_loss_coeff=0.001"],
     "sinkhorn_top1": ["model.moe.experts=8", "model.moe.top_k=1", "model.moe.ffn_hidden=32",
                       "model.moe.router=sinkhorn"],
+    "top1of2": ["model.moe.experts=2", "model.moe.top_k=1", "model.moe.ffn_hidden=32"],
 }
 
 # --- the token exchange against one process -------------------------------------------------------
@@ -165,6 +166,39 @@ def test_checkpoint_under_ep_resumes_under_another_ep(references, tmp_path):
     (run / "checkpoints" / "latest").write_text("step-3\n")
     launch(run, 2, *ROUTERS["top2of8"], "parallel.dp_shard=2", "checkpoint.resume=true")
     assert_same_run(run, reference)
+
+
+def _expert_shards(tmp):
+    """The local shape of a rank's shard of each MoE layer's w1 under FSDP, and its storage's elements."""
+    from pathlib import Path
+
+    from loom.config import load_config
+    from loom.train.trainer import Trainer
+
+    cfg = load_config("tiny", MODEL + ROUTERS["top1of2"] + ["parallel.dp_shard=4", "parallel.ep=2",
+                                                             "train.steps=1", "train.device=cpu"])
+    trainer = Trainer(cfg, Path(tmp) / "run", quiet=True)
+    out = []
+    for name, p in trainer.model.named_parameters():
+        if name.endswith("experts.w1"):
+            local = p._local_tensor
+            out.append((tuple(p.shape), tuple(local.shape), local.untyped_storage().nbytes() // local.element_size()))
+    return out
+
+
+def test_fewer_local_experts_than_expert_data_parallel_ranks(references, tmp_path):
+    """ep=2 over dp_shard=4 with 2 experts: each ep rank holds one expert, split over its 2 edp ranks. FSDP2 would
+    split the expert dimension (1 row over 2 ranks: one rank holding the whole expert, the other a padded copy's
+    worth of nothing); loom splits the expert's rows (`loom.parallel.data.shard_dim`): every rank stores half an
+    expert. The run equals one process."""
+    from distributed import shared_pool
+    from loom.parallel.data import shard_dim
+
+    assert shard_dim((1, 64, 32), 2) == 1 and shard_dim((8, 64, 32), 2) == 0 and shard_dim((1, 3, 32), 2) == 2
+    for rank in shared_pool(4).run(_expert_shards, str(tmp_path / "shapes")):
+        assert rank and all(local == (1, 32, 32) and stored == 32 * 32 for _, local, stored in rank), rank
+    launch(tmp_path / "run", 4, *ROUTERS["top1of2"], "parallel.dp_shard=4", "parallel.ep=2")
+    assert_same_run(tmp_path / "run", references("top1of2"))
 
 
 # --- rules ----------------------------------------------------------------------------------------

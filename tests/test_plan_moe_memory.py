@@ -324,3 +324,38 @@ def test_compiled_moe_block_matches_inductors_saved_tensors(experts, exchange, m
     expected = (compiled_layer_activation_bytes(cfg, s, b, 2, fp8 != "off")
                 + compiled_moe_activation_bytes(cfg, s * b, s * b * k, 2, E, experts, exchange, fp8 != "off"))
     assert got == pytest.approx(expected, rel=2e-3)  # the nearest paths differ by 0.28%
+
+
+def test_experts_split_over_more_ranks_than_they_have_rows_are_priced_as_loom_splits_them():
+    """Mixtral's 8 experts: under ep 8 a rank holds one, split over its 8 edp ranks; without ep the 8 are split over
+    all 64. loom's FSDP splits them along their hidden dimension (loom/parallel/data.py's `shard_dim`, tested in
+    test_moe_ep.py): no padding, one more copy per gather and reduction (2e bytes per element each). loom's
+    distributed optimizer and sharded weights split by rows (torch.chunk): a rank holds ceil(8/64) = 1 expert's rows
+    where 1/8 is its share, so the experts' state and buffers are 8 x. Megatron's flat buffers: neither."""
+    from loom.config import load_config
+    from loom.planner.hardware import load_gpu
+    from loom.planner.memory import memory
+    from loom.planner.stages import expert_row_padding, local_params, rank_shapes
+    from loom.planner.steptime import fsdp2_copy_bytes
+    from loom.planner.workload import Layout, Workload
+
+    w = Workload(model=load_config("mixtral-8x7b").model, seq_len=4096, global_batch=256, gpus=64,
+                 gpu=load_gpu("h100"))
+    fsdp_ep8 = Layout(dp=64, ep=8, micro_batch=2, recompute="full")
+    assert expert_row_padding(w, fsdp_ep8) == (1.0, True)
+    dense, experts = local_params(w, fsdp_ep8, rank_shapes(w, fsdp_ep8)[0])
+    extra = fsdp2_copy_bytes(w, fsdp_ep8, dense, experts, 2, True) - fsdp2_copy_bytes(w, fsdp_ep8, dense, experts, 2)
+    # per micro-batch (2): the experts gathered for forward and again for backward (the last layer's once) and
+    # their gradients reduced, each one more copy of 2e = 4 bytes per element (bf16)
+    z_layer, off = experts / w.model.layers, 4
+    assert extra == pytest.approx(2 * ((2 * experts - z_layer) * off + experts * off), rel=1e-9)
+
+    zero3 = Layout(dp=64, micro_batch=2, recompute="full", dp_style="zero3")
+    assert expert_row_padding(w, zero3) == (8.0, False)
+    fsdp = Layout(dp=64, micro_batch=2, recompute="full", dp_style="fsdp")
+    assert expert_row_padding(w, fsdp) == (1.0, True)
+    dense, experts = local_params(w, zero3, rank_shapes(w, zero3)[0])
+    # zero3's optimizer state per rank: (4 master + 8 moments) per element of its rows, the experts' 8 x
+    assert memory(w, zero3)["optimizer"] == pytest.approx(12 * (dense + 8 * experts) / 64, rel=1e-9)
+    mega = Workload(model=w.model, seq_len=4096, global_batch=256, gpus=64, gpu=w.gpu, framework="megatron")
+    assert expert_row_padding(mega, fsdp_ep8) == (1.0, False)

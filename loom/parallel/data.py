@@ -39,6 +39,29 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
+def shard_dim(shape: tuple[int, ...], ranks: int) -> int:
+    """The dimension FSDP splits a parameter of `shape` along over `ranks`: its rows (dim 0, FSDP2's default) unless
+    it has fewer rows than ranks, as a rank's stacked experts [E, hidden, ffn] can have (Mixtral's one expert per
+    ep rank over 8 edp ranks). FSDP2 pads dim 0 to a multiple of the ranks, so there every rank would store,
+    gather and reduce a whole expert, 8 x the bytes; split instead along the first dimension that the ranks
+    divide (FSDP2 requires even splits off dim 0), at the price of one more copy per gather and reduction
+    (FSDP2's chunk-cat), which `loom plan` counts (planner/steptime.py, `fsdp_copy_bytes`)."""
+    if len(shape) < 2 or shape[0] >= ranks:
+        return 0
+    return next((d for d in range(1, len(shape)) if shape[d] % ranks == 0), 0)
+
+
+def _placement(mesh):
+    from torch.distributed.tensor import Shard
+
+    ranks = mesh.size(mesh.ndim - 1)  # HSDP: the shard dimension of (replicate, shard)
+
+    def place(param: nn.Parameter):
+        local = param._local_tensor if hasattr(param, "_local_tensor") else param
+        return Shard(shard_dim(tuple(local.shape), ranks))
+    return place
+
+
 def apply_data_parallel(model: nn.Module, dp_mesh, compute_dtype: torch.dtype | None,
                         reshard_after_forward: bool = True, experts: tuple | None = None) -> None:
     """`experts`: (edp mesh, gradient divide factor) under expert parallelism, else None."""
@@ -52,13 +75,15 @@ def apply_data_parallel(model: nn.Module, dp_mesh, compute_dtype: torch.dtype | 
         if experts is not None:
             edp_mesh, divide = experts
             for moe in moe_layers(block):
-                fully_shard(moe.experts, mesh=edp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+                fully_shard(moe.experts, mesh=edp_mesh, mp_policy=policy, reshard_after_forward=reshard,
+                            shard_placement_fn=_placement(edp_mesh))
                 moe.experts.set_gradient_divide_factor(divide)
                 # gloo has no pre-scaled sum: sum, then divide. (Not on one rank, where FSDP 2.13 would
                 # divide twice: once copying the gradient instead of reducing it, once after.)
                 if edp_mesh.device_type == "cpu" and edp_mesh.size() > 1:
                     moe.experts.set_force_sum_reduction_for_comms(True)
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard,
+                    shard_placement_fn=_placement(dp_mesh))
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)  # the root keeps its weights from forward to backward
 
 

@@ -9,8 +9,8 @@ from loom.config import ModelConfig
 from loom.flops import layer_activation_bytes
 from loom.rules import adam_moment_bytes, grads_stay_sharded, lora_bytes_per_param
 from loom.planner.params import lora_params, model_sizes
-from loom.planner.stages import (expert_data_parallel, local_params, loom_shard_groups, priced_as_megatron, rank_shapes,
-                                 recomputed_layers)
+from loom.planner.stages import (expert_data_parallel, expert_row_padding, local_params, loom_shard_groups,
+                                 priced_as_megatron, rank_shapes, recomputed_layers)
 from loom.planner.workload import GIB, Layout, Workload
 
 CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers
@@ -255,7 +255,9 @@ def memory(w: Workload, lay: Layout) -> dict:
     z = model_sizes(w)
     dense_layer, expert_layer = z["dense_layer"], z["expert_layer"]
     # Communication buffers: two layers' gathered 16-bit weights (FSDP prefetch), or DDP/optimizer buckets.
-    buffers = 2 * 2 * (dense_layer / lay.tp + expert_layer / lay.ep) + (4 * 40e6 if lay.dp > 1 else 0)
+    pad = expert_row_padding(w, lay)[0]  # routed experts split by rows over more ranks than they have rows
+    gathered_experts = expert_layer / lay.ep * (pad if lay.dp_style == "zero3" else 1)  # zero.py gathers padded rows
+    buffers = 2 * 2 * (dense_layer / lay.tp + gathered_experts) + (4 * 40e6 if lay.dp > 1 else 0)
     if lay.dp_style == "zero3":  # loom/parallel/zero.py: in backward a unit's fp32 gradient buffers and the previous
         # unit's, being reduced (the head's first, beside the last block's); the head gathered from the loss on
         # (beyond the two prefetched blocks' weights above)
@@ -296,8 +298,10 @@ def memory(w: Workload, lay: Layout) -> dict:
         dense_group, expert_group = loom_shard_groups(lay)
         e_style = "fsdp" if lay.dp_style == "replicate" and not mega and lay.ep > 1 else lay.dp_style
         edp = expert_group if e_style == "fsdp" and not mega else expert_data_parallel(w, lay)
-        e_state = (states(experts, edp, max(1, lay.cp // lay.ep),
+        e_state = (states(experts * pad, edp, max(1, lay.cp // lay.ep),
                           e_style, sharded and dense_group > 1) if experts else (0.0, 0.0, 0.0))
+        if lay.dp_style == "distopt" and experts:  # whole weights are not padded, only the split buffers
+            e_state = (e_state[0] / pad,) + e_state[1:]
         params, grads, optim = (a + b for a, b in zip(d_state, e_state))
         if w.lora_rank:  # LoRA (no tp: loom.rules.lora_problem): frozen base, adapters as any trained weight
             frozen_b, trained_b, _ = lora_bytes_per_param(w.precision, w.state_dtype)

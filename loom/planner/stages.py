@@ -131,6 +131,31 @@ def expert_rank_stride(w: Workload, lay: Layout) -> int:
     return 1 if w.experts_over_tp(lay.tp, lay.sp, lay.ep) else lay.tp
 
 
+def expert_row_padding(w: Workload, lay: Layout) -> tuple[float, bool]:
+    """(factor, off_rows) for a rank's routed experts, stacked [E/ep, hidden, ffn] tensors, when they are split
+    over more data-parallel ranks than they have experts (Mixtral's one per rank under ep 8 over 8 edp ranks, or
+    8 over 64 ranks without ep). loom's fully_shard splits them along a dimension the ranks divide
+    (loom/parallel/data.py's `shard_dim`): no padding, but FSDP2 copies them once more per gather and reduction
+    (`off_rows`). loom's distributed optimizer and sharded weights split every parameter by rows, as torch.chunk
+    does (loom/parallel/distopt.py): a rank holds ceil(E/ep / n) experts' rows and the buffers are laid out for
+    n ranks of those, so memory and traffic of the experts scale by `factor` = ceil(E/ep / n) * n / (E/ep).
+    Megatron's flat buffers split by elements: (1, False)."""
+    cfg = w.model
+    if not cfg.moe_layers or priced_as_megatron(w, lay):
+        return 1.0, False
+    local = cfg.moe.experts // lay.ep
+    if lay.dp_style in ("distopt", "zero3"):
+        n = expert_data_parallel(w, lay) if lay.ep > 1 else lay.dp * lay.cp
+    else:
+        n = loom_shard_groups(lay)[1]
+    if local >= n:
+        return math.ceil(local / n) * n / local, False
+    ffn = cfg.moe.ffn_hidden or cfg.ffn_hidden
+    if lay.dp_style not in ("distopt", "zero3") and cfg.hidden % n == 0 and ffn % n == 0:
+        return 1.0, True
+    return n / local, False
+
+
 def loom_shard_groups(lay: Layout) -> tuple[int, int]:
     """The ranks loom's fully_shard splits a rank's dense parameters and its routed experts over
     (loom/parallel): dp x cp for the fsdp style, the cp ranks for replicate (HSDP over dp_shard_cp); under

@@ -26,8 +26,8 @@ from loom.planner.kernels import collective_time, hbm_time, members_per_node, p2
 from loom.planner.layertime import head_times, layer_times
 from loom.planner.memory import memory
 from loom.planner.params import lora_params, model_sizes
-from loom.planner.stages import (expert_data_parallel, expert_rank_stride, local_params, loom_shard_groups,
-                                 priced_as_megatron, rank_shapes, recomputed_layers)
+from loom.planner.stages import (expert_data_parallel, expert_rank_stride, expert_row_padding, local_params,
+                                 loom_shard_groups, priced_as_megatron, rank_shapes, recomputed_layers)
 from loom.planner.workload import Estimate, Layout, Workload
 
 
@@ -125,6 +125,8 @@ def step_time(w: Workload, lay: Layout) -> dict:
     # experts (E/ep per rank) are reduced over the expert-data-parallel ranks (`expert_data_parallel`: dp x cp
     # / ep of them, or tp x dp x cp / ep with experts spread over tensor-parallel ranks).
     dense, experts = max((local_params(w, lay, shape) for shape in shapes), key=sum)  # the largest rank's
+    pad, experts_off_rows = expert_row_padding(w, lay)  # routed experts split by rows over more ranks than rows
+    experts *= pad
     dp_comm = 0.0
     group = lay.dp * lay.cp  # gradients are reduced over the data-parallel ranks and their cp ranks
     egroup = expert_data_parallel(w, lay)
@@ -183,7 +185,7 @@ def step_time(w: Workload, lay: Layout) -> dict:
             step["distopt_copy"] = hbm_time(gpu, zero3_copy_bytes(w, dense + experts, m, group,
                                                                  fused_linear_params(w, lay, layers)))
         if w.fsdp2 and lay.dp_style in ("fsdp", "replicate") and not priced_as_megatron(w, lay):
-            step["fsdp_copy"] = hbm_time(gpu, fsdp2_copy_bytes(w, lay, dense, experts, m))
+            step["fsdp_copy"] = hbm_time(gpu, fsdp2_copy_bytes(w, lay, dense, experts, m, experts_off_rows))
     step["dp_comm"] = dp_comm
     # AdamW: read param, grad, two moments; write param, moments (and a 16-bit copy); over the local shard.
     if lay.dp_style == "replicate":  # loom's replicate still shards the routed experts over the edp ranks
@@ -235,7 +237,8 @@ def fused_linear_params(w: Workload, lay: Layout, layers: int) -> float:
     return layers * (attn + dense_share * mlp) / lay.tp
 
 
-def fsdp2_copy_bytes(w: Workload, lay: Layout, dense: float, experts: float, m: int) -> float:
+def fsdp2_copy_bytes(w: Workload, lay: Layout, dense: float, experts: float, m: int,
+                     experts_off_rows: bool = False) -> float:
     """Bytes torch's fully_shard (FSDP2: loom's fsdp style, and its replicate style, which is fully_shard over
     a shard group of the cp ranks) copies on the compute stream in one step, for a rank holding `dense` and
     `experts` parameters before data-parallel sharding; NCCL's collectives overlap compute, these copies do
@@ -250,7 +253,10 @@ def fsdp2_copy_bytes(w: Workload, lay: Layout, dense: float, experts: float, m: 
       micro-batch's gradients are cast to fp32 (e + 4), each later one is added in (4 + e read, 4 written),
       and the last chunk_cat copies fp32 (8).
     In fp32 (no mixed precision: a CPU's) there is no cast: an unshard is a copy (8) and gradients accumulate
-    in autograd, so only the chunk_cat (8) per reduction is FSDP's. Shard groups: `loom_shard_groups`."""
+    in autograd, so only the chunk_cat (8) per reduction is FSDP's. Shard groups: `loom_shard_groups`.
+    `experts_off_rows` (`expert_row_padding`): the routed experts are split along a dimension other than their
+    rows, which FSDP2 copies once more each way (a temporary, then torch.cat into the parameter after each
+    gather; torch.cat of the gradient's chunks before each reduction): 2e more per element each."""
     cfg = w.model
     e = 4 if w.precision == "fp32" else 2
     shard_dense, shard_experts = loom_shard_groups(lay)
@@ -258,15 +264,19 @@ def fsdp2_copy_bytes(w: Workload, lay: Layout, dense: float, experts: float, m: 
     def unshard(n: int) -> float:
         return 2 * e if n > 1 or e == 4 else 4 + 3 * e
 
-    once = dense * unshard(shard_dense) + experts * unshard(shard_experts)
+    off = 2 * e if experts_off_rows else 0.0
+    once = dense * unshard(shard_dense) + experts * (unshard(shard_experts) + off)
     if lay.pp > 1:
         gathers = once
     else:
         z = model_sizes(w)
         root = (z["total"] - z["experts"] - cfg.layers * z["dense_layer"]) / lay.tp
-        single = (root + z["dense_layer"] / lay.tp) * unshard(shard_dense) + z["expert_layer"] / lay.ep * unshard(shard_experts)
+        single = ((root + z["dense_layer"] / lay.tp) * unshard(shard_dense)
+                  + z["expert_layer"] / lay.ep * (unshard(shard_experts) + off))
         gathers = m * (2 * once - single)
     local = dense + experts
+    reduced = m if shard_dense > 1 and grads_stay_sharded(w.grad_accum, lay.pp, m) else 1
+    gathers += reduced * experts * off  # (the gradients' extra copy, with the reductions)
     if shard_dense > 1 and grads_stay_sharded(w.grad_accum, lay.pp, m):
         reduces = m * local * (e + 4)
     elif e == 4:
