@@ -113,6 +113,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dtype = _matmul_dtype(h, weight)
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.dtypes = (h.dtype, weight.dtype)
+        # The distributed optimizer's fp32 rows of the weight's gradient (loom/parallel/headgrad.py): this forward's
+        # products go straight there when they hold none of the step's gradient yet (`fused`).
+        ctx.into = getattr(weight, "_loom_grad_into", None) if want_w else None
+        fused = ctx.into is not None and h.shape[0] > 0 and ctx.into.start(ctx)
+        ctx.fused = fused
         with _autocast_off(h.device):
             w = weight.to(dtype)
             w_t = w.t()
@@ -135,7 +140,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 del e
                 if want_h:
                     torch.mm(grad, w, out=grad_h[i:i + chunk_tokens])
-                if want_w:
+                if want_w and fused:
+                    ctx.into.add(grad.t(), hc, first=i == 0)
+                elif want_w:
                     grad_w = _fp32_mm(grad.t(), hc, out=grad_w)
                 del grad
         # What backward needs is these two gradients (the inputs are not kept): autograd's saved tensors,
@@ -146,10 +153,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         # Scaled in place (no second copy of the fp32 weight gradient): a second backward through the same
-        # graph (retain_graph) is refused by autograd's in-place check.
+        # graph (retain_graph) is refused by autograd's in-place check (the fused head's rows: by `finish`).
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
         dh = grad_h.to(h_dtype).mul_(grad_output) if grad_h is not None else None
+        if ctx.into is not None:  # the weight's gradient goes into the optimizer's buffer, not to autograd
+            if ctx.fused:
+                ctx.into.finish(ctx, grad_output)
+            elif grad_w is not None:
+                ctx.into.add_scaled(grad_w.mul_(grad_output))
+            return dh, None, None, None
         dw = grad_w.mul_(grad_output).to(w_dtype) if grad_w is not None else None
         return dh, dw, None, None
 

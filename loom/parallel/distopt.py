@@ -267,6 +267,9 @@ class DistributedOptimizer:
             part._loom_distopt = self
         self.fused_gemm = fused_out_dtype_works(device)
         self.fused_linears = self._fuse_linears(parts) if cfg.parallel.distopt_fused_wgrad else 0
+        from loom.parallel.headgrad import attach_head  # the chunked loss's head gradient into the buffer
+
+        self.head_grad = attach_head(self, parts) if cfg.parallel.distopt_fused_wgrad else None
 
     # -- backward ------------------------------------------------------------------------------------------
 
