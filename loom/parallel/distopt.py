@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from loom.config import Config
+from loom.parallel.headgrad import attach_head
 
 BUCKET_ELEMENTS = 32 << 20  # parameters per gradient bucket (fp32: 128 MiB of buffer); one larger tensor alone
 
@@ -267,8 +268,7 @@ class DistributedOptimizer:
             part._loom_distopt = self
         self.fused_gemm = fused_out_dtype_works(device)
         self.fused_linears = self._fuse_linears(parts) if cfg.parallel.distopt_fused_wgrad else 0
-        from loom.parallel.headgrad import attach_head  # the chunked loss's head gradient into the buffer
-
+        # The chunked loss's untied LM head: its weight gradient written into the buffer (loom/parallel/headgrad.py)
         self.head_grad = attach_head(self, parts) if cfg.parallel.distopt_fused_wgrad else None
 
     # -- backward ------------------------------------------------------------------------------------------

@@ -26,8 +26,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from loom.parallel.distopt import _matching
-
 
 class HeadGrad:
     """The LM head weight's fp32 gradient rows in a `DistributedOptimizer`'s buffer, as the chunked loss writes
@@ -108,10 +106,10 @@ class HeadGrad:
         if not self._runs():
             return
         self.added += 1
-        slot = self.slot
-        for dst, src in _matching(self.opt._grad_buffer(self.bucket), grad.reshape(-1), slot):
-            dst.add_(src) if slot.filled else dst.copy_(src)
-        self.opt._arrived(self.bucket, slot)
+        for start, seg in self._rows():
+            src = grad[start:start + seg.shape[0]]
+            seg.add_(src) if self.slot.filled else seg.copy_(src)
+        self.opt._arrived(self.bucket, self.slot)
 
 
 def attach_head(opt, parts: list[nn.Module]) -> HeadGrad | None:
