@@ -18,7 +18,12 @@ vocabulary: 4 GiB per 8k tokens at vocabulary 128k) never exist. As fused linear
 its forward also computes the gradients of the hidden states and the head weight, chunk by chunk, and
 backward only scales them (`chunked_token_loss_sum`): the head's matmuls are the plain loss's three, none
 recomputed; what stays alive from forward to backward is the hidden states' gradient and an fp32 copy of
-the head weight's.
+the head weight's. Where the distributed optimizer holds an untied head (`parallel.distributed_optimizer`,
+with `distopt_fused_wgrad`), that copy is its fp32 gradient buffer: the weight's `_loom_grad_into`
+(loom/parallel/headgrad.py) takes each chunk's product straight into the weight's rows there, backward scales
+them in place and autograd gets no weight gradient (with sharded weights every micro-batch; with whole weights
+a step's first, whose rows hold nothing yet: later micro-batches keep their own fp32 copy, added into the
+buffer in backward). Tied heads, FSDP and one process keep the copy and return the gradient to autograd.
 """
 
 from __future__ import annotations
@@ -177,7 +182,9 @@ def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     fp32 logits, the hidden states' gradient (stored per chunk into one tensor the shape of `hidden`) and
     the weight's gradient (accumulated in fp32). Backward only scales the two by grad_output: nothing is
     recomputed, the head's matmuls are the plain loss's three. Alive: one chunk's fp32 logits (and their
-    16-bit copy), then until backward the hidden states' gradient and an fp32 copy of the weight's.
+    16-bit copy), then until backward the hidden states' gradient and an fp32 copy of the weight's, or, where
+    the weight has a `_loom_grad_into` (the distributed optimizer's, loom/parallel/headgrad.py), its rows of the
+    optimizer's fp32 gradient buffer instead (backward scales them there and returns no weight gradient).
     """
     h, y = hidden.flatten(0, 1), targets.flatten()
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
