@@ -44,7 +44,8 @@ def _run(tmp, overrides, steps=3, save_at=0, resume=False):
             "fsdp": any(isinstance(m, FSDPModule) for m in trainer.model.modules()),
             "dtype": str(next(trainer.model.parameters()).dtype), "weights": weights,
             "grads_kept": sum(p.grad is not None for p in trainer.model.parameters()),
-            "threads": torch.get_num_threads(), "fused_linears": getattr(opt, "fused_linears", 0)}
+            "threads": torch.get_num_threads(), "fused_linears": getattr(opt, "fused_linears", 0),
+            "head": (head.fusions, head.added) if (head := getattr(opt, "head_grad", None)) else None}
 
 
 @pytest.fixture(scope="module")
@@ -264,3 +265,79 @@ def test_pipeline_stages_reduce_each_bucket_once_its_last_micro_batch_filled_it(
     layout = ["parallel.pp=2", "parallel.dp_shard=2", "model.tie_embeddings=false", "parallel.distributed_optimizer=true"]
     for got in shared_pool(4).run(_reduced_during_backward, str(tmp_path), layout):
         assert got["buckets"] > 0 and got["started"] == got["buckets"], got
+
+
+CHUNKED = ["model.tie_embeddings=false", "train.loss_chunk=16"]  # 4 chunks of a micro-batch's 64 tokens
+
+
+def test_chunked_loss_writes_the_head_gradient_into_the_buffer(tmp_path):
+    """train.loss_chunk with an untied head (loom/parallel/headgrad.py): a step's first micro-batch writes each
+    chunk's head-gradient product straight into the optimizer's fp32 buffer, the second (two per rank: gradient
+    accumulation) adds its fp32 accumulator scaled in backward; no `.grad` either way. The same losses and norms as
+    one process and as the unfused path (the hook adding the head's `.grad`)."""
+    one = _run(str(tmp_path / "one"), CHUNKED, 2)
+    layout = CHUNKED + ["parallel.dp_shard=2", "parallel.distributed_optimizer=true"]
+    pool = shared_pool(2)
+    fused = pool.run(_run, str(tmp_path / "fused"), layout, 2)
+    plain = pool.run(_run, str(tmp_path / "plain"), layout + ["parallel.distopt_fused_wgrad=false"], 2)
+    for got, ref in zip(fused, plain):
+        assert got["head"] == (2, 2) and ref["head"] is None  # per step: one micro-batch fused, one added
+        assert got["grads_kept"] == 0
+        for run in (got, ref):
+            _close(run["losses"], one["losses"])
+            _close(run["norms"], one["norms"])
+        _close(got["norms"], ref["norms"], rel=1e-6)
+
+
+def test_head_gradient_rows_in_a_rank_major_buffer_one_process():
+    """loom/parallel/headgrad.py alone, on a stand-in optimizer: the chunked loss's head gradient lands in rank-major
+    rows (7 vocabulary rows over 2 ranks: 4 and 3) equal to autograd's, scaled by grad_output; a step's second
+    micro-batch adds its accumulator; a second loss before the first one's backward, and a second backward, are
+    refused; a backward for the inputs only leaves the slot unfilled."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from loom.models.losses import chunked_token_loss_sum
+    from loom.parallel.distopt import _Bucket, _matching, _Slot
+    from loom.parallel.headgrad import HeadGrad
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(7, 5))
+    h = torch.randn(2, 6, 5, requires_grad=True)
+    y = torch.randint(0, 7, (2, 6))
+    y[0, 1] = -100
+    slot = _Slot(weight, "output.weight", 7, 5, 4, 3, 1)  # columns 3.. of the buffer's rows
+    bucket = _Bucket([slot], 3 + 20, SimpleNamespace(n=2, experts=False))
+    arrived = []
+    opt = SimpleNamespace(PER_PARAM=False, fused_gemm=False, _grad_buffer=lambda b: buf,
+                          _arrived=lambda b, s: (arrived.append(s), setattr(s, "filled", True)))
+    buf = torch.full((2, 23), float("nan"))
+    node = weight.view_as(weight).grad_fn.next_functions[0][0]
+    weight._loom_grad_into = into = HeadGrad(opt, bucket, slot, node)
+
+    def rows():  # the weight's gradient as the buffer holds it
+        out = torch.empty(35)
+        for dst, src in _matching(buf, out, slot):
+            src.copy_(dst)
+        return out.view(7, 5)
+
+    reference = torch.nn.Parameter(weight.detach().clone())  # no `_loom_grad_into`: autograd's path
+    (chunked_token_loss_sum(h, reference, y, 4) * 0.25).backward()
+    want = h.grad
+    loss = chunked_token_loss_sum(h, weight, y, 4)
+    with pytest.raises(RuntimeError, match="second chunked loss"):
+        chunked_token_loss_sum(h, weight, y, 4)
+    h.grad = None
+    (loss * 0.25).backward()
+    assert weight.grad is None and into.fusions == 1 and len(arrived) == 1
+    assert torch.allclose(h.grad, want) and torch.allclose(rows(), reference.grad, atol=1e-6)
+    (chunked_token_loss_sum(h, weight, y, 4) * 0.25).backward()  # filled: the accumulator, added
+    assert into.added == 1 and torch.allclose(rows(), 2 * reference.grad, atol=1e-6)
+    slot.filled = False
+    torch.autograd.grad(chunked_token_loss_sum(h, weight, y, 4), [h])  # inputs only: nothing arrives
+    assert into.fusions == 2 and len(arrived) == 2 and not slot.filled and into.pending is None
+    loss = chunked_token_loss_sum(h.detach(), weight, y, 4)  # no hidden-state gradient to guard it
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()

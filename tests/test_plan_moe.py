@@ -186,6 +186,30 @@ def test_loss_chunk_auto_prices_what_loom_runs_by_default(tmp_path):
     assert bad.returncode == 2 and "--loss-chunk=-5 must be an integer >= 0" in bad.stderr
 
 
+def test_loss_chunk_head_gradient_in_the_distributed_optimizers_buffer_is_not_counted_twice():
+    """loom/parallel/headgrad.py: with an untied head the distributed optimizer takes the chunked loss's head-weight
+    gradient straight into its fp32 buffer (already in `grads` for distopt, `buffers` for zero3), so the logits
+    term holds no fp32 copy of it: every micro-batch under zero3, a step's only one under distopt (later ones keep
+    the copy); a tied head keeps it everywhere."""
+    import dataclasses
+
+    cfg = load_config("llama3-8b").model
+    assert not cfg.tie_embeddings
+    head = 4 * cfg.vocab_size * cfg.hidden
+
+    def logits(model, style, global_batch):
+        w = Workload(model, 4096, global_batch, 8, H100, loss_chunk=1024)
+        return memory(w, Layout(dp=8, micro_batch=1, dp_style=style, recompute="full"))["logits"]
+
+    for batch, micro in ((8, 1), (32, 4)):
+        fsdp = logits(cfg, "fsdp", batch)
+        assert fsdp - logits(cfg, "zero3", batch) == pytest.approx(head, rel=1e-9), micro
+        assert fsdp - logits(cfg, "distopt", batch) == pytest.approx(head if micro == 1 else 0, abs=1), micro
+    tied = dataclasses.replace(cfg, tie_embeddings=True)
+    for style in ("zero3", "distopt"):
+        assert logits(tied, style, 8) == pytest.approx(logits(tied, "fsdp", 8), rel=1e-9)
+
+
 def test_loss_chunk_keeps_one_chunk_of_logits_and_no_extra_head_forward():
     """loom's chunked loss computes the head's gradients in forward: one chunk's fp32 logits and their bf16
     gradient alive, the hidden states' gradient and an fp32 head-weight gradient kept until backward; the

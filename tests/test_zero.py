@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from distributed import shared_pool
-from test_distopt import MOE, MODEL, _close, _run, _run_compiled
+from test_distopt import CHUNKED, MOE, MODEL, _close, _run, _run_compiled
 
 UNTIED = ["model.tie_embeddings=false"]
 SHARDED = ["parallel.distributed_optimizer=true", "parallel.distopt_shard_weights=true"]
@@ -180,6 +180,30 @@ def test_moe_layers(tmp_path):
     for got in shared_pool(2).run(_run, str(tmp_path / "two"), model + ["parallel.dp_shard=2", *SHARDED], 2):
         _close(got["losses"], one["losses"])
         _close(got["norms"], one["norms"])
+
+
+def test_chunked_loss_writes_the_head_gradient_into_each_micro_batchs_buffer(tmp_path):
+    """train.loss_chunk with an untied head (loom/parallel/headgrad.py): every micro-batch's buffer is fresh, so
+    each (two per rank: gradient accumulation) writes its chunks' head-gradient products straight into it; none
+    keeps an fp32 accumulator. The same losses and norms as one process and as the unfused path."""
+    one = _run(str(tmp_path / "one"), CHUNKED, 2)
+    layout = CHUNKED + ["parallel.dp_shard=2", *SHARDED]
+    pool = shared_pool(2)
+    fused = pool.run(_run, str(tmp_path / "fused"), layout, 2)
+    plain = pool.run(_run, str(tmp_path / "plain"), layout + ["parallel.distopt_fused_wgrad=false"], 2)
+    for got, ref in zip(fused, plain):
+        assert got["head"] == (4, 0) and ref["head"] is None  # 2 steps x 2 micro-batches, all fused
+        assert got["grads_kept"] == 0
+        for run in (got, ref):
+            _close(run["losses"], one["losses"])
+            _close(run["norms"], one["norms"])
+        _close(got["norms"], ref["norms"], rel=1e-6)
+
+
+def test_a_tied_head_is_not_fused(tmp_path):
+    """The tied embedding's other gradient arrives through autograd: its head keeps the unfused path."""
+    for got in shared_pool(2).run(_run, str(tmp_path), ["train.loss_chunk=16", "parallel.dp_shard=2", *SHARDED], 1):
+        assert got["head"] is None
 
 
 def test_tied_embeddings(tmp_path):

@@ -42,7 +42,8 @@ class ParallelConfig(Section):
     distributed_optimizer: bool = False
     # With it: the blocks' linear layers add their weight gradients straight into its fp32 buffer from the
     # backward's product (on CUDA inside the GEMM: Megatron's gradient-accumulation fusion), not via a 16-bit
-    # gradient copied in afterwards.
+    # gradient copied in afterwards; so does the chunked loss (train.loss_chunk) for an untied LM head, from its
+    # forward's products (loom/parallel/headgrad.py).
     distopt_fused_wgrad: bool = True
     # With it: each rank keeps only its rows of the weights too (ZeRO-3, loom/parallel/zero.py): a unit's weights
     # are all-gathered straight into the parameters before it runs and released after, with none of FSDP2's

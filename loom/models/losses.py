@@ -18,7 +18,12 @@ vocabulary: 4 GiB per 8k tokens at vocabulary 128k) never exist. As fused linear
 its forward also computes the gradients of the hidden states and the head weight, chunk by chunk, and
 backward only scales them (`chunked_token_loss_sum`): the head's matmuls are the plain loss's three, none
 recomputed; what stays alive from forward to backward is the hidden states' gradient and an fp32 copy of
-the head weight's.
+the head weight's. Where the distributed optimizer holds an untied head (`parallel.distributed_optimizer`,
+with `distopt_fused_wgrad`), that copy is its fp32 gradient buffer: the weight's `_loom_grad_into`
+(loom/parallel/headgrad.py) takes each chunk's product straight into the weight's rows there, backward scales
+them in place and autograd gets no weight gradient (with sharded weights every micro-batch; with whole weights
+a step's first, whose rows hold nothing yet: later micro-batches keep their own fp32 copy, added into the
+buffer in backward). Tied heads, FSDP and one process keep the copy and return the gradient to autograd.
 """
 
 from __future__ import annotations
@@ -113,6 +118,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dtype = _matmul_dtype(h, weight)
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.dtypes = (h.dtype, weight.dtype)
+        # The distributed optimizer's fp32 rows of the weight's gradient (loom/parallel/headgrad.py): this forward's
+        # products go straight there when they hold none of the step's gradient yet (`fused`).
+        ctx.into = getattr(weight, "_loom_grad_into", None) if want_w else None
+        fused = ctx.into is not None and h.shape[0] > 0 and ctx.into.start(ctx)
+        ctx.fused = fused
         with _autocast_off(h.device):
             w = weight.to(dtype)
             w_t = w.t()
@@ -135,7 +145,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 del e
                 if want_h:
                     torch.mm(grad, w, out=grad_h[i:i + chunk_tokens])
-                if want_w:
+                if want_w and fused:
+                    ctx.into.add(grad.t(), hc, first=i == 0)
+                elif want_w:
                     grad_w = _fp32_mm(grad.t(), hc, out=grad_w)
                 del grad
         # What backward needs is these two gradients (the inputs are not kept): autograd's saved tensors,
@@ -146,10 +158,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         # Scaled in place (no second copy of the fp32 weight gradient): a second backward through the same
-        # graph (retain_graph) is refused by autograd's in-place check.
+        # graph (retain_graph) is refused by autograd's in-place check (the fused head's rows: by `finish`).
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
         dh = grad_h.to(h_dtype).mul_(grad_output) if grad_h is not None else None
+        if ctx.into is not None:  # the weight's gradient goes into the optimizer's buffer, not to autograd
+            if ctx.fused:
+                ctx.into.finish(ctx, grad_output)
+            elif grad_w is not None:
+                ctx.into.add_scaled(grad_w.mul_(grad_output))
+            return dh, None, None, None
         dw = grad_w.mul_(grad_output).to(w_dtype) if grad_w is not None else None
         return dh, dw, None, None
 
@@ -164,7 +182,9 @@ def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     fp32 logits, the hidden states' gradient (stored per chunk into one tensor the shape of `hidden`) and
     the weight's gradient (accumulated in fp32). Backward only scales the two by grad_output: nothing is
     recomputed, the head's matmuls are the plain loss's three. Alive: one chunk's fp32 logits (and their
-    16-bit copy), then until backward the hidden states' gradient and an fp32 copy of the weight's.
+    16-bit copy), then until backward the hidden states' gradient and an fp32 copy of the weight's, or, where
+    the weight has a `_loom_grad_into` (the distributed optimizer's, loom/parallel/headgrad.py), its rows of the
+    optimizer's fp32 gradient buffer instead (backward scales them there and returns no weight gradient).
     """
     h, y = hidden.flatten(0, 1), targets.flatten()
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):

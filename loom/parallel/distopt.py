@@ -9,7 +9,10 @@ shard over). What FSDP2 does per micro-batch, this does once per step:
   copies");
 - each parameter's gradient is added, as autograd produces it, into a contiguous fp32 gradient buffer (a
   post-accumulate hook; the bf16 `.grad` is dropped at once), so gradients accumulate over micro-batches in
-  fp32 with no per-micro-batch collective;
+  fp32 with no per-micro-batch collective; with `distopt_fused_wgrad` (the default) the blocks' linear layers
+  write their weight gradients there from their backward's product (`_LinearIntoBuffer`), and the chunked loss
+  (`train.loss_chunk`) an untied LM head's from its forward's, on a step's first micro-batch (later ones add its
+  fp32 copy in backward; loom/parallel/headgrad.py), with no 16-bit `.grad`;
 - on the last micro-batch each bucket of the buffer is reduce-scattered as soon as its parameters' gradients
   are complete (overlapping the rest of backward), leaving each rank the fp32 sum of its rows;
 - the optimizer updates the rank's rows of the fp32 master weights; the new weights are cast to the compute
@@ -42,6 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from loom.config import Config
+from loom.parallel.headgrad import attach_head
 
 BUCKET_ELEMENTS = 32 << 20  # parameters per gradient bucket (fp32: 128 MiB of buffer); one larger tensor alone
 
@@ -284,6 +288,8 @@ class DistributedOptimizer:
             part._loom_distopt = self
         self.fused_gemm = fused_out_dtype_works(device)
         self.fused_linears = self._fuse_linears(parts) if cfg.parallel.distopt_fused_wgrad else 0
+        # The chunked loss's untied LM head: its weight gradient written into the buffer (loom/parallel/headgrad.py)
+        self.head_grad = attach_head(self, parts) if cfg.parallel.distopt_fused_wgrad else None
 
     # -- backward ------------------------------------------------------------------------------------------
 

@@ -10,8 +10,9 @@ the rank's rows of each weight, in the compute dtype, and gathers a unit's weigh
   flat buffer of all the unit's parameters and copies each one out (`split_with_sizes_copy`), twice per
   micro-batch;
 - a weight's gradient lands in an fp32 buffer laid out the same way (on CUDA written by the backward's GEMM
-  itself, `out_dtype`; the linear layers' gradient-accumulation fusion of distopt.py in one product), which is
-  reduce-scattered as is, with no `chunk_cat` into a flat reduce buffer and no cast; each rank adds its summed
+  itself, `out_dtype`; the linear layers' gradient-accumulation fusion of distopt.py in one product; the chunked
+  loss's untied LM head straight from its forward's chunk products, every micro-batch, as its buffer is fresh:
+  loom/parallel/headgrad.py), which is reduce-scattered as is, with no `chunk_cat` into a flat reduce buffer and no cast; each rank adds its summed
   rows into its fp32 gradient shard (1/n of the elements) and the buffer is freed at once;
 - the optimizer updates the fp32 master rows (distopt.py) and casts them into the rank's compute-dtype rows;
   checkpoints are distopt's (FSDP's DTensors), so runs resume in any layout.

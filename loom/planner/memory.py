@@ -322,8 +322,13 @@ def memory(w: Workload, lay: Layout) -> dict:
             # gradient in place on them) and its 16-bit gradient, then from forward to backward the hidden
             # states' gradient and an fp32 copy of the head weight's
             v = cfg.vocab_size / lay.tp
-            logits = (alive * v * (4 + (act_bytes if act_bytes < 4 else 0)) + tokens * cfg.hidden * act_bytes
-                      + v * cfg.hidden * 4)
+            logits = alive * v * (4 + (act_bytes if act_bytes < 4 else 0)) + tokens * cfg.hidden * act_bytes
+            # ... unless the distributed optimizer takes the untied head's gradient straight into its fp32 buffer
+            # (loom/parallel/headgrad.py), counted in `grads` (distopt) or `buffers` (zero3): zero3 every
+            # micro-batch, distopt only a step's first (later ones keep the fp32 copy until backward)
+            into_buffer = not cfg.tie_embeddings and (lay.dp_style == "zero3" or (lay.dp_style == "distopt" and m == 1))
+            if not into_buffer:
+                logits += v * cfg.hidden * 4
         # Transformer Engine keeps each linear weight's fp8 cast and its transpose from the first
         # micro-batch to the last (its weight workspace cache): 2 bytes per linear weight on the rank.
         fp8_weights = (2 * shape.layers * (z["linear_layer"] / lay.tp + expert_layer / lay.ep)) if mega and fp8 else 0.0
