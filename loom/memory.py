@@ -22,7 +22,7 @@ from loom.build import build_in_layout, tensor_parallel, torch_dtype, whole
 from loom.config import Config
 from loom.ledger import SavedTensorLedger
 from loom.models.losses import token_loss_sum
-from loom.rules import adam_moment_bytes, experts_span_tp, grads_stay_sharded
+from loom.rules import adam_moment_bytes, experts_span_tp, grads_stay_sharded, zero3_keeps_compute_rows
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -197,10 +197,13 @@ def state_bytes(cfg: Config, layout=None) -> dict:
     sharded = grads_stay_sharded(p.grad_accum, p.pp, micro_batches)
     weight_bytes = 4 if torch_dtype(cfg) == torch.float32 else torch_dtype(cfg).itemsize
     if p.distributed_optimizer and p.distopt_shard_weights:  # loom/parallel/zero.py: every state split by rows
-        return {"params_total": total, "params_trained": trained, "params_bytes": per_rank * weight_bytes,
+        # the fp32 master rows are the weights' only copy (each gather casts them afresh), as FSDP's, unless a
+        # compute-dtype copy is kept (past 8 micro-batches a step: loom.rules.zero3_keeps_compute_rows)
+        kept = weight_bytes if weight_bytes < 4 and zero3_keeps_compute_rows(micro_batches) else 0
+        return {"params_total": total, "params_trained": trained, "params_bytes": per_rank * (4 + kept),
                 "trained_params_per_rank": per_rank, "grads_bytes": per_rank * 4,
                 "grad_accum": "sharded every micro-batch (sharded weights)",
-                "optimizer_bytes": per_rank * (4 + moment_bytes)}  # fp32 master rows + moments
+                "optimizer_bytes": per_rank * moment_bytes}  # moments
     if p.distributed_optimizer:  # loom/parallel/distopt.py: weights and fp32 gradients whole on every dp rank
         whole = per_rank * shard
         return {"params_total": total, "params_trained": trained, "params_bytes": whole * weight_bytes,

@@ -27,12 +27,19 @@ def _held(tmp, overrides):
     from loom.config import load_config
     from loom.train.trainer import Trainer
 
+    import torch
+
     trainer = Trainer(load_config("tiny", MODEL + ["train.steps=1", *overrides]), Path(tmp) / "run", quiet=True)
     trainer.train_step()
     opt = trainer.optimizer
     released = {p.untyped_storage().nbytes() for p in trainer.model.parameters()}
     out = {"gathered": opt.gathered_units(), "released_bytes": released,
-           "rows": sum(b.wshard.numel() for b in opt.buckets),
+           "rows": sum(b.master.numel() for b in opt.buckets),
+           "kept_copies": sum(getattr(b, "source", None) is not None for b in opt.buckets),
+           # bytes of every tensor a bucket holds between steps but its released gather output: the fp32 master rows
+           # and gradient rows (8 bytes a row element), and nothing else (no compute-dtype copy of the rows)
+           "kept_bytes": sum(t.untyped_storage().nbytes() for b in opt.buckets for k, t in vars(b).items()
+                             if torch.is_tensor(t) and k != "full"),
            "params": sum(p.numel() for p in trainer.model.parameters()),
            "units": [u.name for u in opt.units]}
     opt.gather_all()
@@ -50,9 +57,32 @@ def test_sharded_weights_equal_one_process_and_are_released_between_steps(single
     for held in pool.run(_held, str(tmp_path / "b"), UNTIED + ["parallel.dp_shard=2", *SHARDED]):
         assert held["gathered"] == [] and held["released_bytes"] == {0}  # nothing whole between steps
         assert held["units"] == ["embed", "layers.0", "layers.1", "head"]
-        # each rank's compute-dtype rows: half of every weight (rows rounded up as torch.chunk splits them)
-        assert held["params"] / 2 <= held["rows"] <= held["params"] / 2 + 600
+        # each rank's master rows: half of every weight (rows rounded up as torch.chunk splits them), and no
+        # compute-dtype copy of them kept between gathers
+        assert held["params"] / 2 <= held["rows"] <= held["params"] / 2 + 600 and held["kept_copies"] == 0
         assert held["views"]  # gathered, each parameter's storage is its all-gather output
+
+
+def test_bf16_gathers_cast_the_master_rows_as_fsdp_casts_its_shards(tmp_path):
+    """train.dtype=bfloat16: each gather sends the fp32 master rows cast to bf16 (FSDP2 casts its fp32 shards the
+    same way per block): the losses equal FSDP's to bf16's precision, the parameters are bf16, and between steps
+    no rank keeps a bf16 copy of its rows."""
+    bf16 = UNTIED + ["parallel.dp_shard=2", "train.dtype=bfloat16"]
+    pool = shared_pool(2)
+    fsdp = pool.run(_run, str(tmp_path / "fsdp"), bf16)
+    ours = pool.run(_run, str(tmp_path / "ours"), bf16 + SHARDED)
+    assert ours[0]["dtype"] == "torch.bfloat16"
+    _close(ours[0]["losses"], fsdp[0]["losses"], rel=2e-3)
+    for held in pool.run(_held, str(tmp_path / "held"), bf16 + SHARDED):
+        assert held["kept_copies"] == 0 and held["released_bytes"] == {0} and held["kept_bytes"] == 8 * held["rows"]
+    # Past 8 micro-batches a step (10 here) the bf16 rows are cast once after the step and kept: 2 bytes more
+    # (loom.rules.zero3_keeps_compute_rows, which the planner and `loom memory` price the same way)
+    many = bf16 + SHARDED + ["train.global_batch=40"]
+    for held in pool.run(_held, str(tmp_path / "many"), many):
+        assert held["kept_bytes"] == 10 * held["rows"]
+    kept = pool.run(_run, str(tmp_path / "kept"), many, 2)
+    as_fsdp = pool.run(_run, str(tmp_path / "fsdp40"), bf16 + ["train.global_batch=40"], 2)
+    _close(kept[0]["losses"], as_fsdp[0]["losses"], rel=2e-3)
 
 
 def _copied_bytes(tmp, overrides):
@@ -247,8 +277,8 @@ def test_recipes_that_run_the_model_twice_per_backward_are_refused():
 
 def test_loom_memory_and_the_planner_price_its_state_alike():
     """Bytes per rank of `dp_style=zero3` as the planner writes it (parallel.distopt_shard_weights=true): `loom
-    memory`'s count and the planner's formula agree: bf16 rows, fp32 gradient rows, master rows and moments,
-    everything split over dp x cp."""
+    memory`'s count and the planner's formula agree: fp32 master rows (no compute-dtype copy), fp32 gradient rows
+    and moments, everything split over dp x cp: FSDP's bytes."""
     from loom.config import load_config
     from loom.memory import state_bytes
     from loom.planner.hardware import load_gpu
@@ -262,8 +292,8 @@ def test_loom_memory_and_the_planner_price_its_state_alike():
     assert cfg.parallel.distributed_optimizer and cfg.parallel.distopt_shard_weights
     counted, priced = state_bytes(cfg), memory(w, lay)
     rows = counted["params_total"] / 4
-    for ours, theirs, expect in (("params_bytes", "params", 2 * rows), ("grads_bytes", "grads", 4 * rows),
-                                 ("optimizer_bytes", "optimizer", 12 * rows)):
+    for ours, theirs, expect in (("params_bytes", "params", 4 * rows), ("grads_bytes", "grads", 4 * rows),
+                                 ("optimizer_bytes", "optimizer", 8 * rows)):
         assert counted[ours] == pytest.approx(priced[theirs], rel=1e-6) == pytest.approx(expect, rel=1e-6), ours
 
 

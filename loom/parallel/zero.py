@@ -1,7 +1,7 @@
 """Sharded weights for the distributed optimizer (`parallel.distopt_shard_weights=true`): ZeRO-3 without copies.
 
 The distributed optimizer (distopt.py) keeps every weight whole on every data-parallel rank. This keeps only
-the rank's rows of each weight, in the compute dtype, and gathers a unit's weights just before the unit runs
+the rank's fp32 master rows of each weight, and gathers a unit's weights just before the unit runs
 (the embedding, each transformer block, the final norm with the head), as FSDP does, but without FSDP2's copies:
 
 - every parameter is its own bucket, so the rank-major all-gather output of its rows IS the parameter: the
@@ -12,10 +12,15 @@ the rank's rows of each weight, in the compute dtype, and gathers a unit's weigh
 - a weight's gradient lands in an fp32 buffer laid out the same way (on CUDA written by the backward's GEMM
   itself, `out_dtype`; the linear layers' gradient-accumulation fusion of distopt.py in one product; the chunked
   loss's untied LM head straight from its forward's chunk products, every micro-batch, as its buffer is fresh:
-  loom/parallel/headgrad.py), which is reduce-scattered as is, with no `chunk_cat` into a flat reduce buffer and no cast; each rank adds its summed
-  rows into its fp32 gradient shard (1/n of the elements) and the buffer is freed at once;
-- the optimizer updates the fp32 master rows (distopt.py) and casts them into the rank's compute-dtype rows;
-  checkpoints are distopt's (FSDP's DTensors), so runs resume in any layout.
+  loom/parallel/headgrad.py), which is reduce-scattered as is, with no `chunk_cat` into a flat reduce buffer and
+  no cast; each rank adds its summed rows into its fp32 gradient shard (1/n of the elements) and the buffer is
+  freed at once;
+- the optimizer updates the fp32 master rows (distopt.py); each gather casts them to the compute dtype into a
+  temporary that lives until the gather completes (one cast of 1/n of the unit per gather), so no rank keeps a
+  compute-dtype copy of its rows: per parameter (4 + 4 + moments) / n bytes, FSDP's. With more than 8
+  micro-batches per step the rows are cast once after the step and kept instead (2 bytes / n more, fewer casts:
+  `loom.rules.zero3_keeps_compute_rows`); checkpoints are distopt's (FSDP's DTensors), so runs resume in any
+  layout.
 
 Prefetch: a unit's forward starts the next unit's all-gather, a block's backward the previous block's, so on a
 GPU the collectives run beside the compute (NCCL's stream); a CPU's gloo runs them as they come. At most two
@@ -56,8 +61,12 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     PER_PARAM = True
 
     def __init__(self, parts: list[nn.Module], cfg, layout, compute_dtype, make_optimizer, seed: int | None = None):
+        from loom.rules import zero3_keeps_compute_rows
+
         self._set_up = False
         self._pending: deque[_Bucket] = deque()  # reductions in flight, in the order they started
+        micro_batches = cfg.train.global_batch // (layout.dp_size * cfg.train.micro_batch)
+        self.keep_rows = zero3_keeps_compute_rows(micro_batches) and compute_dtype not in (None, torch.float32)
         super().__init__(parts, cfg, layout, compute_dtype, make_optimizer, seed)
         model = parts[0]
         by_param = {id(b.slots[0].param): b for b in self.buckets}
@@ -91,12 +100,13 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     @torch.no_grad()
     def _gather_weights(self) -> None:
-        """After the optimizer's update (and once at set-up): the rank's rows in the compute dtype; gathered
-        weights are stale, so every unit is released and gathers again when it next runs."""
+        """After the optimizer's update (and once at set-up): gathered weights are stale, so every unit is released
+        and gathers again, from the updated master rows, when it next runs."""
         for bucket in self.buckets:
-            if not hasattr(bucket, "wshard"):
+            if not hasattr(bucket, "full"):
                 self._set_up_bucket(bucket)
-            bucket.wshard.copy_(bucket.master)
+            if self.keep_rows:
+                bucket.rows.copy_(bucket.master)
         if self._set_up:
             self._release_all()
         # At set-up the parameters now view their (unfilled, allocated) gather buffers: what distopt's __init__
@@ -105,24 +115,32 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
     def _set_up_bucket(self, bucket: _Bucket) -> None:
         slot = bucket.slots[0]
         n = bucket.where.n
-        bucket.wshard = torch.empty(bucket.size, dtype=self.dtype, device=self.device)
         bucket.full = torch.empty(n * bucket.size, dtype=self.dtype, device=self.device)
         bucket.nbytes = bucket.full.untyped_storage().nbytes()
         shape = slot.local().shape
         slot.param.data = bucket.full[:slot.rows * slot.width].view(shape)  # the parameter IS the gather output
         bucket.state, bucket.work, bucket.pending, bucket.accumulated = _READY, None, None, False
+        bucket.source = None
+        if self.keep_rows:  # (loom.rules.zero3_keeps_compute_rows)
+            bucket.rows = torch.empty(bucket.size, dtype=self.dtype, device=self.device)
 
     def _gather_bucket(self, bucket: _Bucket) -> None:
         if bucket.state != _FREE:
             return
         bucket.full.untyped_storage().resize_(bucket.nbytes)
-        bucket.work = _ALL_GATHER(bucket.full, bucket.wshard, group=bucket.where.group, async_op=True)
+        # The master rows cast to the compute dtype for this gather only (kept until it completes): no rank keeps
+        # a compute-dtype copy of its rows between gathers, so a weight costs FSDP's 4 + 4 + moments bytes / n.
+        if self.keep_rows:
+            bucket.source = bucket.rows
+        else:
+            bucket.source = bucket.master if bucket.master.dtype == self.dtype else bucket.master.to(self.dtype)
+        bucket.work = _ALL_GATHER(bucket.full, bucket.source, group=bucket.where.group, async_op=True)
         bucket.state = _GATHERING
 
     def _wait_bucket(self, bucket: _Bucket) -> None:
         if bucket.state == _GATHERING:
             bucket.work.wait()
-            bucket.work, bucket.state = None, _READY
+            bucket.work, bucket.source, bucket.state = None, None, _READY
 
     def _release_bucket(self, bucket: _Bucket) -> None:
         self._wait_bucket(bucket)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from loom.config import ModelConfig
 from loom.flops import layer_activation_bytes
-from loom.rules import adam_moment_bytes, grads_stay_sharded, lora_bytes_per_param
+from loom.rules import (adam_moment_bytes, grads_stay_sharded, lora_bytes_per_param,
+                        zero3_keeps_compute_rows)
 from loom.planner.params import lora_params, model_sizes
 from loom.planner.stages import (expert_data_parallel, expert_row_padding, local_params, loom_shard_groups,
                                  priced_as_megatron, rank_shapes, recomputed_layers)
@@ -276,9 +277,11 @@ def memory(w: Workload, lay: Layout) -> dict:
             # (with cp > 1 loom shards over the cp ranks, HSDP with dp_shard_cp = cp: gradients as FSDP's)
             cp_grads = cp if sharded else 1
             return 4 * local / cp, 4 * local / cp_grads, moment_bytes * local / cp
-        if style == "zero3":  # loom's sharded weights (loom/parallel/zero.py): compute-dtype rows, fp32 gradient rows,
-            # master rows and moments, all split
-            return act_bytes * local / group, 4 * local / group, (4 + moment_bytes) * local / group
+        if style == "zero3":  # loom's sharded weights (loom/parallel/zero.py): fp32 master rows (cast to the compute
+            # dtype per gather, no copy kept), fp32 gradient rows and moments, all split: FSDP's bytes; past 8
+            # micro-batches a compute-dtype copy of the rows is kept (loom.rules.zero3_keeps_compute_rows)
+            kept = act_bytes if act_bytes < 4 and zero3_keeps_compute_rows(m) else 0
+            return (4 + kept) * local / group, 4 * local / group, moment_bytes * local / group
         if style == "distopt":  # 16-bit weights + fp32 grads replicated; master + moments split (Megatron, loom)
             return (2 if mega else act_bytes) * local, grad_bytes * local, (4 + moment_bytes) * local / group
         # fsdp (loom dp_shard): everything split; gradients sharded or whole between micro-batches

@@ -20,7 +20,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from loom.flops import train_flops_per_token
-from loom.rules import adam_moment_bytes, grads_stay_sharded
+from loom.rules import adam_moment_bytes, grads_stay_sharded, zero3_keeps_compute_rows
 from loom.planner.hardware import GPU
 from loom.planner.kernels import collective_time, hbm_time, members_per_node, p2p_time
 from loom.planner.layertime import head_times, layer_times
@@ -217,10 +217,13 @@ def zero3_copy_bytes(w: Workload, local: float, m: int, group: int, fused: float
     layers' GEMMs write their fp32 gradients straight into the reduce-scatter's input (nothing for either); each
     micro-batch the `local - fused` others' 16-bit gradients are copied into it (e read, 4 written) and every
     reduced row is added into the rank's fp32 gradient rows (the first micro-batch copies: 8; later ones add: 12);
-    after the step the updated master rows are cast into the compute-dtype rows (4 + e)."""
+    each gather casts the master rows it sends to the compute dtype (4 + e; none in fp32): every unit twice per
+    micro-batch, forward and backward (the embedding and head once: counted twice here); past 8 micro-batches the
+    rows are cast once after the step and kept (`loom.rules.zero3_keeps_compute_rows`)."""
     e = 4 if w.precision == "fp32" else 2
     rows = local / group
-    return m * (local - fused) * (e + 4) + rows * (8 + (m - 1) * 12) + rows * (4 + e)
+    cast = 0 if e == 4 else rows * (4 + e) * (1 if zero3_keeps_compute_rows(m) else 2 * m)
+    return m * (local - fused) * (e + 4) + rows * (8 + (m - 1) * 12) + cast
 
 
 def fused_linear_params(w: Workload, lay: Layout, layers: int) -> float:
