@@ -312,3 +312,59 @@ def test_the_planner_counts_no_whole_model_at_start_up():
     assert zero3["total"] <= w.gpu.memory_gib * GIB and "startup" not in zero3
     distopt = memory(w, Layout(dp=16, cp=4, dp_style="distopt", recompute="full"))
     assert distopt["total"] >= 4 * model_sizes(w)["total"]
+
+
+def _buffer_peak(tmp, overrides):
+    """One step; the most bytes the optimizer's buffers held at once (gathered weights, fp32 gradient buffers,
+    reductions in flight with their outputs), sampled after every gather and gradient-buffer allocation, and
+    the parameters' sizes."""
+    from pathlib import Path
+
+    from loom.config import load_config
+    from loom.parallel import zero
+    from loom.train.trainer import Trainer
+
+    trainer = Trainer(load_config("tiny", MODEL + ["train.steps=1", *overrides]), Path(tmp) / "run", quiet=True)
+    opt, peak = trainer.optimizer, [0]
+
+    def live() -> int:
+        total = 0
+        for b in opt.buckets:
+            total += b.nbytes if b.state != zero._FREE else 0
+            total += b.grad.untyped_storage().nbytes() if b.grad is not None else 0
+            if b.pending is not None:
+                total += sum(t.untyped_storage().nbytes() for t in b.pending[1:])
+        return total
+
+    def sampled(name):
+        method = getattr(opt, name)
+
+        def run(*args):
+            out = method(*args)
+            peak[0] = max(peak[0], live())
+            return out
+        setattr(opt, name, run)
+
+    sampled("_gather_bucket")
+    sampled("_grad_buffer")
+    trainer.train_step()
+    return peak[0], {s.name: s.param.numel() for b in opt.buckets for s in b.slots}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_planner_prices_the_buffers_a_step_holds_at_its_peak(tied, tmp_path):
+    """`loom.planner.memory.zero3_buffer_bytes` against the peak a step holds, 3 layers on 2 ranks (fp32: e = 4).
+    Untied, with the chunked loss writing the head's gradient into its buffer and a head larger than a layer
+    (vocabulary 1020): the peak is at the last block's first gradient, the head's reduction still in flight
+    beside two gathered blocks. Tied: a block's reduction beside two gathered blocks and the tied weight
+    (gathered from the start; autograd's copy of its first gradient is not the optimizer's, so not counted)."""
+    from loom.planner.memory import zero3_buffer_bytes
+
+    overrides = ["model.layers=3", "train.loss_chunk=16", *SHARDED, "parallel.dp_shard=2",
+                 "model.tie_embeddings=" + str(tied).lower(), "model.vocab_size=1020"]
+    peak, sizes = shared_pool(2).run(_buffer_peak, str(tmp_path), overrides)[0]
+    layer = sum(v for k, v in sizes.items() if k.startswith("layers.0."))
+    largest = max(v for k, v in sizes.items() if k.startswith("layers.0."))
+    head = sizes["tok_embeddings.weight"]
+    priced = zero3_buffer_bytes(layer, head, largest, 4, 2, tied) - (4 * head if tied else 0)
+    assert peak == pytest.approx(priced, rel=0.002)  # (the rows' padding to equal parts)

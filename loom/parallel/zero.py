@@ -257,7 +257,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._pending.append(bucket)
         slot.filled = False  # the next gradient goes into a fresh buffer
         self._release_bucket(bucket)
-        if bucket.unit == self._last:  # the head's gradients come first in backward: fetch the last block
+        if bucket.unit == self._last and not self._tied:  # an untied head's gradient comes first: fetch the last block
+            # (a tied one's, summed over both uses, comes last: nothing to fetch)
             self._gather(self._last - 1, wait=False)
 
     def _collect(self, bucket: _Bucket) -> None:

@@ -214,6 +214,29 @@ def compiled_moe_activation_delta(w: Workload, s: int, lay: Layout, e: int) -> f
                                          w.precision == "fp8")
 
 
+def zero3_buffer_bytes(layer: float, head: float, largest: float, e: int, n: int, tied: bool,
+                       fused_head: bool = True) -> float:
+    """What loom's sharded weights (loom/parallel/zero.py) hold beside the states at their peak, for a layer of
+    `layer` parameters (its routed experts padded as zero.py splits them), a head of `head`, a layer's largest
+    parameter `largest`, compute-dtype size `e`, `n` ranks sharing the rows:
+
+    - at the loss: the head gathered (e) and its fresh fp32 gradient buffer (4), plus its 16-bit `.grad` when
+      the chunked loss does not write into the buffer (loom/parallel/headgrad.py);
+    - at a block's first gradient in backward: the block gathered and the one before it prefetched (2e per layer
+      parameter), the unit after it (the head's, or a block's) still being reduce-scattered (its fp32 buffer
+      and the 1/n output: 4 (1 + 1/n)), and the new gradient's buffer (4 x the largest parameter);
+    - a tied embedding is the head unit's from the model's start to the end of backward, where its gradient,
+      summed over both uses, arrives: its weight (e) and its first use's gradient (e, autograd's) held beside
+      the blocks' above, the unit after a block being a block; at the end its reduction beside the first
+      block's (4 (1 + 1/n) each).
+    The largest is the peak (tests/test_zero.py measures a step's, untied and tied)."""
+    spill = 1 + 1 / n
+    if tied:
+        return max(2 * e * layer + 4 * layer * spill + 4 * largest + 2 * e * head, 4 * (layer + head) * spill + e * head)
+    at_loss = e * head + 4 * head * spill + (0 if fused_head else e * head)
+    return max(at_loss, 2 * e * layer + 4 * max(layer, head) * spill + 4 * largest)
+
+
 def memory(w: Workload, lay: Layout) -> dict:
     """Peak bytes per GPU on the most loaded pipeline rank."""
     w = w.at_layout(lay)
@@ -259,11 +282,14 @@ def memory(w: Workload, lay: Layout) -> dict:
     pad = expert_row_padding(w, lay)[0]  # routed experts split by rows over more ranks than they have rows
     gathered_experts = expert_layer / lay.ep * (pad if lay.dp_style == "zero3" else 1)  # zero.py gathers padded rows
     buffers = 2 * 2 * (dense_layer / lay.tp + gathered_experts) + (4 * 40e6 if lay.dp > 1 else 0)
-    if lay.dp_style == "zero3":  # loom/parallel/zero.py: in backward a unit's fp32 gradient buffers and the previous
-        # unit's, being reduced (the head's first, beside the last block's); the head gathered from the loss on
-        # (beyond the two prefetched blocks' weights above)
-        head = cfg.vocab_size * cfg.hidden
-        buffers += 4 * (dense_layer + max(dense_layer, head)) + act_bytes * head
+    if lay.dp_style == "zero3":  # loom/parallel/zero.py, as tests/test_zero.py measures it
+        ffn = cfg.moe.ffn_hidden or cfg.ffn_hidden
+        largest = max(cfg.hidden * cfg.ffn_hidden if cfg.moe_layers < cfg.layers else 0,
+                      cfg.heads * cfg.head_dim * cfg.hidden,
+                      (cfg.moe.experts // lay.ep) * cfg.hidden * ffn * pad if cfg.moe_layers else 0)
+        buffers = (4 * 40e6 if lay.dp > 1 else 0) + zero3_buffer_bytes(
+            dense_layer + gathered_experts, cfg.vocab_size * cfg.hidden, largest, act_bytes, lay.dp * lay.cp,
+            cfg.tie_embeddings, fused_head=bool(w.loss_chunk))
     grad_bytes = 2 if mega and w.grad_dtype == "bfloat16" else 4
     sharded = grads_stay_sharded(w.grad_accum, lay.pp, m)
 
