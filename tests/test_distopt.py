@@ -81,6 +81,21 @@ def test_distributed_optimizer_equals_one_process_and_splits_its_state(single, t
     assert sum(r["moments"] for r in ranks) == ranks[0]["params"]
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["distopt", "zero3"])
+def test_biased_linears_write_their_weight_gradients_into_the_buffer(tmp_path, sharded):
+    """GPT-style linear layers with biases (model.bias=true, GELU MLP): each weight's gradient goes straight into the
+    buffer from its backward's product, its bias's through autograd (dy summed over the tokens); the same losses
+    and clipped norms as one process."""
+    gpt = ["model.bias=true", "model.mlp=gelu", "model.tie_embeddings=false"]
+    one = _run(str(tmp_path / "one"), gpt, 2)
+    layout = ["parallel.dp_shard=2", "parallel.distributed_optimizer=true"]
+    layout += ["parallel.distopt_shard_weights=true"] if sharded else []
+    for got in shared_pool(2).run(_run, str(tmp_path / "two"), gpt + layout, 2):
+        assert got["fused_linears"] == 2 * 6 and got["grads_kept"] == 0  # wq wk wv wo w1 w2 of both blocks
+        _close(got["losses"], one["losses"])
+        _close(got["norms"], one["norms"])
+
+
 def test_bf16_weights_computed_as_fsdp_mixed_precision(tmp_path):
     """train.dtype=bfloat16: weights held in bf16 (FSDP2 casts its fp32 shards to bf16 per block: the same
     arithmetic), so the losses equal FSDP's to bf16's precision."""

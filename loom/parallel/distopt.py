@@ -51,26 +51,28 @@ BUCKET_ELEMENTS = 32 << 20  # parameters per gradient bucket (fp32: 128 MiB of b
 
 
 class _LinearIntoBuffer(torch.autograd.Function):
-    """y = x W^T whose backward gives x its gradient as F.linear's would (DTensor placements included) and adds
-    W's straight into the optimizer's fp32 buffer (`into(dy, x)` on local tensors) instead of returning it:
-    Megatron's gradient-accumulation fusion. `node`: the weight's AccumulateGrad node; a backward that does not run
-    it (`torch.autograd.grad` for inputs only, as torch.distributed.pipelining's first step does to learn its
-    gradients' shapes) adds nothing."""
+    """y = x W^T (+ b) whose backward gives x its gradient as F.linear's would (DTensor placements included) and
+    adds W's straight into the optimizer's fp32 buffer (`into(dy, x)` on local tensors) instead of returning it:
+    Megatron's gradient-accumulation fusion. A bias (plain tensors only: `_fuse_linears`) gets its gradient as
+    F.linear gives it, the sum of dy over the tokens, through autograd as any parameter. `node`: the weight's
+    AccumulateGrad node; a backward that does not run it (`torch.autograd.grad` for inputs only, as
+    torch.distributed.pipelining's first step does to learn its gradients' shapes) adds nothing."""
 
     @staticmethod
-    def forward(ctx, x, weight, into, node):
+    def forward(ctx, x, weight, bias, into, node):
         ctx.save_for_backward(x, weight)
         ctx.into, ctx.node = into, node
-        return F.linear(x, weight)
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
         if torch._C._will_engine_execute_node(ctx.node):
             local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
             ctx.into(local(dy), local(x))
-        return dx, None, None, None
+        return dx, None, db, None, None
 
 
 def fused_out_dtype_works(device: torch.device) -> bool:
@@ -341,8 +343,9 @@ class DistributedOptimizer:
         return into
 
     def _fuse_linears(self, parts: list[nn.Module]) -> int:
-        """Route the weight gradients of the blocks' dense linear layers (attention, MLP; bias-free, this
-        optimizer's, not fp8) through `_LinearIntoBuffer`. Returns how many."""
+        """Route the weight gradients of the blocks' dense linear layers (attention, MLP; this optimizer's, not
+        fp8; biased ones where the weight is a plain tensor, not a tensor-parallel shard) through
+        `_LinearIntoBuffer`. Returns how many."""
         from loom.models.llama import FeedForward
 
         where = {id(slot.param): (bucket, slot) for bucket in self.buckets for slot in bucket.slots
@@ -354,12 +357,13 @@ class DistributedOptimizer:
                 if isinstance(block.feed_forward, FeedForward):
                     linears += [m for m in (block.feed_forward.w1, block.feed_forward.w2, block.feed_forward.w3) if m]
                 for module in linears:
-                    if type(module) is not nn.Linear or module.bias is not None or id(module.weight) not in where:
+                    if type(module) is not nn.Linear or id(module.weight) not in where or (
+                            module.bias is not None and isinstance(module.weight, DTensor)):
                         continue
                     into = self._into_buffer(*where[id(module.weight)])
                     with torch.enable_grad():
                         node = module.weight.view_as(module.weight).grad_fn.next_functions[0][0]
-                    module.forward = (lambda m, f, a: lambda x: _LinearIntoBuffer.apply(x, m.weight, f, a))(
+                    module.forward = (lambda m, f, a: lambda x: _LinearIntoBuffer.apply(x, m.weight, m.bias, f, a))(
                         module, into, node)
                     count += 1
         return count

@@ -228,13 +228,15 @@ def zero3_copy_bytes(w: Workload, local: float, m: int, group: int, fused: float
 
 def fused_linear_params(w: Workload, lay: Layout, layers: int) -> float:
     """Weights of the linear layers loom's distributed optimizer fuses on a rank holding `layers` layers: each
-    block's bias-free attention projections and dense MLP (not the routed or shared experts), split by tp;
-    none on a CPU (its backward computes the product, then adds it)."""
+    block's attention projections and dense MLP (not the routed or shared experts), split by tp; under tp only
+    the bias-free ones (loom/parallel/distopt.py's `_fuse_linears`); none on a CPU (its backward computes the
+    product, then adds it)."""
     cfg = w.model
-    if w.gpu.is_cpu or cfg.bias:
+    if w.gpu.is_cpu or (cfg.bias and lay.tp > 1):
         return 0.0
     h, d, a, g = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads
-    attn = a * d * h if cfg.qkv_bias else h * (a + 2 * g) * d + a * d * h  # Qwen2's biased q/k/v stay unfused
+    qkv = h * (a + 2 * g) * d
+    attn = a * d * h + (0 if cfg.qkv_bias and lay.tp > 1 else qkv)  # Qwen2's biased q/k/v unfused under tp
     mlp = (3 if cfg.mlp == "swiglu" else 2) * h * cfg.ffn_hidden
     dense_share = 1 - cfg.moe_layers / cfg.layers
     return layers * (attn + dense_share * mlp) / lay.tp
