@@ -223,6 +223,10 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
 
     def _grad_buffer(self, bucket: _Bucket) -> torch.Tensor:
         if bucket.grad is None:
+            # The reductions of the units after this one are added in (their buffers freed) before this buffer is
+            # made: at most one unit's fp32 gradients at a time (`loom.planner.memory.zero3_buffer_bytes`).
+            while self._pending and self._pending[0].unit > bucket.unit:
+                self._collect(self._pending.popleft())
             slot = bucket.slots[0]
             bucket.grad = torch.empty(bucket.where.n, bucket.size, dtype=torch.float32, device=self.device)
             bucket.grad.view(-1)[slot.rows * slot.width:].zero_()  # the padding rows at the end

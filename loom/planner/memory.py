@@ -223,8 +223,8 @@ def zero3_buffer_bytes(layer: float, head: float, largest: float, e: int, n: int
     - at the loss: the head gathered (e) and its fresh fp32 gradient buffer (4), plus its 16-bit `.grad` when
       the chunked loss does not write into the buffer (loom/parallel/headgrad.py);
     - at a block's first gradient in backward: the block gathered and the one before it prefetched (2e per layer
-      parameter), the unit after it (the head's, or a block's) still being reduce-scattered (its fp32 buffer
-      and the 1/n output: 4 (1 + 1/n)), and the new gradient's buffer (4 x the largest parameter);
+      parameter) and the unit after it (the head's, or a block's) still being reduce-scattered (its fp32 buffer
+      and the 1/n output: 4 (1 + 1/n)), which is added in and freed before the new gradient's buffer is made;
     - a tied embedding is the head unit's from the model's start to the end of backward, where its gradient,
       summed over both uses, arrives: its weight (e) and its first use's gradient (e, autograd's) held beside
       the blocks' above, the unit after a block being a block; at the end its reduction beside the first
@@ -232,9 +232,10 @@ def zero3_buffer_bytes(layer: float, head: float, largest: float, e: int, n: int
     The largest is the peak (tests/test_zero.py measures a step's, untied and tied)."""
     spill = 1 + 1 / n
     if tied:
-        return max(2 * e * layer + 4 * layer * spill + 4 * largest + 2 * e * head, 4 * (layer + head) * spill + e * head)
+        return max(2 * e * layer + 4 * layer * spill + 2 * e * head, 4 * (layer + head) * spill + e * head)
     at_loss = e * head + 4 * head * spill + (0 if fused_head else e * head)
-    return max(at_loss, 2 * e * layer + 4 * max(layer, head) * spill + 4 * largest)
+    # (within a block's backward its weights are released as their gradients arrive: at most the two layers' above)
+    return max(at_loss, 2 * e * layer + 4 * max(layer, head) * spill, 4 * largest * spill + 2 * e * layer)
 
 
 def memory(w: Workload, lay: Layout) -> dict:
