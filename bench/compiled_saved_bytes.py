@@ -35,6 +35,12 @@ BASE = [f"model.hidden={H}", f"model.heads={A}", f"model.kv_heads={G}", f"model.
         f"train.global_batch={B}", "model.tie_embeddings=false", "train.dtype=bfloat16"]
 FAMILIES = {"tp1": [], "tp2": ["parallel.tp=2"], "tp2-sp": ["parallel.tp=2", "parallel.sp=true"],
             "cp2": ["parallel.cp=2"], "tp2-sp-cp2": ["parallel.tp=2", "parallel.sp=true", "parallel.cp=2"]}
+# GPT-3's block (configs/gpt3-175b.toml): LayerNorm, GELU, biases, learned positions; and with its residual dropout
+# (attention dropout left at 0: on a GPU flash/cuDNN attention keeps only its RNG seed for it, where the CPU's math
+# attention would keep the probabilities)
+GPT = ["model.norm=layernorm", "model.mlp=gelu", "model.position=learned", "model.bias=true"]
+FAMILIES.update({"gpt-tp1": GPT, "gpt-tp1-dropout": GPT + ["model.dropout=0.1"],
+                 "gpt-cp2-dropout": GPT + ["model.dropout=0.1", "parallel.cp=2"]})
 
 
 def _saved_bytes(overrides: list[str], layers: int, compiled: bool) -> tuple[int, list]:

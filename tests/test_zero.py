@@ -368,3 +368,22 @@ def test_the_planner_prices_the_buffers_a_step_holds_at_its_peak(tied, tmp_path)
     head = sizes["tok_embeddings.weight"]
     priced = zero3_buffer_bytes(layer, head, largest, 4, 2, tied) - (4 * head if tied else 0)
     assert peak == pytest.approx(priced, rel=0.002)  # (the rows' padding to equal parts)
+
+
+def test_the_planner_counts_no_copy_of_an_untied_head_gradient_the_chunked_loss_writes_in():
+    """On a GPU the chunked loss writes the untied head's gradient into its fp32 buffer (loom/parallel/headgrad.py,
+    tested above): zero3's copies lose the head's 16-bit gradient read and fp32 write per micro-batch (e + 4
+    bytes per element), and nothing else moves."""
+    from loom.config import load_config
+    from loom.planner.hardware import load_gpu
+    from loom.planner.kernels import hbm_time
+    from loom.planner.steptime import step_time
+    from loom.planner.workload import Layout, Workload
+
+    model = load_config("llama3-70b").model
+    lay = Layout(dp=16, cp=4, dp_style="zero3", recompute="full")
+    terms = {chunk: step_time(Workload(model=model, seq_len=8192, global_batch=128, gpus=64, gpu=load_gpu("h100"),
+                                       loss_chunk=chunk), lay) for chunk in (0, 8192)}
+    m = 128 // 16
+    saved = hbm_time(load_gpu("h100"), m * model.vocab_size * model.hidden * (2 + 4))
+    assert terms[0]["distopt_copy"] - terms[8192]["distopt_copy"] == pytest.approx(saved, rel=1e-9)

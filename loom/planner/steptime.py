@@ -182,8 +182,10 @@ def step_time(w: Workload, lay: Layout) -> dict:
                 dp_comm = m * (hidden_gather + max(gather - bwd_mb, gather / max(n_layers, 1))) + (m if sharded else 1) * hidden_grad
         if lay.dp_style == "zero3":  # loom's sharded weights: no FSDP2 copies; its own adds and casts
             layers = max(shape.layers for shape in shapes)
-            step["distopt_copy"] = hbm_time(gpu, zero3_copy_bytes(w, dense + experts, m, group,
-                                                                 fused_linear_params(w, lay, layers)))
+            fused = fused_linear_params(w, lay, layers)
+            if w.loss_chunk and not cfg.tie_embeddings and not w.gpu.is_cpu:  # the chunked loss writes the untied
+                fused += cfg.vocab_size * cfg.hidden  # head's gradient into its buffer (loom/parallel/headgrad.py)
+            step["distopt_copy"] = hbm_time(gpu, zero3_copy_bytes(w, dense + experts, m, group, fused))
         if w.fsdp2 and lay.dp_style in ("fsdp", "replicate") and not priced_as_megatron(w, lay):
             step["fsdp_copy"] = hbm_time(gpu, fsdp2_copy_bytes(w, lay, dense, experts, m, experts_off_rows))
     step["dp_comm"] = dp_comm
