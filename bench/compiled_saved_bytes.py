@@ -134,7 +134,13 @@ def main(argv=None) -> int:
             print(f"{name:12s} {'compiled' if compiled else 'eager':8s} measured {measured:>9d} planner {want:>11.0f} "
                   f"({want / measured - 1:+.1%})", flush=True)
     if args.out:
-        meta = {"torch": torch.__version__, "command": " ".join(["bench/compiled_saved_bytes.py", *(argv or sys.argv[1:])]),
+        import platform
+        import subprocess
+
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        meta = {"torch": torch.__version__, "commit": commit,
+                "machine": f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} cores",
+                "command": " ".join(["bench/compiled_saved_bytes.py", *(argv or sys.argv[1:])]),
                 "model": dict(hidden=H, heads=A, kv_heads=G, ffn_hidden=F, seq=S, micro_batch=B, dtype="bfloat16")}
         Path(args.out).write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     return 0

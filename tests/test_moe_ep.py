@@ -197,8 +197,15 @@ def test_fewer_local_experts_than_expert_data_parallel_ranks(references, tmp_pat
     assert shard_dim((1, 64, 32), 2) == 1 and shard_dim((8, 64, 32), 2) == 0 and shard_dim((1, 3, 32), 2) == 2
     for rank in shared_pool(4).run(_expert_shards, str(tmp_path / "shapes")):
         assert rank and all(local == (1, 32, 32) and stored == 32 * 32 for _, local, stored in rank), rank
-    launch(tmp_path / "run", 4, *ROUTERS["top1of2"], "parallel.dp_shard=4", "parallel.ep=2")
-    assert_same_run(tmp_path / "run", references("top1of2"))
+    run = tmp_path / "run"
+    launch(run, 4, *ROUTERS["top1of2"], "parallel.dp_shard=4", "parallel.ep=2", "checkpoint.interval=3")
+    assert_same_run(run, references("top1of2"))
+    # Its step-3 checkpoint (experts saved split along their hidden dimension) resumed with the experts split by
+    # rows (ep=1 over dp_shard=2: one expert per rank): one process's run again
+    shutil.rmtree(run / "checkpoints" / "step-6")
+    (run / "checkpoints" / "latest").write_text("step-3\n")
+    launch(run, 2, *ROUTERS["top1of2"], "parallel.dp_shard=2", "checkpoint.resume=true")
+    assert_same_run(run, references("top1of2"))
 
 
 # --- rules ----------------------------------------------------------------------------------------
