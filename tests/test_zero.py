@@ -387,3 +387,35 @@ def test_the_planner_counts_no_copy_of_an_untied_head_gradient_the_chunked_loss_
     m = 128 // 16
     saved = hbm_time(load_gpu("h100"), m * model.vocab_size * model.hidden * (2 + 4))
     assert terms[0]["distopt_copy"] - terms[8192]["distopt_copy"] == pytest.approx(saved, rel=1e-9)
+
+
+def _set_up_peak(tmp, overrides):
+    """The most bytes of gathered weights (the units' gather outputs) alive at once while the optimizer is set up,
+    and the bytes of the whole model in the compute dtype."""
+    from pathlib import Path
+
+    from loom.config import load_config
+    from loom.parallel import zero
+    from loom.train.trainer import Trainer
+
+    plain, peak = zero.ShardedDistributedOptimizer._set_up_bucket, [0]
+
+    def tracked(self, bucket):
+        plain(self, bucket)
+        peak[0] = max(peak[0], sum(b.full.untyped_storage().nbytes() for b in self.buckets if hasattr(b, "full")))
+
+    zero.ShardedDistributedOptimizer._set_up_bucket = tracked
+    try:
+        trainer = Trainer(load_config("tiny", MODEL + ["train.steps=1", *overrides]), Path(tmp) / "run", quiet=True)
+    finally:
+        zero.ShardedDistributedOptimizer._set_up_bucket = plain
+    largest = max(b.nbytes for b in trainer.optimizer.buckets)
+    return peak[0], largest, sum(b.nbytes for b in trainer.optimizer.buckets)
+
+
+def test_the_set_up_gathers_no_whole_model(tmp_path):
+    """Setting up the buffers the weights are gathered into allocates one at a time and releases it: no rank holds
+    every weight's gather output at once (the whole model in the compute dtype) before the first step."""
+    for peak, largest, whole in shared_pool(2).run(_set_up_peak, str(tmp_path), UNTIED + ["parallel.dp_shard=2",
+                                                                                         *SHARDED]):
+        assert peak <= largest < whole

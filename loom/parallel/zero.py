@@ -109,8 +109,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
                 bucket.rows.copy_(bucket.master)
         if self._set_up:
             self._release_all()
-        # At set-up the parameters now view their (unfilled, allocated) gather buffers: what distopt's __init__
-        # reads after this are their shapes and autograd nodes, not values; __init__ releases them at its end.
+        # At set-up the parameters now view their (released) gather buffers: what distopt's __init__ reads after
+        # this are their shapes and autograd nodes, not values.
 
     def _set_up_bucket(self, bucket: _Bucket) -> None:
         slot = bucket.slots[0]
@@ -119,7 +119,10 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         bucket.nbytes = bucket.full.untyped_storage().nbytes()
         shape = slot.local().shape
         slot.param.data = bucket.full[:slot.rows * slot.width].view(shape)  # the parameter IS the gather output
-        bucket.state, bucket.work, bucket.pending, bucket.accumulated = _READY, None, None, False
+        # Released at once, until its unit first runs: the buffers are set up one at a time, so no rank ever holds
+        # every weight's gather output (the whole model in the compute dtype) at start-up.
+        bucket.full.untyped_storage().resize_(0)
+        bucket.state, bucket.work, bucket.pending, bucket.accumulated = _FREE, None, None, False
         bucket.source = None
         if self.keep_rows:  # (loom.rules.zero3_keeps_compute_rows)
             bucket.rows = torch.empty(bucket.size, dtype=self.dtype, device=self.device)
