@@ -419,3 +419,26 @@ def test_the_set_up_gathers_no_whole_model(tmp_path):
     for peak, largest, whole in shared_pool(2).run(_set_up_peak, str(tmp_path), UNTIED + ["parallel.dp_shard=2",
                                                                                          *SHARDED]):
         assert peak <= largest < whole
+
+
+def _diagnosed(tmp, overrides):
+    """One step, then the report of a run stopped for diverging (which parameters are non-finite)."""
+    from pathlib import Path
+
+    from loom.config import load_config
+    from loom.errors import TrainingDiverged
+    from loom.train.trainer import Trainer
+
+    trainer = Trainer(load_config("tiny", MODEL + ["train.steps=1", *overrides]), Path(tmp) / "run", quiet=True)
+    trainer.train_step()
+    try:
+        trainer._stop_diverged(1)
+    except TrainingDiverged as e:
+        return str(e)
+
+
+def test_a_diverged_run_reads_its_weights_gathered(tmp_path):
+    """A run stopped for diverging names its non-finite parameters: with sharded weights they are released between
+    steps (no storage), so they are gathered first rather than read."""
+    for report in shared_pool(2).run(_diagnosed, str(tmp_path), UNTIED + ["parallel.dp_shard=2", *SHARDED]):
+        assert "all parameters finite" in report
