@@ -442,3 +442,43 @@ def test_a_diverged_run_reads_its_weights_gathered(tmp_path):
     steps (no storage), so they are gathered first rather than read."""
     for report in shared_pool(2).run(_diagnosed, str(tmp_path), UNTIED + ["parallel.dp_shard=2", *SHARDED]):
         assert "all parameters finite" in report
+
+
+def _prefetched(tmp, overrides):
+    """One step; for each block, whether its weights were already being gathered (prefetched) when its backward
+    started, and how many all-gathers each unit started."""
+    from pathlib import Path
+
+    from loom.config import load_config
+    from loom.parallel import zero
+    from loom.train.trainer import Trainer
+
+    trainer = Trainer(load_config("tiny", MODEL + ["train.steps=1", *overrides]), Path(tmp) / "run", quiet=True)
+    opt, seen, gathers = trainer.optimizer, {}, {}
+    before, gather = opt._before_backward, opt._gather_bucket
+
+    def recording(i):
+        seen.setdefault(opt.units[i].name, all(b.state != zero._FREE for b in opt.units[i].buckets))
+        before(i)
+
+    def counting(bucket):
+        if bucket.state == zero._FREE:
+            name = opt.units[bucket.unit].name
+            gathers[name] = gathers.get(name, 0) + 1 / len(opt.units[bucket.unit].buckets)
+        gather(bucket)
+
+    opt._before_backward, opt._gather_bucket = recording, counting
+    trainer.train_step()
+    return seen, gathers
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_every_blocks_backward_finds_its_weights_prefetched(tied, tmp_path):
+    """In backward each block's all-gather is started before it is needed (the last block's when the head unit's
+    first gradient, the final norm's, arrives: tied or not), and no block is gathered again after its backward."""
+    overrides = ["parallel.dp_shard=2", *SHARDED, "model.tie_embeddings=" + str(tied).lower(),
+                 "train.micro_batch=2"]
+    for seen, gathers in shared_pool(2).run(_prefetched, str(tmp_path), overrides):
+        assert seen == {"layers.1": True, "layers.0": True}
+        # twice per micro-batch (forward, backward), as the head unit is once
+        assert round(gathers["layers.0"]) == round(gathers["layers.1"]) == 2 * round(gathers["head"])

@@ -87,6 +87,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             else:  # the head unit; a tied embedding too, gathered from the model's start to its backward
                 head.append(by_param[pid])
         self._tied = tied
+        self._tied_weight = output.weight if tied else None
         self.units = ([_Unit("embed", embed)] + [_Unit(f"layers.{k}", blocks[k]) for k in model.layers]
                       + [_Unit("head", head)])
         for i, unit in enumerate(self.units):
@@ -264,8 +265,9 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._pending.append(bucket)
         slot.filled = False  # the next gradient goes into a fresh buffer
         self._release_bucket(bucket)
-        if bucket.unit == self._last and not self._tied:  # an untied head's gradient comes first: fetch the last block
-            # (a tied one's, summed over both uses, comes last: nothing to fetch)
+        if bucket.unit == self._last and slot.param is not self._tied_weight:  # the head unit's gradients (the
+            # head's, the final norm's) come first in backward: fetch the last block. (A tied weight's, summed over
+            # both uses, comes last: nothing to fetch.)
             self._gather(self._last - 1, wait=False)
 
     def _collect(self, bucket: _Bucket) -> None:
