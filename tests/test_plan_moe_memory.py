@@ -359,3 +359,21 @@ def test_experts_split_over_more_ranks_than_they_have_rows_are_priced_as_loom_sp
     assert memory(w, zero3)["optimizer"] == pytest.approx(8 * (dense + 8 * experts) / 64, rel=1e-9)
     mega = Workload(model=w.model, seq_len=4096, global_batch=256, gpus=64, gpu=w.gpu, framework="megatron")
     assert expert_row_padding(mega, fsdp_ep8) == (1.0, False)
+
+
+def test_experts_split_off_rows_where_either_dimension_divides():
+    """loom/parallel/data.py's `shard_dim` splits each stacked expert tensor along the first of its dimensions the
+    ranks divide (w1, w3 [E, hidden, ffn]: hidden, else ffn; w2 [E, ffn, hidden]: ffn, else hidden), so either
+    dividing is enough for no padding: Mixtral over 4096 ranks, where 4096 divides hidden (4096) but not ffn
+    (14336), is split off its rows, not priced as 512 padded copies."""
+    from loom.config import load_config
+    from loom.parallel.data import shard_dim
+    from loom.planner.hardware import load_gpu
+    from loom.planner.stages import expert_row_padding
+    from loom.planner.workload import Layout, Workload
+
+    cfg = load_config("mixtral-8x7b").model
+    w = Workload(model=cfg, seq_len=4096, global_batch=4096, gpus=4096, gpu=load_gpu("h100"))
+    e, h, f = cfg.moe.experts, cfg.hidden, cfg.moe.ffn_hidden or cfg.ffn_hidden
+    assert shard_dim((e, h, f), 4096) and shard_dim((e, f, h), 4096)  # what loom's FSDP does: no padding
+    assert expert_row_padding(w, Layout(dp=4096, dp_style="fsdp")) == (1.0, True)

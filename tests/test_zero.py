@@ -387,3 +387,98 @@ def test_the_planner_counts_no_copy_of_an_untied_head_gradient_the_chunked_loss_
     m = 128 // 16
     saved = hbm_time(load_gpu("h100"), m * model.vocab_size * model.hidden * (2 + 4))
     assert terms[0]["distopt_copy"] - terms[8192]["distopt_copy"] == pytest.approx(saved, rel=1e-9)
+
+
+def _set_up_peak(tmp, overrides):
+    """The most bytes of gathered weights (the units' gather outputs) alive at once while the optimizer is set up,
+    and the bytes of the whole model in the compute dtype."""
+    from pathlib import Path
+
+    from loom.config import load_config
+    from loom.parallel import zero
+    from loom.train.trainer import Trainer
+
+    plain, peak = zero.ShardedDistributedOptimizer._set_up_bucket, [0]
+
+    def tracked(self, bucket):
+        plain(self, bucket)
+        peak[0] = max(peak[0], sum(b.full.untyped_storage().nbytes() for b in self.buckets if hasattr(b, "full")))
+
+    zero.ShardedDistributedOptimizer._set_up_bucket = tracked
+    try:
+        trainer = Trainer(load_config("tiny", MODEL + ["train.steps=1", *overrides]), Path(tmp) / "run", quiet=True)
+    finally:
+        zero.ShardedDistributedOptimizer._set_up_bucket = plain
+    largest = max(b.nbytes for b in trainer.optimizer.buckets)
+    return peak[0], largest, sum(b.nbytes for b in trainer.optimizer.buckets)
+
+
+def test_the_set_up_gathers_no_whole_model(tmp_path):
+    """Setting up the buffers the weights are gathered into allocates one at a time and releases it: no rank holds
+    every weight's gather output at once (the whole model in the compute dtype) before the first step."""
+    for peak, largest, whole in shared_pool(2).run(_set_up_peak, str(tmp_path), UNTIED + ["parallel.dp_shard=2",
+                                                                                         *SHARDED]):
+        assert peak <= largest < whole
+
+
+def _diagnosed(tmp, overrides):
+    """One step, then the report of a run stopped for diverging (which parameters are non-finite)."""
+    from pathlib import Path
+
+    from loom.config import load_config
+    from loom.errors import TrainingDiverged
+    from loom.train.trainer import Trainer
+
+    trainer = Trainer(load_config("tiny", MODEL + ["train.steps=1", *overrides]), Path(tmp) / "run", quiet=True)
+    trainer.train_step()
+    try:
+        trainer._stop_diverged(1)
+    except TrainingDiverged as e:
+        return str(e)
+
+
+def test_a_diverged_run_reads_its_weights_gathered(tmp_path):
+    """A run stopped for diverging names its non-finite parameters: with sharded weights they are released between
+    steps (no storage), so they are gathered first rather than read."""
+    for report in shared_pool(2).run(_diagnosed, str(tmp_path), UNTIED + ["parallel.dp_shard=2", *SHARDED]):
+        assert "all parameters finite" in report
+
+
+def _prefetched(tmp, overrides):
+    """One step; for each block, whether its weights were already being gathered (prefetched) when its backward
+    started, and how many all-gathers each unit started."""
+    from pathlib import Path
+
+    from loom.config import load_config
+    from loom.parallel import zero
+    from loom.train.trainer import Trainer
+
+    trainer = Trainer(load_config("tiny", MODEL + ["train.steps=1", *overrides]), Path(tmp) / "run", quiet=True)
+    opt, seen, gathers = trainer.optimizer, {}, {}
+    before, gather = opt._before_backward, opt._gather_bucket
+
+    def recording(i):
+        seen.setdefault(opt.units[i].name, all(b.state != zero._FREE for b in opt.units[i].buckets))
+        before(i)
+
+    def counting(bucket):
+        if bucket.state == zero._FREE:
+            name = opt.units[bucket.unit].name
+            gathers[name] = gathers.get(name, 0) + 1 / len(opt.units[bucket.unit].buckets)
+        gather(bucket)
+
+    opt._before_backward, opt._gather_bucket = recording, counting
+    trainer.train_step()
+    return seen, gathers
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_every_blocks_backward_finds_its_weights_prefetched(tied, tmp_path):
+    """In backward each block's all-gather is started before it is needed (the last block's when the head unit's
+    first gradient, the final norm's, arrives: tied or not), and no block is gathered again after its backward."""
+    overrides = ["parallel.dp_shard=2", *SHARDED, "model.tie_embeddings=" + str(tied).lower(),
+                 "train.micro_batch=2"]
+    for seen, gathers in shared_pool(2).run(_prefetched, str(tmp_path), overrides):
+        assert seen == {"layers.1": True, "layers.0": True}
+        # twice per micro-batch (forward, backward), as the head unit is once
+        assert round(gathers["layers.0"]) == round(gathers["layers.1"]) == 2 * round(gathers["head"])

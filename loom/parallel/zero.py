@@ -87,6 +87,7 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
             else:  # the head unit; a tied embedding too, gathered from the model's start to its backward
                 head.append(by_param[pid])
         self._tied = tied
+        self._tied_weight = output.weight if tied else None
         self.units = ([_Unit("embed", embed)] + [_Unit(f"layers.{k}", blocks[k]) for k in model.layers]
                       + [_Unit("head", head)])
         for i, unit in enumerate(self.units):
@@ -109,8 +110,8 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
                 bucket.rows.copy_(bucket.master)
         if self._set_up:
             self._release_all()
-        # At set-up the parameters now view their (unfilled, allocated) gather buffers: what distopt's __init__
-        # reads after this are their shapes and autograd nodes, not values; __init__ releases them at its end.
+        # At set-up the parameters now view their (released) gather buffers: what distopt's __init__ reads after
+        # this are their shapes and autograd nodes, not values.
 
     def _set_up_bucket(self, bucket: _Bucket) -> None:
         slot = bucket.slots[0]
@@ -119,7 +120,10 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         bucket.nbytes = bucket.full.untyped_storage().nbytes()
         shape = slot.local().shape
         slot.param.data = bucket.full[:slot.rows * slot.width].view(shape)  # the parameter IS the gather output
-        bucket.state, bucket.work, bucket.pending, bucket.accumulated = _READY, None, None, False
+        # Released at once, until its unit first runs: the buffers are set up one at a time, so no rank ever holds
+        # every weight's gather output (the whole model in the compute dtype) at start-up.
+        bucket.full.untyped_storage().resize_(0)
+        bucket.state, bucket.work, bucket.pending, bucket.accumulated = _FREE, None, None, False
         bucket.source = None
         if self.keep_rows:  # (loom.rules.zero3_keeps_compute_rows)
             bucket.rows = torch.empty(bucket.size, dtype=self.dtype, device=self.device)
@@ -261,8 +265,9 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._pending.append(bucket)
         slot.filled = False  # the next gradient goes into a fresh buffer
         self._release_bucket(bucket)
-        if bucket.unit == self._last and not self._tied:  # an untied head's gradient comes first: fetch the last block
-            # (a tied one's, summed over both uses, comes last: nothing to fetch)
+        if bucket.unit == self._last and slot.param is not self._tied_weight:  # the head unit's gradients (the
+            # head's, the final norm's) come first in backward: fetch the last block. (A tied weight's, summed over
+            # both uses, comes last: nothing to fetch.)
             self._gather(self._last - 1, wait=False)
 
     def _collect(self, bucket: _Bucket) -> None:

@@ -151,7 +151,7 @@ def expert_row_padding(w: Workload, lay: Layout) -> tuple[float, bool]:
     if local >= n:
         return math.ceil(local / n) * n / local, False
     ffn = cfg.moe.ffn_hidden or cfg.ffn_hidden
-    if lay.dp_style not in ("distopt", "zero3") and cfg.hidden % n == 0 and ffn % n == 0:
+    if lay.dp_style not in ("distopt", "zero3") and (cfg.hidden % n == 0 or ffn % n == 0):
         return 1.0, True
     return n / local, False
 

@@ -432,6 +432,9 @@ class Trainer:
         t = self.cfg.train
         self.checkpointer.wait()  # the last good checkpoint, if still being written, is kept
         last = self.train_data.batch(self.state.consumed_samples - t.global_batch, t.micro_batch)
+        gather = getattr(self.optimizer, "gather_all", None)  # sharded weights (zero.py) are released between steps:
+        if gather is not None:  # every rank gathers them whole before they are read
+            gather()
         raise TrainingDiverged(self.control.diagnose(self.model, self.runner, last, step))
 
     def _stop_early(self, step: int) -> None:
