@@ -511,9 +511,10 @@ def distopt_problem(cfg) -> str | None:
                 f"supported yet (the tied head's copies); {fix}")
     if getattr(p, "distopt_shard_weights", False):
         fix = "set parallel.distopt_shard_weights=false (weights whole on every rank)"
-        for name, size in (("tp", p.tp), ("pp", p.pp), ("ep", p.ep)):
+        for name, size in (("tp", p.tp), ("pp", p.pp)):
             if size > 1:
                 return (f"parallel.distopt_shard_weights=true with parallel.{name}={size} is not supported yet (it "
-                        f"shards over parallel.dp_shard x parallel.cp only); set parallel.{name}=1 or {fix}")
+                        f"shards over parallel.dp_shard x parallel.cp, and routed experts over their expert-data-"
+                        f"parallel ranks, only); set parallel.{name}=1 or {fix}")
     return None
 

@@ -219,15 +219,18 @@ def test_compiled_blocks_under_the_distributed_optimizer(single, tmp_path):
 MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.ffn_hidden=32"]
 
 
-def test_experts_split_over_their_expert_data_parallel_ranks(tmp_path):
+@pytest.mark.parametrize("experts", [8, 2], ids=["four-per-rank", "one-per-rank"])
+def test_experts_split_over_their_expert_data_parallel_ranks(tmp_path, experts):
     """ep=2 over dp_shard=4: routed experts' rows split over the 2 edp ranks, the rest over all 4; two steps
-    equal to one process, and the checkpoint resumed by one process."""
-    single = _run(str(tmp_path / "one"), MOE)
-    layout = MOE + ["parallel.dp_shard=4", "parallel.ep=2", "parallel.distributed_optimizer=true"]
+    equal to one process, and the checkpoint resumed by one process. With 2 experts an ep rank's one expert is
+    split along its second dimension (a stack of one: no rank holds a whole padded expert)."""
+    moe = [o if not o.startswith("model.moe.experts=") else f"model.moe.experts={experts}" for o in MOE]
+    single = _run(str(tmp_path / "one"), moe)
+    layout = moe + ["parallel.dp_shard=4", "parallel.ep=2", "parallel.distributed_optimizer=true"]
     for got in shared_pool(4).run(_run, str(tmp_path / "ep"), layout, 2, 2):
         _close(got["losses"], single["losses"][:2])
         _close(got["norms"], single["norms"][:2])
-    one = _run(str(tmp_path / "ep"), MOE, 3, 0, True)
+    one = _run(str(tmp_path / "ep"), moe, 3, 0, True)
     _close(one["losses"], single["losses"][2:])
 
 

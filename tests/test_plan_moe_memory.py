@@ -352,6 +352,8 @@ def test_experts_split_over_more_ranks_than_they_have_rows_are_priced_as_loom_sp
 
     zero3 = Layout(dp=64, micro_batch=2, recompute="full", dp_style="zero3")
     assert expert_row_padding(w, zero3) == (8.0, False)
+    # a rank's one expert (ep 8) is split along its second dimension by distopt and zero3 too: no padding
+    assert expert_row_padding(w, Layout(dp=64, ep=8, micro_batch=2, dp_style="zero3")) == (1.0, False)
     fsdp = Layout(dp=64, micro_batch=2, recompute="full", dp_style="fsdp")
     assert expert_row_padding(w, fsdp) == (1.0, True)
     dense, experts = local_params(w, zero3, rank_shapes(w, zero3)[0])

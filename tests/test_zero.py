@@ -32,7 +32,8 @@ def _held(tmp, overrides):
     trainer = Trainer(load_config("tiny", MODEL + ["train.steps=1", *overrides]), Path(tmp) / "run", quiet=True)
     trainer.train_step()
     opt = trainer.optimizer
-    released = {p.untyped_storage().nbytes() for p in trainer.model.parameters()}
+    local = lambda p: getattr(p, "_local_tensor", p)  # noqa: E731  (a routed expert's local part under ep)
+    released = {local(p).untyped_storage().nbytes() for p in trainer.model.parameters()}
     out = {"gathered": opt.gathered_units(), "released_bytes": released,
            "rows": sum(b.master.numel() for b in opt.buckets),
            "kept_copies": sum(getattr(b, "source", None) is not None for b in opt.buckets),
@@ -43,7 +44,7 @@ def _held(tmp, overrides):
            "params": sum(p.numel() for p in trainer.model.parameters()),
            "units": [u.name for u in opt.units]}
     opt.gather_all()
-    out["views"] = all(p.untyped_storage().data_ptr() == b.full.untyped_storage().data_ptr()
+    out["views"] = all(local(p).untyped_storage().data_ptr() == b.full.untyped_storage().data_ptr()
                        for b in opt.buckets for p in [b.slots[0].param])
     return out
 
@@ -234,6 +235,31 @@ def test_a_tied_head_is_not_fused(tmp_path):
     """The tied embedding's other gradient arrives through autograd: its head keeps the unfused path."""
     for got in shared_pool(2).run(_run, str(tmp_path), ["train.loss_chunk=16", "parallel.dp_shard=2", *SHARDED], 1):
         assert got["head"] is None
+
+
+@pytest.mark.parametrize("experts", [2, 8], ids=["one-expert-per-rank", "four-per-rank"])
+def test_expert_parallelism(experts, tmp_path):
+    """ep=2 over dp_shard=4: each ep rank's routed experts (DTensors) are gathered with their block over its 2
+    expert-data-parallel ranks, the rest over all 4. With 2 experts a rank holds one, split along its hidden
+    dimension (not padded to a whole expert per rank); with 8, four split by rows. Two steps equal one process,
+    and the checkpoint resumes in one process and in FSDP with ep."""
+    moe = ["model.moe.experts=" + str(experts), "model.moe.top_k=2", "model.moe.ffn_hidden=32"] + UNTIED
+    one = _run(str(tmp_path / "one"), moe, 3)
+    layout = moe + ["parallel.dp_shard=4", "parallel.ep=2", *SHARDED]
+    pool = shared_pool(4)
+    for got in pool.run(_run, str(tmp_path / "ep"), layout, 2, 2):
+        _close(got["losses"], one["losses"][:2])
+        _close(got["norms"], one["norms"][:2])
+    resumed = _run(str(tmp_path / "ep"), moe, 3, 0, True)
+    _close(resumed["losses"], one["losses"][2:])
+    as_fsdp = pool.run(_run, str(tmp_path / "ep"), moe + ["parallel.dp_shard=4", "parallel.ep=2"], 3, 0, True)
+    _close(as_fsdp[0]["losses"], one["losses"][2:])
+    # every rank's master rows: a quarter of the dense weights and half of its ep rank's experts, none padded
+    held = pool.run(_held, str(tmp_path / "held"), layout)
+    experts_total = 2 * 3 * experts * 64 * 32  # two layers' w1, w2, w3 [E, 64, 32]
+    share = (held[0]["params"] - experts_total) / 4 + experts_total / 2 / 2
+    assert all(share <= h["rows"] <= share + 400 for h in held), ([h["rows"] for h in held], share)
+    assert all(h["released_bytes"] == {0} and h["gathered"] == [] for h in held)
 
 
 def test_tied_embeddings(tmp_path):

@@ -103,6 +103,14 @@ class _Slot:
     replicas: int  # ranks holding the same values outside the group (tensor-parallel replicas): norm weight
     filled: bool = False  # this step's first gradient was copied in (later ones are added)
     arrivals: int = 0  # this step's gradients so far (a pipeline stage's count tells the last micro-batch's)
+    row_dim: int = 0  # 1: a stack of one ([1, rows, ...], a rank's one expert), split along its second dimension
+
+    def piece_shape(self, rows: int) -> tuple[int, ...]:
+        """The shape of `rows` of this parameter's rows (along `row_dim`)."""
+        shape = tuple(self.local().shape)
+        if not shape:
+            return (rows,)
+        return shape[:self.row_dim] + (rows,) + shape[self.row_dim + 1:]
 
     def my_rows(self, rank: int) -> int:
         return max(0, min(self.per_rank, self.rows - rank * self.per_rank))
@@ -150,14 +158,16 @@ def _layout_slots(params: list[tuple[str, nn.Parameter]], where: _Group, tp_size
     buckets, current, used, n = [], [], 0, where.n
     for name, p in params:
         local = p._local_tensor if isinstance(p, DTensor) else p.data
-        rows = local.shape[0] if local.dim() else 1
+        # A stack of one (a rank's single expert [1, hidden, ffn]) is split along its rows, not padded to n copies
+        row_dim = 1 if local.dim() >= 3 and local.shape[0] == 1 and n > 1 else 0
+        rows = local.shape[row_dim] if local.dim() else 1
         width = local.numel() // max(rows, 1)
         per_rank = max(1, math.ceil(rows / n))
         replicated = isinstance(p, DTensor) and all(isinstance(pl, Replicate) for pl in p.placements)
         replicas = tp_size if (replicated or not isinstance(p, DTensor)) else 1
         if where.experts:  # experts: whole on each tp rank unless they are spread over them (loom.rules)
             replicas = tp_size
-        slot = _Slot(p, name, rows, width, per_rank, 0, replicas)
+        slot = _Slot(p, name, rows, width, per_rank, 0, replicas, row_dim=row_dim)
         if current and (per_param or used + slot.span > BUCKET_ELEMENTS):
             buckets.append(_Bucket(current, used, where))
             current, used = [], 0
@@ -190,10 +200,16 @@ def _draw_rows(master: torch.Tensor, slot: _Slot, first: int, part: nn.Module, s
     """`master` (rows `first`.. of `slot`'s parameter) filled with the values the whole parameter starts with."""
     from loom.models.init import fill
 
-    if slot.param.dim() == 0 or isinstance(slot.param, DTensor):
-        raise ValueError(f"{slot.name}: rows are drawn only for plain tensors with rows")
+    if slot.param.dim() == 0:
+        raise ValueError(f"{slot.name}: rows are drawn only for tensors with rows")
+    offset = [0] * slot.param.dim()
+    if isinstance(slot.param, DTensor):  # the rank's slice (a routed expert's under ep) within the whole parameter
+        from loom.parallel.materialize import local_slice
+
+        offset = list(local_slice(slot.param)[1])
+    offset[slot.row_dim] += first
     name = part.init_name(slot.name)
-    fill(master, tuple(slot.param.shape), (first,) + (0,) * (slot.param.dim() - 1), seed, name, *part.init_spec(name))
+    fill(master, tuple(slot.param.shape), tuple(offset), seed, name, *part.init_spec(name))
 
 
 class DistributedOptimizer:
@@ -232,7 +248,8 @@ class DistributedOptimizer:
         self.buckets = _layout_slots(dense, self.dense, self.tp_size, self.PER_PARAM)
         if experts:
             self.experts = _Group(layout.submesh("edp"), layout.grad_ranks, experts=True)
-            self.buckets += _layout_slots(experts, self.experts, 1 if layout.experts_span_tp else self.tp_size)
+            self.buckets += _layout_slots(experts, self.experts, 1 if layout.experts_span_tp else self.tp_size,
+                                          self.PER_PARAM)
         device = named[0][1].device
         self.device = device
         for bucket in self.buckets:
@@ -243,14 +260,15 @@ class DistributedOptimizer:
             for slot in bucket.slots:
                 rows = slot.my_rows(rank)
                 start = slot.offset
-                shape = (rows, *slot.local().shape[1:]) if slot.local().dim() else (rows,)
+                shape = slot.piece_shape(rows)
                 master = bucket.master[start:start + rows * slot.width].view(shape)
                 grad = bucket.shard[start:start + rows * slot.width].view(shape)
                 local = slot.local()
                 if seed is not None:  # drawn: the parameter holds no values
                     _draw_rows(master, slot, rank * slot.per_rank, owner[id(slot.param)], seed)
                 elif local.dim():
-                    master.copy_(local[rank * slot.per_rank:rank * slot.per_rank + rows])
+                    first = rank * slot.per_rank
+                    master.copy_(local.narrow(slot.row_dim, min(first, slot.rows), rows))
                 elif rows:
                     master.copy_(local.reshape(1))
                 bucket.pieces.append((master, grad))
@@ -450,9 +468,10 @@ class DistributedOptimizer:
         from torch.distributed.tensor.placement_types import _StridedShard
 
         p = slot.param
-        if where.experts:  # FSDP2's 2-D (edp, ep) DTensor: ep's experts, then edp's rows of them
-            mesh = self.layout.flattened["edp_ep"]
-            placements = (_StridedShard(0, split_factor=self.layout.ep), Shard(0))
+        if where.experts:  # FSDP2's 2-D (edp, ep) DTensor: ep's experts, then edp's rows of them (a rank's one
+            mesh = self.layout.flattened["edp_ep"]  # expert: edp's rows of its second dimension, as FSDP splits it)
+            rows = Shard(1) if slot.row_dim == 1 else _StridedShard(0, split_factor=self.layout.ep)
+            placements = (rows, Shard(0))
             return DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
         if isinstance(p, DTensor) and self.tp_size > 1:
             mesh = self.layout.mesh[("dp_shard_cp" if self.layout.cp > 1 else "dp_shard", "tp")]
@@ -463,7 +482,7 @@ class DistributedOptimizer:
                 placements = (Shard(0), tp_place)
             shape, stride = p.shape, p.stride()
         else:
-            mesh, placements = self.dense.mesh, (Shard(0),)
+            mesh, placements = self.dense.mesh, (Shard(slot.row_dim),)
             shape = slot.local().shape
             stride = slot.local().stride()
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)

@@ -43,9 +43,14 @@ def release_parameters(module: nn.Module, device: torch.device) -> None:
     made: dict[int, nn.Parameter] = {}
     for mod in module.modules():
         for attr, p in mod._parameters.items():
-            if p is not None and p.is_meta:
+            if p is not None and (p._local_tensor if isinstance(p, DTensor) else p).is_meta:
                 if id(p) not in made:
-                    made[id(p)] = nn.Parameter(released(p, device), requires_grad=p.requires_grad)
+                    if isinstance(p, DTensor):  # (a routed expert under ep: its local part released)
+                        t = DTensor.from_local(released(p._local_tensor, device), p.device_mesh, p.placements,
+                                               run_check=False, shape=p.shape, stride=p.stride())
+                    else:
+                        t = released(p, device)
+                    made[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
                 mod._parameters[attr] = made[id(p)]
         for attr, b in mod._buffers.items():
             if b is not None and b.is_meta:

@@ -43,6 +43,7 @@ from collections import deque
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from loom.parallel.context import _ALL_GATHER, _REDUCE_SCATTER
 from loom.parallel.distopt import DistributedOptimizer, _Bucket, _Slot
@@ -119,7 +120,11 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         bucket.full = torch.empty(n * bucket.size, dtype=self.dtype, device=self.device)
         bucket.nbytes = bucket.full.untyped_storage().nbytes()
         shape = slot.local().shape
-        slot.param.data = bucket.full[:slot.rows * slot.width].view(shape)  # the parameter IS the gather output
+        view = bucket.full[:slot.rows * slot.width].view(shape)  # the parameter IS the gather output
+        if isinstance(slot.param, DTensor):  # a routed expert under ep: its local part (this ep rank's experts)
+            slot.param._local_tensor = view.data  # (its own version counter: the gathers write the buffer)
+        else:
+            slot.param.data = view
         # Released at once, until its unit first runs: the buffers are set up one at a time, so no rank ever holds
         # every weight's gather output (the whole model in the compute dtype) at start-up.
         bucket.full.untyped_storage().resize_(0)

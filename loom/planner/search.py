@@ -207,7 +207,7 @@ def candidates(w: Workload, *, cross_node_tp: bool = False, cp_max: int = 8, max
                                     for ep in ep_options(cfg, dp, cp, tp, sp):
                                         if fixed.get("ep", ep) != ep:
                                             continue
-                                        if style == "zero3" and (w.framework == "megatron" or tp * pp * ep > 1):
+                                        if style == "zero3" and (w.framework == "megatron" or tp * pp > 1):
                                             continue  # loom's sharded weights (loom.rules.distopt_problem)
                                         for rec in recompute_modes:
                                             yield Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, micro_batch=mbs,

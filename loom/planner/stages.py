@@ -138,7 +138,8 @@ def expert_row_padding(w: Workload, lay: Layout) -> tuple[float, bool]:
     (loom/parallel/data.py's `shard_dim`): no padding, but FSDP2 copies them once more per gather and reduction
     (`off_rows`). loom's distributed optimizer and sharded weights split every parameter by rows, as torch.chunk
     does (loom/parallel/distopt.py): a rank holds ceil(E/ep / n) experts' rows and the buffers are laid out for
-    n ranks of those, so memory and traffic of the experts scale by `factor` = ceil(E/ep / n) * n / (E/ep).
+    n ranks of those, so memory and traffic of the experts scale by `factor` = ceil(E/ep / n) * n / (E/ep); one
+    expert per rank (E = ep) is split along its second dimension instead, unpadded.
     Megatron's flat buffers split by elements: (1, False)."""
     cfg = w.model
     if not cfg.moe_layers or priced_as_megatron(w, lay):
@@ -150,6 +151,8 @@ def expert_row_padding(w: Workload, lay: Layout) -> tuple[float, bool]:
         n = loom_shard_groups(lay)[1]
     if local >= n:
         return math.ceil(local / n) * n / local, False
+    if local == 1 and lay.dp_style in ("distopt", "zero3"):  # a stack of one: split along its second dimension
+        return 1.0, False  # (distopt.py's `row_dim`), rows of a [1, hidden, ffn] tensor, no padding
     ffn = cfg.moe.ffn_hidden or cfg.ffn_hidden
     if lay.dp_style not in ("distopt", "zero3") and (cfg.hidden % n == 0 or ffn % n == 0):
         return 1.0, True

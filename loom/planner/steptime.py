@@ -185,7 +185,8 @@ def step_time(w: Workload, lay: Layout) -> dict:
             fused = fused_linear_params(w, lay, layers)
             if w.loss_chunk and not cfg.tie_embeddings and not w.gpu.is_cpu:  # the chunked loss writes the untied
                 fused += cfg.vocab_size * cfg.hidden  # head's gradient into its buffer (loom/parallel/headgrad.py)
-            step["distopt_copy"] = hbm_time(gpu, zero3_copy_bytes(w, dense + experts, m, group, fused))
+            step["distopt_copy"] = hbm_time(gpu, zero3_copy_bytes(w, dense + experts, m, group, fused,
+                                                                 rows=dense / group + experts / egroup))
         if w.fsdp2 and lay.dp_style in ("fsdp", "replicate") and not priced_as_megatron(w, lay):
             step["fsdp_copy"] = hbm_time(gpu, fsdp2_copy_bytes(w, lay, dense, experts, m, experts_off_rows))
     step["dp_comm"] = dp_comm
@@ -213,7 +214,8 @@ def distopt_copy_bytes(w: Workload, local: float, m: int, fused: float = 0.0) ->
     return (local - fused) * ((e + 4) + (m - 1) * (e + 8)) + local * 2 * e
 
 
-def zero3_copy_bytes(w: Workload, local: float, m: int, group: int, fused: float = 0.0) -> float:
+def zero3_copy_bytes(w: Workload, local: float, m: int, group: int, fused: float = 0.0,
+                     rows: float | None = None) -> float:
     """Bytes loom's sharded weights (loom/parallel/zero.py) move on the compute stream in one step for `local`
     parameters split over `group` ranks: the all-gathers write straight into the parameters and the fused linear
     layers' GEMMs write their fp32 gradients straight into the reduce-scatter's input (nothing for either); each
@@ -223,7 +225,7 @@ def zero3_copy_bytes(w: Workload, local: float, m: int, group: int, fused: float
     micro-batch, forward and backward (the embedding and head once: counted twice here); past 8 micro-batches the
     rows are cast once after the step and kept (`loom.rules.zero3_keeps_compute_rows`)."""
     e = 4 if w.precision == "fp32" else 2
-    rows = local / group
+    rows = local / group if rows is None else rows  # (`rows`: routed experts split over their edp ranks)
     cast = 0 if e == 4 else rows * (4 + e) * (1 if zero3_keeps_compute_rows(m) else 2 * m)
     return m * (local - fused) * (e + 4) + rows * (8 + (m - 1) * 12) + cast
 
