@@ -33,7 +33,8 @@ one process starts with there (loom/models/init.py); a checkpoint resumed loads 
 
 Layouts: dp_shard x cp (the ranks distopt splits over), compiled or eager blocks, any recomputation, tied or untied
 embeddings (a tied one belongs to the head unit, gathered from the model's start until its gradient, which sums
-both uses, is reduced). Not yet: tp, pp, ep (their DTensors and stages), and recipes that run the model more than
+both uses, is reduced), expert parallelism (a routed expert's DTensor keeps its local part as a view of its gather
+buffer, over the expert-data-parallel ranks). Not yet: tp, pp (their DTensors and stages), and recipes that run the model more than
 once per backward (dpo, rm, rl: a weight is released once its gradient is reduced) — `loom.rules.distopt_problem`.
 """
 
