@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from loom.config import ModelConfig
+from loom.models.swiglu import swiglu
 
 
 @torch.compiler.disable  # iterates to a tolerance read on the host: eager in a compiled block (one graph break)
@@ -204,7 +205,7 @@ class GroupedExperts(nn.Module):
         return tuple(_local(w) for w in (self.w1, self.w2, self.w3))
 
     def _mlp(self, x, w1, w2, w3, mm):
-        h = F.silu(mm(x, w1)) * mm(x, w3) if self.gated else F.gelu(mm(x, w1))
+        h = swiglu(mm(x, w1), mm(x, w3)) if self.gated else F.gelu(mm(x, w1))  # (keeps 2 of its 3 inputs' widths)
         return mm(h, w2)
 
     @torch.compiler.disable  # sizes read on the host: eager in a compiled block (one graph break, no recompiles)

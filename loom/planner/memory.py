@@ -109,8 +109,10 @@ def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: in
     gated = cfg.mlp == "swiglu"
     lin = 1 if mega and w.precision == "fp8" else e
 
-    def mlp(width: float, fused: bool = mega) -> float:  # one token's MLP activations at this width
-        return ((2 if gated else 1) * e + lin) * width if fused else (4 if gated else 2) * e * width
+    def mlp(width: float, fused: bool = mega, routed: bool = False) -> float:  # one token's MLP activations
+        # at this width; loom's routed experts keep SwiGLU's two inputs and the product (loom/models/swiglu.py)
+        eager = (3 if routed else 4) if gated else 2
+        return ((2 if gated else 1) * e + lin) * width if fused else eager * e * width
 
     span = w.experts_over_tp(lay.tp, lay.sp, lay.ep)
     tokens = s * b // lay.tp if span else s * b  # the tokens this rank routes
@@ -120,7 +122,7 @@ def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: in
     # (`gate_in_activation`) keep each row's fp32 weight (4 bytes) instead, and of the MLP only fc1's output and
     # fc2's input; their combine keeps nothing.
     fused = gate_in_activation(w, mega)
-    routed = rows * (lin * h + mlp(fe, fused) + (4 if fused else e * h))
+    routed = rows * (lin * h + mlp(fe, fused, routed=not mega) + (4 if fused else e * h))
     router = tokens * ((0 if mega else 4 * h) + 2 * 4 * E)
     shared = tokens * mlp(fs)
     if lay.tp > 1 and lay.sp and not span:
@@ -162,7 +164,7 @@ def compiled_moe_activation_bytes(cfg: ModelConfig, tokens: int, rows: float, e:
       per-expert loop where there is no grouped kernel): per routed row the expert output and the rows the
       experts read, which the eager index_copy (grouped) or the per-expert matmuls (loop) keep (2e*h), the gate
       (e), int64 indices (24 grouped, 16 looped; + 16 for the exchange's row order and its inverse), and the
-      experts' MLP as loom's eager MLP keeps it (e*4fe, GELU e*2fe) per row, or, grouped, with the padded input
+      experts' MLP (w1's and w3's outputs and their product, loom/models/swiglu.py: e*3fe, GELU e*2fe) per row, or, grouped, with the padded input
       (e*h) per padded row.
     - per layer: the router weight's fp32 copy (4Eh) and a few E-sized vectors (8E).
     - `fp8` (torchao's Float8Linear on the shared experts and attention; the routed experts and the router stay
@@ -170,8 +172,8 @@ def compiled_moe_activation_bytes(cfg: ModelConfig, tokens: int, rows: float, e:
       product, e*(2f + h) per token go instead of e*(3f + h) on every path; shared experts keep w1's and w3's
       outputs (e*2fs) and 1 byte, and behind the exchange's graph break also the normalised input's fp8 cast (h).
 
-    Against the eager layer's MoE part (`moe_activation_delta`: per row 2e*h + e*4fe, per token 4h + 8E + e*4fs):
-    per row e*(2h + 3fe) traced (and e*(h + 3fe) per padding row) against e*(2h + 4fe), fp32 probabilities
+    Against the eager layer's MoE part (`moe_activation_delta`: per row 2e*h + e*3fe, per token 4h + 8E + e*4fs):
+    per row e*(2h + 3fe) traced (and e*(h + 3fe) per padding row) against e*(2h + 3fe), fp32 probabilities
     recomputed, int64 indices kept.
     Routed rows are tokens x top_k x the busiest rank's load over the mean (`Workload.moe_imbalance`), as
     `moe_activation_delta` counts them. Priced for the softmax router with a balance loss (the other routers,
@@ -179,7 +181,9 @@ def compiled_moe_activation_bytes(cfg: ModelConfig, tokens: int, rows: float, e:
     h, f, k, E = cfg.hidden, cfg.ffn_hidden, cfg.moe.top_k, cfg.moe.experts
     fe = cfg.moe.ffn_hidden or f
     fs = cfg.moe.shared_experts * fe
-    mlp, eager_mlp = (3, 4) if cfg.mlp == "swiglu" else (2, 2)  # compiled and eager MLP activations per width
+    # compiled and eager MLP activations per width: eager routed experts keep SwiGLU's two inputs and the product
+    # (loom/models/swiglu.py); GELU's input and output
+    mlp, eager_mlp = (3, 3) if cfg.mlp == "swiglu" else (2, 2)
     out = tokens * (4 * h + 8 * E + 8 * k - e * mlp * f) + 4 * E * h + 8 * E
     if fp8:  # the fp8 dense layer kept neither the gated product nor the normalised MLP input
         out += tokens * e * (f + h)
