@@ -398,3 +398,40 @@ def test_grouped_mm_is_chosen_on_hopper_in_bf16_only():
     assert not grouped_mm_wanted((8, 0), torch.bfloat16, True)
     assert not grouped_mm_wanted((9, 0), torch.float32, False) and not grouped_mm_wanted((9, 0), torch.float16, False)
     assert not use_grouped_mm(torch.zeros(2, 2, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
+def test_swiglu_experts_take_the_gate_into_their_activation(grouped):
+    """Without expert parallelism the SwiGLU experts weigh their rows themselves (loom/models/swiglu.py's
+    weighted_swiglu, as Megatron-Core's weighted SwiGLU): the same output and gradients as weighting the
+    experts' outputs in the combine (the loop in float64, the grouped GEMMs in float32), and one tensor of the
+    routed rows' width h kept for backward where weighting in the combine kept two."""
+    if grouped and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this PyTorch has no torch._grouped_mm")
+    layer = moe_layer(hidden=16).eval()  # (no auxiliary losses: the reference below has none)
+    dtype, tol = (torch.float32, 1e-5) if grouped else (torch.float64, 1e-10)  # (no float64 _grouped_mm on CPU)
+    layer = layer.to(dtype)
+    layer.experts.forward = (lambda f: lambda x, counts, grouped_=None, gate=None: f(x, counts, grouped, gate))(
+        layer.experts.forward)
+    x = torch.randn(24, 16, dtype=dtype, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        try:
+            out = layer(x)
+        except (RuntimeError, NotImplementedError) as exc:  # pragma: no cover - depends on the build
+            pytest.skip(f"torch._grouped_mm does not run in float64 on this CPU build: {exc}")
+    grads = torch.autograd.grad(out.sum(), [x, *layer.parameters()])
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(tuple(t.shape)) or t, lambda t: t):
+        chosen, gates, _, _ = layer.router(x)
+        token, gate, counts = layer.dispatch(chosen, gates)
+        y = layer.experts(x[token], counts)  # unweighted
+        ref = layer.combine(y, token, gate, 24)
+    ref_grads = torch.autograd.grad(ref.sum(), [x, *layer.parameters()], allow_unused=True)
+    assert torch.allclose(out, ref, atol=tol, rtol=0)
+    for a, b in zip(grads, ref_grads):
+        if b is not None:
+            assert torch.allclose(a, b, atol=tol, rtol=0)
+    rows = token.shape[0]
+    # the combine's index_add keeps its source either way; weighting there also kept the unweighted output
+    assert saved.count((rows, 16)) == kept.count((rows, 16)) - 1

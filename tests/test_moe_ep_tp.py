@@ -81,9 +81,9 @@ def _count_worker(overrides):
     counted = {"rows": 0, "flops": 0, "compute_bytes": 0}
 
     def counting(forward, experts):
-        def run(x, counts, grouped=None):
+        def run(x, counts, grouped=None, gate=None):
             with FlopCounterMode(display=False) as flops:
-                y = forward(x, counts, grouped)
+                y = forward(x, counts, grouped, gate=gate)
             counted["rows"] += x.shape[0]
             counted["flops"] += flops.get_total_flops()
             counted["compute_bytes"] += sum(w.numel() * w.element_size() for w in experts._weights() if w is not None)

@@ -195,10 +195,12 @@ def test_compiled_moe_layers_are_priced_by_their_expert_path():
     dense = T * (e * (6 * h + 2 * h * g / a + 3 * f) + 4 * a + 8)  # compiled dense layer
     common = T * (4 * h + 8 * E + 8 * k - e * 3 * f) + 4 * E * h + 8 * E  # router; the dense MLP goes
     # traced: the padded input (not its zero buffer) per padded row, no zero combine buffer or one-hot per token
-    traced = common - T * e * h + T * (12 - 4 * E) + rows * (e * h + e + 24) + (rows + 16 * E) * e * (h + 3 * fe)
+    # (SwiGLU experts without the exchange fold the fp32 gate into their activation: 4 bytes a padded row kept, no
+    # expert output or 16-bit gate)
+    traced = common - T * e * h + T * (12 - 4 * E) + rows * 24 + (rows + 16 * E) * (4 + e * (h + 3 * fe))
     # eager experts keep SwiGLU's two inputs and the product (loom/models/swiglu.py): 3 fe a row
     grouped_ep8 = common - T * e * h + rows * (2 * e * h + e + 24 + 16) + (rows + 16 * E // 8) * e * (h + 3 * fe)
-    looped = common - T * e * h + rows * (2 * e * h + e + 16 + e * 3 * fe)
+    looped = common - T * e * h + rows * (e * h + 4 + 16 + e * 3 * fe)
     cases = [(PRESETS["h100"], 1, traced), (PRESETS["h100"], 8, grouped_ep8), (PRESETS["a100-80gb"], 1, looped)]
     for gpu, ep, delta in cases:
         lay = Layout(dp=64, ep=ep, micro_batch=1, dp_style="fsdp")

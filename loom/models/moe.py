@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from loom.config import ModelConfig
-from loom.models.swiglu import swiglu
+from loom.models.swiglu import swiglu, weighted_swiglu
 
 
 @torch.compiler.disable  # iterates to a tolerance read on the host: eager in a compiled block (one graph break)
@@ -193,23 +193,29 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, ffn, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, hidden, ffn)) if gated else None
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
         """`grouped`: force (True) or forbid (False) `torch._grouped_mm`; None picks it where it is fast. In a
-        compiled block the grouped path is traced whole (static shapes); the loop runs eagerly."""
+        compiled block the grouped path is traced whole (static shapes); the loop runs eagerly. `gate` (SwiGLU
+        only): each row's fp32 gate weight, folded into the activation (loom/models/swiglu.py), so the output
+        rows come weighted and nothing keeps them for the gate's gradient."""
         if grouped is None:
             grouped = use_grouped_mm(x)
-        return self._grouped(x, counts) if grouped else self._looped(x, counts)
+        return self._grouped(x, counts, gate) if grouped else self._looped(x, counts, gate)
 
     def _weights(self) -> tuple:
         """(w1, w2, w3) as plain tensors: a DTensor's local part (differentiable), else the parameter."""
         return tuple(_local(w) for w in (self.w1, self.w2, self.w3))
 
-    def _mlp(self, x, w1, w2, w3, mm):
-        h = swiglu(mm(x, w1), mm(x, w3)) if self.gated else F.gelu(mm(x, w1))  # (keeps 2 of its 3 inputs' widths)
+    def _mlp(self, x, w1, w2, w3, mm, gate=None):
+        if gate is not None:
+            h = weighted_swiglu(mm(x, w1), mm(x, w3), gate)
+        else:  # (swiglu keeps its two inputs, not silu's output too)
+            h = swiglu(mm(x, w1), mm(x, w3)) if self.gated else F.gelu(mm(x, w1))
         return mm(h, w2)
 
     @torch.compiler.disable  # sizes read on the host: eager in a compiled block (one graph break, no recompiles)
-    def _looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _looped(self, x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """One matmul per expert on its contiguous rows. Every expert runs, an empty one on zero rows, so
         every weight gets a (zero) gradient; `unbind` makes backward stack the experts' gradients once."""
         w1, w2, w3 = self._weights()
@@ -220,11 +226,12 @@ class GroupedExperts(nn.Module):
         else:
             sizes = counts.tolist()
         w3 = w3.unbind(0) if self.gated else [None] * e
-        outs = [self._mlp(part, w1_, w2_, w3_, torch.matmul)
-                for part, w1_, w2_, w3_ in zip(torch.split(x, sizes), w1.unbind(0), w2.unbind(0), w3)]
+        gates = torch.split(gate, sizes) if gate is not None else [None] * e
+        outs = [self._mlp(part, w1_, w2_, w3_, torch.matmul, g)
+                for part, w1_, w2_, w3_, g in zip(torch.split(x, sizes), w1.unbind(0), w2.unbind(0), w3, gates)]
         return torch.cat(outs)
 
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """`torch._grouped_mm` over the experts' row groups, with no host synchronisation. Every group is
         padded with zero rows to a multiple of 16, and an empty group to 16 rows: `_grouped_mm`'s backward
         hangs on an empty group (Hopper, PyTorch 2.8-2.10) and its kernels expect 16-row alignment. The
@@ -247,8 +254,9 @@ class GroupedExperts(nn.Module):
         offs = torch.cat([(starts + padded)[:-1], starts.new_full((1,), capacity)]).to(torch.int32)
         w1, w2, w3 = self._weights()
         w3 = w3.to(dtype) if self.gated else None
+        gp = None if gate is None else gate.new_zeros(capacity).index_copy(0, dest, gate)  # padding rows: 0
         y = self._mlp(xp, w1.to(dtype), w2.to(dtype), w3,
-                      lambda a, w: torch._grouped_mm(a, w, offs=offs))
+                      lambda a, w: torch._grouped_mm(a, w, offs=offs), gp)
         return y[dest]
 
 
@@ -344,18 +352,20 @@ class MoE(nn.Module):
         # with the one the backward of the dispatch's `flat[token]` creates, and saved, e*h bytes a token.
         h = y.shape[-1]
         out = y.new_zeros(tokens * h).view(tokens, h)
-        return out.index_add(0, token, y * gate[:, None].to(y.dtype))
+        return out.index_add(0, token, y if gate is None else y * gate[:, None].to(y.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         chosen, gates, probs, logits = self.router(flat, self.token_shards, self.token_mesh)
         token, gate, counts = self.dispatch(chosen, gates, shape[-2] if x.dim() == 3 else None)
-        if self.expert_parallel is None:
-            y = self.experts(flat[token], counts)
+        if self.expert_parallel is None:  # SwiGLU experts weigh their rows themselves (the gate in the activation)
+            folded = self.experts.gated
+            y = self.experts(flat[token], counts, gate=gate if folded else None)
         else:  # rows sent to the ranks holding their experts, computed there and returned (all-to-all)
+            folded = False
             y = self.expert_parallel(self.experts, flat[token], counts)
-        out = self.combine(y, token, gate, flat.shape[0])
+        out = self.combine(y, token, None if folded else gate, flat.shape[0])
         if self.shared is not None:
             shared = self.shared(flat)
             if self.shared_gate is not None:

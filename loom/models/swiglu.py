@@ -36,3 +36,32 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return _SwiGLU.apply(a, b)
     return F.silu(a) * b
+
+
+class _WeightedSwiGLU(torch.autograd.Function):
+    """silu(a) * b * g[:, None] (g: each row's fp32 gate weight), keeping a, b and g: the gate folded into the
+    experts' activation, as Megatron-Core's weighted_bias_swiglu does, so the combine keeps no expert output."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b, g)
+        return (F.silu(a) * b * g[:, None]).to(a.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b, g = ctx.saved_tensors
+        sig = torch.sigmoid(a)
+        p = a * sig * b
+        acc = torch.promote_types(torch.promote_types(grad.dtype, g.dtype), torch.float32)  # fp32 or finer
+        grad_g = (grad * p).sum(-1, dtype=acc).to(g.dtype) if ctx.needs_input_grad[2] else None
+        dp = grad * g[:, None]
+        grad_a = (dp * b * sig * (1 + a * (1 - sig))).to(a.dtype) if ctx.needs_input_grad[0] else None
+        grad_b = (dp * a * sig).to(b.dtype) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b, grad_g
+
+
+def weighted_swiglu(a: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b * g[:, None] in a's dtype, keeping a, b and g only for backward."""
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or g.requires_grad):
+        return _WeightedSwiGLU.apply(a, b, g)
+    return (F.silu(a) * b * g[:, None]).to(a.dtype)

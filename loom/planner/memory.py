@@ -121,7 +121,8 @@ def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: in
     # keeps that output for the weight's gradient (e*h). Stacks that fold the gate weight into a fused SwiGLU
     # (`gate_in_activation`) keep each row's fp32 weight (4 bytes) instead, and of the MLP only fc1's output and
     # fc2's input; their combine keeps nothing.
-    fused = gate_in_activation(w, mega)
+    # (loom's SwiGLU experts without the exchange fold the gate in too: loom/models/moe.py)
+    fused = gate_in_activation(w, mega) or (not mega and gated and lay.ep == 1)
     routed = rows * (lin * h + mlp(fe, fused, routed=not mega) + (4 if fused else e * h))
     router = tokens * ((0 if mega else 4 * h) + 2 * 4 * E)
     shared = tokens * mlp(fs)
@@ -196,9 +197,14 @@ def compiled_moe_activation_bytes(cfg: ModelConfig, tokens: int, rows: float, e:
             out += tokens * e * (h + 1)
     padded = rows + 16 * local_experts
     out -= tokens * e * h  # the normalised MLP input, on every path
+    # SwiGLU experts without the exchange take each row's fp32 gate into their activation (loom/models/moe.py,
+    # swiglu.py's weighted_swiglu): they keep the gate (4 a row) and the combine keeps no output (e*h) or 16-bit gate
+    folded = cfg.mlp == "swiglu" and not exchange
     if experts == "traced":
-        return out + tokens * (12 - 4 * E) + rows * (e * h + e + 24) + padded * e * (h + mlp * fe)
-    out += rows * (2 * e * h + e + (16 if experts == "looped" else 24) + (16 if exchange else 0))
+        gate = padded * 4 if folded else rows * (e * h + e)
+        return out + tokens * (12 - 4 * E) + rows * 24 + gate + padded * e * (h + mlp * fe)
+    out += rows * ((e * h + 4) if folded else (2 * e * h + e))
+    out += rows * ((16 if experts == "looped" else 24) + (16 if exchange else 0))
     if experts == "grouped":
         return out + padded * e * (h + eager_mlp * fe)
     return out + rows * e * eager_mlp * fe
