@@ -75,15 +75,17 @@ def test_moe_layers_drop_the_mlp_tp_collectives_and_the_gathered_input():
     assert new.fwd["tp_comm"] == pytest.approx(old.fwd["tp_comm"] / 2, rel=1e-12)  # attention's AG + RS only
     # Activations of the MoE MLP from the rank's own 2048 tokens, nothing gathered (loom's layer: fp32 router
     # input copy and fp32 logits + probabilities per token; per routed row the dispatched input, the gated
-    # MLP's four fe-wide tensors and the expert output), less the dense MLP's share (4f per token over tp).
+    # MLP's three fe-wide tensors (loom/models/swiglu.py) and the expert output), less the dense MLP's share (4f per
+    # token over tp).
     cfg = w.model
     h, f, fe, k, E, e = cfg.hidden, cfg.ffn_hidden, cfg.moe.ffn_hidden, cfg.moe.top_k, cfg.moe.experts, 2
     lay = Layout(tp=2, dp=32, ep=8, sp=True)
     rows = 2048 * k
-    hand = rows * (e * h + 4 * e * fe + e * h) + 2048 * (4 * h + 2 * 4 * E) - 4096 * 4 * e * f / 2
+    hand = rows * (e * h + 3 * e * fe + e * h) + 2048 * (4 * h + 2 * 4 * E) - 4096 * 4 * e * f / 2
     assert moe_activation_delta(w, 4096, lay, "none", e, False) == pytest.approx(hand, rel=1e-12)
     old_lay = Layout(tp=2, dp=32, ep=1, sp=True)  # every tp rank routes 4096 tokens and keeps the gathered input
-    hand_old = 2 * rows * (e * h + 4 * e * fe + e * h) + 4096 * (4 * h + 2 * 4 * E) + e * 4096 * h - 4096 * 4 * e * f / 2
+    # (without ep the SwiGLU experts fold the fp32 gate into their activation: 4 bytes a row, no expert output)
+    hand_old = 2 * rows * (e * h + 3 * e * fe + 4) + 4096 * (4 * h + 2 * 4 * E) + e * 4096 * h - 4096 * 4 * e * f / 2
     assert moe_activation_delta(w, 4096, old_lay, "none", e, False) == pytest.approx(hand_old, rel=1e-12)
 
 
