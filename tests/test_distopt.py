@@ -236,11 +236,11 @@ def test_experts_split_over_their_expert_data_parallel_ranks(tmp_path, experts):
 
 @pytest.mark.gpu
 def test_weight_gradient_lands_in_a_rank_major_buffer_inside_the_gemm_on_cuda():
-    """The fused path's product on CUDA (loom.parallel.distopt._LinearIntoBuffer, `out_dtype`): bf16 inputs
+    """The fused path's product on CUDA (loom.parallel.wgrad.LinearIntoBuffer, `out_dtype`): bf16 inputs
     accumulated into fp32 rows of a [ranks, S] buffer, against float64; beta=0 ignores what the rows held."""
     import torch
 
-    from loom.parallel.distopt import fused_out_dtype_works
+    from loom.parallel.wgrad import fused_out_dtype_works
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (run by bench/device_check.sh)")

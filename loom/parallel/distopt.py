@@ -10,7 +10,7 @@ shard over). What FSDP2 does per micro-batch, this does once per step:
 - each parameter's gradient is added, as autograd produces it, into a contiguous fp32 gradient buffer (a
   post-accumulate hook; the bf16 `.grad` is dropped at once), so gradients accumulate over micro-batches in
   fp32 with no per-micro-batch collective; with `distopt_fused_wgrad` (the default) the blocks' linear layers
-  write their weight gradients there from their backward's product (`_LinearIntoBuffer`), and the chunked loss
+  write their weight gradients there from their backward's product (`LinearIntoBuffer`), and the chunked loss
   (`train.loss_chunk`) an untied LM head's from its forward's, on a step's first micro-batch (later ones add its
   fp32 copy in backward; loom/parallel/headgrad.py), with no 16-bit `.grad`;
 - on the last micro-batch each bucket of the buffer is reduce-scattered as soon as its parameters' gradients
@@ -40,53 +40,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from loom.config import Config
 from loom.parallel.headgrad import attach_head
+from loom.parallel.wgrad import LinearIntoBuffer, fused_out_dtype_works
 
 BUCKET_ELEMENTS = 32 << 20  # parameters per gradient bucket (fp32: 128 MiB of buffer); one larger tensor alone
-
-
-class _LinearIntoBuffer(torch.autograd.Function):
-    """y = x W^T (+ b) whose backward gives x its gradient as F.linear's would (DTensor placements included) and
-    adds W's straight into the optimizer's fp32 buffer (`into(dy, x)` on local tensors) instead of returning it:
-    Megatron's gradient-accumulation fusion. A bias (plain tensors only: `_fuse_linears`) gets its gradient as
-    F.linear gives it, the sum of dy over the tokens, through autograd as any parameter. `node`: the weight's
-    AccumulateGrad node; a backward that does not run it (`torch.autograd.grad` for inputs only, as
-    torch.distributed.pipelining's first step does to learn its gradients' shapes) adds nothing."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, into, node):
-        ctx.save_for_backward(x, weight)
-        ctx.into, ctx.node = into, node
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
-        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
-        if torch._C._will_engine_execute_node(ctx.node):
-            local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
-            ctx.into(local(dy), local(x))
-        return dx, None, db, None, None
-
-
-def fused_out_dtype_works(device: torch.device) -> bool:
-    """Whether this device's addmm takes 16-bit inputs into an fp32 result (`out_dtype`, CUDA): the weight gradient
-    then accumulates in the GEMM itself; elsewhere it is computed, then added."""
-    if device.type != "cuda":
-        return False
-    try:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
-        c = torch.ones(2, 2, dtype=torch.float32, device=device)
-        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-        return bool(c[0, 0].item() == 3.0)
-    except (RuntimeError, TypeError):
-        return False
 
 
 @dataclass
@@ -225,6 +186,8 @@ class DistributedOptimizer:
         parameters are `released` (loom/parallel/materialize.py: built with `rows_later`), and each rank draws
         its master rows from the seed, the values one process holds there (loom/models/init.py)."""
         p = cfg.parallel
+        if seed is not None and not self.PER_PARAM:
+            raise ValueError("drawn master rows (`seed`) are for sharded weights (loom/parallel/zero.py) only")
         self.dense = _Group(layout.submesh("dp_shard_cp" if p.cp > 1 else "dp_shard"), layout.grad_ranks)
         self.tp_size = layout.tp
         self.layout = layout
@@ -274,9 +237,7 @@ class DistributedOptimizer:
                 bucket.pieces.append((master, grad))
         # The weights in the compute dtype, every rank the same (each rank's rows from their owner).
         for _, param in named:
-            if seed is not None and not self.PER_PARAM:  # drawn: whole compute-dtype weights, gathered below
-                param.data = torch.empty(param.shape, dtype=self.dtype, device=device)
-            elif param.dtype != self.dtype and seed is None:  # (zero.py gives drawn ones their storage itself)
+            if param.dtype != self.dtype and seed is None:  # (zero.py gives drawn ones their storage itself)
                 if isinstance(param, DTensor):
                     param._local_tensor = param._local_tensor.to(self.dtype)
                 else:
@@ -316,7 +277,7 @@ class DistributedOptimizer:
     def _hook(self, bucket: _Bucket, slot: _Slot):
         def accumulate(param: torch.Tensor) -> None:
             grad = param.grad
-            if grad is None:  # a fused linear's weight: `_LinearIntoBuffer` put its gradient in the buffer
+            if grad is None:  # a fused linear's weight: `LinearIntoBuffer` put its gradient in the buffer
                 return
             if isinstance(grad, DTensor):
                 if grad.placements != param.placements:
@@ -340,7 +301,7 @@ class DistributedOptimizer:
                 self._reduce(bucket)
 
     def _into_buffer(self, bucket: _Bucket, slot: _Slot):
-        """For `_LinearIntoBuffer`: the weight gradient dy^T x of one micro-batch, each rank's rows straight into
+        """For `LinearIntoBuffer`: the weight gradient dy^T x of one micro-batch, each rank's rows straight into
         their place in the fp32 buffer (one product per rank; on CUDA with 16-bit inputs inside the GEMM,
         `out_dtype`; elsewhere computed, then copied or added)."""
         def into(dy: torch.Tensor, x: torch.Tensor) -> None:
@@ -363,7 +324,7 @@ class DistributedOptimizer:
     def _fuse_linears(self, parts: list[nn.Module]) -> int:
         """Route the weight gradients of the blocks' dense linear layers (attention, MLP; this optimizer's, not
         fp8; biased ones where the weight is a plain tensor, not a tensor-parallel shard) through
-        `_LinearIntoBuffer`. Returns how many."""
+        `LinearIntoBuffer`. Returns how many."""
         from loom.models.llama import FeedForward
 
         where = {id(slot.param): (bucket, slot) for bucket in self.buckets for slot in bucket.slots
@@ -381,7 +342,7 @@ class DistributedOptimizer:
                     into = self._into_buffer(*where[id(module.weight)])
                     with torch.enable_grad():
                         node = module.weight.view_as(module.weight).grad_fn.next_functions[0][0]
-                    module.forward = (lambda m, f, a: lambda x: _LinearIntoBuffer.apply(x, m.weight, m.bias, f, a))(
+                    module.forward = (lambda m, f, a: lambda x: LinearIntoBuffer.apply(x, m.weight, m.bias, f, a))(
                         module, into, node)
                     count += 1
         return count

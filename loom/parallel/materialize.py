@@ -31,10 +31,6 @@ def released(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
-def is_released(t: torch.Tensor) -> bool:
-    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
-
-
 @torch.no_grad()
 def release_parameters(module: nn.Module, device: torch.device) -> None:
     """Parameters on meta become `released` parameters on `device` (ties kept), buffers allocated there: for an

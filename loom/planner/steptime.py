@@ -209,7 +209,7 @@ def distopt_copy_bytes(w: Workload, local: float, m: int, fused: float = 0.0) ->
     buffer (4 written) on the first micro-batch and added to it later (8: read and write), then the gathered
     weights copied into the parameters once (2e). The `fused` of them (the blocks' bias-free linear layers on a
     GPU, `fused_linear_params`) have their weight gradient written into the buffer by the backward's GEMM
-    (`_LinearIntoBuffer`, as Megatron's gradient-accumulation fusion): none of the first term, like Megatron."""
+    (`LinearIntoBuffer`, as Megatron's gradient-accumulation fusion): none of the first term, like Megatron."""
     e = 4 if w.precision == "fp32" else 2
     return (local - fused) * ((e + 4) + (m - 1) * (e + 8)) + local * 2 * e
 
