@@ -400,12 +400,18 @@ def test_grouped_mm_is_chosen_on_hopper_in_bf16_only():
     assert not use_grouped_mm(torch.zeros(2, 2, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
-def test_swiglu_experts_take_the_gate_into_their_activation(grouped):
-    """Without expert parallelism the SwiGLU experts weigh their rows themselves (loom/models/swiglu.py's
-    weighted_swiglu, as Megatron-Core's weighted SwiGLU): the same output and gradients as weighting the
-    experts' outputs in the combine (the loop in float64, the grouped GEMMs in float32), and one tensor of the
-    routed rows' width h kept for backward where weighting in the combine kept two."""
+@pytest.mark.parametrize("grouped,exchange", [(False, False), (True, False), (True, True), (False, True)],
+                         ids=["loop", "grouped", "grouped-ep", "loop-ep"])
+def test_swiglu_experts_take_the_gate_into_their_activation(grouped, exchange):
+    """The SwiGLU experts weigh their rows themselves (loom/models/swiglu.py's weighted_swiglu, as Megatron-Core's
+    weighted SwiGLU), without and with expert parallelism (`exchange`: the real all-to-all over a one-rank gloo
+    group, which then carries each row's gate with it): the same output and gradients as weighting the experts'
+    outputs in the combine (the loop in float64, the grouped GEMMs in float32), and no tensor of the routed rows'
+    width h kept for backward, where weighting in the combine keeps the expert output. (The combine and the
+    grouped path's padding scatter rows with `index_put`, which keeps only the indices: `index_add` and
+    `index_copy` kept their source rows too.)"""
+    import torch.distributed as dist
+
     if grouped and not hasattr(torch, "_grouped_mm"):
         pytest.skip("this PyTorch has no torch._grouped_mm")
     layer = moe_layer(hidden=16).eval()  # (no auxiliary losses: the reference below has none)
@@ -413,14 +419,28 @@ def test_swiglu_experts_take_the_gate_into_their_activation(grouped):
     layer = layer.to(dtype)
     layer.experts.forward = (lambda f: lambda x, counts, grouped_=None, gate=None: f(x, counts, grouped, gate))(
         layer.experts.forward)
-    x = torch.randn(24, 16, dtype=dtype, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        try:
-            out = layer(x)
-        except (RuntimeError, NotImplementedError) as exc:  # pragma: no cover - depends on the build
-            pytest.skip(f"torch._grouped_mm does not run in float64 on this CPU build: {exc}")
-    grads = torch.autograd.grad(out.sum(), [x, *layer.parameters()])
+    started = False
+    if exchange:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from loom.parallel.expert import ExpertParallel
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+            started = True
+        layer.expert_parallel = ExpertParallel(init_device_mesh("cpu", (1,)))
+    try:
+        x = torch.randn(24, 16, dtype=dtype, requires_grad=True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            try:
+                out = layer(x)
+            except (RuntimeError, NotImplementedError) as exc:  # pragma: no cover - depends on the build
+                pytest.skip(f"torch._grouped_mm does not run in float64 on this CPU build: {exc}")
+        grads = torch.autograd.grad(out.sum(), [x, *layer.parameters()])
+    finally:
+        if started:
+            dist.destroy_process_group()
     kept = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(tuple(t.shape)) or t, lambda t: t):
         chosen, gates, _, _ = layer.router(x)
@@ -433,5 +453,4 @@ def test_swiglu_experts_take_the_gate_into_their_activation(grouped):
         if b is not None:
             assert torch.allclose(a, b, atol=tol, rtol=0)
     rows = token.shape[0]
-    # the combine's index_add keeps its source either way; weighting there also kept the unweighted output
-    assert saved.count((rows, 16)) == kept.count((rows, 16)) - 1
+    assert saved.count((rows, 16)) == 0 and kept.count((rows, 16)) == 1  # the expert output, for the gate

@@ -105,7 +105,8 @@ def test_exchange_matches_one_process_when_a_rank_gets_no_tokens(chunks):
     xr = x.clone().requires_grad_()
     out = layer(xr)
     out.backward(grad_out)
-    assert ranks[0]["exchanges"] == 2 * chunks  # a dispatch and a combine per chunk: the chunked path ran
+    # per chunk a dispatch, its rows' gates (the SwiGLU experts fold them in) and a combine: the chunked path ran
+    assert ranks[0]["exchanges"] == 3 * chunks
     # Routing was forced: everything to experts 0-2, so EP rank 1 (experts 4-7) and expert 3 got no rows.
     routed = ranks[0]["routed"] + ranks[1]["routed"]
     assert routed[:3].sum() == 2 * 2 * TOKENS and routed[3:].sum() == 0, routed

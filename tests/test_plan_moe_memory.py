@@ -46,7 +46,9 @@ def test_heldout_rows_carry_their_sources_and_published_step_times(heldout):
 def test_megatron_moe_layer_keeps_the_gate_weight_not_the_expert_output():
     # Megatron-Core's grouped experts fold each routed row's gate weight into the fused SwiGLU
     # (experts.py bias_act_func -> weighted_bias_swiglu_impl), which keeps that fp32 weight; the combine keeps
-    # nothing. loom's combine multiplies the expert output by the weight and keeps the output (e*h per row).
+    # nothing. loom's SwiGLU experts do the same (loom/models/swiglu.py's weighted_swiglu), under expert
+    # parallelism too (its exchange carries the gates: loom/parallel/expert.py); GELU experts are weighted in the
+    # combine, which keeps the expert output (e*h per row).
     from dataclasses import replace
 
     from loom.planner.memory import moe_activation_delta
@@ -66,11 +68,14 @@ def test_megatron_moe_layer_keeps_the_gate_weight_not_the_expert_output():
         mega = rows * (lin * h + (2 * e + lin) * fe + 4) + s * b * 2 * 4 * E - s * b * (2 * e + lin) * f
         assert moe_activation_delta(mw, s, lay, "none", e, True) == pytest.approx(mega, rel=1e-12), precision
     # loom's own layer (bf16): the dispatched input, the routed SwiGLU MLP's 3 e fe (w1's and w3's outputs and
-    # their product: loom/models/swiglu.py), the expert output e h per row; the router's fp32 input copy too;
-    # less the dense MLP's eager 4 e f.
-    loom = rows * (e * h + 3 * e * fe + e * h) + s * b * (4 * h + 2 * 4 * E) - s * b * 4 * e * f
+    # their product: loom/models/swiglu.py), the fp32 gate per row; the router's fp32 input copy too; less the
+    # dense MLP's eager 4 e f. GELU experts: 2 e fe and the expert output e h a row, less the dense 2 e f.
+    loom = rows * (e * h + 3 * e * fe + 4) + s * b * (4 * h + 2 * 4 * E) - s * b * 4 * e * f
     assert moe_activation_delta(replace(w, precision="bf16", framework="loom"), s, lay, "none", e, False) == (
         pytest.approx(loom, rel=1e-12))
+    gelu = replace(w, precision="bf16", framework="loom", model=replace(cfg, mlp="gelu"))
+    loom_gelu = rows * (e * h + 2 * e * fe + e * h) + s * b * (4 * h + 2 * 4 * E) - s * b * 2 * e * f
+    assert moe_activation_delta(gelu, s, lay, "none", e, False) == pytest.approx(loom_gelu, rel=1e-12)
 
 
 def test_megatron_attention_keeps_q_and_out_at_heads_times_head_dim():
@@ -115,7 +120,8 @@ def test_automodel_deepep_experts_keep_what_their_weighted_swiglu_keeps(heldout)
     rows = s * b * k
     want = rows * (e * h + 3 * e * fe + 4) + s * b * (4 * h + 2 * 4 * E) - s * b * 4 * e * 2880
     assert moe_activation_delta(w, s, lay, "none", e, False) == pytest.approx(want, rel=1e-12)
-    loom = rows * (e * h + 3 * e * fe + e * h) + s * b * (4 * h + 2 * 4 * E) - s * b * 4 * e * 2880  # (swiglu.py)
+    # loom's own kernels keep the same: its SwiGLU experts fold the gate in too, behind the exchange (swiglu.py)
+    loom = rows * (e * h + 3 * e * fe + 4) + s * b * (4 * h + 2 * 4 * E) - s * b * 4 * e * 2880
     assert moe_activation_delta(replace(w, elementwise_kernels="loom"), s, lay, "none", e, False) == pytest.approx(
         loom, rel=1e-12)
 
@@ -198,8 +204,9 @@ def test_compiled_moe_layers_are_priced_by_their_expert_path():
     # (SwiGLU experts without the exchange fold the fp32 gate into their activation: 4 bytes a padded row kept, no
     # expert output or 16-bit gate)
     traced = common - T * e * h + T * (12 - 4 * E) + rows * 24 + (rows + 16 * E) * (4 + e * (h + 3 * fe))
-    # eager experts keep SwiGLU's two inputs and the product (loom/models/swiglu.py): 3 fe a row
-    grouped_ep8 = common - T * e * h + rows * (2 * e * h + e + 24 + 16) + (rows + 16 * E // 8) * e * (h + 3 * fe)
+    # eager experts keep SwiGLU's two inputs and the product (loom/models/swiglu.py): 3 fe a row; behind the
+    # exchange too they fold the fp32 gate in (4 bytes a padded row) and the combine keeps no expert output
+    grouped_ep8 = common - T * e * h + rows * (24 + 16) + (rows + 16 * E // 8) * (4 + e * (h + 3 * fe))
     looped = common - T * e * h + rows * (e * h + 4 + 16 + e * 3 * fe)
     cases = [(PRESETS["h100"], 1, traced), (PRESETS["h100"], 8, grouped_ep8), (PRESETS["a100-80gb"], 1, looped)]
     for gpu, ep, delta in cases:

@@ -54,18 +54,20 @@ def test_rows_per_rank_halve_and_the_all_to_all_stays_in_the_node():
     # All-to-all: 2048 x top_k rows of h bf16 per rank, 7/8 of them sent, all 8 EP peers (whole tp groups side
     # by side) in one 8-GPU node: NVLink. The old layout's EP group takes one rank per tp group: 4 per node, the
     # 4/7 of the sent rows that leave the node at the network's bandwidth, for twice the rows.
+    # (And one more latency: the rows' gates, which the SwiGLU experts fold in, exchanged after the dispatch.)
     eff = gpu.collective_efficiency
     lat = gpu.collective_latency_us * 1e-6
     sent = 2048 * k * h * 2 * 7 / 8
-    assert new["ep_comm"] == pytest.approx(2 * (lat + sent / (gpu.nvlink_gbps * 1e9 * eff)), rel=1e-12)
-    assert old["ep_comm"] == pytest.approx(2 * (lat + 2 * sent * 4 / 7 / (gpu.internode_gbps * 1e9 * eff)), rel=1e-12)
+    assert new["ep_comm"] == pytest.approx(2 * (lat + sent / (gpu.nvlink_gbps * 1e9 * eff)) + lat, rel=1e-12)
+    assert old["ep_comm"] == pytest.approx(2 * (lat + 2 * sent * 4 / 7 / (gpu.internode_gbps * 1e9 * eff)) + lat,
+                                           rel=1e-12)
     # ep 16 over tp 2 x dp 8: 8 of the 16 peers in the node, 8/15 of the sent rows leave it.
     q = _w("qwen3-30b-a3b")
     kq, hq = q.model.moe.top_k, q.model.hidden
     sent16 = 2048 * kq * hq * 2 * 15 / 16
     assert _moe_forward(q, 4096, 2, True, 16)["ep_comm"] == pytest.approx(
-        2 * (lat + max(sent16 * 7 / 15 / (gpu.nvlink_gbps * 1e9 * eff), sent16 * 8 / 15 / (gpu.internode_gbps * 1e9 * eff))),
-        rel=1e-12)
+        2 * (lat + max(sent16 * 7 / 15 / (gpu.nvlink_gbps * 1e9 * eff), sent16 * 8 / 15 / (gpu.internode_gbps * 1e9 * eff)))
+        + lat, rel=1e-12)
 
 
 def test_moe_layers_drop_the_mlp_tp_collectives_and_the_gathered_input():
@@ -75,13 +77,13 @@ def test_moe_layers_drop_the_mlp_tp_collectives_and_the_gathered_input():
     assert new.fwd["tp_comm"] == pytest.approx(old.fwd["tp_comm"] / 2, rel=1e-12)  # attention's AG + RS only
     # Activations of the MoE MLP from the rank's own 2048 tokens, nothing gathered (loom's layer: fp32 router
     # input copy and fp32 logits + probabilities per token; per routed row the dispatched input, the gated
-    # MLP's three fe-wide tensors (loom/models/swiglu.py) and the expert output), less the dense MLP's share (4f per
-    # token over tp).
+    # MLP's three fe-wide tensors (loom/models/swiglu.py) and the fp32 gate folded into it, which the exchange
+    # carries), less the dense MLP's share (4f per token over tp).
     cfg = w.model
     h, f, fe, k, E, e = cfg.hidden, cfg.ffn_hidden, cfg.moe.ffn_hidden, cfg.moe.top_k, cfg.moe.experts, 2
     lay = Layout(tp=2, dp=32, ep=8, sp=True)
     rows = 2048 * k
-    hand = rows * (e * h + 3 * e * fe + e * h) + 2048 * (4 * h + 2 * 4 * E) - 4096 * 4 * e * f / 2
+    hand = rows * (e * h + 3 * e * fe + 4) + 2048 * (4 * h + 2 * 4 * E) - 4096 * 4 * e * f / 2
     assert moe_activation_delta(w, 4096, lay, "none", e, False) == pytest.approx(hand, rel=1e-12)
     old_lay = Layout(tp=2, dp=32, ep=1, sp=True)  # every tp rank routes 4096 tokens and keeps the gathered input
     # (without ep the SwiGLU experts fold the fp32 gate into their activation: 4 bytes a row, no expert output)
@@ -151,8 +153,8 @@ def test_deepep_sends_a_token_once_per_remote_node():
     assert _moe_forward(w, 4096, 2, True, 32)["ep_comm"] == pytest.approx(expected, rel=1e-12)
     rows_out = 2048 * 8 * 24 / 32 * h * 2  # every row bound for another node's rank
     assert _moe_forward(replace(w, moe_dispatcher="alltoall"), 4096, 2, True, 32)["ep_comm"] == pytest.approx(
-        2 * (gpu.collective_latency_us * 1e-6 + rows_out / (gpu.internode_gbps * 1e9 * gpu.collective_efficiency)),
-        rel=1e-12)
+        2 * (gpu.collective_latency_us * 1e-6 + rows_out / (gpu.internode_gbps * 1e9 * gpu.collective_efficiency))
+        + gpu.collective_latency_us * 1e-6, rel=1e-12)  # (and the probabilities' all-to-all: DeepEP carries them)
 
 
 def test_published_moe_runs_with_tensor_parallelism_fit_and_their_error():

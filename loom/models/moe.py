@@ -10,7 +10,13 @@ expert parallelism can slot a token exchange between "dispatch" and "compute" wi
               `token[i]` is the token of row i, `counts[e]` the rows of expert e (contiguous)
     compute   `GroupedExperts(x[token], counts)`: one grouped matrix multiply per weight (CUDA, Hopper,
               bf16) or one matmul per expert on its rows (CPU, fp32, meta)
-    combine   rows scaled by their gates and summed back into their tokens (index_add)
+    combine   rows scaled by their gates and summed back into their tokens (`index_put` accumulating)
+
+SwiGLU experts take each row's gate into their activation (loom/models/swiglu.py's `weighted_swiglu`), with or
+without expert parallelism (whose exchange carries the gates with the rows), so the combine only sums: nothing
+keeps the experts' outputs for the gates' gradient. Rows are scattered with `index_put`, whose backward keeps
+only the indices; `index_copy` and `index_add` keep their source as well (for its shape), one row of the hidden
+width per routed row each, which eager experts (between expert parallelism's all-to-alls) would hold to backward.
 
 Routers (`model.moe.router`):
 - `softmax`: softmax over all experts, top-k, optionally renormalised over the chosen k (Mixtral does).
@@ -225,11 +231,12 @@ class GroupedExperts(nn.Module):
         # backward of `y[dest]` below creates (same shape), and inductor then saves it for backward, e*h bytes a
         # padded row; a flat one is not merged and not saved (tests/test_plan_moe_memory.py). Same values.
         h = x.shape[1]
-        xp = x.new_zeros(capacity * h, dtype=dtype).view(capacity, h).index_copy(0, dest, x.to(dtype))
+        # (`index_put`, not `index_copy`: its backward keeps the indices, not the rows as well)
+        xp = x.new_zeros(capacity * h, dtype=dtype).view(capacity, h).index_put((dest,), x.to(dtype))
         offs = torch.cat([(starts + padded)[:-1], starts.new_full((1,), capacity)]).to(torch.int32)
         w1, w2, w3 = self._weights()
         w3 = w3.to(dtype) if self.gated else None
-        gp = None if gate is None else gate.new_zeros(capacity).index_copy(0, dest, gate)  # padding rows: 0
+        gp = None if gate is None else gate.new_zeros(capacity).index_put((dest,), gate)  # padding rows: 0
         y = self._mlp(xp, w1.to(dtype), w2.to(dtype), w3,
                       lambda a, w: torch._grouped_mm(a, w, offs=offs), gp)
         return y[dest]
@@ -269,7 +276,7 @@ class MoE(nn.Module):
         self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False) if shared is not None and cfg.moe.shared_gate else None
         self.aux_grad_scale = 1.0  # the runner sets 1 / micro-batches per optimizer step
         # Expert parallelism (loom/parallel/expert.py) installs its token exchange here: called as
-        # `expert_parallel(experts, rows, counts)` in place of `experts(rows, counts)`.
+        # `expert_parallel(experts, rows, counts, gate=...)` in place of `experts(rows, counts, gate=...)`.
         self.expert_parallel = None
         # Context parallelism (loom/parallel/context.py) installs the group holding the other tokens of the
         # same sequences: `sum(t)` (differentiable) and `gather(t)` over it, `size`, `rank`. The balance loss
@@ -325,21 +332,21 @@ class MoE(nn.Module):
     def combine(self, y: torch.Tensor, token: torch.Tensor, gate: torch.Tensor, tokens: int) -> torch.Tensor:
         # Allocated flat, then viewed, as in `GroupedExperts._grouped`: a [tokens, h] zero tensor would be merged
         # with the one the backward of the dispatch's `flat[token]` creates, and saved, e*h bytes a token.
+        # (`index_put` accumulating, not `index_add`: its backward keeps the indices, not the rows as well)
         h = y.shape[-1]
         out = y.new_zeros(tokens * h).view(tokens, h)
-        return out.index_add(0, token, y if gate is None else y * gate[:, None].to(y.dtype))
+        return out.index_put((token,), y if gate is None else y * gate[:, None].to(y.dtype), accumulate=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         chosen, gates, probs, logits = self.router(flat, self.token_shards, self.token_mesh)
         token, gate, counts = self.dispatch(chosen, gates, shape[-2] if x.dim() == 3 else None)
-        if self.expert_parallel is None:  # SwiGLU experts weigh their rows themselves (the gate in the activation)
-            folded = self.experts.gated
+        folded = self.experts.gated  # SwiGLU experts weigh their rows themselves (the gate in the activation)
+        if self.expert_parallel is None:
             y = self.experts(flat[token], counts, gate=gate if folded else None)
-        else:  # rows sent to the ranks holding their experts, computed there and returned (all-to-all)
-            folded = False
-            y = self.expert_parallel(self.experts, flat[token], counts)
+        else:  # rows (and their gates) sent to the ranks holding their experts, computed there and returned
+            y = self.expert_parallel(self.experts, flat[token], counts, gate=gate if folded else None)
         out = self.combine(y, token, None if folded else gate, flat.shape[0])
         if self.shared is not None:
             shared = self.shared(flat)

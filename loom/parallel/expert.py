@@ -20,8 +20,10 @@ Token exchange (`ExpertParallel.__call__`, between the MoE's dispatch and combin
 rows, sorted expert-major, are sent to the ranks owning their experts with `all_to_all_single` and
 variable splits (first the per-expert counts are exchanged, also all-to-all, with equal splits), regrouped
 local-expert-major, computed by the rank's experts, put back in arrival order and returned by the reverse
-all-to-all. Backward is PyTorch's own: `all_to_all_single_autograd` runs the same exchange with the splits
-swapped. Every rank calls both exchanges and its experts (on zero rows if none arrive) in every forward
+all-to-all. SwiGLU experts' rows travel with their fp32 gate weights (one more all-to-all of 4 bytes a row),
+which the experts fold into their activation (loom/models/swiglu.py), so the rows come back weighted and the
+combine keeps none of them. Backward is PyTorch's own: `all_to_all_single_autograd` runs the same exchange with
+the splits swapped. Every rank calls both exchanges and its experts (on zero rows if none arrive) in every forward
 and backward, so a starved rank or expert never leaves a collective waiting.
 
 Gradients. A rank's expert gradients hold the contributions of the tokens of its whole EP group. The
@@ -55,11 +57,13 @@ class ExpertParallel:
         self.chunks = chunks
 
     @torch.compiler.disable  # split sizes read on the host: eager in a compiled block (one graph break)
-    def __call__(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """`x` [N, hidden]: this rank's rows sorted expert-major, `counts[e]` rows for global expert e.
-        Returns the rows through their experts, in the same order."""
+    def __call__(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor,
+                 gate: torch.Tensor | None = None) -> torch.Tensor:
+        """`x` [N, hidden]: this rank's rows sorted expert-major, `counts[e]` rows for global expert e; `gate`
+        [N] (SwiGLU experts): each row's gate weight, sent with it and folded into its expert's activation.
+        Returns the rows through their experts (weighted by `gate` when given), in the same order."""
         if self.chunks > 1:
-            return self._chunked(experts, x, counts)
+            return self._chunked(experts, x, counts, gate)
         ep = self.size
         local = counts.numel() // ep
         send_counts = counts.view(ep, local).contiguous()  # row j: rows for EP rank j's experts
@@ -68,17 +72,19 @@ class ExpertParallel:
         splits = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # one host synchronisation
         send_splits, recv_splits = splits[:ep], splits[ep:]
         received = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
+        gates = None if gate is None else all_to_all_single_autograd(gate, recv_splits, send_splits, self.group)
         # Arrival order is source-major, then local-expert-major: regroup local-expert-major (stable, so
         # each expert's rows stay in source order).
         expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(
             recv_counts.reshape(-1), output_size=received.shape[0])
         order = torch.argsort(expert_of_row, stable=True)
-        y = experts(received[order], recv_counts.sum(0))
+        y = experts(received[order], recv_counts.sum(0), gate=None if gates is None else gates[order])
         y = y[torch.argsort(order)]  # back to arrival order
         return all_to_all_single_autograd(y, send_splits, recv_splits, self.group)
 
 
-    def _chunked(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _chunked(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor,
+                 gate: torch.Tensor | None = None) -> torch.Tensor:
         """The exchange in `chunks` pipelined parts, so that communication hides behind the experts' products.
 
         Each expert's rows are cut into `chunks` consecutive parts (sizes differing by at most one row), part c
@@ -105,16 +111,22 @@ class ExpertParallel:
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         sizes = torch.cat([send_counts.sum(2).t().reshape(-1), recv_counts.sum(2).t().reshape(-1)]).tolist()
         send, recv = sizes[: c * ep], sizes[c * ep:]  # [chunk][rank]
-        pieces = torch.split(x[order], [sum(send[i * ep:(i + 1) * ep]) for i in range(c)])
-        received = [all_to_all_single_autograd(pieces[i], recv[i * ep:(i + 1) * ep], send[i * ep:(i + 1) * ep],
-                                               self.group) for i in range(c)]  # every dispatch in flight
+        sizes_c = [sum(send[i * ep:(i + 1) * ep]) for i in range(c)]
+
+        def dispatch(rows: torch.Tensor) -> list:  # every chunk's dispatch in flight
+            return [all_to_all_single_autograd(piece, recv[i * ep:(i + 1) * ep], send[i * ep:(i + 1) * ep], self.group)
+                    for i, piece in enumerate(torch.split(rows[order], sizes_c))]
+
+        received = dispatch(x)
+        gates = [None] * c if gate is None else dispatch(gate)
         outs = []
         for i in range(c):
             got = recv_counts[:, i]  # [source, local expert]
             expert_of = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(
                 got.reshape(-1), output_size=received[i].shape[0])
             regroup = torch.argsort(expert_of, stable=True)
-            y = experts(received[i][regroup], got.sum(0))[torch.argsort(regroup)]
+            g = None if gates[i] is None else gates[i][regroup]
+            y = experts(received[i][regroup], got.sum(0), gate=g)[torch.argsort(regroup)]
             outs.append(all_to_all_single_autograd(y, send[i * ep:(i + 1) * ep], recv[i * ep:(i + 1) * ep],
                                                    self.group))
         return torch.cat(outs)[torch.argsort(order)]

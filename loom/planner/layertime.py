@@ -212,7 +212,13 @@ def _moe_forward(w: Workload, tokens: int, tp: int, sp: bool, ep: int) -> dict:
         seconds = max(inside / (gpu.nvlink_gbps * 1e9 * gpu.collective_efficiency),
                       leaving / (gpu.internode_gbps * 1e9 * gpu.collective_efficiency))
         chunks = w.ep_overlap_chunks
-        ep_comm = 2 * (chunks * gpu.collective_latency_us * 1e-6 + seconds)
+        # Each row's gate weight travels with it to the experts that fold it into their activation: one more
+        # all-to-all (4 bytes a row) after the dispatch, and its gradient back in backward: loom's SwiGLU experts
+        # (loom/parallel/expert.py), Megatron-Core's alltoall dispatcher (its permuted probs, always); DeepEP
+        # carries them in the token's message.
+        gates = w.moe_dispatcher != "deepep" and (gated or w.framework == "megatron")
+        lat = gpu.collective_latency_us * 1e-6
+        ep_comm = 2 * (chunks * lat + seconds) + (chunks * lat if gates else 0.0)
         if chunks > 1:  # loom's pipelined exchange (parallel.ep_overlap_chunks, loom/parallel/expert.py): the
             # first chunk's dispatch and the last one's combine stay exposed; the other exchanges run while
             # other chunks' experts compute, and only what the experts' products cannot cover shows

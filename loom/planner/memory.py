@@ -121,8 +121,8 @@ def moe_activation_delta(w: Workload, s: int, lay: Layout, recompute: str, e: in
     # keeps that output for the weight's gradient (e*h). Stacks that fold the gate weight into a fused SwiGLU
     # (`gate_in_activation`) keep each row's fp32 weight (4 bytes) instead, and of the MLP only fc1's output and
     # fc2's input; their combine keeps nothing.
-    # (loom's SwiGLU experts without the exchange fold the gate in too: loom/models/moe.py)
-    fused = gate_in_activation(w, mega) or (not mega and gated and lay.ep == 1)
+    # (loom's SwiGLU experts fold the gate in too, with or without the exchange: loom/models/moe.py)
+    fused = gate_in_activation(w, mega) or (not mega and gated)
     routed = rows * (lin * h + mlp(fe, fused, routed=not mega) + (4 if fused else e * h))
     router = tokens * ((0 if mega else 4 * h) + 2 * 4 * E)
     shared = tokens * mlp(fs)
@@ -162,20 +162,23 @@ def compiled_moe_activation_bytes(cfg: ModelConfig, tokens: int, rows: float, e:
       zeros inductor merged them with the zeros that the backward of the row gathers and of the router's top-k
       creates and kept them, e*h more per padded row and per token and 4E per token.)
     - experts eager (between expert parallelism's all-to-alls: `ExpertParallel` is a graph break; or the
-      per-expert loop where there is no grouped kernel): per routed row the expert output and the rows the
-      experts read, which the eager index_copy (grouped) or the per-expert matmuls (loop) keep (2e*h), the gate
-      (e), int64 indices (24 grouped, 16 looped; + 16 for the exchange's row order and its inverse), and the
-      experts' MLP (w1's and w3's outputs and their product, loom/models/swiglu.py: e*3fe, GELU e*2fe) per row, or, grouped, with the padded input
-      (e*h) per padded row.
+      per-expert loop where there is no grouped kernel): SwiGLU experts take each row's fp32 gate into their
+      activation (the exchange carries it: loom/parallel/expert.py) and keep it, 4 bytes a row (looped) or a padded
+      row (grouped), and the combine keeps nothing; GELU experts' outputs are weighted in the combine, which keeps
+      the expert output and the 16-bit gate (e*h + e a row). Per routed row too: int64 indices (24 grouped, 16
+      looped; + 16 for the exchange's row order and its inverse), and the experts' MLP (w1's and w3's outputs and
+      their product, loom/models/swiglu.py: e*3fe, GELU e*2fe) per row with the rows the per-expert matmuls read
+      (e*h: loop), or per padded row with the padded input (e*h: grouped; its `index_put` keeps no other copy of
+      the rows).
     - per layer: the router weight's fp32 copy (4Eh) and a few E-sized vectors (8E).
     - `fp8` (torchao's Float8Linear on the shared experts and attention; the routed experts and the router stay
       16-bit): against the compiled fp8 dense layer, which keeps neither the normalised MLP input nor the gated
       product, e*(2f + h) per token go instead of e*(3f + h) on every path; shared experts keep w1's and w3's
       outputs (e*2fs) and 1 byte, and behind the exchange's graph break also the normalised input's fp8 cast (h).
 
-    Against the eager layer's MoE part (`moe_activation_delta`: per row 2e*h + e*3fe, per token 4h + 8E + e*4fs):
-    per row e*(2h + 3fe) traced (and e*(h + 3fe) per padding row) against e*(2h + 3fe), fp32 probabilities
-    recomputed, int64 indices kept.
+    Against the eager layer's MoE part (`moe_activation_delta`: per row the dispatched input e*h, the experts' MLP
+    e*3fe and the fp32 gate, or GELU's e*2fe and the expert output e*h; per token 4h + 8E + e*4fs): the traced path
+    keeps the padding rows' inputs and MLP too and int64 indices, and recomputes the fp32 probabilities.
     Routed rows are tokens x top_k x the busiest rank's load over the mean (`Workload.moe_imbalance`), as
     `moe_activation_delta` counts them. Priced for the softmax router with a balance loss (the other routers,
     and no auxiliary loss, differ by a few fp32 values per token)."""
@@ -197,17 +200,16 @@ def compiled_moe_activation_bytes(cfg: ModelConfig, tokens: int, rows: float, e:
             out += tokens * e * (h + 1)
     padded = rows + 16 * local_experts
     out -= tokens * e * h  # the normalised MLP input, on every path
-    # SwiGLU experts without the exchange take each row's fp32 gate into their activation (loom/models/moe.py,
-    # swiglu.py's weighted_swiglu): they keep the gate (4 a row) and the combine keeps no output (e*h) or 16-bit gate
-    folded = cfg.mlp == "swiglu" and not exchange
+    # SwiGLU experts take each row's fp32 gate into their activation (loom/models/moe.py, swiglu.py's
+    # weighted_swiglu): they keep the gate (4 a row) and the combine keeps no output (e*h) or 16-bit gate
+    folded = cfg.mlp == "swiglu"
     if experts == "traced":
         gate = padded * 4 if folded else rows * (e * h + e)
         return out + tokens * (12 - 4 * E) + rows * 24 + gate + padded * e * (h + mlp * fe)
-    out += rows * ((e * h + 4) if folded else (2 * e * h + e))
-    out += rows * ((16 if experts == "looped" else 24) + (16 if exchange else 0))
+    out += rows * ((0 if folded else e * h + e) + (16 if experts == "looped" else 24) + (16 if exchange else 0))
     if experts == "grouped":
-        return out + padded * e * (h + eager_mlp * fe)
-    return out + rows * e * eager_mlp * fe
+        return out + padded * (e * (h + eager_mlp * fe) + (4 if folded else 0))
+    return out + rows * (e * h + e * eager_mlp * fe + (4 if folded else 0))
 
 
 def compiled_moe_activation_delta(w: Workload, s: int, lay: Layout, e: int) -> float:
