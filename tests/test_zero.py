@@ -382,8 +382,10 @@ def test_the_planner_prices_the_buffers_a_step_holds_at_its_peak(tied, tmp_path)
     """`loom.planner.memory.zero3_buffer_bytes` against the peak a step holds, 3 layers on 2 ranks (fp32: e = 4).
     Untied, with the chunked loss writing the head's gradient into its buffer and a head larger than a layer
     (vocabulary 1020): the peak is at the last block's first gradient, the head's reduction still in flight
-    beside two gathered blocks. Tied: a block's reduction beside two gathered blocks and the tied weight
-    (gathered from the start; autograd's copy of its first gradient is not the optimizer's, so not counted)."""
+    beside two gathered blocks. Tied: at the last block's second weight gradient (a weight's fp32 buffer lives until
+    the next one's is made), the first weight's reduction in flight and the second's buffer beside the two gathered
+    blocks less the first weight, and the tied weight (gathered from the start; autograd's copy of its first
+    gradient is not the optimizer's, so not counted). Holding a whole block's gradients, as before, costs more."""
     from loom.planner.memory import zero3_buffer_bytes
 
     overrides = ["model.layers=3", "train.loss_chunk=16", *SHARDED, "parallel.dp_shard=2",

@@ -14,7 +14,8 @@ the rank's fp32 master rows of each weight, and gathers a unit's weights just be
   loss's untied LM head straight from its forward's chunk products, every micro-batch, as its buffer is fresh:
   loom/parallel/headgrad.py), which is reduce-scattered as is, with no `chunk_cat` into a flat reduce buffer and
   no cast; each rank adds its summed rows into its fp32 gradient shard (1/n of the elements) and the buffer is
-  freed at once;
+  freed when the next weight's gradient buffer is made: at most two weights' fp32 gradients at a time (the one
+  being computed, the one before it being reduced), not a whole unit's;
 - the optimizer updates the fp32 master rows (distopt.py); each gather casts them to the compute dtype into a
   temporary that lives until the gather completes (one cast of 1/n of the unit per gather), so no rank keeps a
   compute-dtype copy of its rows: per parameter (4 + 4 + moments) / n bytes, FSDP's. With more than 8
@@ -22,9 +23,10 @@ the rank's fp32 master rows of each weight, and gathers a unit's weights just be
   `loom.rules.zero3_keeps_compute_rows`); checkpoints are distopt's (FSDP's DTensors), so runs resume in any
   layout.
 
-Prefetch: a unit's forward starts the next unit's all-gather, a block's backward the previous block's, so on a
-GPU the collectives run beside the compute (NCCL's stream); a CPU's gloo runs them as they come. At most two
-units are gathered at once (the one running and the next), as FSDP2's default.
+Prefetch: a unit's forward starts the next unit's all-gather, a block's first weight gradient in backward the
+previous block's (after the reductions of the unit above are added in: the head's is the largest), so on a GPU the
+collectives run beside the compute (NCCL's stream); a CPU's gloo runs them as they come. At most two units are
+gathered at once (the one running and the next), as FSDP2's default.
 
 Start-up: no rank holds the whole model. Training builds it with its parameters `released` (loom/build.py's
 `rows_later`: shapes, no memory) and each rank draws its fp32 master rows of every weight from the seed, the values
@@ -225,18 +227,21 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         self._first_block, self._last = first_block, last
 
     def _before_backward(self, i: int) -> None:
-        self._gather(i)
-        if i - 1 >= self._first_block:
-            self._gather(i - 1, wait=False)
+        self._gather(i)  # (the block before it is fetched at this block's first gradient buffer: `_grad_buffer`)
 
     # -- gradients: each parameter's reduced as soon as it is complete ------------------------------------------
 
     def _grad_buffer(self, bucket: _Bucket) -> torch.Tensor:
         if bucket.grad is None:
-            # The reductions of the units after this one are added in (their buffers freed) before this buffer is
-            # made: at most one unit's fp32 gradients at a time (`loom.planner.memory.zero3_buffer_bytes`).
-            while self._pending and self._pending[0].unit > bucket.unit:
+            # The reductions started before the last one are added in (their buffers freed) before this buffer is
+            # made: the previous weight's stays in flight while this one's gradient is computed, so at most two
+            # weights' fp32 gradients are alive at once (`loom.planner.memory.zero3_buffer_bytes`).
+            while len(self._pending) > 1:
                 self._collect(self._pending.popleft())
+            # A block's first gradient: fetch the block before it now, once the unit above's reductions are in (the
+            # head's, on the last block, is the largest), not as the block's backward starts.
+            if self._first_block < bucket.unit < self._last:
+                self._gather(bucket.unit - 1, wait=False)
             slot = bucket.slots[0]
             bucket.grad = torch.empty(bucket.where.n, bucket.size, dtype=torch.float32, device=self.device)
             bucket.grad.view(-1)[slot.rows * slot.width:].zero_()  # the padding rows at the end
@@ -261,10 +266,6 @@ class ShardedDistributedOptimizer(DistributedOptimizer):
         """This micro-batch's gradient of the bucket's parameter is complete: reduce-scatter it (asynchronously)
         and release the weight, which backward no longer needs."""
         self._collect(bucket)  # a second use in the same backward (not a layout this runs; kept correct)
-        # The reductions of the units after this one (backward runs them first) are added in now: at most this
-        # unit's and the next one's fp32 gradients are alive at once.
-        while self._pending and self._pending[0].unit > bucket.unit:
-            self._collect(self._pending.popleft())
         tmp = torch.empty(bucket.size, dtype=torch.float32, device=self.device)
         work = _REDUCE_SCATTER(tmp, bucket.grad.view(-1), group=bucket.where.group, async_op=True)
         bucket.pending, bucket.grad = (work, tmp, bucket.grad), None

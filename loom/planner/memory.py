@@ -230,24 +230,27 @@ def zero3_buffer_bytes(layer: float, head: float, largest: float, e: int, n: int
                        fused_head: bool = True) -> float:
     """What loom's sharded weights (loom/parallel/zero.py) hold beside the states at their peak, for a layer of
     `layer` parameters (its routed experts padded as zero.py splits them), a head of `head`, a layer's largest
-    parameter `largest`, compute-dtype size `e`, `n` ranks sharing the rows:
+    parameter `largest`, compute-dtype size `e`, `n` ranks sharing the rows. A weight's fp32 gradient buffer lives
+    until the next weight's buffer is made: the one being computed and the one before it being reduce-scattered
+    (with its 1/n output: 4 (1 + 1/n) bytes a parameter), not a whole unit's:
 
-    - at the loss: the head gathered (e) and its fresh fp32 gradient buffer (4), plus its 16-bit `.grad` when
-      the chunked loss does not write into the buffer (loom/parallel/headgrad.py);
-    - at a block's first gradient in backward: the block gathered and the one before it prefetched (2e per layer
-      parameter) and the unit after it (the head's, or a block's) still being reduce-scattered (its fp32 buffer
-      and the 1/n output: 4 (1 + 1/n)), which is added in and freed before the new gradient's buffer is made;
+    - at the loss: the head gathered (e) and its fresh fp32 gradient buffer (4), plus its 16-bit `.grad` when the
+      chunked loss does not write into the buffer (loom/parallel/headgrad.py);
+    - as the last block's backward starts (untied): it gathered (e per layer parameter) beside the head's reduction
+      in flight, which is added in before the block before it is fetched (at the block's first weight gradient);
+    - at a block's second weight gradient: the block and the one before gathered, less its first weight (released
+      once its gradient is computed), the first weight's reduction in flight and the second's buffer, both a
+      layer's largest (a block's backward starts with its MLP's output projection, then its input ones);
     - a tied embedding is the head unit's from the model's start to the end of backward, where its gradient,
-      summed over both uses, arrives: its weight (e) and its first use's gradient (e, autograd's) held beside
-      the blocks' above, the unit after a block being a block; at the end its reduction beside the first
-      block's (4 (1 + 1/n) each).
-    The largest is the peak (tests/test_zero.py measures a step's, untied and tied)."""
+      summed over both uses, arrives: its weight (e) and its first use's gradient (e, autograd's) held beside the
+      blocks' above; at the end its buffer beside the first block's last reduction.
+    The largest is the peak (tests/test_zero.py measures a step's, untied and tied, to the byte)."""
     spill = 1 + 1 / n
+    blocks = 2 * e * layer + largest * (4 * spill + 4 - e)
     if tied:
-        return max(2 * e * layer + 4 * layer * spill + 2 * e * head, 4 * (layer + head) * spill + e * head)
-    at_loss = e * head + 4 * head * spill + (0 if fused_head else e * head)
-    # (within a block's backward its weights are released as their gradients arrive: at most the two layers' above)
-    return max(at_loss, 2 * e * layer + 4 * max(layer, head) * spill, 4 * largest * spill + 2 * e * layer)
+        return max(blocks + 2 * e * head, 4 * (head + largest) * spill + e * head)
+    at_loss = e * head + 4 * head + (0 if fused_head else e * head)
+    return max(at_loss, e * layer + 4 * head * spill, blocks)
 
 
 def memory(w: Workload, lay: Layout) -> dict:
