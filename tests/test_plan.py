@@ -243,9 +243,9 @@ def test_recompute_costs_what_the_paper_says():
 
 def test_speed_gpt3_175b_on_1024_a100():
     w = Workload(load_config("gpt3-175b").model, 2048, 1536, 1024, A100)
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU seconds: other jobs sharing the machine stretch wall time
     found, info = search(w, top=5)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert elapsed < 10, elapsed
     assert info["considered"] > 10000 and found
     assert all(a.step_time_s <= b.step_time_s for a, b in zip(found, found[1:]))

@@ -231,10 +231,23 @@ def test_chunked_loss_writes_the_head_gradient_into_each_micro_batchs_buffer(tmp
         _close(got["norms"], ref["norms"], rel=1e-6)
 
 
-def test_a_tied_head_is_not_fused(tmp_path):
-    """The tied embedding's other gradient arrives through autograd: its head keeps the unfused path."""
-    for got in shared_pool(2).run(_run, str(tmp_path), ["train.loss_chunk=16", "parallel.dp_shard=2", *SHARDED], 1):
-        assert got["head"] is None
+def test_a_tied_heads_gradient_goes_into_the_buffer_and_the_embeddings_is_added(tmp_path):
+    """Tied (the tiny model's embedding and head): the chunked loss writes the head's part of the gradient into the
+    tied weight's fp32 rows every micro-batch (loom/parallel/headgrad.py), backward leaves them for the embedding's
+    part, which autograd delivers at its end, and only then are they reduced. The same losses and norms as one
+    process and as the unfused path (the chunked loss's own fp32 accumulator, autograd's 16-bit `.grad`)."""
+    tied = ["train.loss_chunk=16"]
+    one = _run(str(tmp_path / "one"), tied, 2)
+    layout = tied + ["parallel.dp_shard=2", *SHARDED]
+    pool = shared_pool(2)
+    fused = pool.run(_run, str(tmp_path / "fused"), layout, 2)
+    plain = pool.run(_run, str(tmp_path / "plain"), layout + ["parallel.distopt_fused_wgrad=false"], 2)
+    for got, ref in zip(fused, plain):
+        assert got["head"] == (4, 0) and ref["head"] is None  # 2 steps x 2 micro-batches, all fused
+        for run in (got, ref):
+            _close(run["losses"], one["losses"])
+            _close(run["norms"], one["norms"])
+        _close(got["norms"], ref["norms"], rel=1e-6)
 
 
 @pytest.mark.parametrize("experts", [2, 8], ids=["one-expert-per-rank", "four-per-rank"])
@@ -384,8 +397,8 @@ def test_the_planner_prices_the_buffers_a_step_holds_at_its_peak(tied, tmp_path)
     (vocabulary 1020): the peak is at the last block's first gradient, the head's reduction still in flight
     beside two gathered blocks. Tied: at the last block's second weight gradient (a weight's fp32 buffer lives until
     the next one's is made), the first weight's reduction in flight and the second's buffer beside the two gathered
-    blocks less the first weight, and the tied weight (gathered from the start; autograd's copy of its first
-    gradient is not the optimizer's, so not counted). Holding a whole block's gradients, as before, costs more."""
+    blocks less the first weight, and the tied weight's fp32 rows holding the head's part of its gradient (the weight
+    itself released as backward starts). Holding a whole block's gradients, as before, costs more."""
     from loom.planner.memory import zero3_buffer_bytes
 
     overrides = ["model.layers=3", "train.loss_chunk=16", *SHARDED, "parallel.dp_shard=2",
@@ -394,7 +407,7 @@ def test_the_planner_prices_the_buffers_a_step_holds_at_its_peak(tied, tmp_path)
     layer = sum(v for k, v in sizes.items() if k.startswith("layers.0."))
     largest = max(v for k, v in sizes.items() if k.startswith("layers.0."))
     head = sizes["tok_embeddings.weight"]
-    priced = zero3_buffer_bytes(layer, head, largest, 4, 2, tied) - (4 * head if tied else 0)
+    priced = zero3_buffer_bytes(layer, head, largest, 4, 2, tied)
     assert peak == pytest.approx(priced, rel=0.002)  # (the rows' padding to equal parts)
 
 

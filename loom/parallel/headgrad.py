@@ -10,8 +10,11 @@ scales those rows by its grad_output (`HeadGrad.finish`) and tells the optimizer
 gets no gradient for the weight.
 
 When: the head is a plain bias-free `nn.Linear` whose weight is the optimizer's (not a DTensor: no tp, which the
-chunked loss does not run anyway; not the tied embedding, whose other gradient arrives through autograd), with
-`parallel.distopt_fused_wgrad` (the default). The rows must hold no gradient of the step yet, since backward
+chunked loss does not run anyway), with `parallel.distopt_fused_wgrad` (the default). A tied embedding's only with
+sharded weights (loom/parallel/zero.py): backward scales its rows and leaves them filled (no reduction yet) for the
+embedding's gradient, which arrives through autograd at the end of backward, to be added in, and releases the
+gathered weight, which nothing in backward reads (the chunked loss computed the hidden states' gradient in forward;
+the embedding's backward reads only the token ids). The rows must hold no gradient of the step yet, since backward
 scales all they hold: with sharded weights (loom/parallel/zero.py) every micro-batch's buffer is fresh, so every
 micro-batch is fused; the whole-weights distributed optimizer (distopt.py) accumulates micro-batches in the buffer,
 so there only a step's first micro-batch is, and later ones keep the fp32 accumulator until backward, which adds
@@ -32,8 +35,8 @@ class HeadGrad:
     them (the weight's `_loom_grad_into`; see the module docstring). `fusions`: the micro-batches whose products went
     straight into the buffer; `added`: those whose fp32 accumulator was added in backward."""
 
-    def __init__(self, opt, bucket, slot, node):
-        self.opt, self.bucket, self.slot, self.node = opt, bucket, slot, node
+    def __init__(self, opt, bucket, slot, node, tied: bool = False):
+        self.opt, self.bucket, self.slot, self.node, self.tied = opt, bucket, slot, node, tied
         self.pending = None  # a weak reference to the forward whose unscaled products the rows hold
         self.fusions = self.added = 0
 
@@ -98,7 +101,15 @@ class HeadGrad:
             return
         for _, seg in self._rows():
             seg.mul_(scale)
-        self.opt._arrived(self.bucket, self.slot)
+        self._done()
+
+    def _done(self) -> None:
+        """The head's part of the gradient is in the rows: reduce them, or, tied, leave them for the embedding's."""
+        if self.tied:  # (the embedding's gradient is added in by the optimizer's hook, which then reduces them)
+            self.slot.filled = True
+            self.opt._release_bucket(self.bucket)
+        else:
+            self.opt._arrived(self.bucket, self.slot)
 
     def add_scaled(self, grad: torch.Tensor) -> None:
         """Backward of a forward that kept its own fp32 accumulator: `grad` (the weight's shape, scaled) added into
@@ -109,12 +120,12 @@ class HeadGrad:
         for start, seg in self._rows():
             src = grad[start:start + seg.shape[0]]
             seg.add_(src) if self.slot.filled else seg.copy_(src)
-        self.opt._arrived(self.bucket, self.slot)
+        self._done()
 
 
 def attach_head(opt, parts: list[nn.Module]) -> HeadGrad | None:
-    """Give the untied LM head's weight its `HeadGrad` as `_loom_grad_into` (see the module docstring); returns it,
-    or None where the head is not fused."""
+    """Give the LM head's weight (untied; or tied, with sharded weights) its `HeadGrad` as `_loom_grad_into` (see
+    the module docstring); returns it, or None where the head is not fused."""
     where = {id(slot.param): (bucket, slot) for bucket in opt.buckets for slot in bucket.slots
              if not bucket.where.experts}
     for part in parts:
@@ -122,11 +133,11 @@ def attach_head(opt, parts: list[nn.Module]) -> HeadGrad | None:
         if type(head) is not nn.Linear or head.bias is not None:  # fp8 (Float8Linear) and LoRA heads are not
             continue
         weight = head.weight
-        if (isinstance(weight, DTensor) or id(weight) not in where
-                or (embed is not None and getattr(embed, "weight", None) is weight)):
+        tied = embed is not None and getattr(embed, "weight", None) is weight
+        if isinstance(weight, DTensor) or id(weight) not in where or (tied and not opt.PER_PARAM):
             continue
         with torch.enable_grad():
             node = weight.view_as(weight).grad_fn.next_functions[0][0]  # its AccumulateGrad node
-        weight._loom_grad_into = HeadGrad(opt, *where[id(weight)], node)
+        weight._loom_grad_into = HeadGrad(opt, *where[id(weight)], node, tied)
         return weight._loom_grad_into
     return None

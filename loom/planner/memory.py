@@ -241,12 +241,17 @@ def zero3_buffer_bytes(layer: float, head: float, largest: float, e: int, n: int
     - at a block's second weight gradient: the block and the one before gathered, less its first weight (released
       once its gradient is computed), the first weight's reduction in flight and the second's buffer, both a
       layer's largest (a block's backward starts with its MLP's output projection, then its input ones);
-    - a tied embedding is the head unit's from the model's start to the end of backward, where its gradient,
-      summed over both uses, arrives: its weight (e) and its first use's gradient (e, autograd's) held beside the
-      blocks' above; at the end its buffer beside the first block's last reduction.
+    - a tied embedding belongs to the head unit, its gradient reduced once both uses' parts are in, at the end of
+      backward. With the chunked loss writing the head's part into its fp32 rows (loom/parallel/headgrad.py) those
+      rows are held beside the blocks' above, and the weight is released as backward starts (nothing in backward
+      reads it); at the loss, the weight gathered and the fresh rows. Without: the weight (e) and its first use's
+      gradient (e, autograd's) beside the blocks'. At the end, its buffer beside the first block's last reduction
+      (and autograd's 16-bit gradient of the embedding's use, when the activations are gone: not a step's peak).
     The largest is the peak (tests/test_zero.py measures a step's, untied and tied, to the byte)."""
     spill = 1 + 1 / n
     blocks = 2 * e * layer + largest * (4 * spill + 4 - e)
+    if tied and fused_head:
+        return max(blocks + 4 * head, e * head + 4 * head, 4 * (head + largest) * spill)
     if tied:
         return max(blocks + 2 * e * head, 4 * (head + largest) * spill + e * head)
     at_loss = e * head + 4 * head + (0 if fused_head else e * head)
@@ -368,10 +373,11 @@ def memory(w: Workload, lay: Layout) -> dict:
             # states' gradient and an fp32 copy of the head weight's
             v = cfg.vocab_size / lay.tp
             logits = alive * v * (4 + (act_bytes if act_bytes < 4 else 0)) + tokens * cfg.hidden * act_bytes
-            # ... unless the distributed optimizer takes the untied head's gradient straight into its fp32 buffer
+            # ... unless the distributed optimizer takes the head's gradient straight into its fp32 buffer
             # (loom/parallel/headgrad.py), counted in `grads` (distopt) or `buffers` (zero3): zero3 every
-            # micro-batch, distopt only a step's first (later ones keep the fp32 copy until backward)
-            into_buffer = not cfg.tie_embeddings and (lay.dp_style == "zero3" or (lay.dp_style == "distopt" and m == 1))
+            # micro-batch, tied or not; distopt untied only, a step's first (later ones keep the fp32 copy until
+            # backward)
+            into_buffer = lay.dp_style == "zero3" or (lay.dp_style == "distopt" and m == 1 and not cfg.tie_embeddings)
             if not into_buffer:
                 logits += v * cfg.hidden * 4
         # Transformer Engine keeps each linear weight's fp8 cast and its transpose from the first
