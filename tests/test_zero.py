@@ -411,6 +411,29 @@ def test_the_planner_prices_the_buffers_a_step_holds_at_its_peak(tied, tmp_path)
     assert peak == pytest.approx(priced, rel=0.002)  # (the rows' padding to equal parts)
 
 
+@pytest.mark.parametrize("ep", [1, 2], ids=["ep1", "ep2"])
+def test_the_planner_prices_an_moe_steps_peak_with_the_experts_reduced_over_their_edp_ranks(ep, tmp_path):
+    """An MoE model (3 layers, 2 ranks, fp32), its routed experts the largest weights: the planner's zero3 buffers
+    (`loom.planner.memory.memory`) against the peak a step holds. Under ep the experts' rows are split over the
+    expert-data-parallel ranks (dp x cp / ep; here 1), so an expert weight's reduce-scatter output is 1/edp of it,
+    not 1/(dp x cp): with ep=2 the peak (the first expert weight's reduction beside the second's buffer) is 4.7%
+    above a price that splits it over both ranks."""
+    from loom.config import load_config
+    from loom.planner.hardware import load_gpu
+    from loom.planner.memory import memory
+    from loom.planner.workload import Layout, Workload
+    from test_distopt import MOE
+
+    model = ["model.layers=3", "train.loss_chunk=16", "model.tie_embeddings=false", *MOE]
+    overrides = [*model, *SHARDED, "parallel.dp_shard=2", f"parallel.ep={ep}"]
+    peak, _ = shared_pool(2).run(_buffer_peak, str(tmp_path), overrides)[0]
+    cfg = load_config("tiny", MODEL + model)
+    w = Workload(model=cfg.model, seq_len=32, global_batch=8, gpus=2, gpu=load_gpu("h100"), precision="fp32",
+                 loss_chunk=16)
+    priced = memory(w, Layout(dp=2, ep=ep, dp_style="zero3", micro_batch=2))["buffers"] - 4 * 40e6  # (dp's buckets)
+    assert peak == pytest.approx(priced, rel=0.002)
+
+
 def test_the_planner_counts_no_copy_of_an_untied_head_gradient_the_chunked_loss_writes_in():
     """On a GPU the chunked loss writes the untied head's gradient into its fp32 buffer (loom/parallel/headgrad.py,
     tested above): zero3's copies lose the head's 16-bit gradient read and fp32 write per micro-batch (e + 4

@@ -227,7 +227,7 @@ def compiled_moe_activation_delta(w: Workload, s: int, lay: Layout, e: int) -> f
 
 
 def zero3_buffer_bytes(layer: float, head: float, largest: float, e: int, n: int, tied: bool,
-                       fused_head: bool = True) -> float:
+                       fused_head: bool = True, largest_n: int | None = None) -> float:
     """What loom's sharded weights (loom/parallel/zero.py) hold beside the states at their peak, for a layer of
     `layer` parameters (its routed experts padded as zero.py splits them), a head of `head`, a layer's largest
     parameter `largest`, compute-dtype size `e`, `n` ranks sharing the rows. A weight's fp32 gradient buffer lives
@@ -247,13 +247,16 @@ def zero3_buffer_bytes(layer: float, head: float, largest: float, e: int, n: int
       reads it); at the loss, the weight gathered and the fresh rows. Without: the weight (e) and its first use's
       gradient (e, autograd's) beside the blocks'. At the end, its buffer beside the first block's last reduction
       (and autograd's 16-bit gradient of the embedding's use, when the activations are gone: not a step's peak).
-    The largest is the peak (tests/test_zero.py measures a step's, untied and tied, to the byte)."""
+    `largest_n`: the ranks sharing the largest weight's rows, when they are not all `n` (a routed expert's: the
+    expert-data-parallel ranks, n / ep, whose reduce-scatter output is 1/largest_n of it).
+    The largest is the peak (tests/test_zero.py measures a step's, untied and tied, dense and MoE, to the byte)."""
     spill = 1 + 1 / n
-    blocks = 2 * e * layer + largest * (4 * spill + 4 - e)
+    spill_largest = 1 + 1 / (largest_n or n)
+    blocks = 2 * e * layer + largest * (4 * spill_largest + 4 - e)
     if tied and fused_head:
-        return max(blocks + 4 * head, e * head + 4 * head, 4 * (head + largest) * spill)
+        return max(blocks + 4 * head, e * head + 4 * head, 4 * head * spill + 4 * largest * spill_largest)
     if tied:
-        return max(blocks + 2 * e * head, 4 * (head + largest) * spill + e * head)
+        return max(blocks + 2 * e * head, 4 * head * spill + 4 * largest * spill_largest + e * head)
     at_loss = e * head + 4 * head + (0 if fused_head else e * head)
     return max(at_loss, e * layer + 4 * head * spill, blocks)
 
@@ -305,12 +308,18 @@ def memory(w: Workload, lay: Layout) -> dict:
     buffers = 2 * 2 * (dense_layer / lay.tp + gathered_experts) + (4 * 40e6 if lay.dp > 1 else 0)
     if lay.dp_style == "zero3":  # loom/parallel/zero.py, as tests/test_zero.py measures it
         ffn = cfg.moe.ffn_hidden or cfg.ffn_hidden
-        largest = max(cfg.hidden * cfg.ffn_hidden if cfg.moe_layers < cfg.layers else 0,
-                      cfg.heads * cfg.head_dim * cfg.hidden,
-                      (cfg.moe.experts // lay.ep) * cfg.hidden * ffn * pad if cfg.moe_layers else 0)
+        n = lay.dp * lay.cp
+        dense = max(cfg.hidden * cfg.ffn_hidden if cfg.moe_layers < cfg.layers else 0,
+                    cfg.heads * cfg.head_dim * cfg.hidden)
+        expert = (cfg.moe.experts // lay.ep) * cfg.hidden * ffn * pad if cfg.moe_layers else 0
+        # A routed expert's rows are split over its expert-data-parallel ranks (n / ep), so its reduce-scatter
+        # output is 1/edp of it: priced with that spill where it holds the most (a bound when a dense weight is
+        # larger).
+        edp = max(1, n // lay.ep)
+        by_experts = expert * (4 * (1 + 1 / edp) - act_bytes) >= dense * (4 * (1 + 1 / n) - act_bytes)
         buffers = (4 * 40e6 if lay.dp > 1 else 0) + zero3_buffer_bytes(
-            dense_layer + gathered_experts, cfg.vocab_size * cfg.hidden, largest, act_bytes, lay.dp * lay.cp,
-            cfg.tie_embeddings, fused_head=bool(w.loss_chunk))
+            dense_layer + gathered_experts, cfg.vocab_size * cfg.hidden, max(dense, expert), act_bytes, n,
+            cfg.tie_embeddings, fused_head=bool(w.loss_chunk), largest_n=edp if by_experts else None)
     grad_bytes = 2 if mega and w.grad_dtype == "bfloat16" else 4
     sharded = grads_stay_sharded(w.grad_accum, lay.pp, m)
 
