@@ -158,15 +158,30 @@ def _type_hints(cls: type) -> dict:
     return typing.get_type_hints(cls)
 
 
+_KEYS: dict[type, dict] = {}
+
+
+def _keys(obj) -> dict:
+    """A section's keys -> (the attributes from the section to the field's owner, the field), in `leaves`' order;
+    made once per section class (its nested sections are fields of fixed classes), not once per key set."""
+    keys = _KEYS.get(type(obj))
+    if keys is None:
+        keys = _KEYS[type(obj)] = {k: (tuple(path.split(".")[:-1]), f) for k, path, _, f in leaves(obj)}
+    return keys
+
+
 def set_value(cfg: Config, dotted: str, value: Any, parse_text: bool) -> None:
     section, _, key = dotted.partition(".")
     if section not in SECTIONS:
         raise UserError(f"unknown config section {section!r}{closest(section, SECTIONS)}; valid: {', '.join(SECTIONS)}")
-    obj = cfg.sections()[section]
-    fields = {k: (owner, f) for k, _, owner, f in leaves(obj)}  # `moe.experts`: a nested section's field
+    obj = getattr(cfg, section)
+    fields = _keys(obj)  # `moe.experts`: a nested section's field
     if key not in fields:
         raise UserError(f"unknown config key {dotted!r}{suggest_key(cfg, section, key)}; valid keys in [{section}]: "
                         f"{', '.join(fields)}")
-    owner, f = fields[key]
+    owners, f = fields[key]
+    owner = obj
+    for name in owners:
+        owner = getattr(owner, name)
     hint = _type_hints(type(owner))[f.name]
     setattr(owner, f.name, coerce(dotted, value, hint, parse_text))
