@@ -14,6 +14,7 @@ the pipeline facts (loom/pipeline_rules.py: layer splits, chunk owners, schedule
 
 from __future__ import annotations
 
+import functools
 import math
 
 from loom.errors import UserError
@@ -24,7 +25,14 @@ from loom.pipeline_rules import (SCHEDULES, chunk_layer_counts, chunk_owner, mic
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """n's divisors, ascending (none for n < 1)."""
+    return list(_divisors(n))
+
+
+@functools.cache
+def _divisors(n: int) -> tuple[int, ...]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n >= 1 else []
+    return (*small, *(n // d for d in reversed(small) if d * d != n))  # the search asks for seq_len's (8192+) often
 
 
 def check_sizes(p) -> None:

@@ -134,7 +134,9 @@ def test_ranks_draw_the_masks_their_shards_need(tmp_path, layout, same):
     their slices get different masks (one stream on both would give each slice the same pattern)."""
     from distributed import shared_pool
 
-    overrides = DROPOUT + layout + ["train.steps=3"]
+    # one micro-batch of 2 sequences per step (MODEL's global batch of 16 would be 8): the masks are the first three
+    # dropout calls of step 1, and three steps still move the norms by Adam's running moments
+    overrides = DROPOUT + layout + ["train.steps=3", "train.global_batch=2", "train.eval_samples=2"]
     results = shared_pool(2).run(_train_recording_masks, str(tmp_path / "run"), overrides)
     (masks0, norms0), (masks1, norms1) = results
     assert len(masks0) == len(masks1) == 3

@@ -106,10 +106,10 @@ def test_generate_runs_without_eod_and_says_when_the_context_ends(tmp_path):
                                "model.ffn_hidden=64", "model.vocab_size=28", "model.max_seq_len=16", "train.seq_len=16"])
     (tmp_path / "m").mkdir()
     save_model_dir(build_model(cfg.model, seed=0), cfg, tmp_path / "m", tokenizer_path=tok)
-    proc = run_cli("generate", "--checkpoint", str(tmp_path / "m"), "--prompt", "abc", "--max-new-tokens", "40")
+    proc = run_main("generate", "--checkpoint", str(tmp_path / "m"), "--prompt", "abc", "--max-new-tokens", "40")
     assert proc.returncode == 0, proc.stderr
     assert "stopped after 13 new tokens at the model's context length (max_seq_len=16, prompt 3 tokens)" in proc.stderr
-    proc = run_cli("generate", "--checkpoint", str(tmp_path / "m"), "--prompt", "abc", "--max-new-tokens", "5")
+    proc = run_main("generate", "--checkpoint", str(tmp_path / "m"), "--prompt", "abc", "--max-new-tokens", "5")
     assert proc.returncode == 0 and "context length" not in proc.stderr
 
 
