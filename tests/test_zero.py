@@ -213,37 +213,23 @@ def test_moe_layers(tmp_path):
         _close(got["norms"], one["norms"])
 
 
-def test_chunked_loss_writes_the_head_gradient_into_each_micro_batchs_buffer(tmp_path):
-    """train.loss_chunk with an untied head (loom/parallel/headgrad.py): every micro-batch's buffer is fresh, so
-    each (two per rank: gradient accumulation) writes its chunks' head-gradient products straight into it; none
-    keeps an fp32 accumulator. The same losses and norms as one process and as the unfused path."""
-    one = _run(str(tmp_path / "one"), CHUNKED, 2)
-    layout = CHUNKED + ["parallel.dp_shard=2", *SHARDED]
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_chunked_loss_writes_the_head_gradient_into_each_micro_batchs_buffer(tied, tmp_path):
+    """train.loss_chunk (loom/parallel/headgrad.py): every micro-batch's buffer is fresh, so each (two per rank:
+    gradient accumulation) writes its chunks' head-gradient products straight into it; none keeps an fp32
+    accumulator or a `.grad`. Tied (the tiny model's embedding and head): backward leaves the head's part in the tied
+    weight's rows for the embedding's, which autograd delivers at its end, and only then are they reduced. The same
+    losses and norms as one process and as the unfused path (the chunked loss's own fp32 accumulator, autograd's
+    16-bit `.grad`)."""
+    model = ["train.loss_chunk=16"] if tied else CHUNKED
+    one = _run(str(tmp_path / "one"), model, 2)
+    layout = model + ["parallel.dp_shard=2", *SHARDED]
     pool = shared_pool(2)
     fused = pool.run(_run, str(tmp_path / "fused"), layout, 2)
     plain = pool.run(_run, str(tmp_path / "plain"), layout + ["parallel.distopt_fused_wgrad=false"], 2)
     for got, ref in zip(fused, plain):
         assert got["head"] == (4, 0) and ref["head"] is None  # 2 steps x 2 micro-batches, all fused
         assert got["grads_kept"] == 0
-        for run in (got, ref):
-            _close(run["losses"], one["losses"])
-            _close(run["norms"], one["norms"])
-        _close(got["norms"], ref["norms"], rel=1e-6)
-
-
-def test_a_tied_heads_gradient_goes_into_the_buffer_and_the_embeddings_is_added(tmp_path):
-    """Tied (the tiny model's embedding and head): the chunked loss writes the head's part of the gradient into the
-    tied weight's fp32 rows every micro-batch (loom/parallel/headgrad.py), backward leaves them for the embedding's
-    part, which autograd delivers at its end, and only then are they reduced. The same losses and norms as one
-    process and as the unfused path (the chunked loss's own fp32 accumulator, autograd's 16-bit `.grad`)."""
-    tied = ["train.loss_chunk=16"]
-    one = _run(str(tmp_path / "one"), tied, 2)
-    layout = tied + ["parallel.dp_shard=2", *SHARDED]
-    pool = shared_pool(2)
-    fused = pool.run(_run, str(tmp_path / "fused"), layout, 2)
-    plain = pool.run(_run, str(tmp_path / "plain"), layout + ["parallel.distopt_fused_wgrad=false"], 2)
-    for got, ref in zip(fused, plain):
-        assert got["head"] == (4, 0) and ref["head"] is None  # 2 steps x 2 micro-batches, all fused
         for run in (got, ref):
             _close(run["losses"], one["losses"])
             _close(run["norms"], one["norms"])
